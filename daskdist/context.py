@@ -1,0 +1,112 @@
+"""What a closure or a per-worker factory knows about where it runs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """The worker a closure runs on, as seen by that closure (SPEC §2.2)."""
+
+    worker_index: int
+    num_workers: int
+    device: Any  # torch.device; typed loosely so this module needs no torch import
+    address: str
+    attempt: int = 1
+    name: str = "default"
+
+
+@dataclass
+class InputContext:
+    """What a per-worker dataset factory receives (TensorFlow's ``tf.distribute.InputContext``).
+
+    ``num_input_pipelines`` pipelines in all (one per worker), this one is
+    ``input_pipeline_id``; ``num_replicas_in_sync`` replicas consume the global batch.
+    ``worker`` is the worker's :class:`WorkerContext` when built by a worker plugin.
+    ``leases`` is the lease service for the ``"dynamic"`` sharding policy (set by the
+    worker plugin; ``None`` when the pipeline runs outside a coordinator).
+    """
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+    worker: WorkerContext | None = None
+    leases: Any = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_input_pipelines < 1:
+            raise ValueError(f"num_input_pipelines must be >= 1, got {self.num_input_pipelines}")
+        if not 0 <= self.input_pipeline_id < self.num_input_pipelines:
+            raise ValueError(
+                f"input_pipeline_id {self.input_pipeline_id} is outside "
+                f"[0, {self.num_input_pipelines})"
+            )
+        if self.num_replicas_in_sync < 1:
+            raise ValueError(f"num_replicas_in_sync must be >= 1, got {self.num_replicas_in_sync}")
+
+    @property
+    def device(self) -> Any:
+        """The worker's device (``torch.device``), CPU outside a worker."""
+        if self.worker is not None:
+            return self.worker.device
+        import torch
+
+        return torch.device("cpu")
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """Split a global batch evenly over the replicas (TensorFlow's rule: it must divide)."""
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"global batch size {global_batch_size} is not divisible by "
+                f"num_replicas_in_sync {self.num_replicas_in_sync}"
+            )
+        return global_batch_size // self.num_replicas_in_sync
+
+
+def get_worker_context() -> WorkerContext:
+    """The context of the closure running in this thread; ``RuntimeError`` outside one."""
+    ctx = getattr(_local, "context", None)
+    if ctx is None:
+        raise RuntimeError("get_worker_context() must be called inside a daskdist closure")
+    return ctx
+
+
+def _set_current(ctx: WorkerContext | None, on_consume: Callable[[Any], None] | None) -> None:
+    """Bind (or clear) the running closure's context in this thread (worker plugin only)."""
+    _local.context = ctx
+    _local.on_consume = on_consume
+
+
+def record_consumed(token: Any) -> None:
+    """Record that the closure running in this thread consumed ``token`` (e.g. leased rows).
+
+    The worker plugin sends every recorded token with the closure's result, in one
+    message, so the scheduler acknowledges them only if the closure completes. Outside
+    a closure this does nothing.
+    """
+    cb = getattr(_local, "on_consume", None)
+    if cb is not None:
+        cb(token)
+
+
+# Membership as this worker last heard it from the scheduler plugin. The worker plugin
+# updates it; collective code (elastic State.commit) reads it to see that hosts changed.
+_membership: dict[str, Any] = {"version": 0, "workers": ()}
+
+
+def membership_version() -> int:
+    """A counter the scheduler plugin bumps whenever a worker joins or leaves."""
+    return _membership["version"]
+
+
+def _set_membership(version: int, workers: tuple = ()) -> None:
+    if version > _membership["version"]:
+        _membership["version"] = version
+        _membership["workers"] = tuple(workers)

@@ -1,0 +1,42 @@
+"""The exception types users catch (SPEC §2.5)."""
+
+from __future__ import annotations
+
+from concurrent.futures import CancelledError as _FuturesCancelledError
+
+
+class CancelledError(_FuturesCancelledError):
+    """A closure was cancelled because an earlier closure's error was raised to the user."""
+
+
+class WorkerLostError(RuntimeError):
+    """A closure's workers died ``max_worker_failures`` times while running it."""
+
+
+class InputError(RuntimeError):
+    """A per-worker resource (dataset, replica) could not be built on the worker.
+
+    The factory's own exception is chained as ``__cause__`` and kept as ``original``.
+    """
+
+    def __init__(self, message: str, original: BaseException | None = None):
+        super().__init__(message)
+        self.original = original
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.original))
+
+
+class CollectiveError(RuntimeError):
+    """A collective call failed because a member of the group was lost or timed out."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a remote traceback's text; chained as ``__cause__`` of a re-raised error."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return "\n\n" + self.tb
