@@ -1,0 +1,39 @@
+"""Collective groups and elastic state on Dask workers (SPEC §4).
+
+Worker side only (imports torch). The scheduler plugin never imports this package;
+it drives formation through worker RPCs that call the bootstrap functions:
+``create_store`` on rank 0, then ``init_member`` on every member at once,
+``mark_peer_lost`` when a peer leaves, ``destroy_member`` to leave.
+
+Inside a closure: ``get_group()`` for collectives, ``broadcast_parameters`` /
+``allreduce_gradients`` (or plain ``DistributedDataParallel``) for replicas, and
+``State`` for elastic training.
+"""
+
+from daskdist.collective.bootstrap import (
+    create_store,
+    destroy_member,
+    init_member,
+    mark_peer_lost,
+)
+from daskdist.collective.device import backend_for, bind_device
+from daskdist.collective.elastic import HostsUpdatedInterrupt, State
+from daskdist.collective.group import Group, get_group
+from daskdist.collective.handle import CollectiveGroup
+from daskdist.collective.replicas import allreduce_gradients, broadcast_parameters
+
+__all__ = [
+    "CollectiveGroup",
+    "Group",
+    "HostsUpdatedInterrupt",
+    "State",
+    "allreduce_gradients",
+    "backend_for",
+    "bind_device",
+    "broadcast_parameters",
+    "create_store",
+    "destroy_member",
+    "get_group",
+    "init_member",
+    "mark_peer_lost",
+]

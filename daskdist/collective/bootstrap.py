@@ -1,0 +1,249 @@
+"""Worker-side bootstrap of the torch.distributed process group (SPEC §4).
+
+Two phases, driven by the scheduler plugin through worker RPCs:
+
+1. ``create_store(generation, host)`` on rank 0 binds a ``TCPStore`` master to an
+   ephemeral port and keeps it alive in this module, so the port stays held (no
+   free-port-then-bind race, no fixed port: concurrent groups never collide).
+2. ``init_member(...)`` on every member, concurrently, each in a worker thread:
+   tears down any previous group of this process, meets the others on the store
+   (abortable: ``mark_peer_lost`` ends the wait at once), then runs
+   ``init_process_group`` which, with every member known alive, takes milliseconds.
+
+``mark_peer_lost(generation)`` is how the scheduler plugin tells a member that a
+peer left: collective calls of that generation, waiting or future, raise
+``CollectiveError`` at once. ``destroy_member()`` leaves the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from daskdist.collective import runtime
+from daskdist.collective.device import backend_for, bind_device
+from daskdist.errors import CollectiveError
+
+__all__ = [
+    "backend_for",
+    "bind_device",
+    "create_store",
+    "destroy_member",
+    "init_member",
+    "mark_peer_lost",
+]
+
+_JOINED = "daskdist/joined"
+_READY = "daskdist/ready"
+
+
+def create_store(generation: int, host: str, timeout: float = 60.0) -> tuple[str, int]:
+    """Rank 0: open the rendezvous store of ``generation``; return ``(host, port)``.
+
+    ``host`` is this worker's address as the other members reach it (the host part of
+    its Dask address). The store listens on an ephemeral port and is held in this
+    process until ``destroy_member()`` or a later generation's store replaces it.
+    Run it in any thread of the rank-0 worker, before ``init_member`` on any member.
+    """
+    store = dist.TCPStore(
+        host,
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    with runtime.lock:
+        for g in [g for g in runtime.stores if g < generation]:
+            del runtime.stores[g]
+        runtime.stores[generation] = store
+    return host, int(store.port)
+
+
+def init_member(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str = "gloo",
+    generation: int = 1,
+    timeout: float = 60.0,
+    device: Any = None,
+) -> dict:
+    """Join the process group of ``generation`` as ``rank`` of ``world_size``.
+
+    Call it on every member at once, in a worker thread (it blocks until all members
+    arrived, at most ``timeout`` seconds). Any previous group of this process is
+    destroyed first. ``device`` defaults to :func:`bind_device`. Returns a summary
+    dict (rank, world_size, generation, backend, device). Raises ``CollectiveError``
+    when a member is lost or does not arrive in time.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    dev = torch.device(device) if device is not None else bind_device()
+    backend = backend_for([dev], backend)
+    _teardown(keep_store=generation)
+    _raise_if_lost(generation)
+    runtime.prune_graveyard()
+    if backend == "nccl":
+        # A dead peer must surface as an error, not a hang (torch's watchdog aborts
+        # the communicator); set before the group exists.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+    deadline = time.monotonic() + timeout
+    store = _store_for(rank, generation, host, port, timeout)
+    _rendezvous(store, world_size, generation, deadline)
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl" and dev.type == "cuda":
+        kwargs["device_id"] = dev
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+            **kwargs,
+        )
+    except Exception as e:
+        _teardown(keep_store=None)
+        raise CollectiveError(
+            f"init_process_group failed for generation {generation} (rank {rank}): {e}"
+        ) from e
+    with runtime.lock:
+        if generation <= runtime.lost_upto:
+            lost = True
+        else:
+            lost = False
+            runtime.member = runtime.Member(
+                rank=rank,
+                world_size=world_size,
+                generation=generation,
+                backend=backend,
+                device=dev,
+                timeout=float(timeout),
+            )
+    if lost:
+        _teardown(keep_store=None)
+        _raise_if_lost(generation)
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "generation": generation,
+        "backend": backend,
+        "device": str(dev),
+    }
+
+
+def destroy_member(generation: int | None = None) -> None:
+    """Leave the group (of ``generation`` only, when given) and free its store.
+
+    Safe to call at any time, from any thread, any number of times; a call naming a
+    generation older than the current one does nothing (it cannot tear down a newer
+    group).
+    """
+    with runtime.lock:
+        m = runtime.member
+        if generation is not None and m is not None and m.generation > generation:
+            return
+    _teardown(keep_store=None)
+
+
+def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> None:
+    """A peer of ``generation`` left: its collective calls raise ``CollectiveError`` now.
+
+    Calls waiting on that generation's group (and older ones) wake at once; later
+    calls raise before touching the transport; an ``init_member`` of that generation
+    still meeting its peers gives up. Cheap and non-blocking: call it from any thread,
+    including an event loop.
+    """
+    runtime.mark_lost(generation, f"{reason} (generation {generation})")
+
+
+# -- internals ---------------------------------------------------------------
+
+
+def _raise_if_lost(generation: int) -> None:
+    if generation <= runtime.lost_upto:
+        raise CollectiveError(f"generation {generation} lost a peer before it formed")
+
+
+def _store_for(rank: int, generation: int, host: str, port: int, timeout: float) -> Any:
+    if rank == 0:
+        with runtime.lock:
+            store = runtime.stores.get(generation)
+        if store is None or int(store.port) != int(port):
+            raise RuntimeError(
+                f"rank 0 holds no store for generation {generation} on port {port}: "
+                "call create_store(generation, host) on rank 0 first, in the same process"
+            )
+        return store
+    try:
+        return dist.TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    except Exception as e:
+        raise CollectiveError(
+            f"cannot reach rank 0's store at {host}:{port} for generation {generation}: {e}"
+        ) from e
+
+
+def _rendezvous(store: Any, world_size: int, generation: int, deadline: float) -> None:
+    """Wait until every member reached the store; abortable by ``mark_peer_lost``."""
+    wake = threading.Event()
+    with runtime.lock:
+        runtime.waiters.add(wake)
+    try:
+        if store.add(_JOINED, 1) == world_size:
+            store.set(_READY, b"1")
+        pause = 0.0005
+        while not store.check([_READY]):
+            _raise_if_lost(generation)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CollectiveError(
+                    f"generation {generation}: only {store.add(_JOINED, 0)} of {world_size} "
+                    "members arrived before the timeout"
+                )
+            # The event is set by mark_peer_lost; otherwise this is a short poll.
+            wake.wait(min(pause, left))
+            pause = min(pause * 2, 0.02)
+        _raise_if_lost(generation)
+    except CollectiveError:
+        raise
+    except Exception as e:  # the store's master (rank 0) went away
+        raise CollectiveError(f"generation {generation}: rendezvous failed: {e}") from e
+    finally:
+        with runtime.lock:
+            runtime.waiters.discard(wake)
+
+
+def _teardown(keep_store: int | None) -> None:
+    """Destroy this process's group, wake its waiters, drop stores not kept."""
+    with runtime.lock:
+        m = runtime.member
+        runtime.member = None
+        if m is not None and not m.broken:
+            m.broken = "the group was destroyed"
+        for ev in runtime.waiters:
+            ev.set()
+        for g in [g for g in runtime.stores if g != keep_store]:
+            del runtime.stores[g]
+    # Abandoned in-flight work keeps its group object alive in the graveyard, so this
+    # never runs the C++ destructor while gloo still waits on a dead peer.
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass

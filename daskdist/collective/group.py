@@ -1,0 +1,215 @@
+"""``get_group()`` and the collective calls a closure makes on its group (SPEC §4).
+
+Every call is issued asynchronously and waited on through an event that three
+things can set: the work finishing, ``mark_peer_lost`` (the scheduler plugin says a
+peer left), and group teardown. So a call ends as soon as either the transport or
+the scheduler knows a peer is gone, and never later than the group's ``timeout``.
+Every torch error (gloo raises plain ``RuntimeError``) becomes ``CollectiveError``,
+and after one failure the group refuses further calls at once: its members are
+out of step and it must be re-formed.
+
+Tensor ops work in place, like torch.distributed. Objects travel as pickled
+bytes: their size first, then the bytes (Horovod's ``broadcast_object``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from daskdist.collective import runtime
+from daskdist.errors import CollectiveError
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # then divided by world_size (gloo has no AVG)
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+# Extra seconds past the group's timeout before we stop waiting ourselves, so the
+# transport's own (more precise) timeout error normally arrives first.
+_GRACE = 2.0
+
+
+def get_group() -> Group:
+    """The collective group this worker is a member of (call it inside a closure).
+
+    Raises ``RuntimeError`` when no group is formed in this process.
+    """
+    m = runtime.current()
+    if m is None:
+        raise RuntimeError(
+            "no collective group is formed on this worker: create one with "
+            "coord.collective_group() and call get_group() inside a closure on a member"
+        )
+    return Group(m)
+
+
+class Group:
+    """One generation of the group, as seen by this member.
+
+    A ``Group`` stays bound to its generation: once that generation is lost or
+    replaced, its calls raise ``CollectiveError``; call ``get_group()`` again on the
+    re-formed group.
+    """
+
+    def __init__(self, member: runtime.Member):
+        self.rank: int = member.rank
+        self.world_size: int = member.world_size
+        self.generation: int = member.generation
+        self.backend: str = member.backend
+        self.device: torch.device = member.device
+        self.timeout: float = member.timeout
+
+    def __repr__(self) -> str:
+        return (
+            f"Group(rank={self.rank}, world_size={self.world_size}, "
+            f"generation={self.generation}, backend={self.backend!r}, device={self.device})"
+        )
+
+    # -- tensor collectives ------------------------------------------------------
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` over all ranks, in place; returns it.
+
+        ``op`` is ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``. For
+        integer tensors ``"mean"`` truncates toward zero (as NCCL's average does).
+        """
+        try:
+            rop = _OPS[op.lower()]
+        except (KeyError, AttributeError):
+            raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(_OPS)}") from None
+        _check_tensor(tensor)
+        self._run("allreduce", lambda: dist.all_reduce(tensor, op=rop, async_op=True))
+        if op.lower() == "mean" and self.world_size > 1:
+            if tensor.is_floating_point() or tensor.is_complex():
+                tensor.div_(self.world_size)
+            else:
+                tensor.div_(self.world_size, rounding_mode="trunc")
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s, in place; returns it."""
+        _check_tensor(tensor)
+        self._check_rank(src)
+        self._run("broadcast", lambda: dist.broadcast(tensor, src=src, async_op=True))
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order."""
+        _check_tensor(tensor)
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._run("allgather", lambda: dist.all_gather(out, tensor, async_op=True))
+        return out
+
+    def barrier(self) -> None:
+        """Return once every rank reached this barrier."""
+        t = torch.zeros(1, device=self._wire_device())
+        self._run("barrier", lambda: dist.all_reduce(t, async_op=True))
+
+    # -- object collectives ------------------------------------------------------
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
+        self._check_rank(src)
+        dev = self._wire_device()
+        if self.rank == src:
+            payload = _to_bytes(obj, dev)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+        else:
+            size = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.broadcast(size, src)
+        if self.rank != src:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+        self.broadcast(payload, src)
+        if self.rank == src:
+            return obj
+        return _from_bytes(payload)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        dev = self._wire_device()
+        payload = _to_bytes(obj, dev)
+        sizes = self.allgather(torch.tensor([payload.numel()], dtype=torch.int64, device=dev))
+        n = [int(s.item()) for s in sizes]
+        padded = torch.zeros(max(n), dtype=torch.uint8, device=dev)
+        padded[: payload.numel()] = payload
+        parts = self.allgather(padded)
+        out = [_from_bytes(p[:k]) for p, k in zip(parts, n, strict=True)]
+        out[self.rank] = obj
+        return out
+
+    # -- machinery ---------------------------------------------------------------
+
+    def _wire_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def _check_rank(self, src: int) -> None:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src {src} outside [0, {self.world_size})")
+
+    def _run(self, what: str, issue: Callable[[], Any]) -> None:
+        """Issue one async collective and wait for it, the lost signal, or the timeout."""
+        gen = self.generation
+        wake = threading.Event()
+        with runtime.lock:
+            runtime.check(gen)
+            runtime.waiters.add(wake)
+        try:
+            pg = dist.group.WORLD if dist.is_initialized() else None
+            try:
+                work = issue()
+            except (TypeError, ValueError):
+                raise
+            except Exception as e:
+                runtime.break_group(gen, f"{what} failed: {e}")
+                raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
+            work.get_future().add_done_callback(lambda _f: wake.set())
+            deadline = time.monotonic() + self.timeout + _GRACE
+            while not work.is_completed():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    runtime.bury(pg, work)
+                    reason = f"{what} timed out after {self.timeout:g} s"
+                    runtime.break_group(gen, reason)
+                    raise CollectiveError(f"{reason} on rank {self.rank}")
+                wake.wait(left)
+                wake.clear()
+                if work.is_completed():
+                    break
+                try:
+                    runtime.check(gen)  # woken by mark_peer_lost or teardown?
+                except CollectiveError:
+                    runtime.bury(pg, work)
+                    raise
+            try:
+                work.wait()
+            except Exception as e:
+                runtime.break_group(gen, f"{what} failed: {e}")
+                raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
+        finally:
+            with runtime.lock:
+                runtime.waiters.discard(wake)
+
+
+def _check_tensor(t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
+    data = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _from_bytes(t: torch.Tensor) -> Any:
+    return pickle.loads(t.cpu().numpy().tobytes())

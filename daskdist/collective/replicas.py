@@ -1,0 +1,78 @@
+"""Replica helpers: make parameters equal, average gradients (SPEC §4).
+
+Both flatten many small tensors into a few large buffers (one per dtype, split at
+``bucket_mb``) so a model costs a handful of collective calls, not one per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from daskdist.collective.group import Group, get_group
+
+_BUCKET_MB = 32.0
+
+
+def broadcast_parameters(
+    model: torch.nn.Module, src: int = 0, group: Group | None = None, bucket_mb: float = _BUCKET_MB
+) -> None:
+    """Overwrite every parameter and buffer of ``model`` with rank ``src``'s, in place."""
+    g = group or get_group()
+    tensors = [p.data for p in model.parameters()] + [b for b in model.buffers()]
+    for bucket in _buckets(tensors, bucket_mb):
+        flat = _flatten_dense_tensors(bucket)
+        g.broadcast(flat, src)
+        if g.rank != src:
+            for t, new in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                t.copy_(new)
+
+
+def allreduce_gradients(
+    model: torch.nn.Module,
+    average: bool = True,
+    group: Group | None = None,
+    bucket_mb: float = _BUCKET_MB,
+) -> None:
+    """Sum (or, with ``average``, average) the gradients of ``model`` over all ranks.
+
+    A parameter that requires grad but has none on this rank counts as a zero
+    gradient (and gets one), so every rank issues the same calls.
+    """
+    g = group or get_group()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad.data for p in params]
+    for bucket in _buckets(grads, bucket_mb):
+        flat = _flatten_dense_tensors(bucket)
+        g.allreduce(flat, op="sum")
+        if average and g.world_size > 1:
+            flat.div_(g.world_size)
+        for t, new in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            t.copy_(new)
+
+
+def _buckets(tensors: Iterable[torch.Tensor], bucket_mb: float) -> Iterator[list[torch.Tensor]]:
+    """Group ``tensors`` by (device, dtype), in order, into buckets of ~``bucket_mb``."""
+    limit = max(1, int(bucket_mb * 2**20))
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_sparse:
+            raise TypeError("sparse tensors are not supported")
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    for group in by_kind.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > limit:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(t)
+            size += nbytes
+        if bucket:
+            yield bucket
