@@ -1,0 +1,333 @@
+"""Coordinator: the client side of daskdist (TensorFlow's ``ClusterCoordinator``).
+
+A thin client over the scheduler plugin's RPC handlers. ``schedule`` never waits for a
+round trip: closures are pickled in the caller's thread and sent in batches by a
+flusher on the client's event loop; outcomes come back in batches through one
+long-poll. Errors follow TensorFlow: the first failure is raised by the next
+``schedule`` / ``join`` / ``done``, which first cancels everything still queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import itertools
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+from distributed import Client, get_client
+from distributed.comm.core import CommClosedError
+
+from daskdist.plugins.scheduler import PLUGIN_NAME, CoordinatorPlugin
+from daskdist.values import (
+    PerWorkerValues,
+    RemoteValue,
+    dump_error,
+    load_error,
+    map_structure,
+)
+
+MIN_MAX_QUEUED = 256
+
+
+class PerWorkerDataset:
+    """A dataset built on every worker by a factory (``create_per_worker_dataset``).
+
+    ``iter()`` gives a ``PerWorkerValues`` of iterators, one per worker.
+    """
+
+    def __init__(self, coordinator: Coordinator, values: PerWorkerValues):
+        self._coordinator = coordinator
+        self.values = values
+
+    def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
+        return self._coordinator._register_resource("iterator", None, parent=self.values.rid)
+
+    def __repr__(self) -> str:
+        return f"PerWorkerDataset({self.values.rid})"
+
+
+class Coordinator:
+    """Schedule closures on a Dask cluster's workers, at least once each, surviving worker loss.
+
+    ``Coordinator(client, name="default")`` registers the scheduler plugin (which
+    registers the worker plugin on every present and future worker); a second
+    Coordinator with the same client and name attaches to the same queue.
+    """
+
+    def __init__(
+        self,
+        client: Client | None = None,
+        name: str = "default",
+        *,
+        max_queued: int | None = None,
+        max_worker_failures: int = 3,
+    ):
+        if max_queued is not None and max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        if max_worker_failures < 1:
+            raise ValueError(f"max_worker_failures must be >= 1, got {max_worker_failures}")
+        self.client = client if client is not None else get_client()
+        if self.client.asynchronous:
+            raise TypeError("Coordinator needs a synchronous Client (asynchronous=False)")
+        self.name = name
+        self._max_queued = max_queued
+        self._rpc = self.client.scheduler
+        self.client.register_plugin(CoordinatorPlugin(), name=PLUGIN_NAME)
+        info = self._call("daskdist_create", max_worker_failures=max_worker_failures)
+        if info is None:
+            raise RuntimeError(
+                "the daskdist scheduler plugin did not answer; is daskdist installed "
+                "on the scheduler?"
+            )
+        self._workers = info["workers"]
+        self._owner: str = self._call("daskdist_attach", client=self.client.id)
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._pending: dict[str, RemoteValue] = {}
+        self._outgoing: deque[tuple] = deque()
+        self._flushing = False
+        self._error_pending = False
+        self._closed = False
+        self.client.loop.add_callback(self._results_loop)
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _call(self, op: str, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call a scheduler handler from the caller's thread."""
+        fn = getattr(self._rpc, op)
+        return self.client.sync(fn, name=self.name, callback_timeout=timeout, **kwargs)
+
+    async def _flush(self) -> None:
+        """Send queued puts in batches (runs on the client's event loop)."""
+        while True:
+            with self._cv:
+                if not self._outgoing:
+                    self._flushing = False
+                    return
+                batch = list(self._outgoing)
+                self._outgoing.clear()
+            try:
+                await self._rpc.daskdist_put(name=self.name, owner=self._owner, closures=batch)
+            except Exception as e:  # the scheduler is unreachable: these closures fail
+                err = RuntimeError(f"could not send closures to the scheduler: {e!r}")
+                payload = dump_error(err)
+                for cid, _, _ in batch:
+                    self._resolve((cid, "FAILED", payload, "user-error", 0))
+
+    async def _results_loop(self) -> None:
+        """Receive outcomes in batches until closed (runs on the client's event loop)."""
+        ack = 0
+        while not self._closed:
+            try:
+                reply = await self._rpc.daskdist_results(
+                    name=self.name, owner=self._owner, ack=ack
+                )
+            except (OSError, CommClosedError):
+                if self._closed or self.client.status in ("closing", "closed"):
+                    return
+                await asyncio.sleep(0.1)
+                continue
+            if reply is None or reply.get("detached"):
+                return
+            first = reply["first"]
+            items = reply["items"]
+            for i, item in enumerate(items):
+                if first + i >= ack:
+                    self._resolve(item)
+            ack = max(ack, first + len(items))
+            with self._cv:
+                self._error_pending = reply["error"]
+                self._workers = reply["workers"]
+                self._cv.notify_all()
+
+    def _resolve(self, item) -> None:
+        cid, state, payload, kind, attempt = item
+        with self._cv:
+            rv = self._pending.pop(cid, None)
+            if rv is not None and state == "FAILED":
+                self._error_pending = True
+            self._cv.notify_all()
+        if rv is not None:
+            rv._set(state, payload, kind, attempt)
+
+    def _raise_pending(self, timeout: float | None = None) -> None:
+        """Raise the first unraised error, cancelling what is still queued (TF semantics)."""
+        reply = self._call("daskdist_raise", timeout=None, **{"timeout": timeout})
+        if reply.get("timeout"):
+            raise TimeoutError(f"in-flight closures did not finish within {timeout} s")
+        for owner, cid in reply["cancelled"]:
+            if owner == self._owner:
+                self._resolve((cid, "CANCELLED", None, None, 0))
+        with self._cv:
+            self._error_pending = False
+        if reply["error"] is not None:
+            _cid, payload, kind = reply["error"]
+            raise load_error(payload, kind)
+
+    def _limit(self) -> int:
+        if self._max_queued is not None:
+            return self._max_queued
+        return max(MIN_MAX_QUEUED, MIN_MAX_QUEUED * self._workers)
+
+    # -- public API ---------------------------------------------------------------------------
+    def schedule(
+        self,
+        fn: Callable,
+        args: tuple | list = (),
+        kwargs: dict | None = None,
+        *,
+        retries: int = 0,
+    ) -> RemoteValue:
+        """Queue ``fn(*args, **kwargs)`` to run on some worker; returns at once.
+
+        Raises the first unraised error of an earlier closure (after cancelling what
+        is queued), ``TypeError`` for a bad ``fn`` or argument; blocks while the
+        queue holds ``max_queued`` unfinished closures.
+        """
+        if self._closed:
+            raise RuntimeError("this Coordinator is closed")
+        if self._error_pending:
+            self._raise_pending()
+        payload = self._pickle(fn, args, kwargs, retries)
+        cid = f"{self._owner}-{next(self._seq)}"
+        rv = RemoteValue(cid, self)
+        while True:
+            with self._cv:
+                while len(self._pending) >= self._limit() and not self._error_pending:
+                    self._cv.wait(0.5)
+                if not self._error_pending:
+                    self._pending[cid] = rv
+                    self._outgoing.append((cid, payload, retries))
+                    start, self._flushing = not self._flushing, True
+                    break
+            self._raise_pending()  # an error arrived while we waited for room
+        if start:
+            self.client.loop.add_callback(self._flush)
+        return rv
+
+    @staticmethod
+    def _pickle(fn: Callable, args: Any, kwargs: Any, retries: int) -> bytes:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+        if not isinstance(retries, int) or retries < 0:
+            raise TypeError(f"retries must be a non-negative int, got {retries!r}")
+        try:
+            return cloudpickle.dumps((fn, tuple(args), kwargs or {}))
+        except TypeError as e:
+            if "RemoteValue" in str(e):
+                raise TypeError(str(e)) from None
+            raise TypeError(f"closure {getattr(fn, '__name__', fn)!r} cannot be pickled: {e}") from e
+        except Exception as e:
+            raise TypeError(f"closure {getattr(fn, '__name__', fn)!r} cannot be pickled: {e}") from e
+
+    def join(self, timeout: float | None = None) -> None:
+        """Block until every closure scheduled here finished; raise the first error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._error_pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._raise_pending(left)
+                continue
+            with self._cv:
+                if not self._pending:
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"join: {len(self._pending)} closures still unfinished after {timeout} s"
+                    )
+                self._cv.wait(left if left is not None else 1.0)
+
+    def done(self) -> bool:
+        """Whether every closure scheduled here finished (raises the first error)."""
+        if self._error_pending:
+            self._raise_pending()
+        with self._cv:
+            return not self._pending
+
+    def fetch(self, structure: Any) -> Any:
+        """Replace every RemoteValue inside nested lists, tuples and dicts by its value."""
+        def one(v):
+            if isinstance(v, RemoteValue):
+                return v.fetch()
+            if isinstance(v, PerWorkerValues) and v.values is not None:
+                return [one(x) for x in v.values]
+            return v
+
+        return map_structure(one, structure)
+
+    def create_per_worker_resource(self, fn: Callable[[Any], Any]) -> PerWorkerValues:
+        """Build ``fn(ctx)`` on every worker (lazily, before a closure needs it)."""
+        return self._register_resource("resource", fn)
+
+    def create_per_worker_dataset(self, fn: Callable[[Any], Any]) -> PerWorkerDataset:
+        """Build ``fn(input_context)`` on every worker; ``iter()`` the result to get iterators."""
+        return PerWorkerDataset(self, self._register_resource("dataset", fn))
+
+    def _register_resource(self, kind: str, fn: Callable | None,
+                           parent: str | None = None) -> PerWorkerValues:
+        if kind != "iterator" and not callable(fn):
+            raise TypeError(f"the per-worker {kind} factory must be callable, got {fn!r}")
+        try:
+            payload = cloudpickle.dumps((kind, fn, parent))
+        except Exception as e:
+            raise TypeError(f"the per-worker {kind} factory cannot be pickled: {e}") from e
+        rid = f"{kind}-{uuid.uuid4().hex[:12]}"
+        self._call("daskdist_add_resource", rid=rid, payload=payload)
+        return PerWorkerValues(rid=rid, kind=kind)
+
+    def status(self) -> dict[str, Any]:
+        """Queue and worker counts: queued, running, done, failed, retried, cancelled, ..."""
+        s = self._call("daskdist_status")
+        s["recoveries"] = s["recovered"]
+        return s
+
+    def _closure_state(self, cid: str) -> str | None:
+        return self._call("daskdist_closure_state", cid=cid)
+
+    @property
+    def num_workers(self) -> int:
+        return self.status()["workers"]
+
+    def close(self) -> None:
+        """Detach from the queue (queued closures of this Coordinator are cancelled)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call("daskdist_detach", owner=self._owner, timeout=5)
+        except Exception:
+            pass
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator:
+        raise TypeError("a Coordinator is not iterable")
+
+    def __repr__(self) -> str:
+        return f"<Coordinator {self.name!r} scheduler={self.client.scheduler.address}>"
+
+    def _repr_html_(self) -> str:
+        try:
+            s = self.status()
+        except Exception as e:
+            return f"<b>Coordinator</b> {html.escape(self.name)}: status unavailable ({e!r})"
+        rows = "".join(
+            f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
+            for k, v in s.items()
+        )
+        return (f"<div><b>daskdist Coordinator</b> <code>{html.escape(self.name)}</code>"
+                f"<table>{rows}</table></div>")

@@ -1,0 +1,395 @@
+"""Lease/ack bookkeeping for the ``"dynamic"`` sharding policy: a pure state machine.
+
+The scheduler plugin holds one :class:`LeaseTable`. Per ``(dataset_id, epoch)`` it
+tracks, for every unit of work (a row group), which of its rows are *free*, *leased*
+to a worker session, or *acknowledged* (consumed by a closure that completed). Rows
+are global ids ``0 .. total`` (their position in the stable order of units), and every
+set is kept as sorted, disjoint half-open intervals ``(start, stop)``, so memory per
+epoch grows with fragmentation, never with the number of rows.
+
+Why a separate pure module (SPEC §1, §3.1): the exactly-once guarantee is a property
+of these transitions alone, so they are tested exhaustively (hypothesis stateful tests)
+without Dask, torch or pyarrow. Transitions:
+
+- :meth:`LeaseTable.acquire`: a session leases the free rows of the next unit that has any.
+- :meth:`LeaseTable.ack`: a completed closure acknowledges rows leased to its session.
+  Refused (``False``, nothing changed) when the session expired or any row is not
+  leased to it: fencing, so a late or duplicate message never counts a row twice.
+- :meth:`LeaseTable.release`: a failed closure's rows go back to free.
+- :meth:`LeaseTable.drop_session`: a lost worker; all its leased rows go back to free and
+  the session is expired for good.
+
+Invariant (:meth:`LeaseTable.check`): per epoch, acknowledged ∪ leased ∪ free is every
+row, pairwise disjoint. This module imports nothing from Dask, torch, pyarrow or the
+rest of the package.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+Interval = tuple[int, int]
+
+__all__ = [
+    "Interval",
+    "LeaseTable",
+    "SessionExpired",
+    "intervals_from_ids",
+    "normalize",
+]
+
+
+class SessionExpired(RuntimeError):
+    """A session that was dropped (its worker was lost) asked for a new lease."""
+
+
+# ---------------------------------------------------------------------------------------
+# Interval-set helpers: lists of sorted, disjoint, non-adjacent half-open intervals.
+
+
+def normalize(ranges: Iterable[Sequence[int]]) -> list[Interval]:
+    """Sort and merge overlapping or adjacent intervals; drop empty ones."""
+    items = sorted((int(a), int(b)) for a, b in ranges if int(b) > int(a))
+    out: list[Interval] = []
+    for a, b in items:
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _union(x: list[Interval], y: list[Interval]) -> list[Interval]:
+    if not x:
+        return list(y)
+    if not y:
+        return list(x)
+    return normalize(x + y)
+
+
+def _subtract(x: list[Interval], y: list[Interval]) -> list[Interval]:
+    """``x`` minus ``y`` (both normalized)."""
+    out: list[Interval] = []
+    j = 0
+    for a, b in x:
+        while j < len(y) and y[j][1] <= a:
+            j += 1
+        k = j
+        cur = a
+        while k < len(y) and y[k][0] < b:
+            if y[k][0] > cur:
+                out.append((cur, y[k][0]))
+            cur = max(cur, y[k][1])
+            k += 1
+        if cur < b:
+            out.append((cur, b))
+    return out
+
+
+def _intersect(x: list[Interval], y: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(x) and j < len(y):
+        a = max(x[i][0], y[j][0])
+        b = min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _size(x: Iterable[Interval]) -> int:
+    return sum(b - a for a, b in x)
+
+
+def intervals_from_ids(ids: Iterable[int]) -> list[Interval]:
+    """Intervals covering exactly the given row ids (for tests and small inputs)."""
+    return normalize((i, i + 1) for i in ids)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Unit:
+    start: int
+    stop: int
+    free: list[Interval]
+    leased: dict[str, list[Interval]] = field(default_factory=dict)
+    acked: list[Interval] = field(default_factory=list)
+
+
+@dataclass
+class _Epoch:
+    unit_rows: tuple[int, ...]
+    starts: list[int]
+    units: list[_Unit]
+    total: int
+    n_acked: int = 0
+    n_leased: int = 0
+    heap: list[int] = field(default_factory=list)  # unit indices that may have free rows
+    in_heap: bytearray = field(default_factory=bytearray)
+
+    def mark_free(self, u: int) -> None:
+        if not self.in_heap[u]:
+            self.in_heap[u] = 1
+            heapq.heappush(self.heap, u)
+
+
+class LeaseTable:
+    """Free / leased / acknowledged row intervals per ``(dataset_id, epoch)`` and unit.
+
+    Sessions are opaque strings (the worker plugin's session id). Not thread-safe: the
+    scheduler plugin calls it from its event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._epochs: dict[tuple[str, int], _Epoch] = {}
+        self._expired: set[str] = set()
+        # session -> keys of the epochs where it holds leases (for drop_session)
+        self._session_keys: dict[str, set[tuple[str, int]]] = {}
+
+    # -- table definition --------------------------------------------------------------
+    def _epoch(self, dataset_id: str, epoch: int, unit_rows: Sequence[int] | None) -> _Epoch:
+        key = (dataset_id, int(epoch))
+        ep = self._epochs.get(key)
+        if unit_rows is None:
+            if ep is None:
+                raise KeyError(f"no lease table for dataset {dataset_id!r} epoch {epoch}")
+            return ep
+        rows = tuple(int(r) for r in unit_rows)
+        if ep is not None:
+            if ep.unit_rows != rows:
+                raise ValueError(
+                    f"dataset {dataset_id!r} epoch {epoch}: unit row counts differ from the "
+                    f"table's ({len(rows)} units / {sum(rows)} rows given, "
+                    f"{len(ep.unit_rows)} units / {ep.total} rows known)"
+                )
+            return ep
+        if any(r < 0 for r in rows):
+            raise ValueError("unit row counts must be >= 0")
+        units, starts, pos = [], [], 0
+        for r in rows:
+            starts.append(pos)
+            units.append(_Unit(pos, pos + r, [(pos, pos + r)] if r else []))
+            pos += r
+        ep = _Epoch(rows, starts, units, pos, in_heap=bytearray(len(rows)))
+        for i, unit in enumerate(units):
+            if unit.free:
+                ep.mark_free(i)
+        self._epochs[key] = ep
+        return ep
+
+    def define(self, dataset_id: str, epoch: int, unit_rows: Sequence[int]) -> None:
+        """Create the epoch's table (idempotent; ``ValueError`` if the counts differ)."""
+        self._epoch(dataset_id, epoch, unit_rows)
+
+    def forget(self, dataset_id: str, epoch: int | None = None) -> None:
+        """Drop the tables of one epoch (or every epoch) of a dataset."""
+        for key in [k for k in self._epochs if k[0] == dataset_id and epoch in (None, k[1])]:
+            del self._epochs[key]
+            for keys in self._session_keys.values():
+                keys.discard(key)
+
+    # -- transitions ------------------------------------------------------------------
+    def acquire(
+        self, session: str, dataset_id: str, epoch: int, unit_rows: Sequence[int]
+    ) -> tuple[int, list[Interval]] | None:
+        """Lease the free rows of the next unit that has any to ``session``.
+
+        Returns ``(unit index, free rows as global intervals)`` or ``None`` when no free
+        rows remain right now. ``unit_rows`` defines the table on first use.
+        Raises :class:`SessionExpired` for a dropped session.
+        """
+        if session in self._expired:
+            raise SessionExpired(f"session {session!r} expired; its worker was lost")
+        ep = self._epoch(dataset_id, epoch, unit_rows)
+        while ep.heap:
+            u = ep.heap[0]
+            unit = ep.units[u]
+            if not unit.free:
+                heapq.heappop(ep.heap)
+                ep.in_heap[u] = 0
+                continue
+            heapq.heappop(ep.heap)
+            ep.in_heap[u] = 0
+            rows = unit.free
+            unit.free = []
+            unit.leased[session] = _union(unit.leased.get(session, []), rows)
+            ep.n_leased += _size(rows)
+            self._session_keys.setdefault(session, set()).add((dataset_id, int(epoch)))
+            return u, list(rows)
+        return None
+
+    def _split(self, ep: _Epoch, ranges: Iterable[Sequence[int]]) -> dict[int, list[Interval]]:
+        """Map normalized global intervals to per-unit pieces; ``ValueError`` if out of range."""
+        per_unit: dict[int, list[Interval]] = {}
+        for a, b in normalize(ranges):
+            if a < 0 or b > ep.total:
+                raise ValueError(f"rows [{a}, {b}) are outside the epoch's [0, {ep.total})")
+            while a < b:
+                u = bisect_right(ep.starts, a) - 1
+                while ep.units[u].stop <= a:  # skip empty units sharing a start
+                    u += 1
+                stop = min(b, ep.units[u].stop)
+                per_unit.setdefault(u, []).append((a, stop))
+                a = stop
+        return per_unit
+
+    def ack(
+        self, session: str, dataset_id: str, epoch: int, ranges: Iterable[Sequence[int]]
+    ) -> bool:
+        """Acknowledge rows consumed by a completed closure of ``session``.
+
+        All or nothing: ``False`` (nothing changed) if the session expired, the table is
+        unknown, or any row is not currently leased to this session.
+        """
+        if session in self._expired:
+            return False
+        ep = self._epochs.get((dataset_id, int(epoch)))
+        if ep is None:
+            return False
+        try:
+            per_unit = self._split(ep, ranges)
+        except ValueError:
+            return False
+        for u, pieces in per_unit.items():
+            held = ep.units[u].leased.get(session, [])
+            if _subtract(pieces, held):
+                return False
+        for u, pieces in per_unit.items():
+            unit = ep.units[u]
+            rest = _subtract(unit.leased[session], pieces)
+            if rest:
+                unit.leased[session] = rest
+            else:
+                del unit.leased[session]
+            unit.acked = _union(unit.acked, pieces)
+            n = _size(pieces)
+            ep.n_leased -= n
+            ep.n_acked += n
+        return True
+
+    def release(
+        self, session: str, dataset_id: str, epoch: int, ranges: Iterable[Sequence[int]]
+    ) -> int:
+        """Return rows of a failed closure to the pool; only rows leased to ``session``
+        move. Returns how many rows went back to free."""
+        if session in self._expired:
+            return 0
+        ep = self._epochs.get((dataset_id, int(epoch)))
+        if ep is None:
+            return 0
+        try:
+            per_unit = self._split(ep, ranges)
+        except ValueError:
+            return 0
+        moved = 0
+        for u, pieces in per_unit.items():
+            unit = ep.units[u]
+            back = _intersect(pieces, unit.leased.get(session, []))
+            if back:
+                moved += self._free(ep, u, session, back)
+        return moved
+
+    def _free(self, ep: _Epoch, u: int, session: str, back: list[Interval]) -> int:
+        unit = ep.units[u]
+        rest = _subtract(unit.leased[session], back)
+        if rest:
+            unit.leased[session] = rest
+        else:
+            del unit.leased[session]
+        unit.free = _union(unit.free, back)
+        n = _size(back)
+        ep.n_leased -= n
+        ep.mark_free(u)
+        return n
+
+    def drop_session(self, session: str) -> int:
+        """A lost worker: every row leased to ``session`` goes back to free, and later
+        acks, releases and acquires from it are refused. Returns rows freed."""
+        self._expired.add(session)
+        moved = 0
+        for key in self._session_keys.pop(session, set()):
+            ep = self._epochs.get(key)
+            if ep is None:
+                continue
+            for u, unit in enumerate(ep.units):
+                held = unit.leased.get(session)
+                if held:
+                    moved += self._free(ep, u, session, list(held))
+        return moved
+
+    def is_expired(self, session: str) -> bool:
+        return session in self._expired
+
+    # -- queries -----------------------------------------------------------------------
+    def progress(
+        self, dataset_id: str, epoch: int, unit_rows: Sequence[int] | None = None
+    ) -> dict:
+        """``total``, ``acknowledged``, ``leased``, ``free`` rows and ``complete`` (every
+        row acknowledged). An unknown table (and no ``unit_rows`` to define it) reports
+        ``known=False`` and ``complete=False``."""
+        if unit_rows is None and (dataset_id, int(epoch)) not in self._epochs:
+            return {
+                "dataset_id": dataset_id, "epoch": int(epoch), "known": False, "total": 0,
+                "acknowledged": 0, "leased": 0, "free": 0, "units": 0, "complete": False,
+            }
+        ep = self._epoch(dataset_id, epoch, unit_rows)
+        free = ep.total - ep.n_acked - ep.n_leased
+        return {
+            "dataset_id": dataset_id,
+            "epoch": int(epoch),
+            "known": True,
+            "total": ep.total,
+            "acknowledged": ep.n_acked,
+            "leased": ep.n_leased,
+            "free": free,
+            "units": len(ep.units),
+            "complete": ep.n_acked == ep.total,
+        }
+
+    def leased_to(self, session: str, dataset_id: str, epoch: int) -> list[Interval]:
+        """The rows currently leased to ``session`` in one epoch (global intervals)."""
+        ep = self._epochs.get((dataset_id, int(epoch)))
+        if ep is None:
+            return []
+        out: list[Interval] = []
+        for unit in ep.units:
+            out.extend(unit.leased.get(session, []))
+        return out
+
+    def acknowledged(self, dataset_id: str, epoch: int) -> list[Interval]:
+        ep = self._epoch(dataset_id, epoch, None)
+        return normalize(iv for unit in ep.units for iv in unit.acked)
+
+    def check(self) -> None:
+        """Assert the invariant on every epoch: acked ∪ leased ∪ free = all rows,
+        pairwise disjoint, counters consistent. Raises ``AssertionError``."""
+        for key, ep in self._epochs.items():
+            n_acked = n_leased = 0
+            for u, unit in enumerate(ep.units):
+                parts = [unit.free, unit.acked, *unit.leased.values()]
+                for p in parts:
+                    assert p == normalize(p), f"{key} unit {u}: not normalized: {p}"
+                    for a, b in p:
+                        assert unit.start <= a < b <= unit.stop, f"{key} unit {u}: {(a, b)}"
+                pieces = sorted(iv for p in parts for iv in p)
+                pos = unit.start
+                for a, b in pieces:
+                    assert a == pos, f"{key} unit {u}: gap or overlap at {pos} (next {a})"
+                    pos = b
+                assert pos == unit.stop, f"{key} unit {u}: rows up to {unit.stop} not covered"
+                if unit.free:
+                    assert ep.in_heap[u], f"{key} unit {u}: free rows not schedulable"
+                assert all(unit.leased.values()), f"{key} unit {u}: empty lease kept"
+                n_acked += _size(unit.acked)
+                n_leased += sum(_size(v) for v in unit.leased.values())
+            assert n_acked == ep.n_acked and n_leased == ep.n_leased, f"{key}: counters"

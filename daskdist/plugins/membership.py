@@ -1,0 +1,77 @@
+"""Membership: which worker sessions belong to a coordinator and their dense indices.
+
+Pure bookkeeping (no Dask imports). A session is one worker plugin's life on one
+worker; a joining session takes the lowest free index, so a replacement reuses a lost
+worker's index and indices stay dense in steady state (SPEC §2.2). ``version`` grows on
+every join and leave so workers (and elastic state) can tell that membership changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Member:
+    session: str
+    address: str
+    index: int
+    draining: bool = False
+
+
+@dataclass
+class Membership:
+    """Sessions by id, at most one per worker address."""
+
+    members: dict[str, Member] = field(default_factory=dict)
+    version: int = 0
+    joins: int = 0
+    leaves: int = 0
+
+    def join(self, session: str, address: str) -> tuple[Member, Member | None]:
+        """Add ``session``; returns it and the older session of the same address it replaces.
+
+        The caller must end the replaced session (its closures are put back).
+        """
+        if session in self.members:
+            return self.members[session], None
+        old = self.session_of(address)
+        replaced = self.leave(old) if old is not None else None
+        used = {m.index for m in self.members.values()}
+        index = next(i for i in range(len(used) + 1) if i not in used)
+        member = Member(session, address, index)
+        self.members[session] = member
+        self.version += 1
+        self.joins += 1
+        return member, replaced
+
+    def leave(self, session: str) -> Member | None:
+        """Remove ``session`` (no-op if unknown); frees its index."""
+        member = self.members.pop(session, None)
+        if member is not None:
+            self.version += 1
+            self.leaves += 1
+        return member
+
+    def session_of(self, address: str) -> str | None:
+        for m in self.members.values():
+            if m.address == address:
+                return m.session
+        return None
+
+    def drain(self, address: str) -> str | None:
+        """Mark the address's session as retiring; returns the session, if any."""
+        session = self.session_of(address)
+        if session is not None:
+            self.members[session].draining = True
+        return session
+
+    def __contains__(self, session: str) -> bool:
+        return session in self.members
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def by_index(self) -> list[Member]:
+        """Members in index order (the rank order of collective groups)."""
+        return sorted(self.members.values(), key=lambda m: m.index)

@@ -1,0 +1,303 @@
+"""ClosureQueue: the coordinator's closure state machine, pure and synchronous.
+
+TensorFlow's ``_CoordinatedClosureQueue`` (put / get / put_back / mark_failed / wait /
+cancel) restated as a single-threaded state machine that the scheduler plugin drives
+from its event loop. It imports nothing from Dask or the rest of the package, so every
+transition is unit-tested directly. Payloads are opaque bytes; sessions are opaque
+strings naming one worker plugin's life on one worker.
+
+A closure's life (SPEC §2.5a)::
+
+    PENDING -> RUNNING -> READY | FAILED
+    RUNNING -> PENDING            (its session was lost; attempt + 1)
+    RUNNING -> FAILED             (lost ``max_worker_failures`` times: "worker-lost")
+    PENDING -> CANCELLED          (an error was raised to the user)
+
+Every closure reaches exactly one final state, once; a finish for a closure that is not
+running on the reporting session (a duplicate run, an expired session) is refused.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+PENDING = "PENDING"
+RUNNING = "RUNNING"
+READY = "READY"
+FAILED = "FAILED"
+CANCELLED = "CANCELLED"
+FINAL_STATES = frozenset({READY, FAILED, CANCELLED})
+
+# Why a closure failed: the kinds of error a FAILED closure carries.
+USER_ERROR = "user-error"
+INPUT_ERROR = "input-error"
+WORKER_LOST = "worker-lost"
+
+
+@dataclass(slots=True, eq=False)
+class Closure:
+    """One scheduled function call and its bookkeeping (never its result)."""
+
+    cid: str
+    owner: str
+    payload: Any
+    retries: int = 0
+    state: str = PENDING
+    attempt: int = 0  # executions started so far
+    worker_failures: int = 0
+    session: str | None = None
+    pinned: str | None = None  # only this session may run it (gang members)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """A closure that reached a final state: what the owner must be told."""
+
+    cid: str
+    owner: str
+    state: str
+    value: Any = None  # result payload (READY) or error payload (FAILED)
+    kind: str | None = None  # USER_ERROR / INPUT_ERROR / WORKER_LOST for FAILED
+    attempt: int = 0
+
+
+@dataclass
+class QueueCounters:
+    """Cumulative counts for ``Coordinator.status()``."""
+
+    scheduled: int = 0
+    done: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    retried: int = 0
+    recovered: int = 0  # closures put back because their worker was lost
+    refused: int = 0  # finishes refused by fencing (duplicates, expired sessions)
+
+
+@dataclass
+class ClosureQueue:
+    """Queued and running closures, the first unraised error, and fencing by session."""
+
+    max_worker_failures: int = 3
+    closures: dict[str, Closure] = field(default_factory=dict)
+    counters: QueueCounters = field(default_factory=QueueCounters)
+    _queue: deque[str] = field(default_factory=deque)
+    _running: dict[str, set[str]] = field(default_factory=dict)  # session -> cids
+    _sessions: set[str] = field(default_factory=set)
+    _draining: set[str] = field(default_factory=set)
+    error: Outcome | None = None
+    paused: bool = False
+
+    # -- sessions -------------------------------------------------------------------
+    def add_session(self, session: str) -> None:
+        """A worker plugin session may now take closures."""
+        self._sessions.add(session)
+        self._running.setdefault(session, set())
+
+    def drain_session(self, session: str) -> None:
+        """The session's worker is retiring: it gets no new closures."""
+        if session in self._sessions:
+            self._draining.add(session)
+
+    def remove_session(self, session: str) -> list[Outcome]:
+        """The session ended (worker lost, plugin torn down): put its closures back.
+
+        Closures go back at the head of the queue in their original order, unless they
+        were lost ``max_worker_failures`` times: those fail with ``WORKER_LOST``.
+        Pinned closures of the session are dropped from the queue as well (their owner,
+        the gang logic, decides what to do) and reported as put back.
+        """
+        self._sessions.discard(session)
+        self._draining.discard(session)
+        cids = self._running.pop(session, set())
+        outcomes: list[Outcome] = []
+        back: list[Closure] = []
+        for cid in cids:
+            c = self.closures[cid]
+            c.worker_failures += 1
+            c.session = None
+            if c.worker_failures >= self.max_worker_failures:
+                outcomes.append(self._finish(c, FAILED, None, WORKER_LOST))
+            else:
+                c.state = PENDING
+                back.append(c)
+        self.counters.recovered += len(back)
+        back.sort(key=lambda c: _order(c.cid))
+        for c in reversed(back):
+            self._queue.appendleft(c.cid)
+        return outcomes
+
+    @property
+    def sessions(self) -> frozenset[str]:
+        return frozenset(self._sessions)
+
+    def is_active(self, session: str) -> bool:
+        """The session exists and is not draining (may receive closures)."""
+        return session in self._sessions and session not in self._draining
+
+    # -- put / dispatch -------------------------------------------------------------
+    def put(self, cid: str, owner: str, payload: Any, retries: int = 0,
+            pinned: str | None = None) -> bool:
+        """Queue a closure at the tail. A cid seen before is ignored (resends are safe)."""
+        if cid in self.closures:
+            return False
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.closures[cid] = Closure(cid, owner, payload, retries, pinned=pinned)
+        self._queue.append(cid)
+        self.counters.scheduled += 1
+        return True
+
+    def dispatch(self, session: str, n: int) -> list[Closure]:
+        """Lease up to ``n`` queued closures to ``session`` (head first); they are RUNNING."""
+        if n <= 0 or self.paused or not self.is_active(session) or not self._queue:
+            return []
+        out: list[Closure] = []
+        skipped: list[str] = []
+        running = self._running[session]
+        q = self._queue
+        while q and len(out) < n:
+            cid = q.popleft()
+            c = self.closures.get(cid)
+            if c is None or c.state != PENDING:
+                continue  # stale entry (cancelled or already re-queued elsewhere)
+            if c.pinned is not None and c.pinned != session:
+                skipped.append(cid)
+                continue
+            c.state = RUNNING
+            c.session = session
+            c.attempt += 1
+            running.add(cid)
+            out.append(c)
+        for cid in reversed(skipped):
+            q.appendleft(cid)
+        return out
+
+    def has_work_for(self, session: str) -> bool:
+        """Whether ``dispatch(session, n)`` would return anything now."""
+        if self.paused or not self.is_active(session):
+            return False
+        for cid in self._queue:
+            c = self.closures.get(cid)
+            if c is not None and c.state == PENDING and c.pinned in (None, session):
+                return True
+        return False
+
+    # -- results --------------------------------------------------------------------
+    def finish(self, session: str, cid: str, ok: bool, value: Any = None,
+               kind: str = USER_ERROR) -> Outcome | None:
+        """A session reports a closure's end. ``None`` if refused or retried.
+
+        Refused (fencing): the closure is unknown, not RUNNING, or running on another
+        session. A user error with retries left puts the closure back at the tail.
+        """
+        c = self.closures.get(cid)
+        if c is None or c.state != RUNNING or c.session != session:
+            self.counters.refused += 1
+            return None
+        self._running[session].discard(cid)
+        c.session = None
+        if ok:
+            return self._finish(c, READY, value, None)
+        if kind == USER_ERROR and c.retries > 0:
+            c.retries -= 1
+            c.state = PENDING
+            self._queue.append(cid)
+            self.counters.retried += 1
+            return None
+        return self._finish(c, FAILED, value, kind)
+
+    def put_back(self, session: str, cids: Iterable[str]) -> int:
+        """Return closures leased to ``session`` that it never received (no failure counted)."""
+        running = self._running.get(session, set())
+        back = sorted((cid for cid in cids if cid in running), key=_order)
+        for cid in reversed(back):
+            running.discard(cid)
+            c = self.closures[cid]
+            c.state = PENDING
+            c.session = None
+            c.attempt -= 1
+            self._queue.appendleft(cid)
+        return len(back)
+
+    def reconcile(self, session: str, held: Iterable[str]) -> int:
+        """Put back closures leased to ``session`` that the session says it does not hold."""
+        running = self._running.get(session)
+        if not running:
+            return 0
+        return self.put_back(session, running.difference(held))
+
+    def _finish(self, c: Closure, state: str, value: Any, kind: str | None) -> Outcome:
+        c.state = state
+        out = Outcome(c.cid, c.owner, state, value, kind, c.attempt)
+        if state == READY:
+            self.counters.done += 1
+        elif state == FAILED:
+            self.counters.failed += 1
+            if self.error is None:
+                self.error = out
+        else:
+            self.counters.cancelled += 1
+        del self.closures[c.cid]  # final: the queue keeps nothing more of it
+        return out
+
+    # -- errors and cancellation ---------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        return sum(len(s) for s in self._running.values())
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for c in self.closures.values() if c.state == PENDING)
+
+    def running_on(self, session: str) -> frozenset[str]:
+        return frozenset(self._running.get(session, ()))
+
+    def cancel_pending(self, owner: str | None = None) -> list[Outcome]:
+        """Cancel every queued closure (of ``owner``, or all)."""
+        out = []
+        keep: deque[str] = deque()
+        for cid in self._queue:
+            c = self.closures.get(cid)
+            if c is None or c.state != PENDING:
+                continue
+            if owner is None or c.owner == owner:
+                out.append(self._finish(c, CANCELLED, None, None))
+            else:
+                keep.append(cid)
+        self._queue = keep
+        return out
+
+    def take_error(self) -> Outcome | None:
+        """Clear and return the first unraised error (call once no closure is in flight)."""
+        err, self.error = self.error, None
+        return err
+
+    def unfinished(self, owner: str | None = None) -> int:
+        """Closures not yet final (of ``owner``, or all)."""
+        if owner is None:
+            return len(self.closures)
+        return sum(1 for c in self.closures.values() if c.owner == owner)
+
+    def check_invariants(self) -> None:
+        """Assert the internal indexes agree (used by tests)."""
+        running = {cid for s in self._running.values() for cid in s}
+        for cid, c in self.closures.items():
+            assert c.state in (PENDING, RUNNING), (cid, c.state)
+            if c.state == RUNNING:
+                assert cid in self._running.get(c.session, ()), cid
+            else:
+                assert cid not in running and cid in self._queue, cid
+        for session, cids in self._running.items():
+            for cid in cids:
+                assert self.closures[cid].session == session
+        assert set(self._running) <= self._sessions | set(self._running)
+
+
+def _order(cid: str) -> tuple[int, str]:
+    """Sort key that keeps a session's closures in submission order when put back."""
+    head, _, tail = cid.rpartition("-")
+    return (int(tail), head) if tail.isdigit() else (0, cid)

@@ -1,0 +1,410 @@
+"""CoordinatorPlugin: the scheduler side of daskdist.
+
+A ``SchedulerPlugin`` that owns one :class:`ClosureQueue` and one :class:`Membership`
+per coordinator name, registers RPC handlers on the scheduler (the pattern of
+``distributed/semaphore.py``), and reacts to Dask's own ``remove_worker`` and
+worker-status events, so preemption is handled the moment Dask notices it.
+
+Clients put closures and long-poll for their outcomes; worker plugins long-poll for
+closures, reporting results in the same call. Payloads stay opaque bytes here: this
+module never imports torch, pyarrow or ``collective/`` (SPEC §1).
+
+Load it with ``dask scheduler --preload daskdist.plugins.scheduler`` or let
+``Coordinator`` register it from the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
+
+from daskdist.plugins.membership import Membership
+from daskdist.plugins.queue import ClosureQueue, Outcome
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "daskdist-coordinator"
+POLL_SECONDS = 2.0  # longest a worker's or client's long-poll waits before an empty reply
+
+
+def worker_plugin_name(name: str) -> str:
+    return f"daskdist-worker-{name}"
+
+
+@dataclass
+class Outbox:
+    """Outcomes waiting for one client-side Coordinator; kept until it acknowledges them."""
+
+    client: str | None
+    first_seq: int = 0
+    items: list = field(default_factory=list)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, item: tuple) -> None:
+        self.items.append(item)
+        self.event.set()
+
+    def ack(self, seq: int) -> None:
+        """Forget everything before ``seq`` (the client has it)."""
+        drop = seq - self.first_seq
+        if drop > 0:
+            del self.items[:drop]
+            self.first_seq = seq
+        if not self.items:
+            self.event.clear()
+
+
+class CoordinatorState:
+    """One named coordinator: its queue, members, outboxes and the waiters on them."""
+
+    def __init__(self, name: str, max_worker_failures: int = 3):
+        self.name = name
+        self.queue = ClosureQueue(max_worker_failures=max_worker_failures)
+        self.members = Membership()
+        self.resources: dict[str, bytes] = {}
+        self.outboxes: dict[str, Outbox] = {}
+        self.waiters: set[asyncio.Event] = set()  # long-polls of workers waiting for work
+        self.changed = asyncio.Event()  # set on every finish / session end (raise waits on it)
+        self.created = time.time()
+
+    # -- delivery -------------------------------------------------------------------
+    def deliver(self, outcomes: list[Outcome]) -> None:
+        for o in outcomes:
+            box = self.outboxes.get(o.owner)
+            if box is not None:
+                box.push((o.cid, o.state, o.value, o.kind, o.attempt))
+        if outcomes and self.queue.error is not None:
+            for box in self.outboxes.values():
+                box.event.set()  # tell every owner an error is pending
+
+    def wake(self) -> None:
+        """Closures became available, or state changed: wake long-polls."""
+        self.changed.set()
+        for event in self.waiters:
+            event.set()
+
+    def end_session(self, session: str) -> None:
+        """A worker session is gone: put its closures back, drop its index."""
+        self.members.leave(session)
+        self.deliver(self.queue.remove_session(session))
+        self.wake()
+
+    def apply_results(self, session: str, results: list) -> None:
+        """Apply a worker's reported results (each ``(cid, ok, value, kind, tokens)``)."""
+        outcomes = []
+        q = self.queue
+        for cid, ok, value, kind, _tokens in results:
+            o = q.finish(session, cid, ok, value, kind)
+            if o is not None:
+                outcomes.append(o)
+        self.deliver(outcomes)
+        if results:
+            self.changed.set()
+            if q.queued:
+                self.wake()  # retried closures went back to the queue
+
+    def status(self) -> dict[str, Any]:
+        c = self.queue.counters
+        return {
+            "name": self.name,
+            "queued": self.queue.queued,
+            "running": self.queue.inflight,
+            "scheduled": c.scheduled,
+            "done": c.done,
+            "failed": c.failed,
+            "retried": c.retried,
+            "cancelled": c.cancelled,
+            "recovered": c.recovered,
+            "refused": c.refused,
+            "workers": len(self.members),
+            "worker_joins": self.members.joins,
+            "worker_leaves": self.members.leaves,
+            "error_pending": self.queue.error is not None,
+            "membership_version": self.members.version,
+        }
+
+
+class CoordinatorPlugin(SchedulerPlugin):
+    """Holds every named coordinator on this scheduler and serves their RPCs."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.coordinators: dict[str, CoordinatorState] = {}
+        self.scheduler = None
+        self.removals: list[dict] = []  # recent remove-worker events (expected or not)
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update(
+            {
+                "daskdist_create": self.create,
+                "daskdist_attach": self.attach,
+                "daskdist_detach": self.detach,
+                "daskdist_put": self.put,
+                "daskdist_results": self.results,
+                "daskdist_raise": self.raise_error,
+                "daskdist_add_resource": self.add_resource,
+                "daskdist_get_resource": self.get_resource,
+                "daskdist_register": self.register,
+                "daskdist_unregister": self.unregister,
+                "daskdist_exchange": self.exchange,
+                "daskdist_report": self.report,
+                "daskdist_status": self.status,
+                "daskdist_closure_state": self.closure_state,
+            }
+        )
+        scheduler.extensions["daskdist"] = self
+
+    # -- Dask events ------------------------------------------------------------------
+    def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
+        for co in self.coordinators.values():
+            session = co.members.session_of(worker)
+            if session is not None:
+                logger.info("daskdist[%s]: worker %s lost (%s)", co.name, worker, stimulus_id)
+                co.end_session(session)
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        if not isinstance(msg, dict):
+            return
+        action = msg.get("action")
+        if action == "worker-status-change" and msg.get("status") in (
+            "closing_gracefully",
+            "closing",
+            "closed",
+        ):
+            for co in self.coordinators.values():
+                session = co.members.drain(topic)
+                if session is not None:
+                    co.queue.drain_session(session)
+        elif action == "remove-worker" and "worker" in msg:
+            self.removals.append({"worker": msg["worker"], "expected": msg.get("expected")})
+            del self.removals[:-100]
+
+    def remove_client(self, scheduler, client: str) -> None:
+        for co in self.coordinators.values():
+            for owner, box in list(co.outboxes.items()):
+                if box.client == client:
+                    self._drop_owner(co, owner)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _get(self, name: str) -> CoordinatorState:
+        try:
+            return self.coordinators[name]
+        except KeyError:
+            raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler") from None
+
+    def _drop_owner(self, co: CoordinatorState, owner: str) -> None:
+        co.outboxes.pop(owner, None)
+        co.queue.cancel_pending(owner)
+
+    def _worker_retiring(self, address: str) -> bool:
+        ws = self.scheduler.workers.get(address)
+        return ws is None or ws.status.name in ("closing_gracefully", "closing", "closed")
+
+    # -- client handlers ---------------------------------------------------------------
+    async def create(self, name: str, max_worker_failures: int = 3) -> dict:
+        """Create the named coordinator if new, and make sure workers run its plugin."""
+        co = self.coordinators.get(name)
+        if co is None:
+            co = self.coordinators[name] = CoordinatorState(name, max_worker_failures)
+        plugin_name = worker_plugin_name(name)
+        if plugin_name not in self.scheduler.worker_plugins:
+            from daskdist.plugins.worker import CoordinatorWorkerPlugin
+
+            await self.scheduler.register_worker_plugin(
+                comm=None,
+                plugin=dumps(CoordinatorWorkerPlugin(name)),
+                name=plugin_name,
+                idempotent=True,
+            )
+        return {"workers": len(co.members)}
+
+    def attach(self, name: str, client: str | None = None) -> str:
+        """A client-side Coordinator attaches: it gets an owner id and an outbox."""
+        co = self._get(name)
+        owner = uuid.uuid4().hex[:12]
+        co.outboxes[owner] = Outbox(client)
+        return owner
+
+    def detach(self, name: str, owner: str) -> None:
+        co = self.coordinators.get(name)
+        if co is not None:
+            self._drop_owner(co, owner)
+
+    def put(self, name: str, owner: str, closures: list) -> dict:
+        """Queue ``closures`` (each ``(cid, payload, retries)``) for ``owner``."""
+        co = self._get(name)
+        q = co.queue
+        for cid, payload, retries in closures:
+            q.put(cid, owner, payload, retries)
+        co.wake()
+        return {"workers": len(co.members), "queued": q.queued}
+
+    async def results(self, name: str, owner: str, ack: int, timeout: float = POLL_SECONDS):
+        """Long-poll: outcomes for ``owner`` from sequence number ``ack`` on."""
+        co = self._get(name)
+        box = co.outboxes.get(owner)
+        if box is None:
+            return {"detached": True}
+        box.ack(ack)
+        if not box.items and co.queue.error is None:
+            try:
+                await asyncio.wait_for(box.event.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return {
+            "first": box.first_seq,
+            "items": list(box.items),
+            "error": co.queue.error is not None,
+            "workers": len(co.members),
+        }
+
+    async def raise_error(self, name: str, timeout: float | None = None) -> dict:
+        """Raise the first unraised error: wait for in-flight closures, cancel the queue.
+
+        Dispatch is paused meanwhile, so when this returns nothing is executing.
+        Returns the error (if another caller took it first: ``None``) and the cancelled.
+        """
+        co = self._get(name)
+        q = co.queue
+        if q.error is None:
+            return {"error": None, "cancelled": []}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        q.paused = True
+        try:
+            while q.inflight:
+                co.changed.clear()
+                if q.inflight == 0:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return {"timeout": True}
+                try:
+                    await asyncio.wait_for(co.changed.wait(), left)
+                except asyncio.TimeoutError:
+                    return {"timeout": True}
+            cancelled = q.cancel_pending()
+            co.deliver(cancelled)
+            err = q.take_error()
+        finally:
+            q.paused = False
+            co.wake()
+        error = None if err is None else (err.cid, err.value, err.kind)
+        return {"error": error, "cancelled": [(o.owner, o.cid) for o in cancelled]}
+
+    def add_resource(self, name: str, rid: str, payload: bytes) -> None:
+        self._get(name).resources[rid] = payload
+
+    def get_resource(self, name: str, rid: str) -> bytes | None:
+        return self._get(name).resources.get(rid)
+
+    def closure_state(self, name: str, cid: str) -> str | None:
+        """PENDING or RUNNING for a closure not yet final; ``None`` once final or unknown."""
+        c = self._get(name).queue.closures.get(cid)
+        return None if c is None else c.state
+
+    def status(self, name: str | None = None) -> dict:
+        if name is not None:
+            return self._get(name).status()
+        return {n: co.status() for n, co in self.coordinators.items()}
+
+    # -- worker handlers ---------------------------------------------------------------
+    def register(self, name: str, session: str, address: str) -> dict:
+        """A worker plugin session joins: it gets the lowest free worker index."""
+        co = self._get(name)
+        member, replaced = co.members.join(session, address)
+        if replaced is not None:
+            co.deliver(co.queue.remove_session(replaced.session))
+        co.queue.add_session(session)
+        if self._worker_retiring(address):
+            co.members.drain(address)
+            co.queue.drain_session(session)
+        co.wake()
+        return {
+            "index": member.index,
+            "num_workers": len(co.members),
+            "version": co.members.version,
+        }
+
+    def unregister(self, name: str, session: str, results: list | None = None) -> None:
+        co = self.coordinators.get(name)
+        if co is None:
+            return
+        if results:
+            co.apply_results(session, results)
+        if session in co.members:
+            co.end_session(session)
+
+    def report(self, name: str, session: str, results: list) -> dict:
+        co = self._get(name)
+        co.apply_results(session, results)
+        return {"version": co.members.version}
+
+    async def exchange(
+        self,
+        comm,
+        name: str,
+        session: str,
+        results: list,
+        held: list | None,
+        want: int,
+        block: bool,
+    ) -> dict:
+        """A worker reports results and asks for up to ``want`` closures, in one call.
+
+        ``held`` lists every closure the worker has received and not yet had
+        acknowledged; closures leased to the session but missing from it were lost on
+        the way (a reply nobody read) and go back to the queue. With ``block``, wait
+        up to ``POLL_SECONDS`` for work.
+        """
+        co = self.coordinators.get(name)
+        if co is None or session not in co.members:
+            return {"unknown_session": True}
+        q = co.queue
+        if results:
+            co.apply_results(session, results)
+        if held is not None:
+            if q.reconcile(session, held):
+                co.wake()
+        closures = q.dispatch(session, want)
+        if not closures and block and want > 0:
+            deadline = time.monotonic() + POLL_SECONDS
+            event = asyncio.Event()
+            co.waiters.add(event)
+            try:
+                while True:
+                    if comm.closed() or session not in co.members:
+                        break
+                    closures = q.dispatch(session, want)
+                    if closures:
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    event.clear()
+                    try:
+                        await asyncio.wait_for(event.wait(), left)
+                    except asyncio.TimeoutError:
+                        break
+            finally:
+                co.waiters.discard(event)
+        return {
+            "closures": [(c.cid, c.payload, c.attempt) for c in closures],
+            "num_workers": len(co.members),
+            "version": co.members.version,
+        }
+
+
+def dask_setup(scheduler) -> None:
+    """Preload entry point: ``dask scheduler --preload daskdist.plugins.scheduler``."""
+    scheduler.add_plugin(CoordinatorPlugin(), name=PLUGIN_NAME, idempotent=True)
+
