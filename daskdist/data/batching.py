@@ -89,7 +89,7 @@ def ranges_of_ids(ids: np.ndarray) -> list[tuple[int, int]]:
     breaks = np.flatnonzero(np.diff(s) != 1) + 1
     starts = s[np.concatenate(([0], breaks))]
     stops = s[np.concatenate((breaks - 1, [len(s) - 1]))] + 1
-    return list(zip(starts.tolist(), stops.tolist()))
+    return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 
 def ids_of_ranges(ranges: Sequence[tuple[int, int]]) -> np.ndarray:

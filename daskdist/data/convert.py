@@ -101,7 +101,7 @@ def convert_table(
 ) -> Columns:
     """Columns of ``table`` (rows ``index`` in that order, if given) as tensors / lists."""
     out: Columns = {}
-    for name, col in zip(table.column_names, table.columns):
+    for name, col in zip(table.column_names, table.columns, strict=True):
         t = col.type
         fill = _fill_value(name, fill_null)
         if _is_numeric(t) or pa.types.is_fixed_size_list(t):

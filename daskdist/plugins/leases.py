@@ -34,11 +34,14 @@ from dataclasses import dataclass, field
 Interval = tuple[int, int]
 
 __all__ = [
+    "LEASE_TOKEN",
     "Interval",
     "LeaseTable",
     "SessionExpired",
     "intervals_from_ids",
     "normalize",
+    "subtract",
+    "union",
 ]
 
 
@@ -63,7 +66,7 @@ def normalize(ranges: Iterable[Sequence[int]]) -> list[Interval]:
     return out
 
 
-def _union(x: list[Interval], y: list[Interval]) -> list[Interval]:
+def union(x: list[Interval], y: list[Interval]) -> list[Interval]:
     if not x:
         return list(y)
     if not y:
@@ -71,7 +74,7 @@ def _union(x: list[Interval], y: list[Interval]) -> list[Interval]:
     return normalize(x + y)
 
 
-def _subtract(x: list[Interval], y: list[Interval]) -> list[Interval]:
+def subtract(x: list[Interval], y: list[Interval]) -> list[Interval]:
     """``x`` minus ``y`` (both normalized)."""
     out: list[Interval] = []
     j = 0
@@ -112,6 +115,20 @@ def _size(x: Iterable[Interval]) -> int:
 def intervals_from_ids(ids: Iterable[int]) -> list[Interval]:
     """Intervals covering exactly the given row ids (for tests and small inputs)."""
     return normalize((i, i + 1) for i in ids)
+
+
+LEASE_TOKEN = "lease"
+
+
+def _group_tokens(tokens: Iterable[object]) -> dict[tuple[str, int], list[Interval]]:
+    """Lease tokens ``("lease", dataset_id, epoch, ranges)`` grouped by epoch table."""
+    groups: dict[tuple[str, int], list[Interval]] = {}
+    for tok in tokens:
+        if isinstance(tok, (tuple, list)) and len(tok) == 4 and tok[0] == LEASE_TOKEN:
+            groups.setdefault((str(tok[1]), int(tok[2])), []).extend(
+                (int(a), int(b)) for a, b in tok[3]
+            )
+    return groups
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,7 +239,7 @@ class LeaseTable:
             ep.in_heap[u] = 0
             rows = unit.free
             unit.free = []
-            unit.leased[session] = _union(unit.leased.get(session, []), rows)
+            unit.leased[session] = union(unit.leased.get(session, []), rows)
             ep.n_leased += _size(rows)
             self._session_keys.setdefault(session, set()).add((dataset_id, int(epoch)))
             return u, list(rows)
@@ -262,20 +279,50 @@ class LeaseTable:
             return False
         for u, pieces in per_unit.items():
             held = ep.units[u].leased.get(session, [])
-            if _subtract(pieces, held):
+            if subtract(pieces, held):
                 return False
         for u, pieces in per_unit.items():
             unit = ep.units[u]
-            rest = _subtract(unit.leased[session], pieces)
+            rest = subtract(unit.leased[session], pieces)
             if rest:
                 unit.leased[session] = rest
             else:
                 del unit.leased[session]
-            unit.acked = _union(unit.acked, pieces)
+            unit.acked = union(unit.acked, pieces)
             n = _size(pieces)
             ep.n_leased -= n
             ep.n_acked += n
         return True
+
+    def ack_tokens(self, session: str, tokens: Iterable[object]) -> bool:
+        """Acknowledge every lease token ``("lease", dataset_id, epoch, ranges)`` of one
+        completed closure, atomically: all tokens are checked first and, if any is
+        refused, nothing changes and ``False`` is returned. Other tokens are ignored."""
+        groups = _group_tokens(tokens)
+        if session in self._expired:
+            return not groups
+        for (dataset_id, epoch), ranges in groups.items():
+            ep = self._epochs.get((dataset_id, epoch))
+            if ep is None:
+                return False
+            try:
+                per_unit = self._split(ep, ranges)
+            except ValueError:
+                return False
+            for u, pieces in per_unit.items():
+                if subtract(pieces, ep.units[u].leased.get(session, [])):
+                    return False
+        for (dataset_id, epoch), ranges in groups.items():
+            ok = self.ack(session, dataset_id, epoch, ranges)
+            assert ok, "ack refused after its check passed"
+        return True
+
+    def release_tokens(self, session: str, tokens: Iterable[object]) -> int:
+        """Release the rows of every lease token of one failed closure; rows freed."""
+        return sum(
+            self.release(session, dataset_id, epoch, ranges)
+            for (dataset_id, epoch), ranges in _group_tokens(tokens).items()
+        )
 
     def release(
         self, session: str, dataset_id: str, epoch: int, ranges: Iterable[Sequence[int]]
@@ -301,12 +348,12 @@ class LeaseTable:
 
     def _free(self, ep: _Epoch, u: int, session: str, back: list[Interval]) -> int:
         unit = ep.units[u]
-        rest = _subtract(unit.leased[session], back)
+        rest = subtract(unit.leased[session], back)
         if rest:
             unit.leased[session] = rest
         else:
             del unit.leased[session]
-        unit.free = _union(unit.free, back)
+        unit.free = union(unit.free, back)
         n = _size(back)
         ep.n_leased -= n
         ep.mark_free(u)

@@ -1,0 +1,100 @@
+"""The lease service a loader talks to under ``policy="dynamic"``.
+
+:class:`LeaseService` is the protocol: inside a coordinator the worker plugin provides
+it (RPCs to the scheduler plugin, which holds a :class:`~daskdist.plugins.leases.LeaseTable`);
+:class:`LocalLeaseService` implements it in-process on a local table, for tests and
+single-process use. Acknowledgements do not go through this protocol: the loader
+records a ``("lease", dataset_id, epoch, ranges)`` token per batch with
+:func:`daskdist.context.record_consumed`, and whoever ran the closure acks or releases
+those rows (the worker/scheduler plugins; :meth:`LocalLeaseService.ack` here).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from daskdist.plugins.leases import LEASE_TOKEN, LeaseTable
+
+__all__ = ["LEASE_TOKEN", "LeaseService", "LocalLeaseService", "lease_token"]
+
+Interval = tuple[int, int]
+
+
+def lease_token(dataset_id: str, epoch: int, ranges: list[Interval]) -> tuple:
+    """The token a loader records for one batch: ``("lease", dataset_id, epoch, ranges)``."""
+    return (LEASE_TOKEN, dataset_id, int(epoch), ranges)
+
+
+@runtime_checkable
+class LeaseService(Protocol):
+    """What :class:`~daskdist.data.ArrowLoader` needs for the dynamic policy."""
+
+    def acquire(
+        self, dataset_id: str, epoch: int, unit_rows: list[int]
+    ) -> tuple[int, list[Interval]] | None:
+        """Lease the next unit with free rows to this worker's session: ``(unit index,
+        its free rows as global intervals)``, or ``None`` when none remain right now.
+        ``unit_rows`` defines the epoch's table on first call (``ValueError`` if a later
+        call disagrees)."""
+        ...
+
+    def progress(self, dataset_id: str, epoch: int, unit_rows: list[int] | None = None) -> dict:
+        """At least ``total``, ``acknowledged``, ``leased``, ``free``, ``complete``."""
+        ...
+
+    # Optional (used when present): give back leased rows no closure received.
+    # def release(self, dataset_id: str, epoch: int, ranges: list[Interval]) -> int: ...
+
+
+class LocalLeaseService:
+    """An in-process :class:`LeaseService` over a :class:`LeaseTable` (thread-safe).
+
+    Several services may share one table with different ``session`` names, which is
+    how tests model several workers. ``ack_tokens``/``release_tokens``/``drop_session``
+    play the scheduler plugin's part.
+    """
+
+    def __init__(self, table: LeaseTable | None = None, session: str = "local",
+                 lock: threading.Lock | None = None) -> None:
+        self.table = table if table is not None else LeaseTable()
+        self.session = session
+        self._lock = lock if lock is not None else threading.Lock()
+
+    def for_session(self, session: str) -> LocalLeaseService:
+        """Another service on the same table (and lock) for another session."""
+        return LocalLeaseService(self.table, session, self._lock)
+
+    def acquire(
+        self, dataset_id: str, epoch: int, unit_rows: Sequence[int]
+    ) -> tuple[int, list[Interval]] | None:
+        with self._lock:
+            return self.table.acquire(self.session, dataset_id, epoch, unit_rows)
+
+    def progress(
+        self, dataset_id: str, epoch: int, unit_rows: Sequence[int] | None = None
+    ) -> dict:
+        with self._lock:
+            return self.table.progress(dataset_id, epoch, unit_rows)
+
+    def release(self, dataset_id: str, epoch: int, ranges: list[Interval]) -> int:
+        """Give back leased rows that no closure received (e.g. prefetched batches of a
+        closed iterator); only rows leased to this session move. Rows freed."""
+        with self._lock:
+            return self.table.release(self.session, dataset_id, epoch, ranges)
+
+    def ack_tokens(self, tokens: Iterable[Any]) -> bool:
+        """Acknowledge the rows of lease tokens (a completed closure); all or nothing."""
+        with self._lock:
+            return self.table.ack_tokens(self.session, list(tokens))
+
+    def release_tokens(self, tokens: Iterable[Any]) -> int:
+        """Return the rows of lease tokens to the pool (a failed closure); rows freed."""
+        with self._lock:
+            return self.table.release_tokens(self.session, list(tokens))
+
+    def drop_session(self) -> int:
+        """This session's worker is lost: its leased rows go back to the pool."""
+        with self._lock:
+            return self.table.drop_session(self.session)

@@ -1,0 +1,448 @@
+"""ArrowLoader: batches of ``dict[str, torch.Tensor]`` from Arrow shards, per input pipeline.
+
+What happens, in the producer (a background thread unless ``prefetch=0``):
+
+1. the pipeline's pieces come from a sharding policy (:mod:`.sharding`), or, under
+   ``policy="dynamic"``, units are leased one at a time from ``ctx.leases``;
+2. the epoch plan (:mod:`.batching`) groups pieces into blocks (shuffled: piece order
+   permuted by ``(seed, epoch)``, each block's rows permuted by one gather);
+3. each block is read with pyarrow and converted column-wise to tensors (:mod:`.convert`),
+   then cut into ``batch_size`` views; only a batch straddling two blocks is copied.
+
+The consumer's ``__next__`` hands out ready batches (a bounded queue of ``prefetch``
+batches, so memory is bounded by prefetch and the shuffle buffer, never the dataset),
+moves them to the device (pinned + ``non_blocking`` for CUDA) and, under the dynamic
+policy, records the batch's rows with :func:`daskdist.context.record_consumed` in the
+consumer's (closure's) thread. State for resuming is ``(epoch, seed, position)``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import torch
+
+from daskdist.context import InputContext, record_consumed
+from daskdist.data import batching
+from daskdist.data.convert import concat_cols, convert_table, num_rows, pin, slice_cols, to_device
+from daskdist.data.dynamic import lease_token
+from daskdist.data.sharding import POLICIES, assign
+from daskdist.data.shards import ArrowShards
+from daskdist.plugins.leases import normalize, subtract, union
+
+__all__ = ["ArrowLoader"]
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _produce(gen: Iterator[Any], q: queue.Queue, stop: threading.Event) -> None:
+    """Producer thread body: push every item of ``gen``, then ``_END`` (or a failure)."""
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for item in gen:
+            if not put(item):
+                return
+        put(_END)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+        put(_Failure(e))
+    finally:
+        gen.close()
+
+
+class ArrowLoader:
+    """An iterable of batches (``dict[str, torch.Tensor]``) for one input pipeline.
+
+    See SPEC §3. ``ctx`` is the pipeline's :class:`~daskdist.context.InputContext`
+    (default: a single pipeline). ``shuffle_buffer`` is the minimum rows per shuffled
+    block. ``name`` makes :attr:`dataset_id` (the lease-table key under
+    ``policy="dynamic"``) distinct for two loaders over the same files.
+    """
+
+    def __init__(
+        self,
+        shards: ArrowShards | str | os.PathLike | Sequence[str] | pads.Dataset,
+        ctx: InputContext | None = None,
+        batch_size: int = 256,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        columns: Sequence[str] | None = None,
+        policy: str = "auto",
+        prefetch: int = 2,
+        fill_null: Any = None,
+        collate: Callable[[pa.Table], Any] | None = None,
+        device: Any = None,
+        shuffle_buffer: int = 131072,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(shards, ArrowShards):
+            shards = ArrowShards(shards)
+        self.shards = shards
+        self.ctx = ctx if ctx is not None else InputContext()
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if int(prefetch) < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown sharding policy {policy!r}; one of {POLICIES}")
+        if policy == "dynamic":
+            if drop_last:
+                raise ValueError("drop_last=True cannot be used with policy='dynamic' "
+                                 "(every row of the epoch must be delivered)")
+            if self.ctx.leases is None:
+                raise ValueError(
+                    "policy='dynamic' needs a lease service in ctx.leases (set by the "
+                    "coordinator; outside one use InputContext(leases=LocalLeaseService()))"
+                )
+        self.batch_size = int(batch_size)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.prefetch = int(prefetch)
+        self.fill_null = fill_null
+        self.collate = collate
+        self.shuffle_buffer = int(shuffle_buffer)
+        self.device = torch.device(device) if device is not None else self.ctx.device
+
+        units = shards.units  # reads footers: a bad file raises here, before any batch
+        names = shards.schema.names
+        self.columns = list(columns) if columns is not None else list(names)
+        missing = [c for c in self.columns if c not in names]
+        if missing:
+            raise ValueError(f"column(s) {missing} not in the shards' schema {names}")
+        self.dataset_id = f"{name or 'arrow'}-{shards.fingerprint()}"
+        self._unit_rows = [u.num_rows for u in units]
+        if policy == "dynamic":
+            self.policy, self._pieces = "dynamic", []
+        else:
+            self.policy, self._pieces = assign(
+                [u.file_index for u in units], self._unit_rows,
+                self.ctx.num_input_pipelines, self.ctx.input_pipeline_id, policy,
+            )
+        self.epoch = 0
+        self._resume: int | None = None
+        self._active: _LoaderIterator | None = None
+
+    # -- public API ----------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        """Rows this pipeline reads per epoch (all rows under ``"dynamic"``)."""
+        if self.policy == "dynamic":
+            return sum(self._unit_rows)
+        return sum(p.rows for p in self._pieces)
+
+    def __len__(self) -> int:
+        if self.policy == "dynamic":
+            raise TypeError("a dynamic loader has no fixed length (workers share units)")
+        n = self.num_rows
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (shuffle order, lease table); a change restarts iteration."""
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.close()
+            self._active = None
+            self.epoch = epoch
+            self._resume = None
+
+    def __iter__(self) -> _LoaderIterator:
+        self.close()
+        start = self._resume if self._resume is not None else 0
+        self._resume = None
+        self._active = _LoaderIterator(self, start)
+        return self._active
+
+    def close(self) -> None:
+        """Stop the active iterator's prefetch thread (leased, undelivered rows are
+        given back when the lease service supports ``release``)."""
+        if self._active is not None:
+            self._active.close()
+
+    def state_dict(self) -> dict:
+        """Small resumable state: epoch, seed and rows consumed so far this epoch."""
+        if self._active is not None:
+            pos = self._active.position
+        else:
+            pos = self._resume or 0
+        return {
+            "dataset_id": self.dataset_id,
+            "policy": self.policy,
+            "pipeline": [self.ctx.input_pipeline_id, self.ctx.num_input_pipelines],
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer,
+            "position": 0 if self.policy == "dynamic" else int(pos),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``iter()`` continues after the last row consumed."""
+        if state.get("dataset_id") != self.dataset_id:
+            raise ValueError(
+                f"state is for dataset {state.get('dataset_id')!r}, this loader reads "
+                f"{self.dataset_id!r}"
+            )
+        mine = [self.ctx.input_pipeline_id, self.ctx.num_input_pipelines]
+        if self.policy != "dynamic" and list(state.get("pipeline", mine)) != mine:
+            raise ValueError(f"state is for pipeline {state['pipeline']}, this is {mine}")
+        self.close()
+        self._active = None
+        self.epoch = int(state["epoch"])
+        self.seed = int(state.get("seed", self.seed))
+        self.shuffle = bool(state.get("shuffle", self.shuffle))
+        self.shuffle_buffer = int(state.get("shuffle_buffer", self.shuffle_buffer))
+        self._resume = int(state.get("position", 0)) or None
+
+    def progress(self) -> dict:
+        """Under ``"dynamic"``: the lease table's counts for this epoch (``total``,
+        ``acknowledged``, ``leased``, ``free``, ``complete``). Otherwise this pipeline's
+        own rows consumed against its total."""
+        if self.policy == "dynamic":
+            return self.ctx.leases.progress(self.dataset_id, self.epoch, self._unit_rows)
+        total = self.num_rows
+        pos = self.state_dict()["position"]
+        return {"total": total, "consumed": pos, "complete": pos >= total}
+
+    def __repr__(self) -> str:
+        return (f"ArrowLoader({self.shards!r}, batch_size={self.batch_size}, "
+                f"policy={self.policy!r}, pipeline={self.ctx.input_pipeline_id}/"
+                f"{self.ctx.num_input_pipelines}, epoch={self.epoch})")
+
+    # -- producer side (runs in the prefetch thread) --------------------------------------
+    def _convert(self, table: pa.Table, index: np.ndarray | None) -> Any:
+        if self.collate is not None:
+            return table.take(pa.array(index)) if index is not None else table
+        return convert_table(table, index, self.fill_null)
+
+    def _static_chunks(self, epoch: int, position: int) -> Iterator[tuple[Any, None]]:
+        blocks = batching.plan_blocks(
+            [p.rows for p in self._pieces], self.shuffle, self.seed, epoch, self.shuffle_buffer
+        )
+        b, off = batching.locate(blocks, position)
+        reader = self.shards.reader()
+        units = self.shards.units
+        try:
+            for bi in range(b, len(blocks)):
+                blk = blocks[bi]
+                tables, idx, strided, base = [], [], False, 0
+                for k in blk.pieces:
+                    p = self._pieces[k]
+                    tables.append(reader.read(units[p.unit], self.columns))
+                    if p.stride != 1:
+                        strided = True
+                    idx.append(np.arange(p.first_local(), p.num_rows, p.stride) + base)
+                    base += p.num_rows
+                table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+                index = np.concatenate(idx) if strided else None
+                if blk.shuffled:
+                    perm = batching.block_permutation(blk.rows, self.seed, epoch, bi)
+                    index = perm if index is None else index[perm]
+                if off:
+                    if index is None:
+                        table = table.slice(off)
+                    else:
+                        index = index[off:]
+                    off = 0
+                yield self._convert(table, index), None
+        finally:
+            reader.close()
+
+    def _dynamic_chunks(self, epoch: int, book: _LeaseBook) -> Iterator[tuple[Any, np.ndarray]]:
+        svc = self.ctx.leases
+        units = self.shards.units
+        reader = self.shards.reader()
+        try:
+            while True:
+                lease = svc.acquire(self.dataset_id, epoch, self._unit_rows)
+                if lease is None:
+                    return
+                u, intervals = lease
+                book.add(intervals)
+                unit = units[u]
+                ids = batching.ids_of_ranges(intervals)
+                if len(ids) == 0:
+                    continue
+                table = reader.read(unit, self.columns)
+                local = ids - unit.start
+                if self.shuffle:
+                    order = batching.dynamic_order(len(ids), self.seed, epoch, u, self.batch_size)
+                    ids, index = ids[order], local[order]
+                else:
+                    index = None if len(ids) == unit.num_rows else local
+                yield self._convert(table, index), ids
+        finally:
+            reader.close()
+
+    def _batches(self, chunks: Iterator[tuple[Any, np.ndarray | None]]) -> Iterator[tuple]:
+        """Cut chunks into ``(batch, ranges | None, rows)``; carry partial batches over."""
+        bs = self.batch_size
+        carry: list[Any] = []
+        carry_ids: list[np.ndarray] = []
+        carry_n = 0
+        for cols, ids in chunks:
+            n = num_rows(cols)
+            a = 0
+            if carry_n:
+                a = min(bs - carry_n, n)
+                carry.append(slice_cols(cols, 0, a))
+                if ids is not None:
+                    carry_ids.append(ids[:a])
+                carry_n += a
+                if carry_n == bs:
+                    yield self._finish(concat_cols(carry), carry_ids)
+                    carry, carry_ids, carry_n = [], [], 0
+            while a + bs <= n:
+                yield self._finish(slice_cols(cols, a, a + bs), None if ids is None
+                                   else [ids[a:a + bs]])
+                a += bs
+            if a < n:
+                carry, carry_n = [slice_cols(cols, a, n)], n - a
+                carry_ids = [ids[a:]] if ids is not None else []
+        if carry_n and not self.drop_last:
+            yield self._finish(concat_cols(carry), carry_ids)
+
+    def _finish(self, cols: Any, ids: list[np.ndarray] | None) -> tuple:
+        n = num_rows(cols)
+        out = self.collate(cols) if self.collate is not None else cols
+        if self.device.type == "cuda":
+            out = pin(out)
+        ranges = None
+        if ids:
+            ranges = batching.ranges_of_ids(np.concatenate(ids) if len(ids) > 1 else ids[0])
+        return out, ranges, n
+
+
+class _LeaseBook:
+    """Rows leased by one iterator and not yet handed to a closure (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.outstanding: list[tuple[int, int]] = []
+
+    def add(self, ranges: list[tuple[int, int]]) -> None:
+        with self._lock:
+            self.outstanding = union(self.outstanding, normalize(ranges))
+
+    def delivered(self, ranges: list[tuple[int, int]]) -> None:
+        with self._lock:
+            self.outstanding = subtract(self.outstanding, ranges)
+
+
+class _LoaderIterator:
+    """One pass over a loader's epoch; under ``"dynamic"``, ``next()`` may be called
+    again after ``StopIteration`` to pick up rows that came back to the pool."""
+
+    def __init__(self, loader: ArrowLoader, position: int) -> None:
+        self.loader = loader
+        self.epoch = loader.epoch
+        self.position = position
+        self._dynamic = loader.policy == "dynamic"
+        self._book = _LeaseBook() if self._dynamic else None
+        self._device = loader.device if loader.device.type != "cpu" else None
+        self._thread: threading.Thread | None = None
+        self._gen: Iterator[Any] | None = None
+        self._done = False
+        self._closed = False
+        self._start()
+
+    def _stream(self) -> Iterator[tuple]:
+        ld = self.loader
+        if self._dynamic:
+            return ld._batches(ld._dynamic_chunks(self.epoch, self._book))
+        return ld._batches(ld._static_chunks(self.epoch, self.position))
+
+    def _start(self) -> None:
+        self._done = False
+        gen = self._stream()
+        if self.loader.prefetch == 0:
+            self._gen = gen
+            return
+        self._q: queue.Queue = queue.Queue(maxsize=self.loader.prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_produce, args=(gen, self._q, self._stop), daemon=True,
+            name=f"daskdist-prefetch-{self.loader.dataset_id}",
+        )
+        self._thread.start()
+
+    def __iter__(self) -> _LoaderIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        if self._done:
+            if not self._dynamic:
+                raise StopIteration
+            self._start()  # rows may have come back to the pool since
+        if self._gen is not None:
+            item = next(self._gen, _END)
+        else:
+            item = self._q.get()
+        if item is _END or isinstance(item, _Failure):
+            self._done = True
+            self._join()
+            if item is _END:
+                raise StopIteration
+            raise item.exc
+        batch, ranges, n = item
+        self.position += n
+        if ranges is not None:
+            self._book.delivered(ranges)
+            record_consumed(lease_token(self.loader.dataset_id, self.epoch, ranges))
+        if self._device is not None:
+            batch = to_device(batch, self._device)
+        return batch
+
+    def _join(self) -> None:
+        if self._gen is not None:
+            self._gen.close()
+            self._gen = None
+        if self._thread is not None:
+            self._stop.set()
+            while self._thread.is_alive():
+                try:
+                    self._q.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop prefetching; give back leased rows that were never handed out."""
+        if self._closed:
+            return
+        self._closed = True
+        self._join()
+        if self._book is not None and self._book.outstanding:
+            release = getattr(self.loader.ctx.leases, "release", None)
+            if release is not None:
+                release(self.loader.dataset_id, self.epoch, list(self._book.outstanding))
+            self._book.outstanding = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
