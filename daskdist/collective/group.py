@@ -173,9 +173,12 @@ class Group:
             except Exception as e:
                 runtime.break_group(gen, f"{what} failed: {e}")
                 raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
-            work.get_future().add_done_callback(lambda _f: wake.set())
+            # The future completes a moment before ``work.is_completed()`` turns true:
+            # wait on the future (its callback sets ``wake``), never on the flag.
+            fut = work.get_future()
+            fut.add_done_callback(lambda _f: wake.set())
             deadline = time.monotonic() + self.timeout + _GRACE
-            while not work.is_completed():
+            while not fut.done():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     runtime.bury(pg, work)
@@ -184,7 +187,7 @@ class Group:
                     raise CollectiveError(f"{reason} on rank {self.rank}")
                 wake.wait(left)
                 wake.clear()
-                if work.is_completed():
+                if fut.done():
                     break
                 try:
                     runtime.check(gen)  # woken by mark_peer_lost or teardown?
