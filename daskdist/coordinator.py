@@ -97,10 +97,10 @@ class Coordinator:
         self.client.loop.add_callback(self._results_loop)
 
     # -- plumbing ------------------------------------------------------------------------
-    def _call(self, op: str, timeout: float | None = None, **kwargs: Any) -> Any:
+    def _call(self, op: str, call_timeout: float | None = None, **kwargs: Any) -> Any:
         """Call a scheduler handler from the caller's thread."""
         fn = getattr(self._rpc, op)
-        return self.client.sync(fn, name=self.name, callback_timeout=timeout, **kwargs)
+        return self.client.sync(fn, name=self.name, callback_timeout=call_timeout, **kwargs)
 
     async def _flush(self) -> None:
         """Send queued puts in batches (runs on the client's event loop)."""
@@ -157,7 +157,7 @@ class Coordinator:
 
     def _raise_pending(self, timeout: float | None = None) -> None:
         """Raise the first unraised error, cancelling what is still queued (TF semantics)."""
-        reply = self._call("daskdist_raise", timeout=None, **{"timeout": timeout})
+        reply = self._call("daskdist_raise", timeout=timeout)
         if reply.get("timeout"):
             raise TimeoutError(f"in-flight closures did not finish within {timeout} s")
         for owner, cid in reply["cancelled"]:
@@ -222,12 +222,11 @@ class Coordinator:
             raise TypeError(f"retries must be a non-negative int, got {retries!r}")
         try:
             return cloudpickle.dumps((fn, tuple(args), kwargs or {}))
-        except TypeError as e:
-            if "RemoteValue" in str(e):
-                raise TypeError(str(e)) from None
-            raise TypeError(f"closure {getattr(fn, '__name__', fn)!r} cannot be pickled: {e}") from e
         except Exception as e:
-            raise TypeError(f"closure {getattr(fn, '__name__', fn)!r} cannot be pickled: {e}") from e
+            if isinstance(e, TypeError) and "RemoteValue" in str(e):
+                raise TypeError(str(e)) from None
+            what = getattr(fn, "__name__", repr(fn))
+            raise TypeError(f"closure {what!r} cannot be pickled: {e}") from e
 
     def join(self, timeout: float | None = None) -> None:
         """Block until every closure scheduled here finished; raise the first error."""
@@ -304,7 +303,7 @@ class Coordinator:
             return
         self._closed = True
         try:
-            self._call("daskdist_detach", owner=self._owner, timeout=5)
+            self._call("daskdist_detach", owner=self._owner, call_timeout=5)
         except Exception:
             pass
 

@@ -35,6 +35,8 @@ FINAL_STATES = frozenset({READY, FAILED, CANCELLED})
 USER_ERROR = "user-error"
 INPUT_ERROR = "input-error"
 WORKER_LOST = "worker-lost"
+# A worker gives back a prefetched closure it did not start (an error is being raised).
+UNSTARTED = "unstarted"
 
 
 @dataclass(slots=True, eq=False)

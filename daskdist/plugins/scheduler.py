@@ -26,7 +26,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from daskdist.plugins.membership import Membership
-from daskdist.plugins.queue import ClosureQueue, Outcome
+from daskdist.plugins.queue import UNSTARTED, ClosureQueue, Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -100,15 +100,26 @@ class CoordinatorState:
         """Apply a worker's reported results (each ``(cid, ok, value, kind, tokens)``)."""
         outcomes = []
         q = self.queue
+        unstarted = []
         for cid, ok, value, kind, _tokens in results:
+            if kind == UNSTARTED:
+                unstarted.append(cid)
+                continue
             o = q.finish(session, cid, ok, value, kind)
             if o is not None:
                 outcomes.append(o)
+        if unstarted:
+            q.put_back(session, unstarted)
         self.deliver(outcomes)
         if results:
             self.changed.set()
             if q.queued:
-                self.wake()  # retried closures went back to the queue
+                self.wake()  # retried or unstarted closures went back to the queue
+
+    @property
+    def hold(self) -> bool:
+        """Workers must not start prefetched closures: an error is about to be raised."""
+        return self.queue.error is not None or self.queue.paused
 
     def status(self) -> dict[str, Any]:
         c = self.queue.counters
@@ -347,7 +358,7 @@ class CoordinatorPlugin(SchedulerPlugin):
     def report(self, name: str, session: str, results: list) -> dict:
         co = self._get(name)
         co.apply_results(session, results)
-        return {"version": co.members.version}
+        return {"version": co.members.version, "hold": co.hold}
 
     async def exchange(
         self,
@@ -401,6 +412,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             "closures": [(c.cid, c.payload, c.attempt) for c in closures],
             "num_workers": len(co.members),
             "version": co.members.version,
+            "hold": co.hold,
         }
 
 

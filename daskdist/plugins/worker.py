@@ -27,6 +27,7 @@ from distributed.utils import sync
 
 from daskdist.context import InputContext, WorkerContext, _set_current, _set_membership
 from daskdist.errors import InputError
+from daskdist.plugins.queue import INPUT_ERROR, UNSTARTED, USER_ERROR
 from daskdist.values import PerWorkerValues, dump_error, map_structure
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class ClosureRunner:
         self.polling = False  # a blocking exchange is outstanding
         self.reporting = False
         self.stopping = False
+        self.hold = False  # the scheduler is raising an error: give prefetched closures back
         self.task: asyncio.Task | None = None
         self.resources = ResourceRegistry(self._fetch_spec, self._contexts)
 
@@ -161,7 +163,10 @@ class ClosureRunner:
         backoff = 0.05
         while not self.stopping:
             want = 0 if self._retiring() else self.capacity - self.running
-            if not self.done and want <= 0:
+            # Report results as soon as there are any (asking for more in the same call);
+            # long-poll only when a thread is idle; otherwise wait for a result, so the
+            # loop does not compete with running closures for the GIL.
+            if not self.done and (want <= 0 or self.running >= self.nthreads):
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
@@ -190,6 +195,7 @@ class ClosureRunner:
             for r in results:
                 self.held.discard(r[0])
             self.num_workers = reply["num_workers"]
+            self.hold = reply["hold"]
             _set_membership(reply["version"])
             session = self.session
             for cid, payload, attempt in reply["closures"]:
@@ -214,7 +220,7 @@ class ClosureRunner:
             while self.polling and self.done:
                 results, self.done = self.done, []
                 try:
-                    await self.worker.scheduler.daskdist_report(
+                    reply = await self.worker.scheduler.daskdist_report(
                         name=self.name, session=self.session, results=results
                     )
                 except (OSError, CommClosedError):
@@ -222,6 +228,7 @@ class ClosureRunner:
                     return
                 for r in results:
                     self.held.discard(r[0])
+                self.hold = reply["hold"]
         finally:
             self.reporting = False
 
@@ -238,6 +245,9 @@ class ClosureRunner:
                     name=self.name, rid=rid)
 
     def _run(self, session: str, cid: str, payload: bytes, attempt: int) -> None:
+        if self.hold:  # an error is being raised: this closure counts as still queued
+            self._finished(session, (cid, False, None, UNSTARTED, []))
+            return
         tokens: list = []
         _set_current(self._contexts(attempt)[0], tokens.append)
         try:
@@ -247,11 +257,14 @@ class ClosureRunner:
             value = fn(*args, **kwargs)
             result = (cid, True, dumps(value), None, tokens)
         except InputError as e:
-            result = (cid, False, dump_error(e), "input-error", tokens)
+            result = (cid, False, dump_error(e), INPUT_ERROR, tokens)
         except BaseException as e:  # noqa: BLE001 - every user error goes back to the client
-            result = (cid, False, dump_error(e), "user-error", tokens)
+            result = (cid, False, dump_error(e), USER_ERROR, tokens)
         finally:
             _set_current(None, None)
+        self._finished(session, result)
+
+    def _finished(self, session: str, result: tuple) -> None:
         try:
             self.worker.loop.add_callback(self._on_done, session, result)
         except RuntimeError:  # the worker's loop is closed: the worker is going away

@@ -1,0 +1,79 @@
+"""Shared fixtures: real LocalClusters with worker processes, and condition waits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+
+def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "condition",
+               interval: float = 0.02):
+    """Poll ``pred`` until it is truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def make_cluster(n_workers: int = 2, threads: int = 1, **kwargs):
+    from distributed import LocalCluster
+
+    return LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=threads,
+        processes=True,
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+        **kwargs,
+    )
+
+
+def worker_pids(client) -> dict[str, int]:
+    return client.run(os.getpid)
+
+
+def sigkill(pid: int) -> float:
+    """SIGKILL a worker process; returns the time of the kill."""
+    t = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    return t
+
+
+def wait_for_workers(client, coord, n: int, timeout: float = 60.0) -> None:
+    """Wait until ``n`` Dask workers run and all have joined ``coord``."""
+    wait_until(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) >= n
+               and coord.status()["workers"] >= n, timeout, f"{n} workers")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with make_cluster(2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    from distributed import Client
+
+    with Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture
+def coord(client, request):
+    """A Coordinator with a queue of its own (named after the test)."""
+    import daskdist as dd
+
+    co = dd.Coordinator(client, name=request.node.name)
+    wait_for_workers(client, co, 2)
+    yield co
+    co.close()

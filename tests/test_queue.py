@@ -1,0 +1,290 @@
+"""Unit tests of the pure closure queue and membership state machines."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from daskdist.plugins.membership import Membership
+from daskdist.plugins.queue import (
+    CANCELLED,
+    FAILED,
+    INPUT_ERROR,
+    READY,
+    RUNNING,
+    USER_ERROR,
+    WORKER_LOST,
+    ClosureQueue,
+)
+
+
+def make(n: int, q: ClosureQueue | None = None, owner: str = "o") -> ClosureQueue:
+    q = q or ClosureQueue()
+    for i in range(n):
+        q.put(f"{owner}-{i}", owner, f"payload{i}")
+    return q
+
+
+def test_dispatch_is_fifo_and_bounded():
+    q = make(5)
+    q.add_session("s")
+    got = q.dispatch("s", 3)
+    assert [c.cid for c in got] == ["o-0", "o-1", "o-2"]
+    assert all(c.state == RUNNING and c.attempt == 1 for c in got)
+    assert q.inflight == 3 and q.queued == 2
+    assert [c.cid for c in q.dispatch("s", 10)] == ["o-3", "o-4"]
+    assert q.dispatch("s", 10) == []
+
+
+def test_unknown_or_draining_session_gets_nothing():
+    q = make(2)
+    assert q.dispatch("nobody", 5) == []
+    q.add_session("s")
+    q.drain_session("s")
+    assert q.dispatch("s", 5) == [] and not q.has_work_for("s")
+    q.add_session("t")
+    assert q.has_work_for("t") and len(q.dispatch("t", 5)) == 2
+
+
+def test_finish_ready_is_final_once_and_forgotten():
+    q = make(1)
+    q.add_session("s")
+    (c,) = q.dispatch("s", 1)
+    out = q.finish("s", c.cid, True, b"result")
+    assert out.state == READY and out.value == b"result" and out.attempt == 1
+    assert q.finish("s", c.cid, True, b"again") is None  # duplicate refused
+    assert q.counters.refused == 1 and q.counters.done == 1
+    assert q.unfinished() == 0 and c.cid not in q.closures
+
+
+def test_finish_from_wrong_session_is_fenced():
+    q = make(1)
+    q.add_session("a")
+    q.add_session("b")
+    (c,) = q.dispatch("a", 1)
+    assert q.finish("b", c.cid, True, b"x") is None
+    assert q.closures[c.cid].state == RUNNING
+
+
+def test_session_loss_puts_back_at_head_in_order_and_counts():
+    q = make(4)
+    q.add_session("a")
+    q.add_session("b")
+    q.dispatch("a", 2)  # o-0, o-1
+    assert q.remove_session("a") == []
+    assert q.counters.recovered == 2
+    got = q.dispatch("b", 4)
+    assert [c.cid for c in got] == ["o-0", "o-1", "o-2", "o-3"]
+    assert [c.attempt for c in got[:2]] == [2, 2]
+    # a late finish from the lost session is refused
+    assert q.finish("a", "o-0", True, b"late") is None
+
+
+def test_worker_lost_limit_fails_closure_and_records_error():
+    q = ClosureQueue(max_worker_failures=2)
+    make(1, q)
+    for n in range(2):
+        q.add_session(f"s{n}")
+        q.dispatch(f"s{n}", 1)
+        outs = q.remove_session(f"s{n}")
+    assert len(outs) == 1 and outs[0].state == FAILED and outs[0].kind == WORKER_LOST
+    assert q.error is outs[0]
+
+
+def test_user_error_retries_then_fails():
+    q = make(1)
+    q.closures["o-0"].retries = 2
+    q.add_session("s")
+    for attempt in (1, 2):
+        (c,) = q.dispatch("s", 1)
+        assert c.attempt == attempt
+        assert q.finish("s", c.cid, False, b"err") is None
+    (c,) = q.dispatch("s", 1)
+    out = q.finish("s", c.cid, False, b"err", USER_ERROR)
+    assert out.state == FAILED and out.attempt == 3 and q.counters.retried == 2
+
+
+def test_input_error_is_not_retried():
+    q = ClosureQueue()
+    q.put("x-0", "x", b"", retries=5)
+    q.add_session("s")
+    q.dispatch("s", 1)
+    out = q.finish("s", "x-0", False, b"e", INPUT_ERROR)
+    assert out.state == FAILED and out.kind == INPUT_ERROR
+
+
+def test_first_error_kept_and_cancel_pending():
+    q = make(5)
+    q.add_session("s")
+    a, b = q.dispatch("s", 2)
+    first = q.finish("s", a.cid, False, b"first")
+    q.finish("s", b.cid, False, b"second")
+    assert q.error is first
+    cancelled = q.cancel_pending()
+    assert [o.cid for o in cancelled] == ["o-2", "o-3", "o-4"]
+    assert all(o.state == CANCELLED for o in cancelled)
+    assert q.take_error() is first and q.error is None and q.unfinished() == 0
+
+
+def test_cancel_pending_by_owner_keeps_others():
+    q = make(2, owner="a")
+    make(2, q, owner="b")
+    out = q.cancel_pending("a")
+    assert {o.cid for o in out} == {"a-0", "a-1"}
+    q.add_session("s")
+    assert [c.cid for c in q.dispatch("s", 5)] == ["b-0", "b-1"]
+
+
+def test_pause_blocks_dispatch():
+    q = make(1)
+    q.add_session("s")
+    q.paused = True
+    assert q.dispatch("s", 1) == []
+    q.paused = False
+    assert len(q.dispatch("s", 1)) == 1
+
+
+def test_reconcile_puts_back_what_the_session_does_not_hold():
+    q = make(3)
+    q.add_session("s")
+    q.dispatch("s", 3)
+    assert q.reconcile("s", ["o-1"]) == 2
+    assert q.running_on("s") == frozenset({"o-1"})
+    q.add_session("t")
+    got = q.dispatch("t", 3)
+    assert [c.cid for c in got] == ["o-0", "o-2"]
+    assert [c.attempt for c in got] == [1, 1]  # never received: not an attempt
+
+
+def test_pinned_closures_only_go_to_their_session():
+    q = ClosureQueue()
+    q.put("p-0", "o", b"", pinned="b")
+    q.put("p-1", "o", b"")
+    q.add_session("a")
+    q.add_session("b")
+    assert [c.cid for c in q.dispatch("a", 5)] == ["p-1"]
+    assert [c.cid for c in q.dispatch("b", 5)] == ["p-0"]
+
+
+def test_duplicate_put_ignored_and_negative_retries_rejected():
+    q = make(1)
+    assert q.put("o-0", "o", b"other") is False
+    assert q.queued == 1
+    with pytest.raises(ValueError, match="retries"):
+        q.put("z", "o", b"", retries=-1)
+
+
+def test_membership_indices_are_dense_and_reused():
+    m = Membership()
+    a, _ = m.join("sa", "tcp://a")
+    b, _ = m.join("sb", "tcp://b")
+    c, _ = m.join("sc", "tcp://c")
+    assert (a.index, b.index, c.index) == (0, 1, 2)
+    m.leave("sb")
+    d, _ = m.join("sd", "tcp://d")
+    assert d.index == 1  # the lowest free index
+    assert [x.session for x in m.by_index()] == ["sa", "sd", "sc"]
+    # a new session on the same address replaces the old one and takes its index
+    v = m.version
+    e, replaced = m.join("se", "tcp://a")
+    assert replaced.session == "sa" and e.index == 0 and m.version == v + 2
+    assert m.drain("tcp://d") == "sd" and m.members["sd"].draining
+
+
+class QueueMachine(RuleBasedStateMachine):
+    """Random put / dispatch / finish / fail / lose / cancel / raise sequences."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = ClosureQueue(max_worker_failures=3)
+        self.n = 0
+        self.sessions: list[str] = []
+        self.nsess = 0
+        self.finals: dict[str, str] = {}
+        self.put_ids: set[str] = set()
+
+    def _record(self, outcomes):
+        for o in outcomes:
+            assert o.cid not in self.finals, f"{o.cid} final twice"
+            self.finals[o.cid] = o.state
+
+    @rule(retries=st.integers(0, 2))
+    def put(self, retries):
+        cid = f"o-{self.n}"
+        self.n += 1
+        assert self.q.put(cid, "o", b"", retries)
+        self.put_ids.add(cid)
+
+    @rule()
+    def add_session(self):
+        s = f"s{self.nsess}"
+        self.nsess += 1
+        self.q.add_session(s)
+        self.sessions.append(s)
+
+    @precondition(lambda self: self.sessions)
+    @rule(i=st.integers(0, 10), n=st.integers(1, 4))
+    def dispatch(self, i, n):
+        s = self.sessions[i % len(self.sessions)]
+        for c in self.q.dispatch(s, n):
+            assert c.state == RUNNING and c.session == s
+
+    @precondition(lambda self: self.q.inflight)
+    @rule(i=st.integers(0, 1000), ok=st.booleans(), kind=st.sampled_from([USER_ERROR, INPUT_ERROR]))
+    def finish(self, i, ok, kind):
+        running = sorted((c.cid, c.session) for c in self.q.closures.values() if c.state == RUNNING)
+        cid, s = running[i % len(running)]
+        out = self.q.finish(s, cid, ok, b"v", kind)
+        if out is not None:
+            self._record([out])
+        # a second report of the same run is always refused
+        assert self.q.finish(s, cid, ok, b"v", kind) is None
+
+    @precondition(lambda self: self.sessions)
+    @rule(i=st.integers(0, 10))
+    def lose_session(self, i):
+        s = self.sessions.pop(i % len(self.sessions))
+        self._record(self.q.remove_session(s))
+
+    @precondition(lambda self: self.sessions)
+    @rule(i=st.integers(0, 10))
+    def reconcile_nothing_held(self, i):
+        self.q.reconcile(self.sessions[i % len(self.sessions)], [])
+
+    @rule()
+    def raise_error(self):
+        # the scheduler raises only with nothing in flight
+        if self.q.error is not None and self.q.inflight == 0:
+            self._record(self.q.cancel_pending())
+            self.q.take_error()
+
+    @invariant()
+    def consistent(self):
+        self.q.check_invariants()
+        live = set(self.q.closures)
+        assert live.isdisjoint(self.finals)
+        assert live | set(self.finals) == self.put_ids
+        assert self.q.inflight == sum(1 for c in self.q.closures.values() if c.state == RUNNING)
+        assert self.q.queued + self.q.inflight == len(live)
+
+    def teardown(self):
+        # drain: every worker leaves, then a fresh one runs what is left; everything
+        # ends exactly once in a final state
+        for s in self.sessions:
+            self._record(self.q.remove_session(s))
+        self.q.add_session("final")
+        for _ in range(100):
+            for c in self.q.dispatch("final", 1000):
+                out = self.q.finish("final", c.cid, True, b"v")
+                if out is not None:
+                    self._record([out])
+            if not self.q.closures:
+                break
+        assert set(self.finals) == self.put_ids
+        assert set(self.finals.values()) <= {READY, FAILED, CANCELLED}
+
+
+TestQueueMachine = QueueMachine.TestCase
+TestQueueMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
