@@ -127,10 +127,12 @@ class Pool:
     def close(self) -> None:
         for q in self.commands:
             q.put(None)
+        deadline = time.monotonic() + 2
         for p in self.procs:
-            p.join(5)
-            if p.is_alive():
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():  # e.g. gloo finishing abandoned work at interpreter exit
                 p.kill()
+                p.join(5)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,7 @@ def pool():
 
 def form(pool: Pool, ranks=None, timeout: float = 20.0, backend: str = "gloo") -> int:
     """Bootstrap a group on ``ranks`` (pool indices, in rank order) the plugin's way."""
+    pool.ensure_alive()
     ranks = list(range(WORLD) if ranks is None else ranks)
     gen = next(_generations)
     (host, port) = pool.run(_create_store, ranks=[ranks[0]], args=(gen,))[0]
@@ -573,7 +576,6 @@ def test_sigkilled_peer_raises_collective_error_quickly(pool):
     # The survivors re-form as generation + 1 and work.
     form(pool, ranks=[0, 1])
     pool.run(_ops, ranks=[0, 1], args=("float32",))
-    pool.ensure_alive()
 
 
 @pytest.mark.gpu
