@@ -13,8 +13,11 @@ rare batch that straddles two chunks is concatenated (:func:`concat_cols`).
 
 from __future__ import annotations
 
+import os
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -96,11 +99,38 @@ def _as_array(col: pa.ChunkedArray | pa.Array) -> pa.Array:
     return col
 
 
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_PARALLEL_MIN = 1 << 18  # gathered elements (rows x numeric columns) worth two threads
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(2, thread_name_prefix="daskdist-gather")
+        return _POOL
+
+
+def _gather(arrays: dict[str, np.ndarray], index: np.ndarray) -> dict[str, np.ndarray]:
+    """``np.take`` of every array by ``index`` (axis 0); numpy releases the GIL, so big
+    gathers are split over two threads by column."""
+    names = list(arrays)
+    if len(names) < 2 or len(index) * len(names) < _PARALLEL_MIN or (os.cpu_count() or 1) < 2:
+        return {k: np.take(arrays[k], index, axis=0) for k in names}
+    half = names[len(names) // 2:]
+    fut = _pool().submit(lambda: {k: np.take(arrays[k], index, axis=0) for k in half})
+    out = {k: np.take(arrays[k], index, axis=0) for k in names[: len(names) // 2]}
+    out.update(fut.result())
+    return out
+
+
 def convert_table(
     table: pa.Table, index: np.ndarray | None = None, fill_null: Any = None
 ) -> Columns:
     """Columns of ``table`` (rows ``index`` in that order, if given) as tensors / lists."""
     out: Columns = {}
+    numeric: dict[str, np.ndarray] = {}
     for name, col in zip(table.column_names, table.columns, strict=True):
         t = col.type
         fill = _fill_value(name, fill_null)
@@ -117,14 +147,17 @@ def convert_table(
                 x = (_fixed_list_numpy if pa.types.is_fixed_size_list(t) else _numeric_numpy)(
                     name, arr, fill
                 )
-            if index is not None:
-                x = np.take(x, index, axis=0)
-            out[name] = torch.from_numpy(x)
+            numeric[name] = x
+            out[name] = None  # keeps the column order
         else:
             arr = _as_array(col)
             if index is not None:
                 arr = arr.take(pa.array(index))
             out[name] = arr.to_pylist()
+    if index is not None:
+        numeric = _gather(numeric, index)
+    for name, x in numeric.items():
+        out[name] = torch.from_numpy(x)
     return out
 
 

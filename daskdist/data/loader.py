@@ -19,8 +19,8 @@ consumer's (closure's) thread. State for resuming is ``(epoch, seed, position)``
 from __future__ import annotations
 
 import os
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -47,25 +47,57 @@ class _Failure:
         self.exc = exc
 
 
-def _produce(gen: Iterator[Any], q: queue.Queue, stop: threading.Event) -> None:
-    """Producer thread body: push every item of ``gen``, then ``_END`` (or a failure)."""
+class _ChunkBuffer:
+    """Bounded hand-off of converted chunks from the prefetch thread to the consumer.
 
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+    The producer waits while the queued chunks hold ``max_rows`` rows or more (``prefetch``
+    batches), so memory is bounded by that plus the chunk being built (one shuffle block).
+    """
 
+    def __init__(self, max_rows: int) -> None:
+        self._cv = threading.Condition()
+        self._items: deque[tuple[Any, int]] = deque()
+        self._rows = 0
+        self._max_rows = max(1, max_rows)
+        self._closed = False
+
+    def put(self, item: Any, rows: int) -> bool:
+        with self._cv:
+            while self._rows >= self._max_rows and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                return False
+            self._items.append((item, rows))
+            self._rows += rows
+            self._cv.notify_all()
+            return True
+
+    def get(self) -> Any:
+        with self._cv:
+            while not self._items:
+                self._cv.wait()
+            item, rows = self._items.popleft()
+            self._rows -= rows
+            self._cv.notify_all()
+            return item
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._items.clear()
+            self._rows = 0
+            self._cv.notify_all()
+
+
+def _produce(gen: Iterator[tuple], buf: _ChunkBuffer) -> None:
+    """Prefetch thread body: push every chunk of ``gen``, then ``_END`` (or a failure)."""
     try:
         for item in gen:
-            if not put(item):
+            if not buf.put(item, item[2]):
                 return
-        put(_END)
+        buf.put(_END, 0)
     except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-        put(_Failure(e))
+        buf.put(_Failure(e), 0)
     finally:
         gen.close()
 
@@ -295,43 +327,15 @@ class ArrowLoader:
         finally:
             reader.close()
 
-    def _batches(self, chunks: Iterator[tuple[Any, np.ndarray | None]]) -> Iterator[tuple]:
-        """Cut chunks into ``(batch, ranges | None, rows)``; carry partial batches over."""
-        bs = self.batch_size
-        carry: list[Any] = []
-        carry_ids: list[np.ndarray] = []
-        carry_n = 0
+    def _chunks(self, chunks: Iterator[tuple[Any, np.ndarray | None]]) -> Iterator[tuple]:
+        """``(columns, ids | None, rows)`` per chunk, pinned for CUDA devices."""
         for cols, ids in chunks:
             n = num_rows(cols)
-            a = 0
-            if carry_n:
-                a = min(bs - carry_n, n)
-                carry.append(slice_cols(cols, 0, a))
-                if ids is not None:
-                    carry_ids.append(ids[:a])
-                carry_n += a
-                if carry_n == bs:
-                    yield self._finish(concat_cols(carry), carry_ids)
-                    carry, carry_ids, carry_n = [], [], 0
-            while a + bs <= n:
-                yield self._finish(slice_cols(cols, a, a + bs), None if ids is None
-                                   else [ids[a:a + bs]])
-                a += bs
-            if a < n:
-                carry, carry_n = [slice_cols(cols, a, n)], n - a
-                carry_ids = [ids[a:]] if ids is not None else []
-        if carry_n and not self.drop_last:
-            yield self._finish(concat_cols(carry), carry_ids)
-
-    def _finish(self, cols: Any, ids: list[np.ndarray] | None) -> tuple:
-        n = num_rows(cols)
-        out = self.collate(cols) if self.collate is not None else cols
-        if self.device.type == "cuda":
-            out = pin(out)
-        ranges = None
-        if ids:
-            ranges = batching.ranges_of_ids(np.concatenate(ids) if len(ids) > 1 else ids[0])
-        return out, ranges, n
+            if n == 0:
+                continue
+            if self.device.type == "cuda" and self.collate is None:
+                cols = pin(cols)
+            yield cols, ids, n
 
 
 class _LeaseBook:
@@ -352,81 +356,125 @@ class _LeaseBook:
 
 class _LoaderIterator:
     """One pass over a loader's epoch; under ``"dynamic"``, ``next()`` may be called
-    again after ``StopIteration`` to pick up rows that came back to the pool."""
+    again after ``StopIteration`` to pick up rows that came back to the pool.
+
+    The prefetch thread converts whole chunks (the GIL-free part: reading, decoding,
+    gathering); ``__next__`` cuts ``batch_size`` views from the current chunk, so slicing
+    overlaps with the next chunk's decoding. Only a batch straddling chunks is copied.
+    """
 
     def __init__(self, loader: ArrowLoader, position: int) -> None:
         self.loader = loader
         self.epoch = loader.epoch
         self.position = position
+        self._bs = loader.batch_size
         self._dynamic = loader.policy == "dynamic"
         self._book = _LeaseBook() if self._dynamic else None
         self._device = loader.device if loader.device.type != "cpu" else None
+        self._cur: list | None = None  # [columns, ids, rows, next row]
         self._thread: threading.Thread | None = None
-        self._gen: Iterator[Any] | None = None
+        self._buf: _ChunkBuffer | None = None
+        self._gen: Iterator[tuple] | None = None
         self._done = False
         self._closed = False
         self._start()
 
-    def _stream(self) -> Iterator[tuple]:
-        ld = self.loader
-        if self._dynamic:
-            return ld._batches(ld._dynamic_chunks(self.epoch, self._book))
-        return ld._batches(ld._static_chunks(self.epoch, self.position))
-
     def _start(self) -> None:
+        ld = self.loader
         self._done = False
-        gen = self._stream()
-        if self.loader.prefetch == 0:
+        if self._dynamic:
+            gen = ld._chunks(ld._dynamic_chunks(self.epoch, self._book))
+        else:
+            gen = ld._chunks(ld._static_chunks(self.epoch, self.position))
+        if ld.prefetch == 0:
             self._gen = gen
             return
-        self._q: queue.Queue = queue.Queue(maxsize=self.loader.prefetch)
-        self._stop = threading.Event()
+        self._buf = _ChunkBuffer(ld.prefetch * ld.batch_size)
         self._thread = threading.Thread(
-            target=_produce, args=(gen, self._q, self._stop), daemon=True,
-            name=f"daskdist-prefetch-{self.loader.dataset_id}",
+            target=_produce, args=(gen, self._buf), daemon=True,
+            name=f"daskdist-prefetch-{ld.dataset_id}",
         )
         self._thread.start()
 
     def __iter__(self) -> _LoaderIterator:
         return self
 
-    def __next__(self) -> Any:
-        if self._closed:
-            raise StopIteration
+    def _next_chunk(self) -> tuple | None:
         if self._done:
-            if not self._dynamic:
-                raise StopIteration
-            self._start()  # rows may have come back to the pool since
-        if self._gen is not None:
-            item = next(self._gen, _END)
-        else:
-            item = self._q.get()
+            return None
+        item = next(self._gen, _END) if self._gen is not None else self._buf.get()
         if item is _END or isinstance(item, _Failure):
             self._done = True
             self._join()
-            if item is _END:
-                raise StopIteration
-            raise item.exc
-        batch, ranges, n = item
+            if item is not _END:
+                raise item.exc
+            return None
+        return item
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        bs = self._bs
+        cur = self._cur
+        if cur is not None and cur[3] + bs <= cur[2]:  # fast path: a view of the chunk
+            a = cur[3]
+            cur[3] = a + bs
+            cols = slice_cols(cur[0], a, a + bs)
+            ids = cur[1][a:a + bs] if cur[1] is not None else None
+        else:
+            cols, ids = self._gather()
+        n = num_rows(cols)
         self.position += n
-        if ranges is not None:
+        if ids is not None:
+            ranges = batching.ranges_of_ids(ids)
             self._book.delivered(ranges)
             record_consumed(lease_token(self.loader.dataset_id, self.epoch, ranges))
+        if self.loader.collate is not None:
+            cols = self.loader.collate(cols)
         if self._device is not None:
-            batch = to_device(batch, self._device)
-        return batch
+            cols = to_device(cols, self._device)
+        return cols
+
+    def _gather(self) -> tuple[Any, np.ndarray | None]:
+        """A batch from the rest of the current chunk and the next ones (copies)."""
+        bs = self._bs
+        parts: list[Any] = []
+        id_parts: list[np.ndarray] = []
+        got = 0
+        if self._done and self._dynamic and self._cur is None:
+            self._start()  # rows may have come back to the pool since
+        while got < bs:
+            cur = self._cur
+            if cur is None or cur[3] >= cur[2]:
+                self._cur = None
+                chunk = self._next_chunk()
+                if chunk is None:
+                    break
+                cur = self._cur = [chunk[0], chunk[1], chunk[2], 0]
+            a = cur[3]
+            b = min(cur[2], a + bs - got)
+            parts.append(slice_cols(cur[0], a, b))
+            if cur[1] is not None:
+                id_parts.append(cur[1][a:b])
+            cur[3] = b
+            got += b - a
+        if got == 0 or (got < bs and self.loader.drop_last):
+            raise StopIteration
+        ids = None
+        if id_parts:
+            ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
+        cols = concat_cols(parts)
+        if self.loader.device.type == "cuda" and self.loader.collate is None and len(parts) > 1:
+            cols = pin(cols)
+        return cols, ids
 
     def _join(self) -> None:
         if self._gen is not None:
             self._gen.close()
             self._gen = None
         if self._thread is not None:
-            self._stop.set()
-            while self._thread.is_alive():
-                try:
-                    self._q.get(timeout=0.05)
-                except queue.Empty:
-                    pass
+            self._buf.close()
+            self._thread.join()
             self._thread = None
 
     def close(self) -> None:
@@ -434,6 +482,7 @@ class _LoaderIterator:
         if self._closed:
             return
         self._closed = True
+        self._cur = None
         self._join()
         if self._book is not None and self._book.outstanding:
             release = getattr(self.loader.ctx.leases, "release", None)

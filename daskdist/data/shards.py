@@ -135,7 +135,7 @@ class ArrowShards:
     # -- metadata ----------------------------------------------------------------------
     def _open(self, path: str) -> Any:
         if _is_local(self.fs):
-            return path  # let pyarrow read local files natively
+            return pa.memory_map(path)  # local: pyarrow reads the mapped pages directly
         return self.fs.open(path, "rb")
 
     def _sniff(self, path: str) -> str:

@@ -1,0 +1,233 @@
+"""Data benchmark: ArrowLoader rows/s against the pyarrow limit and what users write today.
+
+Writes 16 Parquet files (``--rows`` rows in all, 32 float32 features + an int64 label,
+row groups of 64k) to a temp dir, then measures, in one run, rows/s of:
+
+- the limit: pyarrow ``iter_batches(65536)``, each column to a tensor once with
+  ``torch.from_numpy``, then 1024-row views (no shuffle, no per-row work);
+- ArrowLoader without and with shuffle (batch 1024);
+- a hand-written map-style torch ``Dataset`` + ``DataLoader(batch_size=1024, shuffle=True)``
+  (measured on at most ``--map-rows`` rows: it is per-row and slow);
+- a torch ``IterableDataset`` over record batches with ``DataLoader(num_workers=2)``;
+- Ray Data ``iter_torch_batches`` when ``ray`` is installed (skipped otherwise).
+
+Each figure is printed beside the limit as a ratio, with the issue's targets, and the
+peak RSS after the ArrowLoader runs (bounded by its buffers, not the data size).
+
+    python benchmarks/bench_data.py            # 4M rows
+    python benchmarks/bench_data.py --rows 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from daskdist.data import ArrowLoader, ArrowShards
+
+FEATURES = [f"f{i}" for i in range(32)]
+BATCH = 1024
+FILES = 16
+
+
+def write_data(root: str, rows: int, row_group: int, dictionary: bool = False) -> list[str]:
+    rng = np.random.default_rng(0)
+    paths = []
+    per = -(-rows // FILES)
+    for f in range(FILES):
+        n = max(0, min(per, rows - f * per))
+        cols = {c: rng.random(n, dtype=np.float32) for c in FEATURES}
+        cols["label"] = np.arange(f * per, f * per + n, dtype=np.int64)
+        path = os.path.join(root, f"part-{f:02d}.parquet")
+        # Dense random float features gain nothing from dictionary pages (pyarrow's
+        # default tries them first); --dictionary keeps the default.
+        pq.write_table(pa.table(cols), path, row_group_size=row_group,
+                       use_dictionary=dictionary)
+        paths.append(path)
+    return paths
+
+
+def peak_rss_mb() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 1024 if sys.platform != "darwin" else r / 2**20
+
+
+def timed(fn) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    n = fn()
+    return n / (time.perf_counter() - t0), n
+
+
+def run_limit(paths: list[str]) -> int:
+    n = 0
+    for p in paths:
+        for rb in pq.ParquetFile(p).iter_batches(65536):
+            cols = {name: torch.from_numpy(rb.column(i).to_numpy())
+                    for i, name in enumerate(rb.schema.names)}
+            for a in range(0, rb.num_rows, BATCH):
+                batch = {k: v[a:a + BATCH] for k, v in cols.items()}
+                n += len(batch["label"])
+    return n
+
+
+def run_loader(root: str, shuffle: bool) -> int:
+    loader = ArrowLoader(ArrowShards(root), None, batch_size=BATCH, shuffle=shuffle, seed=0)
+    n = 0
+    for batch in loader:
+        n += len(batch["label"])
+    return n
+
+
+class MapDataset(torch.utils.data.Dataset):
+    """What users write today: the table in memory, one row per ``__getitem__``."""
+
+    def __init__(self, paths: list[str], max_rows: int) -> None:
+        table = pa.concat_tables(pq.read_table(p) for p in paths).slice(0, max_rows)
+        self.x = np.stack([table.column(c).to_numpy() for c in FEATURES], axis=1)
+        self.y = table.column("label").to_numpy()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return torch.from_numpy(self.x[i]), int(self.y[i])
+
+
+def run_map_style(ds: MapDataset) -> int:
+    n = 0
+    for x, _y in torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True):
+        n += len(x)
+    return n
+
+
+class RecordBatches(torch.utils.data.IterableDataset):
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        paths = self.paths if info is None else self.paths[info.id::info.num_workers]
+        for p in paths:
+            for rb in pq.ParquetFile(p).iter_batches(65536):
+                cols = {name: torch.from_numpy(rb.column(i).to_numpy())
+                        for i, name in enumerate(rb.schema.names)}
+                for a in range(0, rb.num_rows, BATCH):
+                    yield {k: v[a:a + BATCH] for k, v in cols.items()}
+
+
+def run_iterable(paths: list[str], workers: int) -> int:
+    n = 0
+    dl = torch.utils.data.DataLoader(RecordBatches(paths), batch_size=None, num_workers=workers)
+    for batch in dl:
+        n += len(batch["label"])
+    return n
+
+
+def run_ray(root: str) -> int:
+    import ray
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, ignore_reinit_error=True)
+    try:
+        ds = ray.data.read_parquet(root)
+        n = 0
+        for batch in ds.iter_torch_batches(batch_size=BATCH):
+            n += len(batch["label"])
+        return n
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--row-group", type=int, default=65536)
+    ap.add_argument("--map-rows", type=int, default=300_000,
+                    help="rows for the (slow, per-row) map-style DataLoader")
+    ap.add_argument("--dictionary", action="store_true",
+                    help="write with pyarrow's default dictionary encoding")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per figure; best is kept")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+    with tempfile.TemporaryDirectory(prefix="daskdist-bench-") as root:
+        t0 = time.perf_counter()
+        paths = write_data(root, args.rows, args.row_group, args.dictionary)
+        size = sum(os.path.getsize(p) for p in paths) / 2**20
+        raw = args.rows * (32 * 4 + 8) / 2**20
+        print(f"data: {FILES} files, {args.rows:,} rows, {size:.0f} MB on disk, "
+              f"{raw:.0f} MB in memory; written in {time.perf_counter() - t0:.1f} s")
+        rss_before = peak_rss_mb()
+
+        def best(fn):
+            return max(timed(fn)[0] for _ in range(args.repeat))
+
+        figures: dict[str, float] = {}
+        figures["limit"] = best(lambda: run_limit(paths))
+        figures["loader"] = best(lambda: run_loader(root, False))
+        figures["loader_shuffle"] = best(lambda: run_loader(root, True))
+        rss_loader = peak_rss_mb()
+        figures["iterable_w0"] = best(lambda: run_iterable(paths, 0))
+        figures["iterable_w2"] = timed(lambda: run_iterable(paths, 2))[0]
+        ds = MapDataset(paths, min(args.map_rows, args.rows))
+        figures["map_style"] = timed(lambda: run_map_style(ds))[0]
+        del ds
+        ray_rate = None
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            print("ray: not installed (optional `bench` extra); Ray Data comparison skipped")
+        else:
+            t1 = time.perf_counter()
+            ray_rate = timed(lambda: run_ray(root))[0]
+            print(f"ray: measured in {time.perf_counter() - t1:.1f} s including start-up")
+
+    lim = figures["limit"]
+    print(f"\n{'pipeline':<44}{'rows/s':>12}{'x limit':>10}")
+    labels = {
+        "limit": "limit: pyarrow iter_batches -> from_numpy",
+        "loader": "ArrowLoader (no shuffle)",
+        "loader_shuffle": "ArrowLoader (shuffle)",
+        "iterable_w0": "torch IterableDataset, num_workers=0",
+        "iterable_w2": "torch IterableDataset, num_workers=2",
+        "map_style": "torch map-style Dataset, shuffle=True",
+    }
+    for k, label in labels.items():
+        print(f"{label:<44}{figures[k] / 1e6:>10.2f} M{figures[k] / lim:>10.2f}")
+    if ray_rate is not None:
+        print(f"{'Ray Data iter_torch_batches':<44}{ray_rate / 1e6:>10.2f} M{ray_rate / lim:>10.2f}")
+
+    print("\ntargets:")
+    checks = [
+        ("ArrowLoader / limit (no shuffle)", figures["loader"] / lim, 0.85),
+        ("ArrowLoader / limit (shuffle)", figures["loader_shuffle"] / lim, 0.6),
+        ("ArrowLoader shuffle / map-style DataLoader",
+         figures["loader_shuffle"] / figures["map_style"], 20.0),
+    ]
+    if ray_rate is not None:
+        checks.append(("ArrowLoader / Ray Data", figures["loader"] / ray_rate, 10.0))
+    ok = True
+    for label, ratio, target in checks:
+        good = ratio >= target
+        ok &= good
+        print(f"  {label:<44}{ratio:>8.2f}x  (target >= {target}x)  {'ok' if good else 'MISS'}")
+    if ray_rate is None:
+        print(f"  {'ArrowLoader / Ray Data':<44}{'skipped':>9}  (ray not installed)")
+    print(f"\npeak RSS: {rss_before:.0f} MB after writing the data, {rss_loader:.0f} MB after "
+          f"the ArrowLoader runs (data is {raw:.0f} MB in memory); "
+          f"{peak_rss_mb():.0f} MB at the end (the map-style Dataset holds its rows in memory)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
