@@ -78,8 +78,12 @@ class Coordinator:
         self.name = name
         self._max_queued = max_queued
         self._rpc = self.client.scheduler
-        self.client.register_plugin(CoordinatorPlugin(), name=PLUGIN_NAME)
+        # A handler that is not registered answers None: the plugin is not loaded yet
+        # (with `--preload daskdist.plugins.scheduler` it is, and we register nothing).
         info = self._call("daskdist_create", max_worker_failures=max_worker_failures)
+        if info is None:
+            self.client.register_plugin(CoordinatorPlugin(), name=PLUGIN_NAME)
+            info = self._call("daskdist_create", max_worker_failures=max_worker_failures)
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "

@@ -38,7 +38,8 @@ def make_cluster(n_workers: int = 2, threads: int = 1, **kwargs):
 
 
 def worker_pids(client) -> dict[str, int]:
-    return client.run(os.getpid)
+    """Worker address -> pid, skipping workers that died but are not yet removed."""
+    return client.run(os.getpid, on_error="ignore")
 
 
 def sigkill(pid: int) -> float:
@@ -48,10 +49,23 @@ def sigkill(pid: int) -> float:
     return t
 
 
-def wait_for_workers(client, coord, n: int, timeout: float = 60.0) -> None:
-    """Wait until ``n`` Dask workers run and all have joined ``coord``."""
-    wait_until(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) >= n
-               and coord.status()["workers"] >= n, timeout, f"{n} workers")
+def wait_for_workers(client, coord, n: int, timeout: float = 60.0,
+                     gone: int | None = None) -> None:
+    """Wait until ``n`` live workers (none with pid ``gone``) have all joined ``coord``."""
+    def ready():
+        pids = worker_pids(client)
+        return (len(pids) >= n and gone not in pids.values()
+                and len(client.scheduler_info(n_workers=-1)["workers"]) == len(pids)
+                and coord.status()["workers"] >= n)
+
+    wait_until(ready, timeout, f"{n} workers")
+
+
+def kill_and_replace(client, coord, pid: int, n: int = 2) -> float:
+    """SIGKILL worker ``pid`` and wait until its nanny's replacement joined ``coord``."""
+    t = sigkill(pid)
+    wait_for_workers(client, coord, n, gone=pid)
+    return t
 
 
 @pytest.fixture(scope="module")

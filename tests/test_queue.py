@@ -77,9 +77,24 @@ def test_session_loss_puts_back_at_head_in_order_and_counts():
     assert q.counters.recovered == 2
     got = q.dispatch("b", 4)
     assert [c.cid for c in got] == ["o-0", "o-1", "o-2", "o-3"]
-    assert [c.attempt for c in got[:2]] == [2, 2]
+    # one slot: o-0 was executing (a failed attempt), o-1 only prefetched
+    assert [c.attempt for c in got[:2]] == [2, 1]
+    assert [q.closures[c].worker_failures for c in ("o-0", "o-1")] == [1, 0]
     # a late finish from the lost session is refused
     assert q.finish("a", "o-0", True, b"late") is None
+
+
+def test_only_executing_leases_count_worker_failures():
+    q = ClosureQueue(max_worker_failures=1)
+    make(5, q)
+    q.add_session("s", slots=2)
+    q.dispatch("s", 5)
+    q.finish("s", "o-0", True, b"")
+    outs = q.remove_session("s")
+    # o-1 and o-2 were executing on the two threads; o-3, o-4 waited in the prefetch
+    assert sorted(o.cid for o in outs) == ["o-1", "o-2"]
+    assert all(o.kind == WORKER_LOST for o in outs)
+    assert q.queued == 2 and all(q.closures[c].attempt == 0 for c in ("o-3", "o-4"))
 
 
 def test_worker_lost_limit_fails_closure_and_records_error():
@@ -217,11 +232,11 @@ class QueueMachine(RuleBasedStateMachine):
         assert self.q.put(cid, "o", b"", retries)
         self.put_ids.add(cid)
 
-    @rule()
-    def add_session(self):
+    @rule(slots=st.integers(1, 3))
+    def add_session(self, slots):
         s = f"s{self.nsess}"
         self.nsess += 1
-        self.q.add_session(s)
+        self.q.add_session(s, slots)
         self.sessions.append(s)
 
     @precondition(lambda self: self.sessions)

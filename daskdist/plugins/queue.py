@@ -87,17 +87,20 @@ class ClosureQueue:
     closures: dict[str, Closure] = field(default_factory=dict)
     counters: QueueCounters = field(default_factory=QueueCounters)
     _queue: deque[str] = field(default_factory=deque)
-    _running: dict[str, set[str]] = field(default_factory=dict)  # session -> cids
+    # session -> its leased cids in dispatch order (a worker runs them first-in first-out)
+    _running: dict[str, dict[str, None]] = field(default_factory=dict)
+    _slots: dict[str, int] = field(default_factory=dict)  # session -> threads running closures
     _sessions: set[str] = field(default_factory=set)
     _draining: set[str] = field(default_factory=set)
     error: Outcome | None = None
     paused: bool = False
 
     # -- sessions -------------------------------------------------------------------
-    def add_session(self, session: str) -> None:
-        """A worker plugin session may now take closures."""
+    def add_session(self, session: str, slots: int = 1) -> None:
+        """A worker plugin session may now take closures; it runs ``slots`` at a time."""
         self._sessions.add(session)
-        self._running.setdefault(session, set())
+        self._running.setdefault(session, {})
+        self._slots[session] = max(1, slots)
 
     def drain_session(self, session: str) -> None:
         """The session's worker is retiring: it gets no new closures."""
@@ -107,20 +110,26 @@ class ClosureQueue:
     def remove_session(self, session: str) -> list[Outcome]:
         """The session ended (worker lost, plugin torn down): put its closures back.
 
-        Closures go back at the head of the queue in their original order, unless they
-        were lost ``max_worker_failures`` times: those fail with ``WORKER_LOST``.
-        Pinned closures of the session are dropped from the queue as well (their owner,
-        the gang logic, decides what to do) and reported as put back.
+        Closures go back at the head of the queue in their original order. Only the
+        oldest ``slots`` leases were executing (the worker runs its leases in order);
+        the others were prefetched, never started, and count no failure. A closure
+        lost ``max_worker_failures`` times while executing fails with ``WORKER_LOST``.
         """
         self._sessions.discard(session)
         self._draining.discard(session)
-        cids = self._running.pop(session, set())
+        cids = list(self._running.pop(session, {}))
+        slots = self._slots.pop(session, 1)
         outcomes: list[Outcome] = []
         back: list[Closure] = []
-        for cid in cids:
+        for i, cid in enumerate(cids):
             c = self.closures[cid]
-            c.worker_failures += 1
             c.session = None
+            if i >= slots:
+                c.attempt -= 1  # prefetched, never started
+                c.state = PENDING
+                back.append(c)
+                continue
+            c.worker_failures += 1
             if c.worker_failures >= self.max_worker_failures:
                 outcomes.append(self._finish(c, FAILED, None, WORKER_LOST))
             else:
@@ -172,7 +181,7 @@ class ClosureQueue:
             c.state = RUNNING
             c.session = session
             c.attempt += 1
-            running.add(cid)
+            running[cid] = None
             out.append(c)
         for cid in reversed(skipped):
             q.appendleft(cid)
@@ -200,7 +209,7 @@ class ClosureQueue:
         if c is None or c.state != RUNNING or c.session != session:
             self.counters.refused += 1
             return None
-        self._running[session].discard(cid)
+        del self._running[session][cid]
         c.session = None
         if ok:
             return self._finish(c, READY, value, None)
@@ -214,10 +223,10 @@ class ClosureQueue:
 
     def put_back(self, session: str, cids: Iterable[str]) -> int:
         """Return closures leased to ``session`` that it never received (no failure counted)."""
-        running = self._running.get(session, set())
-        back = sorted((cid for cid in cids if cid in running), key=_order)
+        running = self._running.get(session, {})
+        back = sorted((cid for cid in set(cids) if cid in running), key=_order)
         for cid in reversed(back):
-            running.discard(cid)
+            del running[cid]
             c = self.closures[cid]
             c.state = PENDING
             c.session = None
@@ -230,7 +239,7 @@ class ClosureQueue:
         running = self._running.get(session)
         if not running:
             return 0
-        return self.put_back(session, running.difference(held))
+        return self.put_back(session, running.keys() - set(held))
 
     def _finish(self, c: Closure, state: str, value: Any, kind: str | None) -> Outcome:
         c.state = state

@@ -329,13 +329,13 @@ class CoordinatorPlugin(SchedulerPlugin):
         return {n: co.status() for n, co in self.coordinators.items()}
 
     # -- worker handlers ---------------------------------------------------------------
-    def register(self, name: str, session: str, address: str) -> dict:
+    def register(self, name: str, session: str, address: str, slots: int = 1) -> dict:
         """A worker plugin session joins: it gets the lowest free worker index."""
         co = self._get(name)
         member, replaced = co.members.join(session, address)
         if replaced is not None:
             co.deliver(co.queue.remove_session(replaced.session))
-        co.queue.add_session(session)
+        co.queue.add_session(session, slots)
         if self._worker_retiring(address):
             co.members.drain(address)
             co.queue.drain_session(session)

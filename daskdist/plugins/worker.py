@@ -129,7 +129,8 @@ class ClosureRunner:
     async def _register(self) -> None:
         self.session = uuid.uuid4().hex
         reply = await self.worker.scheduler.daskdist_register(
-            name=self.name, session=self.session, address=self.worker.address
+            name=self.name, session=self.session, address=self.worker.address,
+            slots=self.nthreads,
         )
         if reply is None:
             raise RuntimeError("the daskdist scheduler plugin is not registered")
