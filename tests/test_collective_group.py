@@ -148,9 +148,7 @@ def form(pool: Pool, ranks=None, timeout: float = 20.0, backend: str = "gloo") -
     ranks = list(range(WORLD) if ranks is None else ranks)
     gen = next(_generations)
     (host, port) = pool.run(_create_store, ranks=[ranks[0]], args=(gen,))[0]
-    args = {
-        r: (i, len(ranks), host, port, backend, gen, timeout) for i, r in enumerate(ranks)
-    }
+    args = {r: (i, len(ranks), host, port, backend, gen, timeout) for i, r in enumerate(ranks)}
     infos = pool.run(_init_member, ranks=ranks, args=args)
     assert [i["rank"] for i in infos] == list(range(len(ranks)))
     assert all(i["generation"] == gen for i in infos)
