@@ -1,0 +1,88 @@
+"""In-process unit tests of the collective package's pure parts (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from daskdist.collective import (
+    CollectiveGroup,
+    HostsUpdatedInterrupt,
+    State,
+    backend_for,
+    bind_device,
+    get_group,
+    mark_peer_lost,
+)
+from daskdist.collective.replicas import _buckets
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_backend_for_auto_picks_nccl_only_when_every_member_has_cuda():
+    assert backend_for(["cuda:0", "cuda:0"]) == "nccl"
+    assert backend_for([torch.device("cuda", 0), "cpu"]) == "gloo"
+    assert backend_for(["cpu"]) == "gloo"
+    assert backend_for(["cuda:0"], "gloo") == "gloo"
+    assert backend_for(["cuda:0"], "NCCL") == "nccl"
+    with pytest.raises(ValueError, match="CUDA on every member"):
+        backend_for(["cuda:0", "cpu"], "nccl")
+    with pytest.raises(ValueError, match="unknown backend"):
+        backend_for(["cpu"], "mpi")
+    with pytest.raises(ValueError, match="at least one"):
+        backend_for([])
+
+
+def test_bind_device_matches_cuda_availability():
+    dev = bind_device()
+    assert dev == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+
+
+def test_collective_group_handle():
+    g = CollectiveGroup(2, 3, ("tcp://a:1", "tcp://b:2"), "gloo")
+    assert (g.world_size, g.generation, g.backend) == (2, 3, "gloo")
+    assert "generation=3" in repr(g)
+    with pytest.raises(ValueError):
+        CollectiveGroup(3, 1, ("tcp://a:1",))
+
+
+def test_get_group_without_a_group_is_a_clear_runtime_error():
+    with pytest.raises(RuntimeError, match="no collective group is formed"):
+        get_group()
+
+
+def test_mark_peer_lost_without_a_group_is_harmless():
+    mark_peer_lost(0)
+
+
+def test_state_objects_are_attributes_and_restore_is_local():
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(m.parameters())
+    state = State(m, opt, step=0, seen=[])
+    assert state.step == 0 and state.model is m and state.optimizer is opt
+    state.step = 5
+    state.seen.append(1)
+    with torch.no_grad():
+        m.weight.fill_(3.0)
+    state.save()
+    state.step = 6
+    state.seen.append(2)
+    with torch.no_grad():
+        m.weight.zero_()
+    state.restore()
+    assert state.step == 5 and state.seen == [1]
+    assert torch.all(m.weight == 3.0)
+    with pytest.raises(AttributeError):
+        _ = state.missing
+    assert issubclass(HostsUpdatedInterrupt, RuntimeError)
+
+
+def test_buckets_split_by_dtype_and_size_in_order():
+    ts = [torch.zeros(256), torch.zeros(3, dtype=torch.int64), torch.zeros(256), torch.zeros(10)]
+    out = list(_buckets(ts, bucket_mb=1500 / 2**20))  # 1500 bytes: one 1 KiB tensor each
+    kinds = [[(t.dtype, t.numel()) for t in b] for b in out]
+    assert kinds == [
+        [(torch.float32, 256)],
+        [(torch.float32, 256), (torch.float32, 10)],
+        [(torch.int64, 3)],
+    ]
