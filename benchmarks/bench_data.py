@@ -181,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         figures["iterable_w2"] = timed(lambda: run_iterable(paths, 2))[0]
         ds = MapDataset(paths, min(args.map_rows, args.rows))
         figures["map_style"] = timed(lambda: run_map_style(ds))[0]
-        del ds
         ray_rate = None
         try:
             import ray  # noqa: F401
@@ -205,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, label in labels.items():
         print(f"{label:<44}{figures[k] / 1e6:>10.2f} M{figures[k] / lim:>10.2f}")
     if ray_rate is not None:
-        print(f"{'Ray Data iter_torch_batches':<44}{ray_rate / 1e6:>10.2f} M{ray_rate / lim:>10.2f}")
+        label = "Ray Data iter_torch_batches"
+        print(f"{label:<44}{ray_rate / 1e6:>10.2f} M{ray_rate / lim:>10.2f}")
 
     print("\ntargets:")
     checks = [

@@ -194,6 +194,12 @@ class ArrowShards:
                 pos += n
         self._schema, self._units = schema, units
 
+    def validate(self) -> ArrowShards:
+        """Read every footer now: ``ValueError`` naming a corrupt or mismatched file."""
+        if self._units is None:
+            self._load()
+        return self
+
     @property
     def units(self) -> list[Unit]:
         """Every unit in stable order (reads the footers on first use)."""
