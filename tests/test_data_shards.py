@@ -70,7 +70,7 @@ def test_pyarrow_dataset_and_filesystem(tmp_path):
     sh = ArrowShards(ds)
     assert len(sh.units) == 4 and sh.num_rows == 20
     sh2 = ArrowShards(str(tmp_path), filesystem=pafs.LocalFileSystem())
-    assert sh2.units == ArrowShards(tmp_path).validate()
+    assert sh2.units == ArrowShards(tmp_path).units
 
 
 def test_fsspec_memory_urls():
