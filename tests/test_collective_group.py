@@ -449,6 +449,16 @@ def _rendezvous_abort(_slot, host, port, generation):
     return box["at"] - t0
 
 
+def _rendezvous_timeout(_slot, host, port, generation):
+    from daskdist.collective import init_member
+    from daskdist.errors import CollectiveError
+
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"ranks \[2\] of 3 did not arrive"):
+        init_member(_slot, 3, host, port, "gloo", generation, 1.0)
+    return time.monotonic() - t0
+
+
 # -- tests -----------------------------------------------------------------------------
 
 
@@ -535,6 +545,13 @@ def test_rendezvous_aborts_when_a_peer_is_lost(pool):
     (host, port) = pool.run(_create_store, ranks=[0], args=(gen,))[0]
     elapsed = pool.run(_rendezvous_abort, ranks=[0, 1], args=(host, port, gen))
     assert max(elapsed) < 1.0
+
+
+def test_rendezvous_times_out_naming_the_missing_rank(pool):
+    gen = next(_generations)
+    (host, port) = pool.run(_create_store, ranks=[0], args=(gen,))[0]
+    elapsed = pool.run(_rendezvous_timeout, ranks=[0, 1], args=(host, port, gen))
+    assert all(1.0 <= e < 3.0 for e in elapsed), elapsed
 
 
 def test_reform_new_generation_has_no_stale_state(pool):

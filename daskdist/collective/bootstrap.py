@@ -39,8 +39,7 @@ __all__ = [
     "mark_peer_lost",
 ]
 
-_JOINED = "daskdist/joined"
-_READY = "daskdist/ready"
+_JOINED = "daskdist/joined/"  # + rank: idempotent, so a retried init_member counts once
 
 
 def create_store(generation: int, host: str, timeout: float = 60.0) -> tuple[str, int]:
@@ -99,7 +98,7 @@ def init_member(
             torch.cuda.set_device(dev)
     deadline = time.monotonic() + timeout
     store = _store_for(rank, generation, host, port, timeout)
-    _rendezvous(store, world_size, generation, deadline)
+    _rendezvous(store, rank, world_size, generation, deadline)
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and dev.type == "cuda":
         kwargs["device_id"] = dev
@@ -199,22 +198,23 @@ def _store_for(rank: int, generation: int, host: str, port: int, timeout: float)
         ) from e
 
 
-def _rendezvous(store: Any, world_size: int, generation: int, deadline: float) -> None:
+def _rendezvous(store: Any, rank: int, world_size: int, generation: int, deadline: float) -> None:
     """Wait until every member reached the store; abortable by ``mark_peer_lost``."""
     wake = threading.Event()
     with runtime.lock:
         runtime.waiters.add(wake)
+    keys = [f"{_JOINED}{r}" for r in range(world_size)]
     try:
-        if store.add(_JOINED, 1) == world_size:
-            store.set(_READY, b"1")
+        store.set(keys[rank], b"1")
         pause = 0.0005
-        while not store.check([_READY]):
+        while not store.check(keys):
             _raise_if_lost(generation)
             left = deadline - time.monotonic()
             if left <= 0:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
                 raise CollectiveError(
-                    f"generation {generation}: only {store.add(_JOINED, 0)} of {world_size} "
-                    "members arrived before the timeout"
+                    f"generation {generation}: ranks {missing} of {world_size} did not "
+                    "arrive before the timeout"
                 )
             # The event is set by mark_peer_lost; otherwise this is a short poll.
             wake.wait(min(pause, left))
