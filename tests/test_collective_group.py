@@ -211,6 +211,13 @@ def _ops(_slot, dtype_name):
     parts = g.allgather(base[g.rank])
     assert len(parts) == n and all(torch.equal(p, b) for p, b in zip(parts, base, strict=True))
     g.barrier()
+    with pytest.raises(ValueError, match="contiguous"):
+        g.allreduce(torch.ones(4, 4).t())
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        g.allreduce(torch.ones(2), op="avg")
+    with pytest.raises(TypeError):
+        g.allreduce([1.0])
+    g.barrier()  # the group is still usable after callers' mistakes
     return out
 
 

@@ -207,6 +207,10 @@ class Group:
 def _check_tensor(t: Any) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        # Checked here: torch's own complaint would come as a RuntimeError and break
+        # the group for what is a caller's mistake.
+        raise ValueError("collective tensors must be contiguous (call .contiguous() first)")
 
 
 def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
