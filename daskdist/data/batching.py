@@ -21,7 +21,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Block", "block_permutation", "locate", "plan_blocks", "ranges_of_ids"]
+__all__ = [
+    "Block",
+    "block_permutation",
+    "dynamic_order",
+    "dynamic_tile",
+    "ids_of_ranges",
+    "locate",
+    "plan_blocks",
+    "ranges_of_ids",
+]
 
 
 @dataclass(frozen=True)
@@ -99,22 +108,23 @@ def ids_of_ranges(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
     return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
 
 
-def dynamic_order(n: int, seed: int, epoch: int, unit: int, batch_size: int,
-                  tile: int = 64) -> np.ndarray:
+def dynamic_tile(batch_size: int) -> int:
+    """Rows per tile under the dynamic shuffle: a batch spans about 32 tiles."""
+    return max(4, batch_size // 32)
+
+
+def dynamic_order(n: int, seed: int, epoch: int, unit: int, tile: int) -> np.ndarray:
     """Row order within a leased unit under ``shuffle=True`` with the dynamic policy.
 
-    Tiles of ``tile`` consecutive rows are permuted, then rows are permuted within each
-    ``batch_size`` window. A batch thus holds few contiguous runs (at most about
-    ``batch_size / tile + 1``), which keeps its acknowledgement (a list of intervals)
-    and the lease table small while still mixing rows.
+    Tiles of ``tile`` consecutive rows are permuted (seeded by ``(seed, epoch, unit)``).
+    A batch of ``b`` rows then holds at most about ``b / tile + 2`` contiguous runs
+    wherever the consumer cuts it, which keeps its acknowledgement (a list of
+    intervals) and the lease table small while rows still mix across the unit.
     """
     rng = _rng(seed, epoch, unit, 0xD1)
     n_tiles = -(-n // tile)
-    order = rng.permutation(n_tiles)
-    base = np.arange(n, dtype=np.int64)
-    tiles = [base[t * tile:(t + 1) * tile] for t in order]
-    out = np.concatenate(tiles) if tiles else base
-    for w in range(0, n, batch_size):
-        seg = out[w:w + batch_size]
-        out[w:w + batch_size] = seg[rng.permutation(len(seg))]
-    return out
+    starts = rng.permutation(n_tiles).astype(np.int64) * tile
+    if n % tile == 0:
+        return (starts[:, None] + np.arange(tile, dtype=np.int64)).ravel()
+    out = (starts[:, None] + np.arange(tile, dtype=np.int64)).ravel()
+    return out[out < n]

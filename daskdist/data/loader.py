@@ -319,7 +319,8 @@ class ArrowLoader:
                 table = reader.read(unit, self.columns)
                 local = ids - unit.start
                 if self.shuffle:
-                    order = batching.dynamic_order(len(ids), self.seed, epoch, u, self.batch_size)
+                    tile = batching.dynamic_tile(self.batch_size)
+                    order = batching.dynamic_order(len(ids), self.seed, epoch, u, tile)
                     ids, index = ids[order], local[order]
                 else:
                     index = None if len(ids) == unit.num_rows else local
