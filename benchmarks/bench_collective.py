@@ -116,6 +116,69 @@ def run_processes(mode: str, world: int, sizes: list[int], repeats: int) -> tupl
     return boot, secs
 
 
+def _recovery_member(rank: int, addr_q, out_q) -> None:
+    """3 members; rank 2 is SIGKILLed mid-loop; ranks 0 and 1 re-form as generation 2."""
+    import os
+    import signal
+
+    from daskdist.collective import create_store, destroy_member, get_group, init_member
+    from daskdist.errors import CollectiveError
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        host, port = create_store(1, "127.0.0.1")
+        for _ in range(2):
+            addr_q.put((host, port))
+    else:
+        host, port = addr_q.get()
+    init_member(rank, 3, host, port, "gloo", 1, 60.0)
+    g = get_group()
+    t = torch.ones(MB // 4)
+    for _ in range(5):
+        g.allreduce(t)
+    if rank == 2:
+        out_q.put(("killed", time.time()))
+        out_q.close()
+        out_q.join_thread()  # flushed before the kill
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        while True:
+            g.allreduce(t)
+    except CollectiveError:
+        detected = time.time()
+    destroy_member()
+    if rank == 0:
+        host, port = create_store(2, "127.0.0.1")
+        addr_q.put((host, port))
+    else:
+        host, port = addr_q.get()
+    init_member(rank, 2, host, port, "gloo", 2, 60.0)
+    get_group().allreduce(t)
+    out_q.put((rank, detected, time.time()))
+    destroy_member()
+
+
+def run_recovery() -> tuple[float, float]:
+    """(kill -> error on survivors, error -> first step done on the re-formed group) s.
+
+    Worker side only: no Dask, no Nanny restart, no scheduler notice; the transport
+    reports the reset peer by itself.
+    """
+    ctx = mp.get_context("spawn")
+    addr_q, out_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_recovery_member, args=(r, addr_q, out_q)) for r in range(3)]
+    for p in procs:
+        p.start()
+    msgs = [out_q.get(timeout=120) for _ in range(3)]
+    for p in procs:
+        p.join(30)
+    killed = next(m[1] for m in msgs if m[0] == "killed")
+    survivors = [m for m in msgs if m[0] != "killed"]
+    detect = max(m[1] for m in survivors) - killed
+    reform = max(m[2] for m in survivors) - max(m[1] for m in survivors)
+    return detect, reform
+
+
 def _gang_step(sizes, repeats):
     import daskdist as dd
 
@@ -186,6 +249,11 @@ def main(argv: list[str] | None = None) -> None:
     for run, res in runs.items():
         if not isinstance(res, str):
             print(f"{run:<17} {res[0]:>12.4f}")
+    detect, reform = run_recovery()
+    print(
+        f"\nrecovery, worker side (3 -> 2 members, no Dask): SIGKILL -> CollectiveError on "
+        f"survivors {detect * 1e3:.1f} ms; -> first step on generation 2 {reform * 1e3:.1f} ms"
+    )
 
 
 if __name__ == "__main__":
