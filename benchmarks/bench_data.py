@@ -80,8 +80,9 @@ def run_limit(paths: list[str]) -> int:
     return n
 
 
-def run_loader(root: str, shuffle: bool) -> int:
-    loader = ArrowLoader(ArrowShards(root), None, batch_size=BATCH, shuffle=shuffle, seed=0)
+def run_loader(root: str, shuffle: bool, **kw) -> int:
+    loader = ArrowLoader(ArrowShards(root), None, batch_size=BATCH, shuffle=shuffle, seed=0,
+                         **kw)
     n = 0
     for batch in loader:
         n += len(batch["label"])
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         figures["limit"] = best(lambda: run_limit(paths))
         figures["loader"] = best(lambda: run_loader(root, False))
         figures["loader_shuffle"] = best(lambda: run_loader(root, True))
+        figures["loader_shuffle_256k"] = best(
+            lambda: run_loader(root, True, shuffle_buffer=262144))
         rss_loader = peak_rss_mb()
         figures["iterable_w0"] = best(lambda: run_iterable(paths, 0))
         figures["iterable_w2"] = timed(lambda: run_iterable(paths, 2))[0]
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     labels = {
         "limit": "limit: pyarrow iter_batches -> from_numpy",
         "loader": "ArrowLoader (no shuffle)",
-        "loader_shuffle": "ArrowLoader (shuffle)",
+        "loader_shuffle": "ArrowLoader (shuffle, 64k-row buffer)",
+        "loader_shuffle_256k": "ArrowLoader (shuffle, 256k-row buffer)",
         "iterable_w0": "torch IterableDataset, num_workers=0",
         "iterable_w2": "torch IterableDataset, num_workers=2",
         "map_style": "torch map-style Dataset, shuffle=True",

@@ -234,3 +234,16 @@ def test_cuda_batches_are_pinned_and_copied(data):
     b = next(iter(ld))
     assert b["id"].device.type == "cuda" and b["s"][0] == "r0"
     assert ids_of(ArrowLoader(data, batch_size=100, device="cuda")) == list(range(1000))
+
+
+def test_shuffle_buffers_are_reused_only_when_no_batch_holds_them(tmp_path):
+    write(tmp_path, files=2, rows=600, row_group=50, with_extras=False)
+
+    def run():
+        return ArrowLoader(tmp_path, batch_size=40, shuffle=True, seed=5, shuffle_buffer=100)
+
+    dropped = [i for b in run() for i in b["id"].tolist()]  # views released at once
+    held = list(run())  # every batch kept alive: its buffer must not be recycled
+    kept = [i for b in held for i in b["id"].tolist()]
+    assert kept == dropped and sorted(kept) == list(range(1200))
+    assert all(torch.equal(b["x"], b["id"].float() / 2) for b in held)

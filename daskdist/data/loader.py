@@ -31,7 +31,15 @@ import torch
 
 from daskdist.context import InputContext, record_consumed
 from daskdist.data import batching
-from daskdist.data.convert import concat_cols, convert_table, num_rows, pin, slice_cols, to_device
+from daskdist.data.convert import (
+    ArenaPool,
+    concat_cols,
+    convert_table,
+    num_rows,
+    pin,
+    slice_cols,
+    to_device,
+)
 from daskdist.data.dynamic import lease_token
 from daskdist.data.sharding import POLICIES, assign
 from daskdist.data.shards import ArrowShards
@@ -125,7 +133,7 @@ class ArrowLoader:
         fill_null: Any = None,
         collate: Callable[[pa.Table], Any] | None = None,
         device: Any = None,
-        shuffle_buffer: int = 131072,
+        shuffle_buffer: int = 65536,
         name: str | None = None,
     ) -> None:
         if not isinstance(shards, ArrowShards):
@@ -263,10 +271,11 @@ class ArrowLoader:
                 f"{self.ctx.num_input_pipelines}, epoch={self.epoch})")
 
     # -- producer side (runs in the prefetch thread) --------------------------------------
-    def _convert(self, table: pa.Table, index: np.ndarray | None) -> Any:
+    def _convert(self, table: pa.Table, index: np.ndarray | None,
+                 pool: ArenaPool | None = None) -> Any:
         if self.collate is not None:
             return table.take(pa.array(index)) if index is not None else table
-        return convert_table(table, index, self.fill_null)
+        return convert_table(table, index, self.fill_null, pool)
 
     def _static_chunks(self, epoch: int, position: int) -> Iterator[tuple[Any, None]]:
         blocks = batching.plan_blocks(
@@ -275,6 +284,7 @@ class ArrowLoader:
         b, off = batching.locate(blocks, position)
         reader = self.shards.reader()
         units = self.shards.units
+        pool = ArenaPool() if self.shuffle else None
         try:
             for bi in range(b, len(blocks)):
                 blk = blocks[bi]
@@ -297,7 +307,7 @@ class ArrowLoader:
                     else:
                         index = index[off:]
                     off = 0
-                yield self._convert(table, index), None
+                yield self._convert(table, index, pool if blk.shuffled else None), None
         finally:
             reader.close()
 
