@@ -14,6 +14,7 @@ bytes: their size first, then the bytes (Horovod's ``broadcast_object``).
 
 from __future__ import annotations
 
+import datetime
 import pickle
 import threading
 import time
@@ -38,6 +39,9 @@ _OPS = {
 # Extra seconds past the group's timeout before we stop waiting ourselves, so the
 # transport's own (more precise) timeout error normally arrives first.
 _GRACE = 2.0
+# How long a gloo call first blocks inside torch before we switch to an interruptible
+# wait: short calls then cost no thread hand-off; a lost peer is noticed within it.
+_FAST_WAIT = datetime.timedelta(milliseconds=10)
 
 
 def get_group() -> Group:
@@ -160,25 +164,52 @@ class Group:
     def _run(self, what: str, issue: Callable[[], Any]) -> None:
         """Issue one async collective and wait for it, the lost signal, or the timeout."""
         gen = self.generation
+        runtime.check(gen)
+        pg = dist.group.WORLD if dist.is_initialized() else None
+        try:
+            work = issue()
+        except (TypeError, ValueError):
+            raise
+        except Exception as e:
+            runtime.break_group(gen, f"{what} failed: {e}")
+            raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
+        if self.backend == "gloo":
+            # Fast path: a short blocking wait inside torch, no thread hand-off; most
+            # calls end within it, and a lost peer is noticed no later than it ends.
+            try:
+                work.wait(_FAST_WAIT)
+                return
+            except Exception:
+                pass  # still running ("Operation timed out!"), or failed: see below
+        self._wait(work, pg, gen, what)
+        try:
+            work.wait()
+        except Exception as e:
+            runtime.break_group(gen, f"{what} failed: {e}")
+            raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
+
+    def _wait(self, work: Any, pg: Any, gen: int, what: str) -> None:
+        """Block until ``work`` ended, a peer is declared lost, teardown, or the deadline.
+
+        Waits on the work's future, whose callback sets an event that
+        ``mark_peer_lost`` and teardown set too. Raises ``CollectiveError`` (burying
+        the unfinished work) unless the work ended; its outcome is then for the caller.
+        """
         wake = threading.Event()
         with runtime.lock:
-            runtime.check(gen)
             runtime.waiters.add(wake)
         try:
-            pg = dist.group.WORLD if dist.is_initialized() else None
-            try:
-                work = issue()
-            except (TypeError, ValueError):
-                raise
-            except Exception as e:
-                runtime.break_group(gen, f"{what} failed: {e}")
-                raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
             # The future completes a moment before ``work.is_completed()`` turns true:
-            # wait on the future (its callback sets ``wake``), never on the flag.
+            # wait on the future, never on the flag.
             fut = work.get_future()
             fut.add_done_callback(lambda _f: wake.set())
             deadline = time.monotonic() + self.timeout + _GRACE
             while not fut.done():
+                try:
+                    runtime.check(gen)  # lost or torn down (also before we registered)?
+                except CollectiveError:
+                    runtime.bury(pg, work)
+                    raise
                 left = deadline - time.monotonic()
                 if left <= 0:
                     runtime.bury(pg, work)
@@ -187,18 +218,6 @@ class Group:
                     raise CollectiveError(f"{reason} on rank {self.rank}")
                 wake.wait(left)
                 wake.clear()
-                if fut.done():
-                    break
-                try:
-                    runtime.check(gen)  # woken by mark_peer_lost or teardown?
-                except CollectiveError:
-                    runtime.bury(pg, work)
-                    raise
-            try:
-                work.wait()
-            except Exception as e:
-                runtime.break_group(gen, f"{what} failed: {e}")
-                raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
         finally:
             with runtime.lock:
                 runtime.waiters.discard(wake)
