@@ -122,7 +122,7 @@ class ArenaPool:
     buffer is reused for a later block. Thread-safe; at most ``max_arenas`` are kept.
     """
 
-    def __init__(self, max_arenas: int = 256, granule: int = 65536) -> None:
+    def __init__(self, max_arenas: int = 256, granule: int = 4096) -> None:
         self._arenas: list[np.ndarray] = []
         self._lock = threading.Lock()
         self._max = max_arenas
