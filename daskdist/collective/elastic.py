@@ -92,11 +92,13 @@ class State:
     def check_host_updates(self) -> None:
         """One broadcast of rank 0's decision; raises on every rank alike."""
         g = get_group()
-        mine = None
+        decision = torch.zeros(2, dtype=torch.int64, device=g._wire_device())
         if g.rank == 0:
             now = membership_version()
-            mine = (now != self._last_version, now)
-        changed, version = g.broadcast_object(mine, src=0)
+            decision[0] = int(now != self._last_version)
+            decision[1] = now
+        g.broadcast(decision, src=0)  # one small call: commit() runs every step
+        changed, version = (int(v) for v in decision.tolist())
         self._last_version = version
         if changed:
             raise HostsUpdatedInterrupt(
