@@ -23,6 +23,7 @@ import cloudpickle
 from distributed import Client, get_client
 from distributed.comm.core import CommClosedError
 
+from daskdist.errors import CollectiveError
 from daskdist.plugins.scheduler import PLUGIN_NAME, CoordinatorPlugin
 from daskdist.values import (
     PerWorkerValues,
@@ -94,6 +95,7 @@ class Coordinator:
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._pending: dict[str, RemoteValue] = {}
+        self._gangs: dict[str, list[RemoteValue]] = {}  # gang cid -> per-rank values
         self._outgoing: deque[tuple] = deque()
         self._flushing = False
         self._error_pending = False
@@ -158,6 +160,22 @@ class Coordinator:
             self._cv.notify_all()
         if rv is not None:
             rv._set(state, payload, kind, attempt)
+            if cid in self._gangs:
+                self._spread_gang(cid, rv)
+
+    def _spread_gang(self, gid: str, whole: RemoteValue) -> None:
+        """A gang's outcome (one per-rank list of results) to its per-rank values."""
+        members = self._gangs.pop(gid)
+        state, payload = whole._status.value, whole._payload
+        for rank, rv in enumerate(members):
+            if state != "READY":
+                rv._set(state, payload, whole._kind, whole.attempt)
+            elif rank < len(payload):
+                rv._set(state, payload[rank], None, whole.attempt)
+            else:
+                err = CollectiveError(f"rank {rank} was not a member of the group that ran "
+                                      f"the gang closure (it had {len(payload)} members)")
+                rv._set("FAILED", dump_error(err), "user-error", whole.attempt)
 
     def _raise_pending(self, timeout: float | None = None) -> None:
         """Raise the first unraised error, cancelling what is still queued (TF semantics)."""
@@ -231,6 +249,55 @@ class Coordinator:
                 raise TypeError(str(e)) from None
             what = getattr(fn, "__name__", repr(fn))
             raise TypeError(f"closure {what!r} cannot be pickled: {e}") from e
+
+    def schedule_on_all(
+        self, fn: Callable, args: tuple | list = (), kwargs: dict | None = None
+    ) -> PerWorkerValues:
+        """Run ``fn`` on every member of the collective group at once (a gang closure).
+
+        Returns a ``PerWorkerValues`` of ``RemoteValue``s in rank order. If a member is
+        lost, the group is re-formed from the current workers and the gang runs again.
+        """
+        if self._error_pending:
+            self._raise_pending()
+        payload = self._pickle(fn, args, kwargs, 0)
+        gid = f"{self._owner}-g{next(self._seq)}"
+        whole = RemoteValue(gid, None)
+        with self._cv:
+            self._pending[gid] = whole
+        info = self._call("daskdist_schedule_gang", owner=self._owner, cid=gid,
+                          payload=payload)
+        n = info["world_size"]
+        if n == 0:
+            with self._cv:
+                self._pending.pop(gid, None)
+            raise RuntimeError("no workers to run the gang closure on")
+        members = [RemoteValue(f"{gid}#{rank}", None) for rank in range(n)]
+        self._gangs[gid] = members
+        if whole.done():  # finished before we got here
+            self._spread_gang(gid, whole)
+        return PerWorkerValues(values=members)
+
+    def collective_group(self, backend: str = "auto", timeout: float = 60.0):
+        """Bootstrap a torch.distributed group on the current workers, through Dask.
+
+        Ranks follow worker indices; ``backend="auto"`` is NCCL when every member has
+        CUDA, else gloo. Closures reach it with ``dd.collective.get_group()``.
+        Returns a ``daskdist.collective.CollectiveGroup``.
+        """
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        from daskdist.collective.handle import CollectiveGroup  # imports torch: only here
+
+        info = self._call("daskdist_group_form", backend=backend, timeout=float(timeout))
+        if not info["ok"]:
+            raise CollectiveError(
+                f"could not form a collective group on {info['world_size']} workers "
+                f"(generation {info['generation']})")
+        return CollectiveGroup(info["world_size"], info["generation"],
+                               tuple(info["members"]), info["backend"])
 
     def join(self, timeout: float | None = None) -> None:
         """Block until every closure scheduled here finished; raise the first error."""

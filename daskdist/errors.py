@@ -40,3 +40,11 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return "\n\n" + self.tb
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic state saw the group's membership change (Horovod semantics).
+
+    Raised by ``State.commit()`` on every rank at the same commit; the gang closure
+    then runs again on a group re-formed from the current workers.
+    """

@@ -11,8 +11,7 @@ import pytest
 from distributed import Client
 
 import daskdist as dd
-from daskdist.plugins.scheduler import worker_plugin_name
-from daskdist.plugins.worker import CoordinatorWorkerPlugin
+from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
 from tests.conftest import (
     kill_and_replace,
     make_cluster,

@@ -17,6 +17,7 @@ class Member:
     address: str
     index: int
     draining: bool = False
+    device: str = "cpu"
 
 
 @dataclass
@@ -28,7 +29,8 @@ class Membership:
     joins: int = 0
     leaves: int = 0
 
-    def join(self, session: str, address: str) -> tuple[Member, Member | None]:
+    def join(self, session: str, address: str,
+             device: str = "cpu") -> tuple[Member, Member | None]:
         """Add ``session``; returns it and the older session of the same address it replaces.
 
         The caller must end the replaced session (its closures are put back).
@@ -39,7 +41,7 @@ class Membership:
         replaced = self.leave(old) if old is not None else None
         used = {m.index for m in self.members.values()}
         index = next(i for i in range(len(used) + 1) if i not in used)
-        member = Member(session, address, index)
+        member = Member(session, address, index, device=device)
         self.members[session] = member
         self.version += 1
         self.joins += 1

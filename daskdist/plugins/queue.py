@@ -90,6 +90,7 @@ class ClosureQueue:
     # session -> its leased cids in dispatch order (a worker runs them first-in first-out)
     _running: dict[str, dict[str, None]] = field(default_factory=dict)
     _slots: dict[str, int] = field(default_factory=dict)  # session -> threads running closures
+    _pinned: dict[str, deque[str]] = field(default_factory=dict)  # session -> pinned cids
     _sessions: set[str] = field(default_factory=set)
     _draining: set[str] = field(default_factory=set)
     error: Outcome | None = None
@@ -114,13 +115,22 @@ class ClosureQueue:
         oldest ``slots`` leases were executing (the worker runs its leases in order);
         the others were prefetched, never started, and count no failure. A closure
         lost ``max_worker_failures`` times while executing fails with ``WORKER_LOST``.
+        Closures pinned to the session (gang members), running or not, fail with
+        ``WORKER_LOST`` at once: the gang logic decides what happens next.
         """
         self._sessions.discard(session)
         self._draining.discard(session)
-        cids = list(self._running.pop(session, {}))
+        leased = list(self._running.pop(session, {}))
         slots = self._slots.pop(session, 1)
         outcomes: list[Outcome] = []
         back: list[Closure] = []
+        pinned = [cid for cid in leased if self.closures[cid].pinned is not None]
+        pinned += [cid for cid in self._pinned.pop(session, ()) if cid in self.closures]
+        for cid in pinned:
+            c = self.closures[cid]
+            c.session = None
+            outcomes.append(self._finish(c, FAILED, None, WORKER_LOST))
+        cids = [cid for cid in leased if cid in self.closures]
         for i, cid in enumerate(cids):
             c = self.closures[cid]
             c.session = None
@@ -158,44 +168,54 @@ class ClosureQueue:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.closures[cid] = Closure(cid, owner, payload, retries, pinned=pinned)
-        self._queue.append(cid)
-        self.counters.scheduled += 1
+        if pinned is None:
+            self._queue.append(cid)
+            self.counters.scheduled += 1
+        else:
+            self._pinned.setdefault(pinned, deque()).append(cid)
         return True
 
     def dispatch(self, session: str, n: int) -> list[Closure]:
-        """Lease up to ``n`` queued closures to ``session`` (head first); they are RUNNING."""
-        if n <= 0 or self.paused or not self.is_active(session) or not self._queue:
+        """Lease to ``session`` its pinned closures and up to ``n`` queued ones (head first).
+
+        Pinned closures (gang members) go out even when ``n`` is 0 or the queue is
+        paused: every member of a gang must run for any of them to finish.
+        """
+        if session not in self._sessions:
             return []
         out: list[Closure] = []
-        skipped: list[str] = []
         running = self._running[session]
+        pinned = self._pinned.get(session)
+        while pinned:
+            out.append(self._lease(self.closures[pinned.popleft()], session, running))
+        if n <= 0 or self.paused or session in self._draining:
+            return out
         q = self._queue
-        while q and len(out) < n:
-            cid = q.popleft()
-            c = self.closures.get(cid)
+        budget = n
+        while q and budget:
+            c = self.closures.get(q.popleft())
             if c is None or c.state != PENDING:
-                continue  # stale entry (cancelled or already re-queued elsewhere)
-            if c.pinned is not None and c.pinned != session:
-                skipped.append(cid)
-                continue
-            c.state = RUNNING
-            c.session = session
-            c.attempt += 1
-            running[cid] = None
-            out.append(c)
-        for cid in reversed(skipped):
-            q.appendleft(cid)
+                continue  # stale entry (cancelled, or re-queued elsewhere)
+            out.append(self._lease(c, session, running))
+            budget -= 1
         return out
+
+    @staticmethod
+    def _lease(c: Closure, session: str, running: dict[str, None]) -> Closure:
+        c.state = RUNNING
+        c.session = session
+        c.attempt += 1
+        running[c.cid] = None
+        return c
 
     def has_work_for(self, session: str) -> bool:
         """Whether ``dispatch(session, n)`` would return anything now."""
+        if self._pinned.get(session):
+            return True
         if self.paused or not self.is_active(session):
             return False
-        for cid in self._queue:
-            c = self.closures.get(cid)
-            if c is not None and c.state == PENDING and c.pinned in (None, session):
-                return True
-        return False
+        return any(cid in self.closures and self.closures[cid].state == PENDING
+                   for cid in self._queue)
 
     # -- results --------------------------------------------------------------------
     def finish(self, session: str, cid: str, ok: bool, value: Any = None,
@@ -221,6 +241,10 @@ class ClosureQueue:
             return None
         return self._finish(c, FAILED, value, kind)
 
+    def holds(self, session: str, cid: str) -> bool:
+        """Whether ``cid`` is running on ``session`` (a finish from it would be accepted)."""
+        return cid in self._running.get(session, ())
+
     def put_back(self, session: str, cids: Iterable[str]) -> int:
         """Return closures leased to ``session`` that it never received (no failure counted)."""
         running = self._running.get(session, {})
@@ -231,7 +255,10 @@ class ClosureQueue:
             c.state = PENDING
             c.session = None
             c.attempt -= 1
-            self._queue.appendleft(cid)
+            if c.pinned is None:
+                self._queue.appendleft(cid)
+            else:
+                self._pinned.setdefault(c.pinned, deque()).appendleft(cid)
         return len(back)
 
     def reconcile(self, session: str, held: Iterable[str]) -> int:
@@ -247,9 +274,10 @@ class ClosureQueue:
         if state == READY:
             self.counters.done += 1
         elif state == FAILED:
-            self.counters.failed += 1
-            if self.error is None:
-                self.error = out
+            if c.pinned is None:  # a gang member's failure is the gang's to judge
+                self.counters.failed += 1
+                if self.error is None:
+                    self.error = out
         else:
             self.counters.cancelled += 1
         del self.closures[c.cid]  # final: the queue keeps nothing more of it
@@ -258,11 +286,14 @@ class ClosureQueue:
     # -- errors and cancellation ---------------------------------------------------
     @property
     def inflight(self) -> int:
-        return sum(len(s) for s in self._running.values())
+        """Closures leased to workers, plus gang members waiting for theirs."""
+        return (sum(len(s) for s in self._running.values())
+                + sum(len(p) for p in self._pinned.values()))
 
     @property
     def queued(self) -> int:
-        return sum(1 for c in self.closures.values() if c.state == PENDING)
+        return sum(1 for c in self.closures.values()
+                   if c.state == PENDING and c.pinned is None)
 
     def running_on(self, session: str) -> frozenset[str]:
         return frozenset(self._running.get(session, ()))
@@ -300,6 +331,8 @@ class ClosureQueue:
             assert c.state in (PENDING, RUNNING), (cid, c.state)
             if c.state == RUNNING:
                 assert cid in self._running.get(c.session, ()), cid
+            elif c.pinned is not None:
+                assert cid in self._pinned.get(c.pinned, ()), cid
             else:
                 assert cid not in running and cid in self._queue, cid
         for session, cids in self._running.items():

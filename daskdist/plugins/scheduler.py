@@ -19,127 +19,21 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from daskdist.plugins.membership import Membership
-from daskdist.plugins.queue import UNSTARTED, ClosureQueue, Outcome
+from daskdist.plugins.groups import GroupDriver
+from daskdist.plugins.leases import SessionExpired
+from daskdist.plugins.queue import CANCELLED
+from daskdist.plugins.state import CoordinatorState, Outbox
+from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "daskdist-coordinator"
 POLL_SECONDS = 2.0  # longest a worker's or client's long-poll waits before an empty reply
-
-
-def worker_plugin_name(name: str) -> str:
-    return f"daskdist-worker-{name}"
-
-
-@dataclass
-class Outbox:
-    """Outcomes waiting for one client-side Coordinator; kept until it acknowledges them."""
-
-    client: str | None
-    first_seq: int = 0
-    items: list = field(default_factory=list)
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def push(self, item: tuple) -> None:
-        self.items.append(item)
-        self.event.set()
-
-    def ack(self, seq: int) -> None:
-        """Forget everything before ``seq`` (the client has it)."""
-        drop = seq - self.first_seq
-        if drop > 0:
-            del self.items[:drop]
-            self.first_seq = seq
-        if not self.items:
-            self.event.clear()
-
-
-class CoordinatorState:
-    """One named coordinator: its queue, members, outboxes and the waiters on them."""
-
-    def __init__(self, name: str, max_worker_failures: int = 3):
-        self.name = name
-        self.queue = ClosureQueue(max_worker_failures=max_worker_failures)
-        self.members = Membership()
-        self.resources: dict[str, bytes] = {}
-        self.outboxes: dict[str, Outbox] = {}
-        self.waiters: set[asyncio.Event] = set()  # long-polls of workers waiting for work
-        self.changed = asyncio.Event()  # set on every finish / session end (raise waits on it)
-        self.created = time.time()
-
-    # -- delivery -------------------------------------------------------------------
-    def deliver(self, outcomes: list[Outcome]) -> None:
-        for o in outcomes:
-            box = self.outboxes.get(o.owner)
-            if box is not None:
-                box.push((o.cid, o.state, o.value, o.kind, o.attempt))
-        if outcomes and self.queue.error is not None:
-            for box in self.outboxes.values():
-                box.event.set()  # tell every owner an error is pending
-
-    def wake(self) -> None:
-        """Closures became available, or state changed: wake long-polls."""
-        self.changed.set()
-        for event in self.waiters:
-            event.set()
-
-    def end_session(self, session: str) -> None:
-        """A worker session is gone: put its closures back, drop its index."""
-        self.members.leave(session)
-        self.deliver(self.queue.remove_session(session))
-        self.wake()
-
-    def apply_results(self, session: str, results: list) -> None:
-        """Apply a worker's reported results (each ``(cid, ok, value, kind, tokens)``)."""
-        outcomes = []
-        q = self.queue
-        unstarted = []
-        for cid, ok, value, kind, _tokens in results:
-            if kind == UNSTARTED:
-                unstarted.append(cid)
-                continue
-            o = q.finish(session, cid, ok, value, kind)
-            if o is not None:
-                outcomes.append(o)
-        if unstarted:
-            q.put_back(session, unstarted)
-        self.deliver(outcomes)
-        if results:
-            self.changed.set()
-            if q.queued:
-                self.wake()  # retried or unstarted closures went back to the queue
-
-    @property
-    def hold(self) -> bool:
-        """Workers must not start prefetched closures: an error is about to be raised."""
-        return self.queue.error is not None or self.queue.paused
-
-    def status(self) -> dict[str, Any]:
-        c = self.queue.counters
-        return {
-            "name": self.name,
-            "queued": self.queue.queued,
-            "running": self.queue.inflight,
-            "scheduled": c.scheduled,
-            "done": c.done,
-            "failed": c.failed,
-            "retried": c.retried,
-            "cancelled": c.cancelled,
-            "recovered": c.recovered,
-            "refused": c.refused,
-            "workers": len(self.members),
-            "worker_joins": self.members.joins,
-            "worker_leaves": self.members.leaves,
-            "error_pending": self.queue.error is not None,
-            "membership_version": self.members.version,
-        }
 
 
 class CoordinatorPlugin(SchedulerPlugin):
@@ -150,6 +44,7 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.coordinators: dict[str, CoordinatorState] = {}
+        self.drivers: dict[str, GroupDriver] = {}
         self.scheduler = None
         self.removals: list[dict] = []  # recent remove-worker events (expected or not)
 
@@ -171,6 +66,12 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_report": self.report,
                 "daskdist_status": self.status,
                 "daskdist_closure_state": self.closure_state,
+                "daskdist_schedule_gang": self.schedule_gang,
+                "daskdist_group_form": self.group_form,
+                "daskdist_group_info": self.group_info,
+                "daskdist_lease_acquire": self.lease_acquire,
+                "daskdist_lease_progress": self.lease_progress,
+                "daskdist_lease_release": self.lease_release,
             }
         )
         scheduler.extensions["daskdist"] = self
@@ -216,6 +117,16 @@ class CoordinatorPlugin(SchedulerPlugin):
     def _drop_owner(self, co: CoordinatorState, owner: str) -> None:
         co.outboxes.pop(owner, None)
         co.queue.cancel_pending(owner)
+        co.gangs.cancel_pending(owner)
+
+    def _send(self, address: str, msg: dict) -> None:
+        """A message on a worker's stream (Dask removes the worker if that fails)."""
+        if address in self.scheduler.stream_comms:
+            self.scheduler.worker_send(address, msg)
+
+    async def close(self) -> None:
+        for driver in self.drivers.values():
+            driver.stop()
 
     def _worker_retiring(self, address: str) -> bool:
         ws = self.scheduler.workers.get(address)
@@ -226,11 +137,11 @@ class CoordinatorPlugin(SchedulerPlugin):
         """Create the named coordinator if new, and make sure workers run its plugin."""
         co = self.coordinators.get(name)
         if co is None:
-            co = self.coordinators[name] = CoordinatorState(name, max_worker_failures)
+            co = self.coordinators[name] = CoordinatorState(name, max_worker_failures,
+                                                            send=self._send)
+            self.drivers[name] = GroupDriver(co, self.scheduler.rpc)
         plugin_name = worker_plugin_name(name)
         if plugin_name not in self.scheduler.worker_plugins:
-            from daskdist.plugins.worker import CoordinatorWorkerPlugin
-
             await self.scheduler.register_worker_plugin(
                 comm=None,
                 plugin=dumps(CoordinatorWorkerPlugin(name)),
@@ -290,7 +201,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         if q.error is None:
             return {"error": None, "cancelled": []}
         deadline = None if timeout is None else time.monotonic() + timeout
-        q.paused = True
+        co.set_paused(True)
         try:
             while q.inflight:
                 co.changed.clear()
@@ -305,12 +216,60 @@ class CoordinatorPlugin(SchedulerPlugin):
                     return {"timeout": True}
             cancelled = q.cancel_pending()
             co.deliver(cancelled)
+            for gang in co.gangs.cancel_pending():
+                box = co.outboxes.get(gang.owner)
+                if box is not None:
+                    box.push((gang.cid, CANCELLED, None, None, gang.attempt))
+                cancelled.append(gang)
             err = q.take_error()
         finally:
-            q.paused = False
-            co.wake()
+            co.set_paused(False)
         error = None if err is None else (err.cid, err.value, err.kind)
         return {"error": error, "cancelled": [(o.owner, o.cid) for o in cancelled]}
+
+    # -- collective groups and gang closures -------------------------------------------------
+    async def group_form(self, name: str, backend: str = "auto", timeout: float = 60.0) -> dict:
+        """(Re-)form the collective group on the current workers; its description."""
+        co = self._get(name)
+        co.gangs.configure(backend, timeout)
+        ok = await self.drivers[name].form()
+        info = self.drivers[name].info()
+        info["ok"] = ok
+        return info
+
+    def group_info(self, name: str) -> dict:
+        return self.drivers[name].info()
+
+    async def schedule_gang(self, name: str, owner: str, cid: str, payload: bytes) -> dict:
+        """Queue a gang closure; forms the group first if there is none yet."""
+        co = self._get(name)
+        driver = self.drivers[name]
+        if not co.gangs.group.sessions:
+            await driver.form()
+        co.gangs.submit(cid, owner, payload)
+        co.gangs_changed.set()
+        driver.start()
+        return driver.info()
+
+    # -- dynamic sharding leases -------------------------------------------------------------
+    def lease_acquire(self, name: str, session: str, dataset_id: str, epoch: int,
+                      unit_rows: list[int]) -> dict:
+        co = self._get(name)
+        if session not in co.members:
+            return {"expired": True}
+        try:
+            lease = co.leases.acquire(session, dataset_id, epoch, unit_rows)
+        except SessionExpired:
+            return {"expired": True}
+        return {"lease": lease}
+
+    def lease_progress(self, name: str, dataset_id: str, epoch: int,
+                       unit_rows: list[int] | None = None) -> dict:
+        return self._get(name).leases.progress(dataset_id, epoch, unit_rows)
+
+    def lease_release(self, name: str, session: str, dataset_id: str, epoch: int,
+                      ranges: list) -> int:
+        return self._get(name).leases.release(session, dataset_id, epoch, ranges)
 
     def add_resource(self, name: str, rid: str, payload: bytes) -> None:
         self._get(name).resources[rid] = payload
@@ -329,13 +288,16 @@ class CoordinatorPlugin(SchedulerPlugin):
         return {n: co.status() for n, co in self.coordinators.items()}
 
     # -- worker handlers ---------------------------------------------------------------
-    def register(self, name: str, session: str, address: str, slots: int = 1) -> dict:
+    def register(self, name: str, session: str, address: str, slots: int = 1,
+                 device: str = "cpu") -> dict:
         """A worker plugin session joins: it gets the lowest free worker index."""
         co = self._get(name)
-        member, replaced = co.members.join(session, address)
-        if replaced is not None:
-            co.deliver(co.queue.remove_session(replaced.session))
+        old = co.members.session_of(address)
+        if old is not None and old != session:
+            co.end_session(old)
+        member, _ = co.members.join(session, address, device)
         co.queue.add_session(session, slots)
+        co.membership_changed()
         if self._worker_retiring(address):
             co.members.drain(address)
             co.queue.drain_session(session)
@@ -409,7 +371,8 @@ class CoordinatorPlugin(SchedulerPlugin):
             finally:
                 co.waiters.discard(event)
         return {
-            "closures": [(c.cid, c.payload, c.attempt) for c in closures],
+            "closures": [(c.cid, c.payload, c.attempt, c.pinned is not None)
+                         for c in closures],
             "num_workers": len(co.members),
             "version": co.members.version,
             "hold": co.hold,

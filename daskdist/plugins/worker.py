@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from distributed.comm.addressing import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol.pickle import dumps, loads
 from distributed.utils import sync
 
 from daskdist.context import InputContext, WorkerContext, _set_current, _set_membership
-from daskdist.errors import InputError
+from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError
+from daskdist.plugins.gang import COLLECTIVE_ERROR, HOSTS_UPDATED
 from daskdist.plugins.queue import INPUT_ERROR, UNSTARTED, USER_ERROR
 from daskdist.values import PerWorkerValues, dump_error, map_structure
 
@@ -35,13 +38,106 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFETCH = 16
 
 
-def bind_device() -> Any:
-    """This worker's device: ``cuda:0`` (under its CUDA_VISIBLE_DEVICES) if any, else CPU."""
-    import torch
+def worker_plugin_name(name: str) -> str:
+    """The name the worker plugin of coordinator ``name`` is registered under."""
+    return f"daskdist-worker-{name}"
 
-    if torch.cuda.is_available():
-        return torch.device("cuda:0")
-    return torch.device("cpu")
+
+def _runner(worker, name: str) -> ClosureRunner | None:
+    plugin = worker.plugins.get(worker_plugin_name(name))
+    return getattr(plugin, "runner", None)
+
+
+def _error_kind(e: BaseException) -> str:
+    if isinstance(e, InputError):
+        return INPUT_ERROR
+    if isinstance(e, HostsUpdatedInterrupt):
+        return HOSTS_UPDATED
+    if isinstance(e, CollectiveError):
+        return COLLECTIVE_ERROR
+    return USER_ERROR
+
+
+class SchedulerLeases:
+    """``InputContext.leases`` on a worker: the dynamic policy's lease RPCs, from any thread."""
+
+    def __init__(self, runner: ClosureRunner):
+        self.runner = runner
+
+    def acquire(self, dataset_id: str, epoch: int,
+                unit_rows: list[int]) -> tuple[int, list[tuple[int, int]]] | None:
+        reply = self.runner.call("daskdist_lease_acquire", session=self.runner.session,
+                                 dataset_id=dataset_id, epoch=int(epoch),
+                                 unit_rows=[int(n) for n in unit_rows])
+        lease = reply.get("lease")
+        if lease is None:  # none free now, or this session expired (its work is fenced)
+            return None
+        return int(lease[0]), [(int(a), int(b)) for a, b in lease[1]]
+
+    def progress(self, dataset_id: str, epoch: int, unit_rows: list[int] | None = None) -> dict:
+        return self.runner.call("daskdist_lease_progress", dataset_id=dataset_id,
+                                epoch=int(epoch),
+                                unit_rows=None if unit_rows is None else list(unit_rows))
+
+    def release(self, dataset_id: str, epoch: int, ranges: list) -> int:
+        return self.runner.call("daskdist_lease_release", session=self.runner.session,
+                                dataset_id=dataset_id, epoch=int(epoch),
+                                ranges=[(int(a), int(b)) for a, b in ranges])
+
+
+def _install_worker_handlers(worker) -> None:
+    """Stream and RPC handlers shared by every coordinator's plugin on this worker."""
+    def wake(name: str) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.poke()
+
+    def peer_lost(name: str, generation: int) -> None:
+        collective = sys.modules.get("daskdist.collective")
+        if collective is not None:  # no group was ever formed in this process otherwise
+            collective.mark_peer_lost(generation)
+
+    def membership(name: str, version: int) -> None:
+        _set_membership(version)
+
+    def hold(name: str, hold: bool) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.hold = hold
+
+    async def collective(action: str, name: str, **kw: Any) -> Any:
+        from daskdist import collective as coll
+
+        runner = _runner(worker, name)
+        if action == "store":
+            host = get_address_host(worker.address)
+            return list(await asyncio.to_thread(coll.create_store, kw["generation"], host,
+                                                kw["timeout"]))
+        if action == "init":
+            await asyncio.to_thread(
+                coll.init_member, kw["rank"], kw["world_size"], kw["host"], kw["port"],
+                kw["backend"], kw["generation"], kw["timeout"],
+                runner.device if runner is not None else None,
+            )
+            return {"rank": kw["rank"]}
+        if action == "destroy":
+            await asyncio.to_thread(coll.destroy_member)
+            return None
+        raise ValueError(f"unknown collective action {action!r}")
+
+    worker.stream_handlers.update({
+        "daskdist-wake": wake,
+        "daskdist-peer-lost": peer_lost,
+        "daskdist-membership": membership,
+        "daskdist-hold": hold,
+    })
+    worker.handlers["daskdist_collective"] = collective
+
+
+def _bind_device() -> Any:
+    from daskdist.collective.device import bind_device
+
+    return bind_device()
 
 
 class ResourceRegistry:
@@ -105,6 +201,8 @@ class ClosureRunner:
         self.nthreads = max(1, worker.state.nthreads)
         self.capacity = self.nthreads + max(0, prefetch)
         self.executor = ThreadPoolExecutor(self.nthreads, thread_name_prefix=f"daskdist-{name}")
+        # a slot of its own for gang members, so they start even when all threads are busy
+        self.gang_executor = ThreadPoolExecutor(1, thread_name_prefix=f"daskdist-gang-{name}")
         self.session = ""
         self.index = -1
         self.num_workers = 0
@@ -117,12 +215,14 @@ class ClosureRunner:
         self.reporting = False
         self.stopping = False
         self.hold = False  # the scheduler is raising an error: give prefetched closures back
+        self.poked = False  # the scheduler has pinned work for us: exchange now
         self.task: asyncio.Task | None = None
         self.resources = ResourceRegistry(self._fetch_spec, self._contexts)
 
     # -- life -----------------------------------------------------------------------
     async def start(self) -> None:
-        self.device = await asyncio.to_thread(bind_device)
+        self.device = await asyncio.to_thread(_bind_device)
+        _install_worker_handlers(self.worker)
         await self._register()
         self.task = asyncio.create_task(self._loop())
 
@@ -130,7 +230,7 @@ class ClosureRunner:
         self.session = uuid.uuid4().hex
         reply = await self.worker.scheduler.daskdist_register(
             name=self.name, session=self.session, address=self.worker.address,
-            slots=self.nthreads,
+            slots=self.nthreads, device=str(self.device),
         )
         if reply is None:
             raise RuntimeError("the daskdist scheduler plugin is not registered")
@@ -155,6 +255,16 @@ class ClosureRunner:
         except Exception as e:  # the scheduler is gone too: it will see the worker leave
             logger.debug("daskdist: unregister failed: %r", e)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.gang_executor.shutdown(wait=False, cancel_futures=True)
+
+    def poke(self) -> None:
+        self.poked = True
+        self.wakeup.set()
+
+    def call(self, op: str, **kwargs: Any) -> Any:
+        """Call a scheduler handler from a worker thread (not the event loop)."""
+        return sync(self.worker.loop, getattr(self.worker.scheduler, op), name=self.name,
+                    **kwargs)
 
     # -- the loop -----------------------------------------------------------------------
     def _retiring(self) -> bool:
@@ -167,12 +277,13 @@ class ClosureRunner:
             # Report results as soon as there are any (asking for more in the same call);
             # long-poll only when a thread is idle; otherwise wait for a result, so the
             # loop does not compete with running closures for the GIL.
-            if not self.done and (want <= 0 or self.running >= self.nthreads):
+            if not self.done and not self.poked and (want <= 0 or self.running >= self.nthreads):
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
             results, self.done = self.done, []
-            block = not results
+            block = not results and not self.poked
+            self.poked = False
             self.polling = block
             try:
                 reply = await self.worker.scheduler.daskdist_exchange(
@@ -199,16 +310,20 @@ class ClosureRunner:
             self.hold = reply["hold"]
             _set_membership(reply["version"])
             session = self.session
-            for cid, payload, attempt in reply["closures"]:
+            for cid, payload, attempt, gang in reply["closures"]:
                 self.held.add(cid)
-                self.running += 1
-                self.executor.submit(self._run, session, cid, payload, attempt)
+                if gang:
+                    self.gang_executor.submit(self._run, session, cid, payload, attempt, True)
+                else:
+                    self.running += 1
+                    self.executor.submit(self._run, session, cid, payload, attempt)
 
-    def _on_done(self, session: str, result: tuple) -> None:
+    def _on_done(self, session: str, result: tuple, gang: bool) -> None:
         """Runs on the event loop when a closure finished in a thread."""
         if session != self.session:
             return  # the session ended meanwhile; the scheduler refuses it anyway
-        self.running -= 1
+        if not gang:
+            self.running -= 1
         self.done.append(result)
         self.wakeup.set()
         if self.polling and not self.reporting:
@@ -238,16 +353,17 @@ class ClosureRunner:
         wctx = WorkerContext(self.index, self.num_workers, self.device,
                              self.worker.address, attempt, self.name)
         n = max(1, self.num_workers)
-        ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx)
+        ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx,
+                            leases=SchedulerLeases(self))
         return wctx, ictx
 
     def _fetch_spec(self, rid: str) -> bytes | None:
-        return sync(self.worker.loop, self.worker.scheduler.daskdist_get_resource,
-                    name=self.name, rid=rid)
+        return self.call("daskdist_get_resource", rid=rid)
 
-    def _run(self, session: str, cid: str, payload: bytes, attempt: int) -> None:
-        if self.hold:  # an error is being raised: this closure counts as still queued
-            self._finished(session, (cid, False, None, UNSTARTED, []))
+    def _run(self, session: str, cid: str, payload: bytes, attempt: int,
+             gang: bool = False) -> None:
+        if self.hold and not gang:  # an error is being raised: this counts as still queued
+            self._finished(session, (cid, False, None, UNSTARTED, []), gang)
             return
         tokens: list = []
         _set_current(self._contexts(attempt)[0], tokens.append)
@@ -257,17 +373,15 @@ class ClosureRunner:
                 args, kwargs = self.resources.resolve((args, kwargs))
             value = fn(*args, **kwargs)
             result = (cid, True, dumps(value), None, tokens)
-        except InputError as e:
-            result = (cid, False, dump_error(e), INPUT_ERROR, tokens)
         except BaseException as e:  # noqa: BLE001 - every user error goes back to the client
-            result = (cid, False, dump_error(e), USER_ERROR, tokens)
+            result = (cid, False, dump_error(e), _error_kind(e), tokens)
         finally:
             _set_current(None, None)
-        self._finished(session, result)
+        self._finished(session, result, gang)
 
-    def _finished(self, session: str, result: tuple) -> None:
+    def _finished(self, session: str, result: tuple, gang: bool = False) -> None:
         try:
-            self.worker.loop.add_callback(self._on_done, session, result)
+            self.worker.loop.add_callback(self._on_done, session, result, gang)
         except RuntimeError:  # the worker's loop is closed: the worker is going away
             pass
 

@@ -1,0 +1,166 @@
+"""GangBook: gang closures and collective-group generations, as a pure state machine.
+
+A gang closure runs one member closure on every member of the collective group at
+once (``Coordinator.schedule_on_all``). Gangs run one at a time, in order. A gang whose
+member is lost, or whose members report a collective failure or a hosts-updated
+interrupt, is *interrupted*: the group is marked broken, and once every member's
+closure has ended the group is re-formed from the current workers (generation + 1)
+and the gang runs again. A member's plain user error fails the gang.
+
+No Dask, no I/O: the scheduler plugin asks :meth:`GangBook.next_step` what to do
+(form a group, dispatch a gang) and feeds back what happened. Member closures live
+in the :class:`~daskdist.plugins.queue.ClosureQueue` pinned to their sessions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+COLLECTIVE_ERROR = "collective"  # a member's collective call failed (peer lost, timeout)
+HOSTS_UPDATED = "hosts-updated"  # elastic State.commit saw membership change
+INTERRUPTING = frozenset({COLLECTIVE_ERROR, HOSTS_UPDATED, "worker-lost"})
+
+
+@dataclass
+class Gang:
+    cid: str
+    owner: str
+    payload: Any
+    attempt: int = 0
+    losses: int = 0  # interruptions caused by a lost member
+    generation: int = 0
+    members: dict[str, int] = field(default_factory=dict)  # member cid -> rank
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, tuple[Any, str]] = field(default_factory=dict)
+    interrupted: bool = False
+
+
+@dataclass
+class GangOutcome:
+    """A gang reached a final state: per-rank result payloads, or one error."""
+
+    cid: str
+    owner: str
+    ok: bool
+    values: list | None = None
+    error: Any = None
+    kind: str | None = None
+    attempt: int = 0
+
+
+@dataclass
+class Group:
+    """The collective group as the scheduler sees it."""
+
+    generation: int = 0
+    sessions: tuple[str, ...] = ()
+    backend: str = "auto"
+    timeout: float = 60.0
+    broken: bool = True  # no usable group yet
+
+
+@dataclass
+class GangBook:
+    """Pending and running gangs plus the current group generation."""
+
+    max_losses: int = 3
+    group: Group = field(default_factory=Group)
+    pending: deque[Gang] = field(default_factory=deque)
+    running: Gang | None = None
+    forming: bool = False
+
+    def submit(self, cid: str, owner: str, payload: Any) -> None:
+        self.pending.append(Gang(cid, owner, payload))
+
+    def configure(self, backend: str, timeout: float) -> None:
+        self.group.backend = backend
+        self.group.timeout = timeout
+
+    # -- what to do next ---------------------------------------------------------------
+    def needs_formation(self, sessions: tuple[str, ...]) -> bool:
+        """Whether the group must be (re-)formed before the next gang runs."""
+        return self.group.broken or self.group.sessions != sessions
+
+    def begin_formation(self, sessions: tuple[str, ...]) -> int:
+        """Start forming a new generation over ``sessions`` (in rank order)."""
+        self.forming = True
+        self.group.generation += 1
+        self.group.sessions = sessions
+        self.group.broken = True
+        return self.group.generation
+
+    def formation_done(self, generation: int, ok: bool) -> None:
+        if generation == self.group.generation:
+            self.group.broken = not ok
+        self.forming = False
+
+    def start_next(self) -> tuple[Gang, list[tuple[str, str, int]]] | None:
+        """Dispatch the next gang on the (formed) group: ``[(member cid, session, rank)]``."""
+        if self.running is not None or not self.pending or self.group.broken or self.forming:
+            return None
+        gang = self.pending.popleft()
+        gang.attempt += 1
+        gang.generation = self.group.generation
+        gang.interrupted = False
+        gang.results.clear()
+        gang.errors.clear()
+        members = [(f"{gang.cid}@{gang.generation}#{rank}", s, rank)
+                   for rank, s in enumerate(self.group.sessions)]
+        gang.members = {m: rank for m, _, rank in members}
+        self.running = gang
+        return gang, members
+
+    # -- what happened -------------------------------------------------------------------
+    def member_finished(self, member_cid: str, ok: bool, value: Any,
+                        kind: str | None) -> GangOutcome | None:
+        """A member closure ended; returns the gang's outcome once it is final."""
+        gang = self.running
+        if gang is None or member_cid not in gang.members:
+            return None  # a member of an earlier attempt
+        rank = gang.members.pop(member_cid)
+        if ok:
+            gang.results[rank] = value
+        else:
+            gang.errors[rank] = (value, kind or "user-error")
+            if kind in INTERRUPTING or self.group.broken:
+                gang.interrupted = True
+                self.group.broken = True
+                if kind == "worker-lost":
+                    gang.losses += 1
+        return self._maybe_final(gang)
+
+    def session_lost(self, session: str) -> bool:
+        """A member's worker left: the group is broken. True if it was a group member."""
+        if session not in self.group.sessions:
+            return False
+        self.group.broken = True
+        if self.running is not None:
+            self.running.interrupted = True
+        return True
+
+    def _maybe_final(self, gang: Gang) -> GangOutcome | None:
+        if gang.members:
+            return None  # members still running
+        self.running = None
+        if gang.interrupted:
+            if gang.losses >= self.max_losses:
+                return GangOutcome(gang.cid, gang.owner, False,
+                                   error="members of the gang were lost "
+                                         f"{gang.losses} times", kind="worker-lost",
+                                   attempt=gang.attempt)
+            self.pending.appendleft(gang)  # runs again on the re-formed group
+            return None
+        if gang.errors:
+            value, kind = gang.errors[min(gang.errors)]
+            return GangOutcome(gang.cid, gang.owner, False, error=value, kind=kind,
+                               attempt=gang.attempt)
+        values = [gang.results[r] for r in sorted(gang.results)]
+        return GangOutcome(gang.cid, gang.owner, True, values=values, attempt=gang.attempt)
+
+    def cancel_pending(self, owner: str | None = None) -> list[Gang]:
+        """Drop gangs not yet dispatched (of ``owner``, or all)."""
+        out = [g for g in self.pending if owner is None or g.owner == owner]
+        self.pending = deque(g for g in self.pending if g not in out)
+        return out

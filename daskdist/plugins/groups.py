@@ -1,0 +1,124 @@
+"""GroupDriver: forms collective groups and runs gang closures, from the scheduler.
+
+The scheduler-side half of SPEC §4. It asks the pure :class:`GangBook` what to do and
+does it: formation is two worker RPCs (rank 0 opens a rendezvous store on a port it
+holds; then every member joins at once, each in a worker thread), gang members are
+put in the closure queue pinned to their sessions and the member workers are told at
+once on their streams (a worker whose threads are all busy still keeps a slot for
+them). Never imports torch: the worker plugin does the torch side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from daskdist.plugins.state import GANG_OWNER, CoordinatorState
+
+logger = logging.getLogger(__name__)
+
+RETRY_SECONDS = 0.2  # pause before re-trying a formation that failed (a member left)
+
+
+class GroupDriver:
+    """Drives one coordinator's group formations and gang dispatch."""
+
+    def __init__(self, co: CoordinatorState, rpc: Callable[[str], Any]):
+        self.co = co
+        self.rpc = rpc
+        self.lock = asyncio.Lock()  # one formation at a time
+        self.task: asyncio.Task | None = None
+        self.formations = 0
+        self.last_formation_seconds = 0.0
+
+    def start(self) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._pump())
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def backend_for(self, sessions: tuple[str, ...]) -> str:
+        backend = self.co.gangs.group.backend
+        if backend != "auto":
+            return backend
+        devices = [self.co.members.members[s].device for s in sessions]
+        return "nccl" if devices and all(d.startswith("cuda") for d in devices) else "gloo"
+
+    async def form(self, sessions: tuple[str, ...] | None = None) -> bool:
+        """Form a new generation over ``sessions`` (default: the current workers)."""
+        async with self.lock:
+            co = self.co
+            sessions = sessions or co.active_sessions()
+            if not sessions:
+                return False
+            book = co.gangs
+            generation = book.begin_formation(sessions)
+            group = book.group
+            members = [co.members.members[s] for s in sessions]
+            backend = self.backend_for(sessions)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            ok = False
+            try:
+                host, port = await self.rpc(members[0].address).daskdist_collective(
+                    action="store", name=co.name, generation=generation,
+                    timeout=group.timeout,
+                )
+                await asyncio.gather(*[
+                    self.rpc(m.address).daskdist_collective(
+                        action="init", name=co.name, rank=rank, world_size=len(members),
+                        host=host, port=port, backend=backend, generation=generation,
+                        timeout=group.timeout,
+                    )
+                    for rank, m in enumerate(members)
+                ])
+                ok = all(s in co.members for s in sessions)
+            except Exception as e:
+                logger.info("daskdist[%s]: forming generation %d failed: %r",
+                            co.name, generation, e)
+                co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
+                              "generation": generation}, set(sessions))
+            book.formation_done(generation, ok)
+            self.formations += ok
+            self.last_formation_seconds = loop.time() - t0
+            co.gangs_changed.set()
+            return ok
+
+    def info(self) -> dict:
+        group = self.co.gangs.group
+        return {
+            "generation": group.generation,
+            "world_size": len(group.sessions),
+            "members": [self.co.members.members[s].address
+                        for s in group.sessions if s in self.co.members],
+            "backend": self.backend_for(group.sessions) if group.sessions else group.backend,
+            "formed": not group.broken,
+            "bootstrap_seconds": self.last_formation_seconds,
+        }
+
+    async def _pump(self) -> None:
+        """Run pending gangs one at a time, re-forming the group when it is broken."""
+        co = self.co
+        book = co.gangs
+        while True:
+            co.gangs_changed.clear()
+            if book.running is None and book.pending:
+                sessions = co.active_sessions()
+                if sessions and book.needs_formation(sessions):
+                    if not await self.form(sessions):
+                        await asyncio.sleep(RETRY_SECONDS)  # backoff before retrying
+                    continue
+                started = book.start_next() if sessions else None
+                if started is not None:
+                    gang, members = started
+                    for member_cid, session, _rank in members:
+                        co.queue.put(member_cid, GANG_OWNER, gang.payload, pinned=session)
+                    co.wake()
+                    co.broadcast({"op": "daskdist-wake", "name": co.name},
+                                 {s for _, s, _ in members})
+                    continue
+            await co.gangs_changed.wait()

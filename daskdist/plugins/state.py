@@ -1,0 +1,199 @@
+"""CoordinatorState: one named coordinator's state on the scheduler, and its delivery.
+
+Glues the pure state machines (closure queue, membership, lease table, gang book) to
+the scheduler's event loop: outboxes that client long-polls read, events that worker
+long-polls wait on, and routing of outcomes (gang members to the gang book, lease
+tokens to the lease table). Talks to workers only through the ``send`` callable the
+plugin provides (a message on the worker's stream), so it imports nothing from Dask.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from daskdist.plugins.gang import GangBook, GangOutcome
+from daskdist.plugins.leases import LeaseTable
+from daskdist.plugins.membership import Membership
+from daskdist.plugins.queue import FAILED, READY, UNSTARTED, ClosureQueue, Outcome
+
+GANG_OWNER = "__gang__"  # owner of gang member closures: routed to the gang book
+
+
+@dataclass
+class Outbox:
+    """Outcomes waiting for one client-side Coordinator; kept until it acknowledges them."""
+
+    client: str | None
+    first_seq: int = 0
+    items: list = field(default_factory=list)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, item: tuple) -> None:
+        self.items.append(item)
+        self.event.set()
+
+    def ack(self, seq: int) -> None:
+        """Forget everything before ``seq`` (the client has it)."""
+        drop = seq - self.first_seq
+        if drop > 0:
+            del self.items[:drop]
+            self.first_seq = seq
+        if not self.items:
+            self.event.clear()
+
+
+class CoordinatorState:
+    """One named coordinator: queue, members, leases, gangs, outboxes and waiters."""
+
+    def __init__(self, name: str, max_worker_failures: int = 3,
+                 send: Callable[[str, dict], None] | None = None):
+        self.name = name
+        self.queue = ClosureQueue(max_worker_failures=max_worker_failures)
+        self.members = Membership()
+        self.leases = LeaseTable()
+        self.gangs = GangBook(max_losses=max_worker_failures)
+        self.resources: dict[str, bytes] = {}
+        self.outboxes: dict[str, Outbox] = {}
+        self.waiters: set[asyncio.Event] = set()  # long-polls of workers waiting for work
+        self.changed = asyncio.Event()  # set on every finish / session end (raise waits on it)
+        self.gangs_changed = asyncio.Event()  # the gang pump waits on it
+        self.send = send or (lambda address, msg: None)
+        self.created = time.time()
+
+    # -- delivery -------------------------------------------------------------------
+    def deliver(self, outcomes: list[Outcome]) -> None:
+        """Route final outcomes: gang members to the gang book, the rest to outboxes."""
+        for o in outcomes:
+            if o.owner == GANG_OWNER:
+                g = self.gangs.member_finished(o.cid, o.state == READY, o.value, o.kind)
+                if g is not None:
+                    self.deliver_gang(g)
+                self.gangs_changed.set()
+                continue
+            box = self.outboxes.get(o.owner)
+            if box is not None:
+                box.push((o.cid, o.state, o.value, o.kind, o.attempt))
+        if outcomes and self.queue.error is not None:
+            for box in self.outboxes.values():
+                box.event.set()  # tell every owner an error is pending
+
+    def deliver_gang(self, g: GangOutcome) -> None:
+        if g.ok:
+            item = (g.cid, READY, g.values, None, g.attempt)
+        else:
+            item = (g.cid, FAILED, g.error, g.kind, g.attempt)
+            if self.queue.error is None:
+                self.queue.error = Outcome(g.cid, g.owner, FAILED, g.error, g.kind, g.attempt)
+                self.queue.counters.failed += 1
+        box = self.outboxes.get(g.owner)
+        if box is not None:
+            box.push(item)
+        if not g.ok:
+            for other in self.outboxes.values():
+                other.event.set()
+
+    def wake(self) -> None:
+        """Closures became available, or state changed: wake long-polls."""
+        self.changed.set()
+        for event in self.waiters:
+            event.set()
+
+    # -- workers ---------------------------------------------------------------------
+    def broadcast(self, msg: dict, sessions=None) -> None:
+        """Send ``msg`` on the stream of every member worker (or of ``sessions``)."""
+        for m in list(self.members.members.values()):
+            if sessions is None or m.session in sessions:
+                self.send(m.address, msg)
+
+    def membership_changed(self) -> None:
+        self.broadcast({"op": "daskdist-membership", "name": self.name,
+                        "version": self.members.version})
+        self.gangs_changed.set()
+
+    def end_session(self, session: str) -> None:
+        """A worker session is gone: put its closures back, drop its index and leases."""
+        self.members.leave(session)
+        self.leases.drop_session(session)
+        group = self.gangs.group
+        if self.gangs.session_lost(session):
+            # surviving members: collective calls of this generation fail at once
+            self.broadcast({"op": "daskdist-peer-lost", "name": self.name,
+                            "generation": group.generation}, set(group.sessions))
+        self.deliver(self.queue.remove_session(session))
+        self.membership_changed()
+        self.wake()
+
+    def apply_results(self, session: str, results: list) -> None:
+        """Apply a worker's results (each ``(cid, ok, value, kind, tokens)``).
+
+        A closure's result and its lease tokens are applied together: rows are
+        acknowledged only when the closure completes, released when it fails, and a
+        refused (fenced) result leaves the table to the session's own fate.
+        """
+        outcomes = []
+        q = self.queue
+        unstarted = []
+        for cid, ok, value, kind, tokens in results:
+            if kind == UNSTARTED:
+                unstarted.append(cid)
+                continue
+            accepted = q.holds(session, cid)
+            o = q.finish(session, cid, ok, value, kind)
+            if tokens:
+                if accepted and ok:
+                    self.leases.ack_tokens(session, tokens)
+                else:  # failed, retried, or a duplicate run: its rows go back to the pool
+                    self.leases.release_tokens(session, tokens)
+            if o is not None:
+                outcomes.append(o)
+        if unstarted:
+            q.put_back(session, unstarted)
+        self.deliver(outcomes)
+        if results:
+            self.changed.set()
+            if q.queued:
+                self.wake()  # retried or unstarted closures went back to the queue
+
+    def active_sessions(self) -> tuple[str, ...]:
+        """Sessions that may run closures, in worker-index (rank) order."""
+        return tuple(m.session for m in self.members.by_index() if not m.draining)
+
+    @property
+    def hold(self) -> bool:
+        """Workers must not start prefetched closures: an error is being raised."""
+        return self.queue.paused
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause dispatch (while raising an error) and tell workers to hold prefetched work."""
+        self.queue.paused = paused
+        self.broadcast({"op": "daskdist-hold", "name": self.name, "hold": paused})
+        if not paused:
+            self.wake()
+
+    def status(self) -> dict[str, Any]:
+        c = self.queue.counters
+        group = self.gangs.group
+        return {
+            "name": self.name,
+            "queued": self.queue.queued,
+            "running": self.queue.inflight,
+            "scheduled": c.scheduled,
+            "done": c.done,
+            "failed": c.failed,
+            "retried": c.retried,
+            "cancelled": c.cancelled,
+            "recovered": c.recovered,
+            "refused": c.refused,
+            "workers": len(self.members),
+            "worker_joins": self.members.joins,
+            "worker_leaves": self.members.leaves,
+            "error_pending": self.queue.error is not None,
+            "membership_version": self.members.version,
+            "group_generation": group.generation,
+            "group_size": len(group.sessions),
+            "gangs_pending": len(self.gangs.pending),
+        }
