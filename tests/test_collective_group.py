@@ -466,6 +466,42 @@ def _rendezvous_timeout(_slot, host, port, generation):
     return time.monotonic() - t0
 
 
+_KEPT: dict = {}  # per process: the elastic state survives re-formation
+
+
+def _elastic_train(_slot, kill_rank, kill_at, steps):
+    """Horovod-style loop: step, allreduce gradients, commit; ``kill_rank`` dies."""
+    from daskdist.collective import State, allreduce_gradients, get_group
+    from daskdist.errors import CollectiveError
+
+    g = get_group()
+    if "state" not in _KEPT:
+        m = _model(seed=g.rank)
+        m.eval()  # BatchNorm on running stats: every rank computes the same function
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        _KEPT["state"] = State(m, opt, step=0)
+    state = _KEPT["state"]
+    state.sync()
+    t0 = None
+    try:
+        while state.step < steps:
+            if g.rank == kill_rank and state.step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            torch.manual_seed(state.step * 100 + g.rank)
+            state.optimizer.zero_grad()
+            t0 = time.monotonic()
+            loss = state.model(torch.randn(8, 8)).pow(2).mean()
+            loss.backward()
+            allreduce_gradients(state.model)
+            state.optimizer.step()
+            state.step += 1
+            state.commit()
+    except CollectiveError:
+        state.restore()
+        return ("interrupted", state.step, time.monotonic() - t0)
+    return ("done", state.step, [p.detach().clone() for p in state.model.parameters()])
+
+
 # -- tests -----------------------------------------------------------------------------
 
 
@@ -598,6 +634,22 @@ def test_sigkilled_peer_raises_collective_error_quickly(pool):
     # The survivors re-form as generation + 1 and work.
     form(pool, ranks=[0, 1])
     pool.run(_ops, ranks=[0, 1], args=("float32",))
+
+
+def test_elastic_loop_survives_a_sigkill_and_resumes_on_the_new_group(pool):
+    form(pool, timeout=30)
+    h = pool.submit(_elastic_train, [0, 1, 2], (2, 3, 6))
+    out = pool.collect((h[0], [0, 1]), timeout=30)
+    for r in (0, 1):
+        status, step, elapsed = out[r]
+        assert (status, step) == ("interrupted", 3)  # back to the last commit
+        assert elapsed < 5.0
+    pool.procs[2].join(10)
+    form(pool, ranks=[0, 1])  # the re-formed group; the same State objects go on
+    done = pool.run(_elastic_train, ranks=[0, 1], args=(-1, -1, 6))
+    assert [d[:2] for d in done] == [("done", 6), ("done", 6)]
+    for a, b in zip(done[0][2], done[1][2], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
