@@ -90,10 +90,11 @@ def init_member(
     _raise_if_lost(generation)
     runtime.prune_graveyard()
     if backend == "nccl":
-        # A dead peer must surface as an error, not a hang (torch's watchdog aborts
-        # the communicator); set before the group exists.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
+        # A dead peer must surface as an error, not a hang: torch's watchdog aborts
+        # the communicators on an error or timeout. Mode 2 ("clean up only") does
+        # that without killing the process (1 and 3 tear the worker down). Set
+        # before the group exists; a value the user set wins.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
     deadline = time.monotonic() + timeout
@@ -163,10 +164,25 @@ def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> No
     still meeting its peers gives up. Cheap and non-blocking: call it from any thread,
     including an event loop.
     """
+    m = runtime.current()
     runtime.mark_lost(generation, f"{reason} (generation {generation})")
+    if m is not None and m.backend == "nccl" and m.generation <= generation:
+        # NCCL work runs on the GPU, not in a thread we can wake: abort the
+        # communicators so kernels waiting on the lost peer end too (off this thread:
+        # an abort can take a while and the caller may be an event loop).
+        pg = dist.group.WORLD if dist.is_initialized() else None
+        if pg is not None:
+            threading.Thread(target=_abort, args=(pg,), daemon=True).start()
 
 
 # -- internals ---------------------------------------------------------------
+
+
+def _abort(pg: Any) -> None:
+    try:
+        pg.abort()
+    except Exception:  # older torch, or already aborted: the watchdog still acts
+        pass
 
 
 def _raise_if_lost(generation: int) -> None:
