@@ -502,7 +502,11 @@ class _LoaderIterator:
             self._book.outstanding = []
 
     def __del__(self) -> None:
+        # Only signal the prefetch thread: no join and no lease RPC here, since the
+        # collector may run on an event loop the thread (or the RPC) is waiting for.
+        # Rows still leased return to the pool when the worker's session ends.
         try:
-            self.close()
+            if self._buf is not None:
+                self._buf.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
