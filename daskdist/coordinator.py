@@ -36,6 +36,10 @@ from daskdist.values import (
 MIN_MAX_QUEUED = 256
 
 
+def _has_plugin(dask_scheduler) -> bool:
+    return PLUGIN_NAME in dask_scheduler.plugins
+
+
 class PerWorkerDataset:
     """A dataset built on every worker by a factory (``create_per_worker_dataset``).
 
@@ -79,12 +83,11 @@ class Coordinator:
         self.name = name
         self._max_queued = max_queued
         self._rpc = self.client.scheduler
-        # A handler that is not registered answers None: the plugin is not loaded yet
-        # (with `--preload daskdist.plugins.scheduler` it is, and we register nothing).
-        info = self._call("daskdist_create", max_worker_failures=max_worker_failures)
-        if info is None:
+        # With `--preload daskdist.plugins.scheduler` the plugin is there and we register
+        # nothing (such clusters may refuse client plugins); else register it once.
+        if not self._plugin_loaded():
             self.client.register_plugin(CoordinatorPlugin(), name=PLUGIN_NAME)
-            info = self._call("daskdist_create", max_worker_failures=max_worker_failures)
+        info = self._call("daskdist_create", max_worker_failures=max_worker_failures)
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "
@@ -103,6 +106,12 @@ class Coordinator:
         self.client.loop.add_callback(self._results_loop)
 
     # -- plumbing ------------------------------------------------------------------------
+    def _plugin_loaded(self) -> bool:
+        try:
+            return self.client.run_on_scheduler(_has_plugin)
+        except Exception:  # running functions is refused here: ask a handler of ours
+            return self._call("daskdist_status") is not None
+
     def _call(self, op: str, call_timeout: float | None = None, **kwargs: Any) -> Any:
         """Call a scheduler handler from the caller's thread."""
         fn = getattr(self._rpc, op)
@@ -278,12 +287,16 @@ class Coordinator:
             self._spread_gang(gid, whole)
         return PerWorkerValues(values=members)
 
-    def collective_group(self, backend: str = "auto", timeout: float = 60.0):
+    def collective_group(self, backend: str = "auto", timeout: float = 60.0, *,
+                         rejoin_grace: float = 15.0):
         """Bootstrap a torch.distributed group on the current workers, through Dask.
 
         Ranks follow worker indices; ``backend="auto"`` is NCCL when every member has
         CUDA, else gloo. Closures reach it with ``dd.collective.get_group()``.
-        Returns a ``daskdist.collective.CollectiveGroup``.
+        Collective calls that cannot complete fail with ``CollectiveError`` within
+        ``timeout`` seconds. When a member is lost, the group waits up to
+        ``rejoin_grace`` seconds for a replacement (a Nanny restart) before re-forming
+        with fewer members. Returns a ``daskdist.collective.CollectiveGroup``.
         """
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
@@ -291,7 +304,8 @@ class Coordinator:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         from daskdist.collective.handle import CollectiveGroup  # imports torch: only here
 
-        info = self._call("daskdist_group_form", backend=backend, timeout=float(timeout))
+        info = self._call("daskdist_group_form", backend=backend, timeout=float(timeout),
+                          rejoin_grace=float(rejoin_grace))
         if not info["ok"]:
             raise CollectiveError(
                 f"could not form a collective group on {info['world_size']} workers "

@@ -25,16 +25,9 @@ import torch
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import broadcast_parameters
 from daskdist.context import membership_version
+from daskdist.errors import HostsUpdatedInterrupt  # defined there: the worker plugin knows it
 
 _OWN = ("model", "optimizer", "_objects", "_saved", "_last_version")
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Membership changed since the last commit: re-form the group and ``sync()``.
-
-    Raised by ``State.commit()`` on every rank at the same commit. The state was
-    committed just before, so nothing needs restoring.
-    """
 
 
 class State:

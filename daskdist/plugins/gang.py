@@ -83,10 +83,13 @@ class GangBook:
         """Whether the group must be (re-)formed before the next gang runs."""
         return self.group.broken or self.group.sessions != sessions
 
-    def begin_formation(self, sessions: tuple[str, ...]) -> int:
-        """Start forming a new generation over ``sessions`` (in rank order)."""
+    def begin_formation(self, sessions: tuple[str, ...], generation: int | None = None) -> int:
+        """Start forming a new generation over ``sessions`` (in rank order).
+
+        ``generation`` must grow; by default it is the previous one plus one.
+        """
         self.forming = True
-        self.group.generation += 1
+        self.group.generation = max(self.group.generation + 1, generation or 0)
         self.group.sessions = sessions
         self.group.broken = True
         return self.group.generation

@@ -20,18 +20,26 @@ from daskdist.plugins.state import GANG_OWNER, CoordinatorState
 logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 0.2  # pause before re-trying a formation that failed (a member left)
+REJOIN_GRACE = 15.0  # how long a broken group waits for its lost members' replacements
 
 
 class GroupDriver:
     """Drives one coordinator's group formations and gang dispatch."""
 
-    def __init__(self, co: CoordinatorState, rpc: Callable[[str], Any]):
+    def __init__(self, co: CoordinatorState, rpc: Callable[[str], Any],
+                 next_generation: Callable[[], int] | None = None):
         self.co = co
         self.rpc = rpc
+        # generations are unique across coordinators: a worker process hosts one group
+        # at a time, whichever coordinator formed it, and remembers lost generations
+        self.next_generation = next_generation or (lambda: 0)
         self.lock = asyncio.Lock()  # one formation at a time
         self.task: asyncio.Task | None = None
         self.formations = 0
         self.last_formation_seconds = 0.0
+        self.size = 0  # members of the last group formed: re-formation waits to regain it
+        self.rejoin_grace = REJOIN_GRACE
+        self._short_since: float | None = None
 
     def start(self) -> None:
         if self.task is None or self.task.done():
@@ -56,7 +64,7 @@ class GroupDriver:
             if not sessions:
                 return False
             book = co.gangs
-            generation = book.begin_formation(sessions)
+            generation = book.begin_formation(sessions, self.next_generation())
             group = book.group
             members = [co.members.members[s] for s in sessions]
             backend = self.backend_for(sessions)
@@ -83,10 +91,23 @@ class GroupDriver:
                 co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
                               "generation": generation}, set(sessions))
             book.formation_done(generation, ok)
+            if ok:
+                self.size = len(sessions)
+                self._short_since = None
             self.formations += ok
             self.last_formation_seconds = loop.time() - t0
             co.gangs_changed.set()
             return ok
+
+    def _rejoin_wait(self, n: int) -> float:
+        """Seconds still to wait for the group to regain its size (0: form now)."""
+        if n >= self.size:
+            self._short_since = None
+            return 0.0
+        now = asyncio.get_running_loop().time()
+        if self._short_since is None:
+            self._short_since = now
+        return max(0.0, self._short_since + self.rejoin_grace - now)
 
     def info(self) -> dict:
         group = self.co.gangs.group
@@ -109,6 +130,13 @@ class GroupDriver:
             if book.running is None and book.pending:
                 sessions = co.active_sessions()
                 if sessions and book.needs_formation(sessions):
+                    wait = self._rejoin_wait(len(sessions))
+                    if wait > 0:  # a lost member's replacement (Nanny restart) is coming
+                        try:
+                            await asyncio.wait_for(co.gangs_changed.wait(), wait)
+                        except asyncio.TimeoutError:
+                            pass
+                        continue
                     if not await self.form(sessions):
                         await asyncio.sleep(RETRY_SECONDS)  # backoff before retrying
                     continue

@@ -45,6 +45,7 @@ class CoordinatorPlugin(SchedulerPlugin):
     def __init__(self) -> None:
         self.coordinators: dict[str, CoordinatorState] = {}
         self.drivers: dict[str, GroupDriver] = {}
+        self.generations = 0  # last collective-group generation handed out (any coordinator)
         self.scheduler = None
         self.removals: list[dict] = []  # recent remove-worker events (expected or not)
 
@@ -119,6 +120,10 @@ class CoordinatorPlugin(SchedulerPlugin):
         co.queue.cancel_pending(owner)
         co.gangs.cancel_pending(owner)
 
+    def _next_generation(self) -> int:
+        self.generations += 1
+        return self.generations
+
     def _send(self, address: str, msg: dict) -> None:
         """A message on a worker's stream (Dask removes the worker if that fails)."""
         if address in self.scheduler.stream_comms:
@@ -139,7 +144,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         if co is None:
             co = self.coordinators[name] = CoordinatorState(name, max_worker_failures,
                                                             send=self._send)
-            self.drivers[name] = GroupDriver(co, self.scheduler.rpc)
+            self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
         plugin_name = worker_plugin_name(name)
         if plugin_name not in self.scheduler.worker_plugins:
             await self.scheduler.register_worker_plugin(
@@ -228,10 +233,13 @@ class CoordinatorPlugin(SchedulerPlugin):
         return {"error": error, "cancelled": [(o.owner, o.cid) for o in cancelled]}
 
     # -- collective groups and gang closures -------------------------------------------------
-    async def group_form(self, name: str, backend: str = "auto", timeout: float = 60.0) -> dict:
+    async def group_form(self, name: str, backend: str = "auto", timeout: float = 60.0,
+                         rejoin_grace: float | None = None) -> dict:
         """(Re-)form the collective group on the current workers; its description."""
         co = self._get(name)
         co.gangs.configure(backend, timeout)
+        if rejoin_grace is not None:
+            self.drivers[name].rejoin_grace = rejoin_grace
         ok = await self.drivers[name].form()
         info = self.drivers[name].info()
         info["ok"] = ok
