@@ -223,11 +223,18 @@ def _ops(_slot, dtype_name):
 
 def _objects(_slot):
     from daskdist.collective import get_group
+    from daskdist.errors import CollectiveError
 
     g = get_group()
     mine = {"rank": g.rank, "blob": list(range(g.rank * 1000)), "fn": lambda x: x + g.rank}
     got = g.broadcast_object(mine if g.rank == 1 else None, src=1)
     assert got["rank"] == 1 and got["fn"](1) == 2 and len(got["blob"]) == 1000
+    # An object src cannot pickle: every rank raises, nobody waits for the timeout.
+    with pytest.raises((TypeError, pickle.PicklingError, CollectiveError)):
+        g.broadcast_object(threading.Lock() if g.rank == 2 else None, src=2)
+    with pytest.raises((TypeError, pickle.PicklingError, CollectiveError)):
+        g.allgather_object(threading.Lock() if g.rank == 0 else 1)
+    assert g.broadcast_object("still usable", src=0) == "still usable"
     everyone = g.allgather_object(("r", g.rank, "x" * (g.rank * 7)))
     assert everyone == [("r", r, "x" * (r * 7)) for r in range(g.world_size)]
     return g.rank, g.world_size, g.generation, g.backend, str(g.device)

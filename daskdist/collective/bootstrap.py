@@ -129,6 +129,7 @@ def init_member(
                 backend=backend,
                 device=dev,
                 timeout=float(timeout),
+                pg=dist.group.WORLD,
             )
     if lost:
         _teardown(keep_store=None)

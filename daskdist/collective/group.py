@@ -73,6 +73,7 @@ class Group:
         self.backend: str = member.backend
         self.device: torch.device = member.device
         self.timeout: float = member.timeout
+        self._pg = member.pg
 
     def __repr__(self) -> str:
         return (
@@ -93,7 +94,7 @@ class Group:
         except (KeyError, AttributeError):
             raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(_OPS)}") from None
         _check_tensor(tensor)
-        self._run("allreduce", lambda: dist.all_reduce(tensor, op=rop, async_op=True))
+        self._run("allreduce", lambda pg: dist.all_reduce(tensor, op=rop, group=pg, async_op=True))
         if op.lower() == "mean" and self.world_size > 1:
             if tensor.is_floating_point() or tensor.is_complex():
                 tensor.div_(self.world_size)
@@ -105,52 +106,90 @@ class Group:
         """Overwrite ``tensor`` on every rank with rank ``src``'s, in place; returns it."""
         _check_tensor(tensor)
         self._check_rank(src)
-        self._run("broadcast", lambda: dist.broadcast(tensor, src=src, async_op=True))
+        self._run("broadcast", lambda pg: dist.broadcast(tensor, src=src, group=pg, async_op=True))
         return tensor
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order."""
         _check_tensor(tensor)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._run("allgather", lambda: dist.all_gather(out, tensor, async_op=True))
+        self._run("allgather", lambda pg: dist.all_gather(out, tensor, group=pg, async_op=True))
         return out
 
     def barrier(self) -> None:
         """Return once every rank reached this barrier."""
         t = torch.zeros(1, device=self._wire_device())
-        self._run("barrier", lambda: dist.all_reduce(t, async_op=True))
+        self._run("barrier", lambda pg: dist.all_reduce(t, group=pg, async_op=True))
 
     # -- object collectives ------------------------------------------------------
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
+        """Rank ``src``'s ``obj`` on every rank (other ranks' ``obj`` is ignored).
+
+        If ``obj`` cannot be pickled on ``src``, every rank raises (``src`` the
+        pickling error, the others ``CollectiveError``), rather than the others
+        waiting for bytes that never come.
+        """
         self._check_rank(src)
         dev = self._wire_device()
+        failure: BaseException | None = None
         if self.rank == src:
-            payload = _to_bytes(obj, dev)
-            size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+            try:
+                payload = _to_bytes(obj, dev)
+            except Exception as e:
+                failure, payload = e, torch.empty(0, dtype=torch.uint8, device=dev)
+            n = -1 if failure is not None else payload.numel()
+            size = torch.tensor([n], dtype=torch.int64, device=dev)
         else:
             size = torch.zeros(1, dtype=torch.int64, device=dev)
         self.broadcast(size, src)
+        n = int(size.item())
+        if n < 0:
+            if failure is not None:
+                raise failure
+            raise CollectiveError(f"broadcast_object: rank {src} could not pickle its object")
         if self.rank != src:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+            payload = torch.empty(n, dtype=torch.uint8, device=dev)
         self.broadcast(payload, src)
         if self.rank == src:
             return obj
         return _from_bytes(payload)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order."""
+        """Every rank's ``obj``, in rank order (all ranks raise if one cannot pickle)."""
         dev = self._wire_device()
-        payload = _to_bytes(obj, dev)
-        sizes = self.allgather(torch.tensor([payload.numel()], dtype=torch.int64, device=dev))
+        failure: BaseException | None = None
+        try:
+            payload = _to_bytes(obj, dev)
+        except Exception as e:
+            failure, payload = e, torch.empty(0, dtype=torch.uint8, device=dev)
+        n_mine = -1 if failure is not None else payload.numel()
+        sizes = self.allgather(torch.tensor([n_mine], dtype=torch.int64, device=dev))
         n = [int(s.item()) for s in sizes]
+        if min(n) < 0:
+            if failure is not None:
+                raise failure
+            bad = [r for r, k in enumerate(n) if k < 0]
+            raise CollectiveError(f"allgather_object: ranks {bad} could not pickle their objects")
         padded = torch.zeros(max(n), dtype=torch.uint8, device=dev)
         padded[: payload.numel()] = payload
         parts = self.allgather(padded)
         out = [_from_bytes(p[:k]) for p, k in zip(parts, n, strict=True)]
         out[self.rank] = obj
         return out
+
+    # -- pickling: a Group names a generation; its process group stays local -----
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_pg"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        m = runtime.current()
+        if m is not None and m.generation == self.generation:
+            self._pg = m.pg
 
     # -- machinery ---------------------------------------------------------------
 
@@ -161,15 +200,15 @@ class Group:
         if not 0 <= src < self.world_size:
             raise ValueError(f"src {src} outside [0, {self.world_size})")
 
-    def _run(self, what: str, issue: Callable[[], Any]) -> None:
+    def _run(self, what: str, issue: Callable[[Any], Any]) -> None:
         """Issue one async collective and wait for it, the lost signal, or the timeout."""
         gen = self.generation
         runtime.check(gen)
-        pg = dist.group.WORLD if dist.is_initialized() else None
+        # Always this generation's own process group, never "the current default":
+        # a call racing a re-formation must not land in the next generation's group.
+        pg = self._pg
         try:
-            work = issue()
-        except (TypeError, ValueError):
-            raise
+            work = issue(pg)
         except Exception as e:
             runtime.break_group(gen, f"{what} failed: {e}")
             raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e

@@ -31,6 +31,7 @@ class Member:
     device: Any
     timeout: float
     broken: str = ""  # why the group can no longer be used ("" while healthy)
+    pg: Any = None  # this generation's torch process group (the default group)
 
 
 lock = threading.RLock()
