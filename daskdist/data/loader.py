@@ -22,6 +22,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -285,13 +286,25 @@ class ArrowLoader:
         reader = self.shards.reader()
         units = self.shards.units
         pool = ArenaPool() if self.shuffle else None
+
+        def read_block(blk: batching.Block) -> list[pa.Table]:
+            return [reader.read(units[self._pieces[k].unit], self.columns) for k in blk.pieces]
+
+        # Shuffled blocks: read the next block in a helper thread while this one is
+        # gathered (one block of read-ahead; all reads happen in that one thread).
+        ahead = ThreadPoolExecutor(1, "daskdist-readahead") if self.shuffle else None
+        fut = None
         try:
             for bi in range(b, len(blocks)):
                 blk = blocks[bi]
-                tables, idx, strided, base = [], [], False, 0
+                if ahead is None:
+                    tables = read_block(blk)
+                else:
+                    tables = (fut or ahead.submit(read_block, blk)).result()
+                    fut = ahead.submit(read_block, blocks[bi + 1]) if bi + 1 < len(blocks) else None
+                idx, strided, base = [], False, 0
                 for k in blk.pieces:
                     p = self._pieces[k]
-                    tables.append(reader.read(units[p.unit], self.columns))
                     if p.stride != 1:
                         strided = True
                     idx.append(np.arange(p.first_local(), p.num_rows, p.stride) + base)
@@ -309,6 +322,8 @@ class ArrowLoader:
                     off = 0
                 yield self._convert(table, index, pool if blk.shuffled else None), None
         finally:
+            if ahead is not None:
+                ahead.shutdown(wait=True)
             reader.close()
 
     def _dynamic_chunks(self, epoch: int, book: _LeaseBook) -> Iterator[tuple[Any, np.ndarray]]:
