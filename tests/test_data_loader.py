@@ -179,6 +179,7 @@ def test_state_of_another_dataset_is_refused(data, tmp_path):
         ArrowLoader(data).load_state_dict(ArrowLoader(other).state_dict())
     assert ArrowLoader(data, name="a").dataset_id != ArrowLoader(data, name="b").dataset_id
     assert ArrowLoader(data).dataset_id == ArrowLoader(ArrowShards(data)).dataset_id
+    assert ArrowLoader(data, name="a").dataset_id == ArrowShards(data).dataset_id("a")
 
 
 def test_prefetch_memory_is_bounded(tmp_path, monkeypatch):

@@ -172,7 +172,7 @@ class ArrowLoader:
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise ValueError(f"column(s) {missing} not in the shards' schema {names}")
-        self.dataset_id = f"{name or 'arrow'}-{shards.fingerprint()}"
+        self.dataset_id = shards.dataset_id(name)
         self._unit_rows = [u.num_rows for u in units]
         if policy == "dynamic":
             self.policy, self._pieces = "dynamic", []

@@ -227,6 +227,11 @@ class ArrowShards:
         desc = [[u.path, u.piece, u.num_rows] for u in self.units]
         return hashlib.sha1(json.dumps(desc).encode()).hexdigest()[:16]
 
+    def dataset_id(self, name: str | None = None) -> str:
+        """The key a loader over these shards uses in the dynamic lease table:
+        ``f"{name or 'arrow'}-{fingerprint}"``."""
+        return f"{name or 'arrow'}-{self.fingerprint()}"
+
     def __len__(self) -> int:
         return len(self.units)
 
