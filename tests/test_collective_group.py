@@ -476,6 +476,35 @@ def _rendezvous_timeout(_slot, host, port, generation):
 _KEPT: dict = {}  # per process: the elastic state survives re-formation
 
 
+def _start_zombie_init(_slot, host, port, generation):
+    """Begin joining a 3-member generation whose third member never comes; return."""
+    from daskdist.collective import init_member, runtime
+
+    box: dict = {}
+
+    def join():
+        try:
+            init_member(_slot, 3, host, port, "gloo", generation, 30.0)
+            box["result"] = "formed"
+        except BaseException as e:
+            box["result"] = e
+
+    th = threading.Thread(target=join, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not runtime.waiters and time.monotonic() < deadline:
+        time.sleep(0.001)  # condition poll with a deadline: init waits on its peers
+    _KEPT["zombie"] = (th, box)
+    return True
+
+
+def _zombie_outcome(_slot):
+    th, box = _KEPT.pop("zombie")
+    th.join(5)
+    assert not th.is_alive()
+    return type(box["result"]).__name__, str(box["result"])
+
+
 def _elastic_train(_slot, kill_rank, kill_at, steps):
     """Horovod-style loop: step, allreduce gradients, commit; ``kill_rank`` dies."""
     from daskdist.collective import State, allreduce_gradients, get_group
@@ -602,6 +631,19 @@ def test_rendezvous_times_out_naming_the_missing_rank(pool):
     (host, port) = pool.run(_create_store, ranks=[0], args=(gen,))[0]
     elapsed = pool.run(_rendezvous_timeout, ranks=[0, 1], args=(host, port, gen))
     assert all(1.0 <= e < 3.0 for e in elapsed), elapsed
+
+
+def test_newer_generation_supersedes_an_init_still_waiting(pool):
+    gen = next(_generations)
+    (host, port) = pool.run(_create_store, ranks=[0], args=(gen,))[0]
+    pool.run(_start_zombie_init, ranks=[0, 1], args=(host, port, gen))
+    t0 = time.monotonic()
+    form(pool, ranks=[0, 1])  # does not wait for the stuck init's 30 s timeout
+    assert time.monotonic() - t0 < 5.0
+    for name, msg in pool.run(_zombie_outcome, ranks=[0, 1]):
+        assert name == "CollectiveError" and "generation" in msg
+    out = pool.run(_stale_group_refuses, ranks=[0, 1], args=(gen,))
+    assert [o[1:] for o in out] == [(0, 2), (1, 2)]
 
 
 def test_reform_new_generation_has_no_stale_state(pool):

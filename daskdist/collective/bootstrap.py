@@ -39,6 +39,7 @@ __all__ = [
     "mark_peer_lost",
 ]
 
+_init_lock = threading.Lock()  # one formation at a time in this process
 _JOINED = "daskdist/joined/"  # + rank: idempotent, so a retried init_member counts once
 
 
@@ -86,6 +87,59 @@ def init_member(
         raise ValueError(f"rank {rank} outside [0, {world_size})")
     dev = torch.device(device) if device is not None else bind_device()
     backend = backend_for([dev], backend)
+    # Every older generation is superseded: an init_member of one still meeting its
+    # peers in another thread gives up at once instead of forming a stale group.
+    runtime.mark_lost(generation - 1, f"superseded by generation {generation}")
+    with _init_lock:
+        return _init_locked(rank, world_size, host, port, backend, generation, timeout, dev)
+
+
+def destroy_member(generation: int | None = None) -> None:
+    """Leave the group (of ``generation`` only, when given) and free its store.
+
+    Safe to call at any time, from any thread, any number of times; a call naming a
+    generation older than the current one does nothing (it cannot tear down a newer
+    group).
+    """
+    with runtime.lock:
+        m = runtime.member
+        if generation is not None and m is not None and m.generation > generation:
+            return
+    _teardown(keep_store=None)
+
+
+def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> None:
+    """A peer of ``generation`` left: its collective calls raise ``CollectiveError`` now.
+
+    Calls waiting on that generation's group (and older ones) wake at once; later
+    calls raise before touching the transport; an ``init_member`` of that generation
+    still meeting its peers gives up. Cheap and non-blocking: call it from any thread,
+    including an event loop.
+    """
+    m = runtime.current()
+    runtime.mark_lost(generation, f"{reason} (generation {generation})")
+    if m is not None and m.backend == "nccl" and m.generation <= generation:
+        # NCCL work runs on the GPU, not in a thread we can wake: abort the
+        # communicators so kernels waiting on the lost peer end too (off this thread:
+        # an abort can take a while and the caller may be an event loop).
+        pg = dist.group.WORLD if dist.is_initialized() else None
+        if pg is not None:
+            threading.Thread(target=_abort, args=(pg,), daemon=True).start()
+
+
+# -- internals ---------------------------------------------------------------
+
+
+def _init_locked(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str,
+    generation: int,
+    timeout: float,
+    dev: torch.device,
+) -> dict:
     _teardown(keep_store=generation)
     _raise_if_lost(generation)
     runtime.prune_graveyard()
@@ -141,42 +195,6 @@ def init_member(
         "backend": backend,
         "device": str(dev),
     }
-
-
-def destroy_member(generation: int | None = None) -> None:
-    """Leave the group (of ``generation`` only, when given) and free its store.
-
-    Safe to call at any time, from any thread, any number of times; a call naming a
-    generation older than the current one does nothing (it cannot tear down a newer
-    group).
-    """
-    with runtime.lock:
-        m = runtime.member
-        if generation is not None and m is not None and m.generation > generation:
-            return
-    _teardown(keep_store=None)
-
-
-def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> None:
-    """A peer of ``generation`` left: its collective calls raise ``CollectiveError`` now.
-
-    Calls waiting on that generation's group (and older ones) wake at once; later
-    calls raise before touching the transport; an ``init_member`` of that generation
-    still meeting its peers gives up. Cheap and non-blocking: call it from any thread,
-    including an event loop.
-    """
-    m = runtime.current()
-    runtime.mark_lost(generation, f"{reason} (generation {generation})")
-    if m is not None and m.backend == "nccl" and m.generation <= generation:
-        # NCCL work runs on the GPU, not in a thread we can wake: abort the
-        # communicators so kernels waiting on the lost peer end too (off this thread:
-        # an abort can take a while and the caller may be an event loop).
-        pg = dist.group.WORLD if dist.is_initialized() else None
-        if pg is not None:
-            threading.Thread(target=_abort, args=(pg,), daemon=True).start()
-
-
-# -- internals ---------------------------------------------------------------
 
 
 def _abort(pg: Any) -> None:
