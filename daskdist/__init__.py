@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 from daskdist.context import InputContext, WorkerContext, get_worker_context
-from daskdist.coordinator import Coordinator, PerWorkerDataset
+from daskdist.coordinator import Coordinator, DistributedDataset, PerWorkerDataset
 from daskdist.errors import CancelledError, CollectiveError, InputError, WorkerLostError
 from daskdist.values import PerWorkerValues, RemoteValue, RemoteValueStatus
 
@@ -31,6 +31,7 @@ __all__ = [
     "Coordinator",
     "InputContext",
     "InputError",
+    "DistributedDataset",
     "PerWorkerDataset",
     "PerWorkerValues",
     "RemoteValue",

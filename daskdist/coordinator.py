@@ -57,6 +57,63 @@ class PerWorkerDataset:
         return f"PerWorkerDataset({self.values.rid})"
 
 
+class _LoaderFactory:
+    """Builds a worker's ArrowLoader with the per-replica share of the global batch."""
+
+    def __init__(self, shards: Any, global_batch_size: int, options: dict):
+        self.shards = shards
+        self.global_batch_size = global_batch_size
+        self.options = options
+
+    def __call__(self, ctx: Any) -> Any:
+        from daskdist.data import ArrowLoader
+
+        batch = ctx.get_per_replica_batch_size(self.global_batch_size)
+        return ArrowLoader(self.shards, ctx, batch_size=batch, **self.options)
+
+
+class _EpochIterator:
+    """Starts a worker's loader on ``epoch`` and iterates it."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def __call__(self, loader: Any) -> Iterator:
+        loader.set_epoch(self.epoch)
+        return iter(loader)
+
+
+class DistributedDataset(PerWorkerDataset):
+    """Per-worker ArrowLoaders over shared shards (``Coordinator.distribute_dataset``).
+
+    ``iter()`` gives iterators for the current epoch (``set_epoch`` changes it).
+    Under ``policy="dynamic"``, ``progress()`` reports the epoch's acknowledged rows:
+    loop over closures until ``progress()["complete"]``.
+    """
+
+    def __init__(self, coordinator: Coordinator, values: PerWorkerValues, shards: Any,
+                 dataset_id: str):
+        super().__init__(coordinator, values)
+        self.shards = shards
+        self.dataset_id = dataset_id
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
+        return self._coordinator._register_resource(
+            "iterator", _EpochIterator(self.epoch), parent=self.values.rid)
+
+    def progress(self, epoch: int | None = None) -> dict:
+        """The dynamic policy's counts for ``epoch``: total, acknowledged, leased, free,
+        complete."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        unit_rows = [u.num_rows for u in self.shards.units]
+        return self._coordinator._call("daskdist_lease_progress", dataset_id=self.dataset_id,
+                                       epoch=epoch, unit_rows=unit_rows)
+
+
 class Coordinator:
     """Schedule closures on a Dask cluster's workers, at least once each, surviving worker loss.
 
@@ -356,6 +413,29 @@ class Coordinator:
     def create_per_worker_dataset(self, fn: Callable[[Any], Any]) -> PerWorkerDataset:
         """Build ``fn(input_context)`` on every worker; ``iter()`` the result to get iterators."""
         return PerWorkerDataset(self, self._register_resource("dataset", fn))
+
+    def distribute_dataset(self, shards: Any, global_batch_size: int,
+                           **loader_options: Any) -> DistributedDataset:
+        """Per-worker ``ArrowLoader``s reading ``shards``, each with its replica's share
+        of ``global_batch_size`` (TensorFlow's ``experimental_distribute_dataset``).
+
+        ``loader_options`` are ArrowLoader's (``shuffle``, ``seed``, ``policy``, ...).
+        The shards are opened here first, so a bad source fails on the client.
+        """
+        from daskdist.context import InputContext
+        from daskdist.data import ArrowShards
+
+        if "batch_size" in loader_options:
+            raise TypeError("pass global_batch_size; each worker's batch size derives from it")
+        if not isinstance(shards, ArrowShards):
+            shards = ArrowShards(shards)
+        shards.units  # noqa: B018 - reads every footer: a bad file raises here
+        workers = max(1, self._workers)
+        InputContext(num_replicas_in_sync=workers).get_per_replica_batch_size(global_batch_size)
+        values = self._register_resource(
+            "dataset", _LoaderFactory(shards, global_batch_size, loader_options))
+        dataset_id = f"{loader_options.get('name') or 'arrow'}-{shards.fingerprint()}"
+        return DistributedDataset(self, values, shards, dataset_id)
 
     def _register_resource(self, kind: str, fn: Callable | None,
                            parent: str | None = None) -> PerWorkerValues:

@@ -291,6 +291,11 @@ class ClosureQueue:
                 + sum(len(p) for p in self._pinned.values()))
 
     @property
+    def backlog(self) -> int:
+        """Queue entries (O(1); may count a few stale ones): for fair-share dispatch."""
+        return len(self._queue)
+
+    @property
     def queued(self) -> int:
         return sum(1 for c in self.closures.values()
                    if c.state == PENDING and c.pinned is None)

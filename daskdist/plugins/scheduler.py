@@ -356,7 +356,13 @@ class CoordinatorPlugin(SchedulerPlugin):
         if held is not None:
             if q.reconcile(session, held):
                 co.wake()
-        closures = q.dispatch(session, want)
+
+        def fair(want: int) -> int:
+            # a fair share of the backlog, so one worker's prefetch does not starve others
+            share = -(-q.backlog // max(1, len(co.members)))
+            return min(want, max(1, share))
+
+        closures = q.dispatch(session, fair(want))
         if not closures and block and want > 0:
             deadline = time.monotonic() + POLL_SECONDS
             event = asyncio.Event()
@@ -365,7 +371,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                 while True:
                     if comm.closed() or session not in co.members:
                         break
-                    closures = q.dispatch(session, want)
+                    closures = q.dispatch(session, fair(want))
                     if closures:
                         break
                     left = deadline - time.monotonic()

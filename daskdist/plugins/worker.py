@@ -171,7 +171,7 @@ class ResourceRegistry:
         worker_ctx, input_ctx = self._contexts()
         try:
             if kind == "iterator":
-                return iter(self.get(parent))
+                return (factory or iter)(self.get(parent))
             return factory(input_ctx if kind == "dataset" else worker_ctx)
         except InputError:
             raise
