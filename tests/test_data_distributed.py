@@ -16,7 +16,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import daskdist as dd
 from tests.conftest import kill_and_replace, wait_until
 
 N_FILES, GROUPS, ROWS = 6, 3, 200  # 3600 rows in 18 row groups

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up (idempotently) and run: `bash scripts/dev.sh demo` or `bash scripts/dev.sh test`.
+# Creates .venv if missing, installs the CPU build of torch first (pinned, so no CUDA
+# build is downloaded), then the project with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+STAMP="$VENV/.daskdist-installed"
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q "torch==2.13.0"
+  "$PY" -m pip install -q -e ".[test]"
+  touch "$STAMP"
+fi
+cmd="${1:-test}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  test) exec "$PY" -m pytest "$@" ;;
+  demo) exec "$VENV/bin/daskdist" demo "$@" ;;
+  bench) for b in benchmarks/bench_*.py; do echo "== $b"; "$PY" "$b" "$@"; done ;;
+  *) echo "usage: bash scripts/dev.sh [test|demo|bench] [args...]" >&2; exit 2 ;;
+esac
