@@ -344,6 +344,19 @@ def _commit_loop(_slot, bump_at, bump_ranks, steps):
     return None
 
 
+def _late_peer(_slot):
+    """Rank 0 joins late, so the others outlast the fast path and take the slow one."""
+    from daskdist.collective import get_group
+
+    g = get_group()
+    t = torch.full((1000,), float(g.rank + 1))
+    if g.rank == 0:
+        time.sleep(0.1)  # not synchronisation: only makes the others wait past 10 ms
+    g.allreduce(t)
+    objs = g.allgather_object(g.rank)
+    return t[0].item(), objs
+
+
 def _lost_then_call(_slot):
     from daskdist.collective import get_group, mark_peer_lost
     from daskdist.errors import CollectiveError
@@ -604,6 +617,11 @@ def test_membership_bump_on_non_root_only_is_ignored(pool):
     # Rank 0's view decides (Horovod broadcasts it), so no rank raises alone.
     form(pool)
     assert pool.run(_commit_loop, args=(2, (1,), 4)) == [None, None, None]
+
+
+def test_a_call_outlasting_the_fast_path_still_succeeds(pool):
+    form(pool)
+    assert pool.run(_late_peer) == [(6.0, [0, 1, 2])] * 3
 
 
 def test_mark_peer_lost_makes_next_call_raise_at_once(pool):
