@@ -27,11 +27,11 @@ def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "c
 def make_cluster(n_workers: int = 2, threads: int = 1, **kwargs):
     from distributed import LocalCluster
 
+    kwargs.setdefault("dashboard_address", None)
     return LocalCluster(
         n_workers=n_workers,
         threads_per_worker=threads,
         processes=True,
-        dashboard_address=None,
         silence_logs=logging.ERROR,
         **kwargs,
     )

@@ -62,3 +62,14 @@ def test_preloaded_scheduler_plugin_serves_coordinator(preloaded_cluster):
         assert coord.fetch([coord.schedule(triple, args=(i,)) for i in range(5)]) == [
             0, 3, 6, 9, 12]
         coord.close()
+
+
+def test_gpu_pin_picks_the_workers_own_gpu():
+    from daskdist.plugins.gpu_pin import local_gpu
+
+    assert local_gpu("SLURMCluster-3-0", None, 4) == "0"
+    assert local_gpu("SLURMCluster-3-2", None, 4) == "2"
+    assert local_gpu("job-1", "4,5,6,7", 0) == "5"
+    assert local_gpu("job-5", "4,5", 0) == "5"  # wraps around
+    assert local_gpu("worker", "0,1", 0) is None  # no index in the name: leave it
+    assert local_gpu("job-0", None, 0) is None  # no GPU at all

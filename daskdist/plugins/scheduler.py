@@ -24,6 +24,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from daskdist.plugins import observe
 from daskdist.plugins.groups import GroupDriver
 from daskdist.plugins.leases import SessionExpired
 from daskdist.plugins.queue import CANCELLED
@@ -76,6 +77,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             }
         )
         scheduler.extensions["daskdist"] = self
+        observe.install(self, scheduler)
 
     # -- Dask events ------------------------------------------------------------------
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
