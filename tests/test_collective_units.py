@@ -86,3 +86,35 @@ def test_buckets_split_by_dtype_and_size_in_order():
         [(torch.float32, 256), (torch.float32, 10)],
         [(torch.int64, 3)],
     ]
+
+
+def test_init_member_gives_up_connecting_to_a_dead_rank0_when_told():
+    import socket
+    import threading
+    import time
+
+    from daskdist.collective import init_member, runtime
+    from daskdist.errors import CollectiveError
+
+    with socket.socket() as s:  # a port nobody listens on (rank 0 is gone)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gen = 10_000
+    box: dict = {}
+
+    def join():
+        try:
+            init_member(1, 2, "127.0.0.1", port, "gloo", gen, 30.0)
+        except BaseException as e:
+            box["err"], box["at"] = e, time.monotonic()
+
+    th = threading.Thread(target=join)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not runtime.waiters and time.monotonic() < deadline:
+        time.sleep(0.001)  # condition poll with a deadline: init is connecting
+    t0 = time.monotonic()
+    mark_peer_lost(gen)
+    th.join(10)
+    assert isinstance(box.get("err"), CollectiveError), box
+    assert box["at"] - t0 < 3.0  # one connect attempt (0.5 s + torch's retry delay)

@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 _init_lock = threading.Lock()  # one formation at a time in this process
+_CONNECT_TRY = 0.5  # seconds per attempt to reach rank 0's store
 _JOINED = "daskdist/joined/"  # + rank: idempotent, so a retried init_member counts once
 
 
@@ -122,9 +123,8 @@ def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> No
         # NCCL work runs on the GPU, not in a thread we can wake: abort the
         # communicators so kernels waiting on the lost peer end too (off this thread:
         # an abort can take a while and the caller may be an event loop).
-        pg = dist.group.WORLD if dist.is_initialized() else None
-        if pg is not None:
-            threading.Thread(target=_abort, args=(pg,), daemon=True).start()
+        if m.pg is not None:
+            threading.Thread(target=_abort, args=(m.pg,), daemon=True).start()
 
 
 # -- internals ---------------------------------------------------------------
@@ -152,7 +152,7 @@ def _init_locked(
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
     deadline = time.monotonic() + timeout
-    store = _store_for(rank, generation, host, port, timeout)
+    store = _store_for(rank, generation, host, port, timeout, deadline)
     _rendezvous(store, rank, world_size, generation, deadline)
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and dev.type == "cuda":
@@ -209,7 +209,9 @@ def _raise_if_lost(generation: int) -> None:
         raise CollectiveError(f"generation {generation} lost a peer before it formed")
 
 
-def _store_for(rank: int, generation: int, host: str, port: int, timeout: float) -> Any:
+def _store_for(
+    rank: int, generation: int, host: str, port: int, timeout: float, deadline: float
+) -> Any:
     if rank == 0:
         with runtime.lock:
             store = runtime.stores.get(generation)
@@ -219,18 +221,36 @@ def _store_for(rank: int, generation: int, host: str, port: int, timeout: float)
                 "call create_store(generation, host) on rank 0 first, in the same process"
             )
         return store
+    # Connect in short attempts: a client retries a refused connection until its
+    # timeout, and rank 0 may be gone; between attempts, mark_peer_lost is heard.
+    wake = threading.Event()
+    with runtime.lock:
+        runtime.waiters.add(wake)
     try:
-        return dist.TCPStore(
-            host,
-            int(port),
-            is_master=False,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-    except Exception as e:
-        raise CollectiveError(
-            f"cannot reach rank 0's store at {host}:{port} for generation {generation}: {e}"
-        ) from e
+        while True:
+            _raise_if_lost(generation)
+            left = deadline - time.monotonic()
+            try:
+                store = dist.TCPStore(
+                    host,
+                    int(port),
+                    is_master=False,
+                    wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=max(0.05, min(_CONNECT_TRY, left))),
+                )
+            except Exception as e:
+                if deadline - time.monotonic() <= 0:
+                    raise CollectiveError(
+                        f"cannot reach rank 0's store at {host}:{port} for generation "
+                        f"{generation}: {e}"
+                    ) from e
+                wake.wait(0.01)
+                continue
+            store.set_timeout(datetime.timedelta(seconds=timeout))
+            return store
+    finally:
+        with runtime.lock:
+            runtime.waiters.discard(wake)
 
 
 def _rendezvous(store: Any, rank: int, world_size: int, generation: int, deadline: float) -> None:
