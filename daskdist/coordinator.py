@@ -434,8 +434,8 @@ class Coordinator:
         InputContext(num_replicas_in_sync=workers).get_per_replica_batch_size(global_batch_size)
         values = self._register_resource(
             "dataset", _LoaderFactory(shards, global_batch_size, loader_options))
-        dataset_id = f"{loader_options.get('name') or 'arrow'}-{shards.fingerprint()}"
-        return DistributedDataset(self, values, shards, dataset_id)
+        return DistributedDataset(self, values, shards,
+                                  shards.dataset_id(loader_options.get("name")))
 
     def _register_resource(self, kind: str, fn: Callable | None,
                            parent: str | None = None) -> PerWorkerValues:
