@@ -22,6 +22,7 @@ from typing import Any
 import cloudpickle
 from distributed import Client, get_client
 from distributed.comm.core import CommClosedError
+from distributed.worker import dumps_function
 
 from daskdist.errors import CollectiveError
 from daskdist.plugins.scheduler import PLUGIN_NAME, CoordinatorPlugin
@@ -184,7 +185,9 @@ class Coordinator:
                 batch = list(self._outgoing)
                 self._outgoing.clear()
             try:
-                await self._rpc.daskdist_put(name=self.name, owner=self._owner, closures=batch)
+                # one-way: no reply to wait for, so the scheduler dispatches sooner
+                await self._rpc.daskdist_put(name=self.name, owner=self._owner, closures=batch,
+                                             reply=False)
             except Exception as e:  # the scheduler is unreachable: these closures fail
                 err = RuntimeError(f"could not send closures to the scheduler: {e!r}")
                 payload = dump_error(err)
@@ -299,7 +302,12 @@ class Coordinator:
         return rv
 
     @staticmethod
-    def _pickle(fn: Callable, args: Any, kwargs: Any, retries: int) -> bytes:
+    def _pickle(fn: Callable, args: Any, kwargs: Any, retries: int) -> list:
+        """The closure's payload: ``[function bytes, argument bytes or None]``.
+
+        Functions are pickled through Dask's cache (as ``client.submit`` does), so a
+        loop scheduling the same function pickles it once.
+        """
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
         if not isinstance(args, (tuple, list)):
@@ -308,13 +316,19 @@ class Coordinator:
             raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
         if not isinstance(retries, int) or retries < 0:
             raise TypeError(f"retries must be a non-negative int, got {retries!r}")
+        what = getattr(fn, "__name__", repr(fn))
         try:
-            return cloudpickle.dumps((fn, tuple(args), kwargs or {}))
+            fn_bytes = dumps_function(fn)
+        except Exception as e:
+            raise TypeError(f"closure {what!r} cannot be pickled: {e}") from e
+        if not args and not kwargs:
+            return [fn_bytes, None]
+        try:
+            return [fn_bytes, cloudpickle.dumps((tuple(args), kwargs or {}))]
         except Exception as e:
             if isinstance(e, TypeError) and "RemoteValue" in str(e):
                 raise TypeError(str(e)) from None
-            what = getattr(fn, "__name__", repr(fn))
-            raise TypeError(f"closure {what!r} cannot be pickled: {e}") from e
+            raise TypeError(f"the arguments of closure {what!r} cannot be pickled: {e}") from e
 
     def schedule_on_all(
         self, fn: Callable, args: tuple | list = (), kwargs: dict | None = None

@@ -97,6 +97,27 @@ def test_only_executing_leases_count_worker_failures():
     assert q.queued == 2 and all(q.closures[c].attempt == 0 for c in ("o-3", "o-4"))
 
 
+def test_a_poison_pill_behind_an_unreported_result_is_still_caught():
+    q = ClosureQueue(max_worker_failures=3)
+    q.put("pill", "o", b"")
+    for n in range(3):
+        q.put(f"ok-{n}", "o", b"")
+    # worker 1 dies running the pill (first in line)
+    q.add_session("s0", slots=1)
+    q.dispatch("s0", 1)
+    q.remove_session("s0")
+    # then twice the pill stands second, behind a finished closure not yet reported
+    for n in (1, 2):
+        q.put(f"done-{n}", "o", b"")
+        q.add_session(f"s{n}", slots=1)
+        q._queue.remove(f"done-{n}")
+        q._queue.appendleft(f"done-{n}")  # it runs first; its result never gets out
+        assert [c.cid for c in q.dispatch(f"s{n}", 2)] == [f"done-{n}", "pill"]
+        outs = q.remove_session(f"s{n}")
+    assert [o.cid for o in outs] == ["pill"] and outs[0].kind == WORKER_LOST
+    assert q.closures["done-1"].worker_failures == 1  # blamed once, still queued
+
+
 def test_worker_lost_limit_fails_closure_and_records_error():
     q = ClosureQueue(max_worker_failures=2)
     make(1, q)

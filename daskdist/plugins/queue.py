@@ -113,8 +113,9 @@ class ClosureQueue:
 
         Closures go back at the head of the queue in their original order. Only the
         oldest ``slots`` leases were executing (the worker runs its leases in order);
-        the others were prefetched, never started, and count no failure. A closure
-        lost ``max_worker_failures`` times while executing fails with ``WORKER_LOST``.
+        the others were prefetched, never started, and count no failure (unless they
+        were lost with a dying worker before). A closure lost ``max_worker_failures``
+        times fails with ``WORKER_LOST``.
         Closures pinned to the session (gang members), running or not, fail with
         ``WORKER_LOST`` at once: the gang logic decides what happens next.
         """
@@ -134,7 +135,10 @@ class ClosureQueue:
         for i, cid in enumerate(cids):
             c = self.closures[cid]
             c.session = None
-            if i >= slots:
+            # A closure that killed workers before is suspect wherever it stands: a
+            # worker may die starting it right after finishing one it had no time to
+            # report, which leaves the finished one first in line and the culprit second.
+            if i >= slots and c.worker_failures == 0:
                 c.attempt -= 1  # prefetched, never started
                 c.state = PENDING
                 back.append(c)

@@ -169,14 +169,13 @@ class CoordinatorPlugin(SchedulerPlugin):
         if co is not None:
             self._drop_owner(co, owner)
 
-    def put(self, name: str, owner: str, closures: list) -> dict:
-        """Queue ``closures`` (each ``(cid, payload, retries)``) for ``owner``."""
+    def put(self, name: str, owner: str, closures: list) -> None:
+        """Queue ``closures`` (each ``(cid, payload, retries)``) for ``owner`` (one-way)."""
         co = self._get(name)
         q = co.queue
         for cid, payload, retries in closures:
             q.put(cid, owner, payload, retries)
         co.wake()
-        return {"workers": len(co.members), "queued": q.queued}
 
     async def results(self, name: str, owner: str, ack: int, timeout: float = POLL_SECONDS):
         """Long-poll: outcomes for ``owner`` from sequence number ``ack`` on."""

@@ -13,6 +13,7 @@ torch is imported lazily (device binding), so the scheduler can unpickle this pl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import threading
@@ -36,6 +37,12 @@ from daskdist.values import PerWorkerValues, dump_error, map_structure
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFETCH = 16
+
+
+@functools.lru_cache(maxsize=100)
+def _load_function(fn_bytes: bytes) -> Callable:
+    """Unpickle a closure's function once per distinct payload (clients cache dumps)."""
+    return loads(fn_bytes)
 
 
 def worker_plugin_name(name: str) -> str:
@@ -368,7 +375,9 @@ class ClosureRunner:
         tokens: list = []
         _set_current(self._contexts(attempt)[0], tokens.append)
         try:
-            fn, args, kwargs = loads(payload)
+            fn_bytes, arg_bytes = payload
+            fn = _load_function(fn_bytes)
+            args, kwargs = ((), {}) if arg_bytes is None else loads(arg_bytes)
             if args or kwargs:
                 args, kwargs = self.resources.resolve((args, kwargs))
             value = fn(*args, **kwargs)
