@@ -79,9 +79,7 @@ def main() -> None:
                       dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
             Client(cluster) as client:
         coord = dd.Coordinator(client, name="bench")
-        deadline = time.monotonic() + 60
-        while coord.status()["workers"] < args.workers and time.monotonic() < deadline:
-            time.sleep(0.05)
+        coord.wait_for_workers(args.workers, timeout=60)
         # warm up both paths
         closures_per_second(coord, 500)
         submits_per_second(client, 200)

@@ -125,9 +125,7 @@ def demo(args: argparse.Namespace) -> int:
                       dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
             Client(cluster) as client:
         coord = dd.Coordinator(client, name="demo")
-        deadline = time.monotonic() + 120
-        while coord.status()["workers"] < args.workers and time.monotonic() < deadline:
-            time.sleep(0.05)
+        coord.wait_for_workers(args.workers, timeout=120)
         print(f"cluster   {args.workers} workers ready in {time.perf_counter() - t0:.1f} s")
 
         # -- asynchronous training: any worker takes any step of its own replica --------
@@ -156,9 +154,7 @@ def demo(args: argparse.Namespace) -> int:
               f"loss {losses[0]:.3f} -> {np.mean(losses[-8:]):.4f}")
 
         # -- synchronous training: a gloo group, gang closures, elastic state -----------
-        deadline = time.monotonic() + 120
-        while coord.status()["workers"] < args.workers and time.monotonic() < deadline:
-            time.sleep(0.05)
+        coord.wait_for_workers(args.workers, timeout=120)  # a killed worker is back
         group = coord.collective_group(backend="auto", timeout=60)
         print(f"group     {group.backend} world_size={group.world_size} "
               f"generation={group.generation}")

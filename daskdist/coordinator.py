@@ -476,6 +476,17 @@ class Coordinator:
     def num_workers(self) -> int:
         return self.status()["workers"]
 
+    def wait_for_workers(self, n: int, timeout: float | None = None) -> None:
+        """Block until ``n`` workers have joined this coordinator (``TimeoutError`` after
+        ``timeout`` seconds). Workers join once their plugin is set up."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.status()["workers"] < n:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.status()['workers']} of {n} workers joined "
+                                   f"within {timeout} s")
+            with self._cv:
+                self._cv.wait(0.05)  # woken early by results; re-check the count
+
     def close(self) -> None:
         """Detach from the queue (queued closures of this Coordinator are cancelled)."""
         if self._closed:

@@ -8,7 +8,12 @@ import signal
 import time
 from collections.abc import Callable
 
+import dask
 import pytest
+
+# A LocalCluster closes a Nanny whose worker has not come back within this time; tests
+# kill the same worker repeatedly (poison pills) on a loaded machine, so give it room.
+dask.config.set({"distributed.deploy.lost-worker-timeout": "600s"})
 
 
 def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "condition",

@@ -41,33 +41,11 @@ def all_ops(dtype_name):
     return out
 
 
-@pytest.fixture(scope="module")
-def gcluster():
-    with make_cluster(2) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def gclient(gcluster):
-    from distributed import Client
-
-    with Client(gcluster) as c:
-        yield c
-
-
-@pytest.fixture
-def gcoord(gclient, request):
-    co = dd.Coordinator(gclient, name=request.node.name)
-    wait_for_workers(gclient, co, 2)
-    yield co
-    co.close()
-
-
 @pytest.mark.parametrize("dtype", ["float32", "int64"])
-def test_every_op_through_dask(gcoord, dtype):
-    group = gcoord.collective_group(timeout=30)
+def test_every_op_through_dask(coord, dtype):
+    group = coord.collective_group(timeout=30)
     assert group.world_size == 2 and group.backend == "gloo" and len(group.members) == 2
-    out = gcoord.fetch(gcoord.schedule_on_all(all_ops, args=(dtype,)))
+    out = coord.fetch(coord.schedule_on_all(all_ops, args=(dtype,)))
     assert [o["rank"] for o in out] == [0, 1]
     assert {o["generation"] for o in out} == {group.generation}
     for o in out:
@@ -114,13 +92,13 @@ def ddp_step(model):
     return grads.tolist(), mine.tolist()
 
 
-def test_replicas_broadcast_and_ddp(gcoord):
-    gcoord.collective_group(timeout=30)
-    model = gcoord.create_per_worker_resource(make_model)
-    (b0, a0), (b1, a1) = gcoord.fetch(gcoord.schedule_on_all(sync_replicas, args=(model,)))
+def test_replicas_broadcast_and_ddp(coord):
+    coord.collective_group(timeout=30)
+    model = coord.create_per_worker_resource(make_model)
+    (b0, a0), (b1, a1) = coord.fetch(coord.schedule_on_all(sync_replicas, args=(model,)))
     assert b0 != b1  # differently seeded
     assert a0 == a1 == b0  # rank 0's parameters everywhere
-    (g0, h0), (g1, h1) = gcoord.fetch(gcoord.schedule_on_all(ddp_step, args=(model,)))
+    (g0, h0), (g1, h1) = coord.fetch(coord.schedule_on_all(ddp_step, args=(model,)))
     assert g0 == pytest.approx(g1, abs=1e-6)  # DDP averaged gradients agree across ranks
     assert h0 == pytest.approx(g0, abs=1e-5) and h1 == pytest.approx(g1, abs=1e-5)
 
@@ -146,10 +124,10 @@ def state_roundtrip(state):
     return g.rank, synced, flat(state.model).tolist() == synced[0], state.step
 
 
-def test_elastic_state_sync_commit_restore(gcoord):
-    gcoord.collective_group(timeout=30)
-    state = gcoord.create_per_worker_resource(make_state)
-    out = gcoord.fetch(gcoord.schedule_on_all(state_roundtrip, args=(state,)))
+def test_elastic_state_sync_commit_restore(coord):
+    coord.collective_group(timeout=30)
+    state = coord.create_per_worker_resource(make_state)
+    out = coord.fetch(coord.schedule_on_all(state_roundtrip, args=(state,)))
     (r0, s0, ok0, step0), (r1, s1, ok1, step1) = out
     assert (r0, r1) == (0, 1)
     assert s0 == s1 and s0[2] == "w0"  # rank 0's model and objects everywhere
@@ -164,19 +142,19 @@ def slow_gang_step(i, seconds):
     return i, g.generation, g.world_size, t[0].item(), os.getpid()
 
 
-def test_sigkill_member_during_gang_loop(gcoord, gclient):
-    group = gcoord.collective_group(timeout=30)
+def test_sigkill_member_during_gang_loop(coord, client):
+    group = coord.collective_group(timeout=30)
     results = []
     victim = None
     t_start = time.monotonic()
     for i in range(6):
-        rvs = gcoord.schedule_on_all(slow_gang_step, args=(i, 0.3))
+        rvs = coord.schedule_on_all(slow_gang_step, args=(i, 0.3))
         if i == 2:
-            pids = sorted(gclient.run(os.getpid).values())
+            pids = sorted(client.run(os.getpid).values())
             victim = pids[-1]
             time.sleep(0.1)  # let the gang start before the kill (not synchronisation)
             sigkill(victim)
-        results.append(gcoord.fetch(rvs))
+        results.append(coord.fetch(rvs))
     assert time.monotonic() - t_start < 60
     for i, ranks in enumerate(results):
         assert [r[0] for r in ranks] == [i] * len(ranks)
@@ -186,14 +164,14 @@ def test_sigkill_member_during_gang_loop(gcoord, gclient):
     assert generations[-1] > group.generation  # re-formed after the loss
     assert generations == sorted(generations)
     assert all(victim not in {r[4] for r in ranks} for ranks in results[3:])
-    wait_for_workers(gclient, gcoord, 2, gone=victim)
+    wait_for_workers(client, coord, 2, gone=victim)
 
 
-def test_dead_peer_raises_collective_error(gcoord, gclient):
+def test_dead_peer_raises_collective_error(coord, client):
     """Rank 1 dies mid-gang: rank 0's allreduce raises CollectiveError (no hang); the
     gang then re-runs on the group re-formed with the replacement worker."""
-    gcoord.collective_group(timeout=20)
-    seen = gcoord.create_per_worker_resource(lambda ctx: [])
+    coord.collective_group(timeout=20)
+    seen = coord.create_per_worker_resource(lambda ctx: [])
 
     def probe(log):
         g = dd.collective.get_group()
@@ -208,13 +186,13 @@ def test_dead_peer_raises_collective_error(gcoord, gclient):
             raise
         return list(log)
 
-    first_generation = gcoord.status()["group_generation"]
-    out = gcoord.fetch(gcoord.schedule_on_all(probe, args=(seen,)))
+    first_generation = coord.status()["group_generation"]
+    out = coord.fetch(coord.schedule_on_all(probe, args=(seen,)))
     logs = [entry for log in out for entry in log]
     errors = [e for e in logs if e[0] == "collective-error"]
     assert errors and all(seconds < 15 for _, seconds in errors)  # well before a hang
     assert [log[-1][0] for log in out] == ["ok", "ok"]  # the re-run succeeded everywhere
-    wait_for_workers(gclient, gcoord, 2)
+    wait_for_workers(client, coord, 2)
 
 
 def two_groups_step():
@@ -224,11 +202,11 @@ def two_groups_step():
     return g.generation, g.world_size, t.item()
 
 
-def test_two_groups_in_a_row_share_no_state(gcoord):
-    first = gcoord.collective_group(timeout=30)
-    a = gcoord.fetch(gcoord.schedule_on_all(two_groups_step))
-    second = gcoord.collective_group(timeout=30)
-    b = gcoord.fetch(gcoord.schedule_on_all(two_groups_step))
+def test_two_groups_in_a_row_share_no_state(coord):
+    first = coord.collective_group(timeout=30)
+    a = coord.fetch(coord.schedule_on_all(two_groups_step))
+    second = coord.collective_group(timeout=30)
+    b = coord.fetch(coord.schedule_on_all(two_groups_step))
     assert second.generation == first.generation + 1
     assert {x[0] for x in a} == {first.generation} and {x[0] for x in b} == {second.generation}
     assert [x[2] for x in a] == [x[2] for x in b] == [1.0, 1.0]
