@@ -186,3 +186,23 @@ def test_retire_workers_loses_nothing():
         live = set(client.run(os.getpid).values())
         assert {rv.fetch()[2] for rv in after} <= live
         coord.close()
+
+
+def test_sessions_ended_by_the_scheduler_recover(coord, client):
+    """The scheduler ends live workers' sessions mid-flight (as after a network cut):
+    their closures run again, the workers re-register, and keep taking work."""
+    def end_sessions(dask_scheduler, name=coord.name):
+        co = dask_scheduler.extensions["daskdist"].coordinators[name]
+        sessions = list(co.members.members)
+        for s in sessions:
+            co.end_session(s)
+        return len(sessions)
+
+    rvs = [coord.schedule(slow_task, args=(i, 0.1)) for i in range(20)]
+    pid_of_running(coord, client)
+    assert client.run_on_scheduler(end_sessions) == 2
+    coord.join(timeout=60)
+    check_exactly_once([rv.fetch() for rv in rvs], 20)
+    wait_for_workers(client, coord, 2)
+    after = coord.fetch([coord.schedule(slow_task, args=(i, 0.1)) for i in range(12)])
+    assert len({pid for _, _, pid, _ in after}) == 2  # both workers still take closures

@@ -309,6 +309,7 @@ class ClosureRunner:
             if reply.get("unknown_session"):
                 # The scheduler ended this session (it put our closures back): start anew.
                 self.held.clear()
+                self.done.clear()
                 await self._register()
                 continue
             for r in results:
@@ -327,10 +328,11 @@ class ClosureRunner:
 
     def _on_done(self, session: str, result: tuple, gang: bool) -> None:
         """Runs on the event loop when a closure finished in a thread."""
-        if session != self.session:
-            return  # the session ended meanwhile; the scheduler refuses it anyway
         if not gang:
-            self.running -= 1
+            self.running -= 1  # a thread is free, whichever session it ran for
+        if session != self.session:
+            self.wakeup.set()
+            return  # the session ended meanwhile; the scheduler would refuse the result
         self.done.append(result)
         self.wakeup.set()
         if self.polling and not self.reporting:
