@@ -24,6 +24,7 @@ import datetime
 import time
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 MB = 2**20
@@ -183,7 +184,8 @@ def _gang_step(sizes, repeats):
     import daskdist as dd
 
     g = dd.collective.get_group()
-    return _time_allreduce({"dask": lambda t: g.allreduce(t)}, sizes, repeats)["dask"]
+    return _time_allreduce({"dask": lambda t: g.allreduce(t),
+                            "dask plain": lambda t: dist.all_reduce(t)}, sizes, repeats)
 
 
 def run_through_dask(world: int, sizes: list[int], repeats: int) -> tuple | str:
@@ -204,15 +206,17 @@ def run_through_dask(world: int, sizes: list[int], repeats: int) -> tuple | str:
         ) as cluster,
         Client(cluster) as client,
     ):
-        coord = Coordinator(client)
+        # torch's own default thread count, as in the processes started without Dask
+        coord = Coordinator(client, torch_threads=torch.get_num_threads())
         t0 = time.perf_counter()
         coord.collective_group(backend="gloo", timeout=60)
         boot = time.perf_counter() - t0
         rvs = coord.schedule_on_all(_gang_step, args=(sizes, repeats))
         results = [rv.fetch(timeout=600) for rv in rvs]
         recovery = _dask_recovery(coord, client)
-    secs = {s: max(r[s] for r in results) for s in sizes}
-    return boot, {"dask": secs}, recovery
+    secs = {side: {s: max(r[side][s] for r in results) for s in sizes}
+            for side in ("dask", "dask plain")}
+    return boot, secs, recovery
 
 
 def _small_step():
@@ -272,8 +276,9 @@ def main(argv: list[str] | None = None) -> None:
             for s in a.sizes:
                 gbs = s * MB / per[s] / 1e9
                 ratio = base[s] / per[s]
-                plain = secs.get("same-procs plain")
-                same = f"{plain[s] / per[s]:>9.2f}x" if plain and side != "same-procs plain" else ""
+                plain = secs.get("same-procs plain") or secs.get("dask plain")
+                same = (f"{plain[s] / per[s]:>9.2f}x"
+                        if plain and not side.endswith("plain") else "")
                 print(f"{side:<17} {s:>4}MB {per[s] * 1e3:>9.2f} {gbs:>7.3f} {ratio:>5.2f}x {same}")
     dask_run = runs["dask"]
     if not isinstance(dask_run, str):

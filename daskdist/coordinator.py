@@ -121,6 +121,12 @@ class Coordinator:
     ``Coordinator(client, name="default")`` registers the scheduler plugin (which
     registers the worker plugin on every present and future worker); a second
     Coordinator with the same client and name attaches to the same queue.
+
+    ``max_queued`` bounds unfinished closures (default 256 per worker, at least 256);
+    ``max_worker_failures`` is how often a closure's workers may die before it fails
+    with ``WorkerLostError``; ``torch_threads`` sets torch's intra-op threads on the
+    workers (Dask starts them with ``OMP_NUM_THREADS=1``, which slows gloo reductions
+    and CPU training; the first Coordinator of a name decides).
     """
 
     def __init__(
@@ -130,6 +136,7 @@ class Coordinator:
         *,
         max_queued: int | None = None,
         max_worker_failures: int = 3,
+        torch_threads: int | None = None,
     ):
         if max_queued is not None and max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
@@ -145,7 +152,8 @@ class Coordinator:
         # nothing (such clusters may refuse client plugins); else register it once.
         if not self._plugin_loaded():
             self.client.register_plugin(CoordinatorPlugin(), name=PLUGIN_NAME)
-        info = self._call("daskdist_create", max_worker_failures=max_worker_failures)
+        info = self._call("daskdist_create", max_worker_failures=max_worker_failures,
+                          torch_threads=torch_threads)
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "

@@ -140,7 +140,8 @@ class CoordinatorPlugin(SchedulerPlugin):
         return ws is None or ws.status.name in ("closing_gracefully", "closing", "closed")
 
     # -- client handlers ---------------------------------------------------------------
-    async def create(self, name: str, max_worker_failures: int = 3) -> dict:
+    async def create(self, name: str, max_worker_failures: int = 3,
+                     torch_threads: int | None = None) -> dict:
         """Create the named coordinator if new, and make sure workers run its plugin."""
         co = self.coordinators.get(name)
         if co is None:
@@ -151,7 +152,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         if plugin_name not in self.scheduler.worker_plugins:
             await self.scheduler.register_worker_plugin(
                 comm=None,
-                plugin=dumps(CoordinatorWorkerPlugin(name)),
+                plugin=dumps(CoordinatorWorkerPlugin(name, torch_threads=torch_threads)),
                 name=plugin_name,
                 idempotent=True,
             )

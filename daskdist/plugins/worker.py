@@ -141,9 +141,13 @@ def _install_worker_handlers(worker) -> None:
     worker.handlers["daskdist_collective"] = collective
 
 
-def _bind_device() -> Any:
+def _bind_device(torch_threads: int | None = None) -> Any:
+    import torch
+
     from daskdist.collective.device import bind_device
 
+    if torch_threads:  # Dask starts workers with OMP_NUM_THREADS=1
+        torch.set_num_threads(torch_threads)
     return bind_device()
 
 
@@ -227,8 +231,8 @@ class ClosureRunner:
         self.resources = ResourceRegistry(self._fetch_spec, self._contexts)
 
     # -- life -----------------------------------------------------------------------
-    async def start(self) -> None:
-        self.device = await asyncio.to_thread(_bind_device)
+    async def start(self, torch_threads: int | None = None) -> None:
+        self.device = await asyncio.to_thread(_bind_device, torch_threads)
         _install_worker_handlers(self.worker)
         await self._register()
         self.task = asyncio.create_task(self._loop())
@@ -402,14 +406,16 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
 
     idempotent = True
 
-    def __init__(self, name: str = "default", prefetch: int = DEFAULT_PREFETCH):
+    def __init__(self, name: str = "default", prefetch: int = DEFAULT_PREFETCH,
+                 torch_threads: int | None = None):
         self.name = name
         self.prefetch = prefetch
+        self.torch_threads = torch_threads
         self.runner: ClosureRunner | None = None
 
     async def setup(self, worker) -> None:
         self.runner = ClosureRunner(worker, self.name, self.prefetch)
-        await self.runner.start()
+        await self.runner.start(self.torch_threads)
 
     async def teardown(self, worker) -> None:
         if self.runner is not None:
@@ -417,4 +423,5 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
             self.runner = None
 
     def __getstate__(self):
-        return {"name": self.name, "prefetch": self.prefetch, "runner": None}
+        return {"name": self.name, "prefetch": self.prefetch,
+                "torch_threads": self.torch_threads, "runner": None}
