@@ -28,7 +28,7 @@ from daskdist.plugins import observe
 from daskdist.plugins.groups import GroupDriver
 from daskdist.plugins.leases import SessionExpired
 from daskdist.plugins.queue import CANCELLED
-from daskdist.plugins.state import CoordinatorState, Outbox
+from daskdist.plugins.state import CoordinatorState, Outbox, wait_event
 from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
 
 logger = logging.getLogger(__name__)
@@ -186,10 +186,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             return {"detached": True}
         box.ack(ack)
         if not box.items and co.queue.error is None:
-            try:
-                await asyncio.wait_for(box.event.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(box.event, timeout)
         return {
             "first": box.first_seq,
             "items": list(box.items),
@@ -217,9 +214,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return {"timeout": True}
-                try:
-                    await asyncio.wait_for(co.changed.wait(), left)
-                except asyncio.TimeoutError:
+                if not await wait_event(co.changed, left):
                     return {"timeout": True}
             cancelled = q.cancel_pending()
             co.deliver(cancelled)
@@ -380,9 +375,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                     if left <= 0:
                         break
                     event.clear()
-                    try:
-                        await asyncio.wait_for(event.wait(), left)
-                    except asyncio.TimeoutError:
+                    if not await wait_event(event, left):
                         break
             finally:
                 co.waiters.discard(event)

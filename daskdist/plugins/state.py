@@ -23,6 +23,25 @@ from daskdist.plugins.queue import FAILED, READY, UNSTARTED, ClosureQueue, Outco
 GANG_OWNER = "__gang__"  # owner of gang member closures: routed to the gang book
 
 
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait for ``event`` at most ``timeout`` seconds; whether it is set.
+
+    Long-poll wake-ups are on the closure round trip's path: ``asyncio.timeout`` wakes
+    the waiter directly, where ``wait_for`` would add a task (and a loop iteration).
+    """
+    if event.is_set():
+        return True
+    try:
+        if hasattr(asyncio, "timeout"):  # Python 3.11+
+            async with asyncio.timeout(timeout):
+                await event.wait()
+        else:  # pragma: no cover - Python 3.10
+            await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
 @dataclass
 class Outbox:
     """Outcomes waiting for one client-side Coordinator; kept until it acknowledges them."""
