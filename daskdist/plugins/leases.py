@@ -160,6 +160,15 @@ class _Epoch:
             heapq.heappush(self.heap, u)
 
 
+def _unlease(unit: _Unit, session: str, pieces: list[Interval]) -> None:
+    """Take ``pieces`` out of the rows ``unit`` has leased to ``session``."""
+    rest = subtract(unit.leased[session], pieces)
+    if rest:
+        unit.leased[session] = rest
+    else:
+        del unit.leased[session]
+
+
 class LeaseTable:
     """Free / leased / acknowledged row intervals per ``(dataset_id, epoch)`` and unit.
 
@@ -283,11 +292,7 @@ class LeaseTable:
                 return False
         for u, pieces in per_unit.items():
             unit = ep.units[u]
-            rest = subtract(unit.leased[session], pieces)
-            if rest:
-                unit.leased[session] = rest
-            else:
-                del unit.leased[session]
+            _unlease(unit, session, pieces)
             unit.acked = union(unit.acked, pieces)
             n = _size(pieces)
             ep.n_leased -= n
@@ -348,11 +353,7 @@ class LeaseTable:
 
     def _free(self, ep: _Epoch, u: int, session: str, back: list[Interval]) -> int:
         unit = ep.units[u]
-        rest = subtract(unit.leased[session], back)
-        if rest:
-            unit.leased[session] = rest
-        else:
-            del unit.leased[session]
+        _unlease(unit, session, back)
         unit.free = union(unit.free, back)
         n = _size(back)
         ep.n_leased -= n
