@@ -56,6 +56,7 @@ def test_sigkill_mid_closure_reruns_elsewhere(coord, client):
     check_exactly_once(results, 24)
     assert any(attempt >= 2 for _, attempt, _, _ in results)
     assert coord.status()["recoveries"] >= 1
+    assert coord.status()["workers_lost"] == 1  # a SIGKILL is not an expected removal
     # results that finished on the victim before it died stay fetchable
     assert any(pid == victim for _, _, pid, _ in results)
     wait_for_workers(client, coord, 2, gone=victim)
@@ -178,6 +179,7 @@ def test_retire_workers_loses_nothing():
         results = [rv.fetch() for rv in rvs]
         check_exactly_once(results, 40)
         assert coord.status()["workers"] == 2
+        assert coord.status()["workers_lost"] == 0  # Dask expected this removal
         assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
         # the retired worker ran nothing after retirement (it is gone)
         after = [coord.schedule(slow_task, args=(i, 0.01)) for i in range(10)]
@@ -206,3 +208,22 @@ def test_sessions_ended_by_the_scheduler_recover(coord, client):
     wait_for_workers(client, coord, 2)
     after = coord.fetch([coord.schedule(slow_task, args=(i, 0.1)) for i in range(12)])
     assert len({pid for _, _, pid, _ in after}) == 2  # both workers still take closures
+
+
+def test_retiring_worker_gets_no_new_work(coord, client):
+    """A worker whose status turns closing_gracefully takes no closure; back to running,
+    it takes work again."""
+    workers = sorted(worker_pids(client).items())
+    (addr, pid), (_, other_pid) = workers
+
+    def set_status(status, dask_scheduler=None, address=addr):
+        dask_scheduler.handle_worker_status_change(status, address, "test-retire")
+
+    client.run_on_scheduler(set_status, "closing_gracefully")
+    try:
+        out = coord.fetch([coord.schedule(slow_task, args=(i, 0.01)) for i in range(20)])
+        assert {p for _, _, p, _ in out} == {other_pid}
+    finally:
+        client.run_on_scheduler(set_status, "running")
+    out = coord.fetch([coord.schedule(slow_task, args=(i, 0.05)) for i in range(20)])
+    assert pid in {p for _, _, p, _ in out}

@@ -61,11 +61,12 @@ class Membership:
                 return m.session
         return None
 
-    def drain(self, address: str) -> str | None:
-        """Mark the address's session as retiring; returns the session, if any."""
+    def drain(self, address: str, draining: bool = True) -> str | None:
+        """Mark the address's session as retiring (or, with ``draining=False``, back in
+        service: a retirement Dask gave up); returns the session, if any."""
         session = self.session_of(address)
         if session is not None:
-            self.members[session].draining = True
+            self.members[session].draining = draining
         return session
 
     def __contains__(self, session: str) -> bool:

@@ -103,10 +103,12 @@ class ClosureQueue:
         self._running.setdefault(session, {})
         self._slots[session] = max(1, slots)
 
-    def drain_session(self, session: str) -> None:
-        """The session's worker is retiring: it gets no new closures."""
-        if session in self._sessions:
+    def drain_session(self, session: str, draining: bool = True) -> None:
+        """The session's worker is retiring: it gets no new closures (until undrained)."""
+        if session in self._sessions and draining:
             self._draining.add(session)
+        else:
+            self._draining.discard(session)
 
     def remove_session(self, session: str) -> list[Outcome]:
         """The session ended (worker lost, plugin torn down): put its closures back.

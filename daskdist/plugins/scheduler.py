@@ -48,7 +48,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         self.drivers: dict[str, GroupDriver] = {}
         self.generations = 0  # last collective-group generation handed out (any coordinator)
         self.scheduler = None
-        self.removals: list[dict] = []  # recent remove-worker events (expected or not)
+        # worker -> whether Dask expected its removal (retired, closed) or not (killed,
+        # cut off); Dask logs the event just before it calls remove_worker
+        self._expected: dict[str, bool] = {}
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -84,25 +86,25 @@ class CoordinatorPlugin(SchedulerPlugin):
         for co in self.coordinators.values():
             session = co.members.session_of(worker)
             if session is not None:
-                logger.info("daskdist[%s]: worker %s lost (%s)", co.name, worker, stimulus_id)
-                co.end_session(session)
+                logger.info("daskdist[%s]: worker %s left (%s)", co.name, worker, stimulus_id)
+                co.end_session(session, expected=self._expected.get(worker, False))
+        self._expected.pop(worker, None)
 
     def log_event(self, topic: str, msg: Any) -> None:
         if not isinstance(msg, dict):
             return
         action = msg.get("action")
-        if action == "worker-status-change" and msg.get("status") in (
-            "closing_gracefully",
-            "closing",
-            "closed",
-        ):
+        if action == "worker-status-change":
+            # a retiring (or memory-paused) worker gets no new work; back to running, it does
+            draining = msg.get("status") in ("closing_gracefully", "closing", "closed", "paused")
             for co in self.coordinators.values():
-                session = co.members.drain(topic)
+                session = co.members.drain(topic, draining)
                 if session is not None:
-                    co.queue.drain_session(session)
+                    co.queue.drain_session(session, draining)
+                    if not draining:
+                        co.wake()
         elif action == "remove-worker" and "worker" in msg:
-            self.removals.append({"worker": msg["worker"], "expected": msg.get("expected")})
-            del self.removals[:-100]
+            self._expected[msg["worker"]] = bool(msg.get("expected"))
 
     def remove_client(self, scheduler, client: str) -> None:
         for co in self.coordinators.values():

@@ -81,6 +81,7 @@ class CoordinatorState:
         self.changed = asyncio.Event()  # set on every finish / session end (raise waits on it)
         self.gangs_changed = asyncio.Event()  # the gang pump waits on it
         self.send = send or (lambda address, msg: None)
+        self.workers_lost = 0  # removals Dask did not expect
         self.created = time.time()
 
     # -- delivery -------------------------------------------------------------------
@@ -133,9 +134,14 @@ class CoordinatorState:
                         "version": self.members.version})
         self.gangs_changed.set()
 
-    def end_session(self, session: str) -> None:
-        """A worker session is gone: put its closures back, drop its index and leases."""
+    def end_session(self, session: str, expected: bool = True) -> None:
+        """A worker session is gone: put its closures back, drop its index and leases.
+
+        ``expected`` is Dask's word on a removed worker: retired or closed (True), or
+        killed, crashed, cut off (False: counted as a lost worker).
+        """
         self.members.leave(session)
+        self.workers_lost += not expected
         self.leases.drop_session(session)
         group = self.gangs.group
         if self.gangs.session_lost(session):
@@ -210,6 +216,7 @@ class CoordinatorState:
             "workers": len(self.members),
             "worker_joins": self.members.joins,
             "worker_leaves": self.members.leaves,
+            "workers_lost": self.workers_lost,
             "error_pending": self.queue.error is not None,
             "membership_version": self.members.version,
             "group_generation": group.generation,
