@@ -511,9 +511,6 @@ class Coordinator:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __iter__(self) -> Iterator:
-        raise TypeError("a Coordinator is not iterable")
-
     def __repr__(self) -> str:
         return f"<Coordinator {self.name!r} scheduler={self.client.scheduler.address}>"
 

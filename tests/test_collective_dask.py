@@ -152,7 +152,7 @@ def test_sigkill_member_during_gang_loop(coord, client):
         if i == 2:
             pids = sorted(client.run(os.getpid).values())
             victim = pids[-1]
-            time.sleep(0.1)  # let the gang start before the kill (not synchronisation)
+            wait_until(lambda: coord.status()["running"] >= 2, 10, "the gang to start")
             sigkill(victim)
         results.append(coord.fetch(rvs))
     assert time.monotonic() - t_start < 60

@@ -10,7 +10,6 @@ plugin provides (a message on the worker's stream), so it imports nothing from D
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +81,6 @@ class CoordinatorState:
         self.gangs_changed = asyncio.Event()  # the gang pump waits on it
         self.send = send or (lambda address, msg: None)
         self.workers_lost = 0  # removals Dask did not expect
-        self.created = time.time()
 
     # -- delivery -------------------------------------------------------------------
     def deliver(self, outcomes: list[Outcome]) -> None:
