@@ -293,7 +293,9 @@ class ClosureRunner:
                 await self.wakeup.wait()
                 continue
             results, self.done = self.done, []
-            block = not results and not self.poked
+            # With a thread idle, wait at the scheduler for work (results are applied
+            # first, so reporting and asking again take one round trip); busy, do not.
+            block = self.running < self.nthreads and want > 0 and not self.poked
             self.poked = False
             self.polling = block
             try:
