@@ -269,6 +269,35 @@ class LeaseTable:
                 a = stop
         return per_unit
 
+    def _leased_pieces(
+        self, session: str, dataset_id: str, epoch: int, ranges: Iterable[Sequence[int]]
+    ) -> tuple[_Epoch, dict[int, list[Interval]]] | None:
+        """The epoch and per-unit pieces of ``ranges`` if every row is leased to
+        ``session`` now; ``None`` if not (expired session, unknown table, other rows)."""
+        if session in self._expired:
+            return None
+        ep = self._epochs.get((dataset_id, int(epoch)))
+        if ep is None:
+            return None
+        try:
+            per_unit = self._split(ep, ranges)
+        except ValueError:
+            return None
+        for u, pieces in per_unit.items():
+            if subtract(pieces, ep.units[u].leased.get(session, [])):
+                return None
+        return ep, per_unit
+
+    @staticmethod
+    def _acknowledge(session: str, ep: _Epoch, per_unit: dict[int, list[Interval]]) -> None:
+        for u, pieces in per_unit.items():
+            unit = ep.units[u]
+            _unlease(unit, session, pieces)
+            unit.acked = union(unit.acked, pieces)
+            n = _size(pieces)
+            ep.n_leased -= n
+            ep.n_acked += n
+
     def ack(
         self, session: str, dataset_id: str, epoch: int, ranges: Iterable[Sequence[int]]
     ) -> bool:
@@ -277,26 +306,10 @@ class LeaseTable:
         All or nothing: ``False`` (nothing changed) if the session expired, the table is
         unknown, or any row is not currently leased to this session.
         """
-        if session in self._expired:
+        found = self._leased_pieces(session, dataset_id, epoch, ranges)
+        if found is None:
             return False
-        ep = self._epochs.get((dataset_id, int(epoch)))
-        if ep is None:
-            return False
-        try:
-            per_unit = self._split(ep, ranges)
-        except ValueError:
-            return False
-        for u, pieces in per_unit.items():
-            held = ep.units[u].leased.get(session, [])
-            if subtract(pieces, held):
-                return False
-        for u, pieces in per_unit.items():
-            unit = ep.units[u]
-            _unlease(unit, session, pieces)
-            unit.acked = union(unit.acked, pieces)
-            n = _size(pieces)
-            ep.n_leased -= n
-            ep.n_acked += n
+        self._acknowledge(session, *found)
         return True
 
     def ack_tokens(self, session: str, tokens: Iterable[object]) -> bool:
@@ -306,20 +319,12 @@ class LeaseTable:
         groups = _group_tokens(tokens)
         if session in self._expired:
             return not groups
-        for (dataset_id, epoch), ranges in groups.items():
-            ep = self._epochs.get((dataset_id, epoch))
-            if ep is None:
-                return False
-            try:
-                per_unit = self._split(ep, ranges)
-            except ValueError:
-                return False
-            for u, pieces in per_unit.items():
-                if subtract(pieces, ep.units[u].leased.get(session, [])):
-                    return False
-        for (dataset_id, epoch), ranges in groups.items():
-            ok = self.ack(session, dataset_id, epoch, ranges)
-            assert ok, "ack refused after its check passed"
+        found = [self._leased_pieces(session, dataset_id, epoch, ranges)
+                 for (dataset_id, epoch), ranges in groups.items()]
+        if any(f is None for f in found):
+            return False
+        for ep, per_unit in found:
+            self._acknowledge(session, ep, per_unit)
         return True
 
     def release_tokens(self, session: str, tokens: Iterable[object]) -> int:
