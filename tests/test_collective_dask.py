@@ -212,6 +212,27 @@ def test_two_groups_in_a_row_share_no_state(coord):
     assert [x[2] for x in a] == [x[2] for x in b] == [1.0, 1.0]
 
 
+def _workers_saw_generation(n):
+    from daskdist.collective import runtime
+
+    runtime.lost_upto = max(runtime.lost_upto, n)
+
+
+def test_generations_continue_above_what_workers_saw(client, request):
+    """Workers that outlived a scheduler refuse old generation numbers: new groups are
+    numbered above the newest generation any registering worker has seen."""
+    client.run(_workers_saw_generation, 10_000)
+    co = dd.Coordinator(client, name=request.node.name + "-fresh")
+    try:
+        co.wait_for_workers(2, timeout=60)
+        group = co.collective_group(timeout=30)
+        assert group.generation > 10_000
+        out = co.fetch(co.schedule_on_all(two_groups_step))
+        assert [x[0] for x in out] == [group.generation] * 2
+    finally:
+        co.close()
+
+
 def elastic_train(state, log, steps):
     """Commits every step; on HostsUpdatedInterrupt, log the step and let the gang re-run."""
     g = dd.collective.get_group()

@@ -296,8 +296,13 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     # -- worker handlers ---------------------------------------------------------------
     def register(self, name: str, session: str, address: str, slots: int = 1,
-                 device: str = "cpu") -> dict:
-        """A worker plugin session joins: it gets the lowest free worker index."""
+                 device: str = "cpu", generation: int = 0) -> dict:
+        """A worker plugin session joins: it gets the lowest free worker index.
+
+        ``generation`` is the newest group generation the worker has seen (say, under a
+        scheduler that has since restarted): later generations are numbered above it.
+        """
+        self.generations = max(self.generations, generation)
         co = self._get(name)
         old = co.members.session_of(address)
         if old is not None and old != session:

@@ -141,6 +141,16 @@ def _install_worker_handlers(worker) -> None:
     worker.handlers["daskdist_collective"] = collective
 
 
+def _highest_generation() -> int:
+    """The newest collective generation this process has seen (later ones must be higher)."""
+    runtime = sys.modules.get("daskdist.collective.runtime")
+    if runtime is None:
+        return 0
+    member = runtime.current()
+    return max(runtime.lost_upto, member.generation if member else 0,
+               max(runtime.stores, default=0))
+
+
 def _bind_device(torch_threads: int | None = None) -> Any:
     import torch
 
@@ -241,7 +251,7 @@ class ClosureRunner:
         self.session = uuid.uuid4().hex
         reply = await self.worker.scheduler.daskdist_register(
             name=self.name, session=self.session, address=self.worker.address,
-            slots=self.nthreads, device=str(self.device),
+            slots=self.nthreads, device=str(self.device), generation=_highest_generation(),
         )
         if reply is None:
             raise RuntimeError("the daskdist scheduler plugin is not registered")
