@@ -375,33 +375,41 @@ def _lost_then_call(_slot):
     return time.monotonic() - t0
 
 
-def _lost_wakes_inflight(_slot):
-    """Rank 0 only: its peers never join the call; mark_peer_lost must end it at once."""
-    from daskdist.collective import get_group, mark_peer_lost, runtime
+def _mark_lost_while_waiting(wait, generation):
+    """Run ``wait()`` in a thread until it waits on its peers, then ``mark_peer_lost``:
+    it must end with CollectiveError at once. Returns seconds from the mark to the end."""
+    from daskdist.collective import mark_peer_lost, runtime
     from daskdist.errors import CollectiveError
 
-    g = get_group()
     box: dict = {}
 
-    def call():
+    def run():
         try:
-            g.allreduce(torch.ones(1000))
+            wait()
         except BaseException as e:
             box["err"] = e
             box["at"] = time.monotonic()
 
-    th = threading.Thread(target=call)
+    th = threading.Thread(target=run)
     th.start()
     deadline = time.monotonic() + 10
     while not runtime.waiters and time.monotonic() < deadline:
         time.sleep(0.001)  # condition poll with a deadline: the call is now waiting
     assert runtime.waiters, "the call never started waiting"
     t0 = time.monotonic()
-    mark_peer_lost(g.generation)
+    mark_peer_lost(generation)
     th.join(5)
     assert not th.is_alive()
     assert isinstance(box.get("err"), CollectiveError), box
     return box["at"] - t0
+
+
+def _lost_wakes_inflight(_slot):
+    """Rank 0 only: its peers never join the call; mark_peer_lost must end it at once."""
+    from daskdist.collective import get_group
+
+    g = get_group()
+    return _mark_lost_while_waiting(lambda: g.allreduce(torch.ones(1000)), g.generation)
 
 
 def _stale_group_refuses(_slot, old_gen):
@@ -451,29 +459,10 @@ def _allreduce_timed(_slot, hang_rank, kill_rank):
 
 def _rendezvous_abort(_slot, host, port, generation):
     """Join a 3-member generation whose third member never comes; abort it."""
-    from daskdist.collective import init_member, mark_peer_lost, runtime
-    from daskdist.errors import CollectiveError
+    from daskdist.collective import init_member
 
-    box: dict = {}
-
-    def join():
-        try:
-            init_member(_slot, 3, host, port, "gloo", generation, 30.0)
-        except BaseException as e:
-            box["err"] = e
-            box["at"] = time.monotonic()
-
-    th = threading.Thread(target=join)
-    th.start()
-    deadline = time.monotonic() + 10
-    while not runtime.waiters and time.monotonic() < deadline:
-        time.sleep(0.001)  # condition poll with a deadline: init waits on its peers
-    t0 = time.monotonic()
-    mark_peer_lost(generation)
-    th.join(5)
-    assert not th.is_alive()
-    assert isinstance(box.get("err"), CollectiveError), box
-    return box["at"] - t0
+    return _mark_lost_while_waiting(
+        lambda: init_member(_slot, 3, host, port, "gloo", generation, 30.0), generation)
 
 
 def _rendezvous_timeout(_slot, host, port, generation):
