@@ -159,6 +159,7 @@ class CoordinatorState:
         """
         outcomes = []
         q = self.queue
+        backlog = q.backlog
         unstarted = []
         for cid, ok, value, kind, tokens in results:
             if kind == UNSTARTED:
@@ -178,7 +179,7 @@ class CoordinatorState:
         self.deliver(outcomes)
         if results:
             self.changed.set()
-            if q.queued:
+            if q.backlog > backlog:
                 self.wake()  # retried or unstarted closures went back to the queue
 
     def active_sessions(self) -> tuple[str, ...]:

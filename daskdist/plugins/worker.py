@@ -374,9 +374,13 @@ class ClosureRunner:
             self.reporting = False
 
     # -- running a closure (worker thread) ------------------------------------------------
-    def _contexts(self, attempt: int = 1) -> tuple[WorkerContext, InputContext]:
-        wctx = WorkerContext(self.index, self.num_workers, self.device,
+    def _worker_context(self, attempt: int = 1) -> WorkerContext:
+        return WorkerContext(self.index, self.num_workers, self.device,
                              self.worker.address, attempt, self.name)
+
+    def _contexts(self) -> tuple[WorkerContext, InputContext]:
+        """What per-worker factories receive (built only when a resource is built)."""
+        wctx = self._worker_context()
         n = max(1, self.num_workers)
         ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx,
                             leases=SchedulerLeases(self))
@@ -391,7 +395,7 @@ class ClosureRunner:
             self._finished(session, (cid, False, None, UNSTARTED, []), gang)
             return
         tokens: list = []
-        _set_current(self._contexts(attempt)[0], tokens.append)
+        _set_current(self._worker_context(attempt), tokens.append)
         try:
             fn_bytes, arg_bytes = payload
             fn = _load_function(fn_bytes)
