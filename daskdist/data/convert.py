@@ -13,12 +13,8 @@ rare batch that straddles two chunks is concatenated (:func:`concat_cols`).
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -100,80 +96,17 @@ def _as_array(col: pa.ChunkedArray | pa.Array) -> pa.Array:
     return col
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-_PARALLEL_MIN = 1 << 18  # gathered elements (rows x numeric columns) worth two threads
+def convert_table(table: pa.Table, index: np.ndarray | None = None,
+                  fill_null: Any = None) -> Columns:
+    """Columns of ``table`` (rows ``index`` in that order, if given) as tensors / lists.
 
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(2, thread_name_prefix="daskdist-gather")
-        return _POOL
-
-
-class ArenaPool:
-    """Reusable output buffers for shuffle gathers.
-
-    Every shuffled block needs fresh arrays for its gathered columns, and fresh large
-    allocations cost page faults. A batch handed out is a view of such an array; once
-    every view is gone (the array's reference count is back to the pool's own), the
-    buffer is reused for a later block. Thread-safe; at most ``max_arenas`` are kept.
+    A shuffle's gather is one Arrow ``take`` over the whole table: a single call that
+    releases the GIL, so it overlaps with the consumer cutting batches (per-column numpy
+    gathers would hand the GIL back and forth once per column and serialise with it).
     """
-
-    def __init__(self, max_arenas: int = 256, granule: int = 4096) -> None:
-        self._arenas: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self._max = max_arenas
-        self._granule = granule
-
-    def out(self, like: np.ndarray, n: int) -> np.ndarray:
-        """An array of ``n`` rows shaped and typed like ``like``'s rows."""
-        with self._lock:
-            for a in self._arenas:
-                # references: the list, the loop variable, getrefcount's argument
-                if (a.dtype == like.dtype and a.shape[1:] == like.shape[1:]
-                        and a.shape[0] >= n and sys.getrefcount(a) == 3):
-                    return a[:n]
-            cap = -(-max(n, 1) // self._granule) * self._granule
-            a = np.empty((cap, *like.shape[1:]), like.dtype)
-            if len(self._arenas) < self._max:
-                self._arenas.append(a)
-            return a[:n]
-
-
-def _gather(arrays: dict[str, np.ndarray], index: np.ndarray,
-            pool: ArenaPool | None) -> dict[str, np.ndarray]:
-    """``np.take`` of every array by ``index`` (axis 0), into pooled buffers when given;
-    numpy releases the GIL, so big gathers are split over two threads by column."""
-
-    def take(keys: list[str]) -> dict[str, np.ndarray]:
-        res = {}
-        for k in keys:
-            x = arrays[k]
-            if pool is None:
-                res[k] = np.take(x, index, axis=0)
-            else:
-                res[k] = np.take(x, index, axis=0, out=pool.out(x, len(index)))
-        return res
-
-    names = list(arrays)
-    if len(names) < 2 or len(index) * len(names) < _PARALLEL_MIN or (os.cpu_count() or 1) < 2:
-        return take(names)
-    fut = _pool().submit(take, names[len(names) // 2:])
-    out = take(names[: len(names) // 2])
-    out.update(fut.result())
-    return out
-
-
-def convert_table(
-    table: pa.Table, index: np.ndarray | None = None, fill_null: Any = None,
-    pool: ArenaPool | None = None,
-) -> Columns:
-    """Columns of ``table`` (rows ``index`` in that order, if given) as tensors / lists."""
+    if index is not None:
+        table = table.take(pa.array(index))
     out: Columns = {}
-    numeric: dict[str, np.ndarray] = {}
     for name, col in zip(table.column_names, table.columns, strict=True):
         t = col.type
         fill = _fill_value(name, fill_null)
@@ -190,17 +123,9 @@ def convert_table(
                 x = (_fixed_list_numpy if pa.types.is_fixed_size_list(t) else _numeric_numpy)(
                     name, arr, fill
                 )
-            numeric[name] = x
-            out[name] = None  # keeps the column order
+            out[name] = torch.from_numpy(x)
         else:
-            arr = _as_array(col)
-            if index is not None:
-                arr = arr.take(pa.array(index))
-            out[name] = arr.to_pylist()
-    if index is not None:
-        numeric = _gather(numeric, index, pool)
-    for name, x in numeric.items():
-        out[name] = torch.from_numpy(x)
+            out[name] = _as_array(col).to_pylist()
     return out
 
 

@@ -33,7 +33,6 @@ import torch
 from daskdist.context import InputContext, record_consumed
 from daskdist.data import batching
 from daskdist.data.convert import (
-    ArenaPool,
     concat_cols,
     convert_table,
     num_rows,
@@ -272,11 +271,10 @@ class ArrowLoader:
                 f"{self.ctx.num_input_pipelines}, epoch={self.epoch})")
 
     # -- producer side (runs in the prefetch thread) --------------------------------------
-    def _convert(self, table: pa.Table, index: np.ndarray | None,
-                 pool: ArenaPool | None = None) -> Any:
+    def _convert(self, table: pa.Table, index: np.ndarray | None) -> Any:
         if self.collate is not None:
             return table.take(pa.array(index)) if index is not None else table
-        return convert_table(table, index, self.fill_null, pool)
+        return convert_table(table, index, self.fill_null)
 
     def _static_chunks(self, epoch: int, position: int) -> Iterator[tuple[Any, None]]:
         blocks = batching.plan_blocks(
@@ -285,7 +283,6 @@ class ArrowLoader:
         b, off = batching.locate(blocks, position)
         reader = self.shards.reader()
         units = self.shards.units
-        pool = ArenaPool() if self.shuffle else None
 
         def read_block(blk: batching.Block) -> list[pa.Table]:
             return [reader.read(units[self._pieces[k].unit], self.columns) for k in blk.pieces]
@@ -320,7 +317,7 @@ class ArrowLoader:
                     else:
                         index = index[off:]
                     off = 0
-                yield self._convert(table, index, pool if blk.shuffled else None), None
+                yield self._convert(table, index), None
         finally:
             if ahead is not None:
                 ahead.shutdown(wait=True)

@@ -264,7 +264,9 @@ class UnitReader:
                 self.close()
                 fmt = self.shards._sniff(path)
                 src = self.shards._open(path)
-                self._file = pq.ParquetFile(src) if fmt == "parquet" else ipc.open_file(src)
+                # pre_buffer: one coalesced read per row group instead of one per column
+                self._file = (pq.ParquetFile(src, pre_buffer=True) if fmt == "parquet"
+                              else ipc.open_file(src))
                 self._path = path
             if isinstance(self._file, pq.ParquetFile):
                 table = self._file.read_row_group(unit.piece, columns=columns)
