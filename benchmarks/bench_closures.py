@@ -5,7 +5,7 @@ Run: ``python benchmarks/bench_closures.py [--n 5000] [--workers 2]``.
 - throughput: no-op closures/s through the Coordinator vs ``client.submit`` + ``gather``
   of the same count on the same cluster (target: >= 10x);
 - latency: median of one ``schedule(...).fetch()`` vs one ``submit(...).result()``
-  (target: <= 2 ms);
+  (target: <= 2 ms), beside the same path through bare Dask RPC handlers (the floor);
 - recovery: seconds from a worker's SIGKILL to its closures completing elsewhere
   (target: <= 1 s).
 """
@@ -52,6 +52,36 @@ def median_ms(fn, repeat: int) -> float:
     return statistics.median(times) * 1000
 
 
+def _install_floor_worker(dask_worker) -> None:
+    """A worker handler that runs a no-op in a thread (as our worker plugin does)."""
+    import asyncio
+
+    async def floor_run() -> None:
+        return await asyncio.to_thread(noop)
+
+    dask_worker.handlers["bench_floor_run"] = floor_run
+
+
+def _install_floor_scheduler(dask_scheduler) -> None:
+    """A scheduler handler that relays one call to a worker and returns its answer."""
+
+    async def floor_relay(worker: str) -> None:
+        return await dask_scheduler.rpc(worker).bench_floor_run()
+
+    dask_scheduler.handlers["bench_floor_relay"] = floor_relay
+
+
+def dask_floor_ms(client: Client, repeat: int) -> float:
+    """Median of the same path through Dask's own RPC, with handlers that do nothing:
+    caller thread -> client loop -> scheduler -> worker -> worker thread and back (four
+    messages, two hand-offs each side): what any closure round trip costs here."""
+    client.run(_install_floor_worker)
+    client.run_on_scheduler(_install_floor_scheduler)
+    worker = next(iter(client.scheduler_info()["workers"]))
+    call = client.scheduler.bench_floor_relay
+    return median_ms(lambda: client.sync(call, worker=worker), repeat)
+
+
 def _wait_first(rvs):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -92,9 +122,13 @@ def main() -> None:
         ours_ms = median_ms(lambda: coord.schedule(noop).fetch(), args.repeat)
         theirs_ms = median_ms(lambda: client.submit(noop, pure=False).result(),
                               max(50, args.repeat // 3))
+        floor_ms = dask_floor_ms(client, args.repeat)
         print(f"latency     schedule+fetch {ours_ms:7.2f} ms | submit+result "
               f"{theirs_ms:7.2f} ms | ratio {theirs_ms / ours_ms:6.1f}x faster "
               f"(target <= 2 ms)")
+        print(f"            the same 4 messages through bare Dask RPC handlers: "
+              f"{floor_ms:.2f} ms (the floor on this machine; ours / floor "
+              f"{ours_ms / floor_ms:.2f}x)")
 
         # recovery: closures of 10 ms; the killed worker's leases are put back the moment
         # Dask reports its closed comm, and the survivor runs them.
