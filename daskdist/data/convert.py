@@ -96,16 +96,8 @@ def _as_array(col: pa.ChunkedArray | pa.Array) -> pa.Array:
     return col
 
 
-def convert_table(table: pa.Table, index: np.ndarray | None = None,
-                  fill_null: Any = None) -> Columns:
-    """Columns of ``table`` (rows ``index`` in that order, if given) as tensors / lists.
-
-    A shuffle's gather is one Arrow ``take`` over the whole table: a single call that
-    releases the GIL, so it overlaps with the consumer cutting batches (per-column numpy
-    gathers would hand the GIL back and forth once per column and serialise with it).
-    """
-    if index is not None:
-        table = table.take(pa.array(index))
+def convert_table(table: pa.Table, fill_null: Any = None) -> Columns:
+    """Columns of ``table`` as tensors (numeric, fixed-size lists) or lists (the rest)."""
     out: Columns = {}
     for name, col in zip(table.column_names, table.columns, strict=True):
         t = col.type

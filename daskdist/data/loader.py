@@ -272,9 +272,15 @@ class ArrowLoader:
 
     # -- producer side (runs in the prefetch thread) --------------------------------------
     def _convert(self, table: pa.Table, index: np.ndarray | None) -> Any:
-        if self.collate is not None:
-            return table.take(pa.array(index)) if index is not None else table
-        return convert_table(table, index, self.fill_null)
+        """Rows ``index`` of ``table`` (a table for ``collate``, else columns of tensors).
+
+        The gather is one Arrow ``take`` over the whole table: a single call that releases
+        the GIL, so it overlaps with the consumer cutting batches (per-column gathers would
+        hand the GIL back and forth once per column and serialise with it).
+        """
+        if index is not None:
+            table = table.take(pa.array(index))
+        return table if self.collate is not None else convert_table(table, self.fill_null)
 
     def _static_chunks(self, epoch: int, position: int) -> Iterator[tuple[Any, None]]:
         blocks = batching.plan_blocks(
