@@ -324,3 +324,19 @@ class QueueMachine(RuleBasedStateMachine):
 
 TestQueueMachine = QueueMachine.TestCase
 TestQueueMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_wait_event_reports_set_or_timeout():
+    """The long-polls' wait: True as soon as the event is set, False after the timeout."""
+    import asyncio
+
+    from daskdist.plugins.state import wait_event
+
+    async def scenario():
+        ev = asyncio.Event()
+        assert await wait_event(ev, 0.01) is False
+        asyncio.get_running_loop().call_later(0.01, ev.set)
+        assert await wait_event(ev, 10) is True
+        assert await wait_event(ev, 0) is True  # already set: no wait at all
+
+    asyncio.run(scenario())

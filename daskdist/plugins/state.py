@@ -36,7 +36,7 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
                 await event.wait()
         else:  # pragma: no cover - Python 3.10
             await asyncio.wait_for(event.wait(), timeout)
-    except TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
         return False
     return True
 
