@@ -31,6 +31,7 @@ from distributed.utils import sync
 from daskdist.context import InputContext, WorkerContext, _set_current, _set_membership
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError
 from daskdist.plugins.gang import COLLECTIVE_ERROR, HOSTS_UPDATED
+from daskdist.plugins.malloc import restore_dynamic_thresholds
 from daskdist.plugins.queue import INPUT_ERROR, UNSTARTED, USER_ERROR
 from daskdist.values import PerWorkerValues, dump_error, map_structure
 
@@ -156,6 +157,7 @@ def _bind_device(torch_threads: int | None = None) -> Any:
 
     from daskdist.collective.device import bind_device
 
+    restore_dynamic_thresholds()  # before torch allocates: see plugins/malloc.py
     if torch_threads:  # Dask starts workers with OMP_NUM_THREADS=1
         torch.set_num_threads(torch_threads)
     return bind_device()
