@@ -1,9 +1,11 @@
 """``get_group()`` and the collective calls a closure makes on its group (SPEC §4).
 
-Every call is issued asynchronously and waited on through an event that three
-things can set: the work finishing, ``mark_peer_lost`` (the scheduler plugin says a
-peer left), and group teardown. So a call ends as soon as either the transport or
-the scheduler knows a peer is gone, and never later than the group's ``timeout``.
+Every call is issued asynchronously and waited on until the work ends, a peer is
+declared lost (``mark_peer_lost``: the scheduler plugin says a peer left), the group is
+torn down, or the group's ``timeout`` passes: gloo calls block in torch's own wait in
+short slices, checking between them; NCCL calls wait on an event that the work's
+future, the lost mark and teardown all set. So a call ends as soon as either the
+transport or the scheduler knows a peer is gone, and never later than the timeout.
 Every torch error (gloo raises plain ``RuntimeError``) becomes ``CollectiveError``,
 and after one failure the group refuses further calls at once: its members are
 out of step and it must be re-formed.
@@ -14,11 +16,12 @@ bytes: their size first, then the bytes (Horovod's ``broadcast_object``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -39,9 +42,9 @@ _OPS = {
 # Extra seconds past the group's timeout before we stop waiting ourselves, so the
 # transport's own (more precise) timeout error normally arrives first.
 _GRACE = 2.0
-# How long a gloo call first blocks inside torch before we switch to an interruptible
-# wait: short calls then cost no thread hand-off; a lost peer is noticed within it.
-_FAST_WAIT = datetime.timedelta(milliseconds=10)
+# How long a gloo call blocks inside torch at a time: a lost peer or teardown is
+# noticed within one slice; a timed-out slice costs one exception from torch.
+_SLICE = datetime.timedelta(milliseconds=10)
 
 
 def get_group() -> Group:
@@ -213,53 +216,81 @@ class Group:
             runtime.break_group(gen, f"{what} failed: {e}")
             raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
         if self.backend == "gloo":
-            # Fast path: a short blocking wait inside torch, no thread hand-off; most
-            # calls end within it, and a lost peer is noticed no later than it ends.
-            try:
-                work.wait(_FAST_WAIT)
-                return
-            except Exception:
-                pass  # still running ("Operation timed out!"), or failed: see below
-        self._wait(work, pg, gen, what)
+            self._wait_in_torch(work, pg, gen, what)
+        else:
+            self._wait_on_future(work, pg, gen, what)
         try:
             work.wait()
         except Exception as e:
             runtime.break_group(gen, f"{what} failed: {e}")
             raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
 
-    def _wait(self, work: Any, pg: Any, gen: int, what: str) -> None:
-        """Block until ``work`` ended, a peer is declared lost, teardown, or the deadline.
+    def _wait_in_torch(self, work: Any, pg: Any, gen: int, what: str) -> None:
+        """Gloo: block inside torch's own wait, ``_SLICE`` at a time, until ``work`` ended.
 
-        Waits on the work's future, whose callback sets an event that
-        ``mark_peer_lost`` and teardown set too. Raises ``CollectiveError`` (burying
-        the unfinished work) unless the work ended; its outcome is then for the caller.
+        The thread sleeps with the GIL released and wakes straight from the transport:
+        no callback and no thread hand-off on the way back. Between slices it checks
+        for a lost peer, teardown and the deadline (see :meth:`_left`).
         """
-        wake = threading.Event()
-        with runtime.lock:
-            runtime.waiters.add(wake)
         try:
+            work.wait(_SLICE)  # most calls end within the first slice
+            return
+        except Exception:
+            if work.is_completed():
+                return  # it failed: the caller's wait raises the outcome
+        with self._waiting() as _wake:
+            deadline = time.monotonic() + self.timeout + _GRACE
+            while True:
+                left = self._left(work, pg, gen, what, deadline)
+                try:
+                    work.wait(min(_SLICE, datetime.timedelta(seconds=left)))
+                    return
+                except Exception:
+                    if work.is_completed():
+                        return
+
+    def _wait_on_future(self, work: Any, pg: Any, gen: int, what: str) -> None:
+        """NCCL: wait on the work's future (``wait()`` only orders CUDA streams).
+
+        The future's callback sets an event that ``mark_peer_lost`` and teardown set too.
+        """
+        with self._waiting() as wake:
             # The future completes a moment before ``work.is_completed()`` turns true:
             # wait on the future, never on the flag.
             fut = work.get_future()
             fut.add_done_callback(lambda _f: wake.set())
             deadline = time.monotonic() + self.timeout + _GRACE
             while not fut.done():
-                try:
-                    runtime.check(gen)  # lost or torn down (also before we registered)?
-                except CollectiveError:
-                    runtime.bury(pg, work)
-                    raise
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    runtime.bury(pg, work)
-                    reason = f"{what} timed out after {self.timeout:g} s"
-                    runtime.break_group(gen, reason)
-                    raise CollectiveError(f"{reason} on rank {self.rank}")
-                wake.wait(left)
+                wake.wait(self._left(work, pg, gen, what, deadline))
                 wake.clear()
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[threading.Event]:
+        """An event registered for the call's wait: lost-peer marks and teardown set it."""
+        wake = threading.Event()
+        with runtime.lock:
+            runtime.waiters.add(wake)
+        try:
+            yield wake
         finally:
             with runtime.lock:
                 runtime.waiters.discard(wake)
+
+    def _left(self, work: Any, pg: Any, gen: int, what: str, deadline: float) -> float:
+        """Seconds left to wait for ``work``; ``CollectiveError`` (burying the unfinished
+        work) when the generation was lost or torn down, or the deadline passed."""
+        try:
+            runtime.check(gen)
+        except CollectiveError:
+            runtime.bury(pg, work)
+            raise
+        left = deadline - time.monotonic()
+        if left <= 0:
+            runtime.bury(pg, work)
+            reason = f"{what} timed out after {self.timeout:g} s"
+            runtime.break_group(gen, reason)
+            raise CollectiveError(f"{reason} on rank {self.rank}")
+        return left
 
 
 def _check_tensor(t: Any) -> None:
