@@ -34,22 +34,23 @@ MB = 2**20
 
 
 def _iters(size_mb: int) -> int:
-    return max(4, int(64 / size_mb))
+    return max(8, int(256 / size_mb))
 
 
-def _time_allreduce(calls: dict, sizes: list[int], warm: bool) -> dict[str, dict[int, float]]:
+def _time_allreduce(calls: dict, sizes: list[int]) -> dict[str, dict[int, float]]:
     """Seconds per call of each ``calls[name](tensor)``, per size (one round).
 
     The calls are interleaved size by size, so load on a shared machine hits them alike.
+    Every call is warmed up on this round's tensor first (connections, gloo's buffers,
+    the tensor's fresh pages), so the call timed first pays nothing the others do not.
     """
     out: dict[str, dict[int, float]] = {name: {} for name in calls}
     for size in sizes:
         t = torch.ones(size * MB // 4, dtype=torch.float32)
         n = _iters(size)
-        if warm:
-            for fn in calls.values():
-                for _ in range(2):
-                    fn(t)  # warm up: connections, buffers
+        for fn in calls.values():
+            for _ in range(2):
+                fn(t)
         for name, fn in calls.items():
             t0 = time.perf_counter()
             for _ in range(n):
@@ -93,10 +94,8 @@ def _member(rank: int, world: int, mode: str, sizes, addr_q, barrier, cmd_q, out
         calls = {"same-procs plain": lambda t: dist.all_reduce(t), mode: lambda t: g.allreduce(t)}
         stop = destroy_member
     out_q.put((rank, time.perf_counter() - t0))
-    warm = True
     while cmd_q.get() is not None:
-        out_q.put((rank, _time_allreduce(calls, sizes, warm)))
-        warm = False
+        out_q.put((rank, _time_allreduce(calls, sizes)))
     stop()
 
 
@@ -200,12 +199,12 @@ def run_recovery() -> tuple[float, float]:
     return detect, reform
 
 
-def _gang_round(sizes, warm):
+def _gang_round(sizes):
     import daskdist as dd
 
     g = dd.collective.get_group()
     return _time_allreduce({"dask": lambda t: g.allreduce(t),
-                            "dask plain": lambda t: dist.all_reduce(t)}, sizes, warm)
+                            "dask plain": lambda t: dist.all_reduce(t)}, sizes)
 
 
 def _small_step():
@@ -266,16 +265,14 @@ def main(argv: list[str] | None = None) -> None:
         boot = {m: p.bootstrap for m, p in plain.items()}
         coord = None
         if not a.skip_dask:
-            # torch's own default thread count, as in processes started without Dask
-            coord = dd.Coordinator(client, torch_threads=torch.get_num_threads())
+            # one torch thread per process, as in the processes started without Dask
+            coord = dd.Coordinator(client, torch_threads=1)
             t0 = time.perf_counter()
             coord.collective_group(backend="gloo", timeout=60)
             boot["dask"] = time.perf_counter() - t0
-            state = {"warm": True}
 
             def dask_round() -> dict:
-                rvs = coord.schedule_on_all(_gang_round, args=(a.sizes, state["warm"]))
-                state["warm"] = False
+                rvs = coord.schedule_on_all(_gang_round, args=(a.sizes,))
                 return _slowest_rank([rv.fetch(timeout=600) for rv in rvs])
 
             sides["dask"] = dask_round
