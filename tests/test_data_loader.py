@@ -237,18 +237,70 @@ def test_cuda_batches_are_pinned_and_copied(data):
     assert ids_of(ArrowLoader(data, batch_size=100, device="cuda")) == list(range(1000))
 
 
-def test_shuffle_buffers_are_reused_only_when_no_batch_holds_them(tmp_path):
+def test_shuffled_batches_stay_valid_while_held(tmp_path):
     write(tmp_path, files=2, rows=600, row_group=50, with_extras=False)
 
     def run():
         return ArrowLoader(tmp_path, batch_size=40, shuffle=True, seed=5, shuffle_buffer=100)
 
-    dropped, storages = [], set()
-    for b in run():  # each batch released at once: its block's buffer can be reused
-        dropped.extend(b["id"].tolist())
-        storages.add(b["id"].untyped_storage().data_ptr())
-    assert len(storages) < 12  # 12 shuffled blocks went through fewer buffers
-    held = list(run())  # every batch kept alive: its buffer must not be recycled
+    dropped = [i for b in run() for i in b["id"].tolist()]  # each batch released at once
+    held = list(run())  # every batch kept alive while later blocks are built
     kept = [i for b in held for i in b["id"].tolist()]
     assert kept == dropped and sorted(kept) == list(range(1200))
     assert all(torch.equal(b["x"], b["id"].float() / 2) for b in held)
+
+
+@pytest.mark.parametrize("buffer", [64, 200])  # one piece a block (2-D gathers), several
+def test_shuffle_gathers_columns_of_one_dtype_together_keeping_order(tmp_path, buffer):
+    ids = np.arange(500, dtype=np.int64)
+    table = pa.table({
+        "a": ids.astype(np.float32) / 2,
+        "id": ids,
+        "b": ids.astype(np.float32) * 2,
+        "s": pa.array([f"r{i}" for i in ids]),
+        "c": ids.astype(np.float32) + 1,
+        "k": ids * 3,
+        "v": pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 2).astype(np.float64)), 2),
+    })
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=64)
+    batches = list(ArrowLoader(tmp_path, batch_size=48, shuffle=True, seed=1,
+                               shuffle_buffer=buffer))
+    seen = []
+    for bt in batches:
+        assert list(bt) == table.column_names  # the schema's order, whatever the layout
+        i = bt["id"]
+        assert torch.equal(bt["a"], i.float() / 2) and torch.equal(bt["b"], i.float() * 2)
+        assert torch.equal(bt["c"], i.float() + 1) and torch.equal(bt["k"], i * 3)
+        assert bt["v"].shape == (len(i), 2) and torch.equal(bt["v"][:, 1], i.double())
+        assert bt["s"] == [f"r{j}" for j in i.tolist()]
+        assert all(t.is_contiguous() for t in bt.values() if isinstance(t, torch.Tensor))
+        seen.extend(i.tolist())
+    assert sorted(seen) == list(range(500)) and seen != list(range(500))
+
+
+def test_reader_keeps_files_open_up_to_its_bound(tmp_path, monkeypatch):
+    write(tmp_path, files=3, rows=100, row_group=50, with_extras=False)
+    shards = ArrowShards(tmp_path)
+    units = shards.units  # footers read (and their files opened) here, before counting
+    opened = []
+    orig = ArrowShards._open
+
+    def counting(self, path):
+        opened.append(path)
+        return orig(self, path)
+
+    monkeypatch.setattr(ArrowShards, "_open", counting)
+    by_file = {}
+    for u in units:
+        by_file.setdefault(u.path, []).append(u)
+    f0, f1, f2 = (by_file[p] for p in sorted(by_file))
+    reader = UnitReader(shards, max_open=2)
+    for u in (f0[0], f1[0], f0[1], f1[1]):  # alternating between two files: opened once each
+        assert reader.read(u, None).num_rows == 50
+    assert len(opened) == 2
+    reader.read(f2[0], None)  # a third file evicts the least recently used (f0)
+    reader.read(f1[0], None)
+    assert len(opened) == 3
+    reader.read(f0[0], None)
+    assert len(opened) == 4 and opened[-1] == f0[0].path
+    reader.close()

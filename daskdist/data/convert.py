@@ -7,8 +7,9 @@ values buffer; booleans and temporal types are converted with one vectorised cop
 Strings, binary and other nested types are passed through as Python lists. Nulls in a
 numeric column raise ``ValueError`` naming the column unless ``fill_null`` is given.
 
-Converted columns are then sliced into batch *views* (:func:`slice_cols`) and only the
-rare batch that straddles two chunks is concatenated (:func:`concat_cols`).
+A block's converted columns form a :class:`Chunk` (under shuffling, gathered into one
+2-D tensor per dtype), sliced into batch *views* (:func:`slice_cols`); only the rare
+batch that straddles two chunks is concatenated (:func:`concat_cols`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-__all__ = ["Columns", "concat_cols", "convert_table", "num_rows", "slice_cols", "to_device"]
+__all__ = [
+    "Chunk",
+    "Columns",
+    "concat_cols",
+    "convert_chunk",
+    "convert_table",
+    "num_rows",
+    "pin",
+    "slice_cols",
+    "to_device",
+]
 
 # Arrow buffers are immutable, so numpy marks views of them read-only and torch warns once
 # per process. The tensors we hand out own a fresh buffer per read; silence it here only.
@@ -121,19 +132,116 @@ def convert_table(table: pa.Table, fill_null: Any = None) -> Columns:
     return out
 
 
-def num_rows(cols: Columns | pa.Table) -> int:
-    if isinstance(cols, pa.Table):
-        return cols.num_rows
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in Arrow's memory pool.
+
+    Arrow's allocator keeps freed pages for the next block, where the C allocator
+    would map (and fault in) a fresh region for every large gather output.
+    """
+    n = 1
+    for d in shape:
+        n *= d
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
+class Chunk:
+    """Converted rows of one block, cut into batch views by :meth:`slice`.
+
+    ``stacks`` hold 1-D columns of one dtype as the rows of a 2-D tensor (a shuffle
+    gathers into it), so a batch's views of all of them come from one slice and one
+    ``unbind`` instead of a slice per column; ``rest`` holds the other columns
+    (tensors, possibly zero-copy over Arrow buffers, and lists). Batches keep
+    ``names``' order.
+    """
+
+    __slots__ = ("names", "rest", "rows", "stacks", "_ordered")
+
+    def __init__(self, names: Sequence[str], rest: Columns,
+                 stacks: Sequence[tuple[tuple[str, ...], torch.Tensor]] = (),
+                 rows: int | None = None) -> None:
+        self.names = list(names)
+        self.rest = rest
+        self.stacks = list(stacks)
+        if rows is None:
+            rows = self.stacks[0][1].shape[1] if self.stacks else num_rows(rest)
+        self.rows = int(rows)
+        produced = [k for keys, _ in self.stacks for k in keys] + list(rest)
+        self._ordered = produced == self.names
+
+    def slice(self, a: int, b: int) -> Columns:
+        """Rows ``[a, b)`` as a dict of views (tensors) or slices (lists)."""
+        if not self.stacks:
+            return {k: v[a:b] for k, v in self.rest.items()}
+        out: Columns = {}
+        for keys, m in self.stacks:
+            out.update(zip(keys, m[:, a:b].unbind(0), strict=True))
+        for k, v in self.rest.items():
+            out[k] = v[a:b]
+        return out if self._ordered else {k: out[k] for k in self.names}
+
+    def map_tensors(self, fn: Any) -> Chunk:
+        """The same chunk with ``fn`` applied to every tensor (e.g. pinning)."""
+        return Chunk(self.names, _map_tensors(self.rest, fn),
+                     [(keys, fn(m)) for keys, m in self.stacks], self.rows)
+
+
+def convert_chunk(table: pa.Table, fill_null: Any = None,
+                  index: np.ndarray | None = None) -> Chunk:
+    """``table`` (rows ``index`` of it, in that order, when given) as a :class:`Chunk`.
+
+    Without ``index`` numeric columns stay zero-copy. With it, for a table of single
+    chunks, 1-D numeric columns are gathered by ``torch.index_select`` (GIL released)
+    straight into the rows of one 2-D tensor per dtype; fixed-size lists are gathered
+    alone; the other columns (strings, ...) go through one Arrow ``take``. A table of
+    several chunks is gathered by one Arrow ``take``.
+    """
+    names = table.column_names
+    if index is None:
+        return Chunk(names, convert_table(table, fill_null))
+    if any(col.num_chunks > 1 for col in table.columns):
+        # A block of several pieces: Arrow's take reads their chunks in place, where a
+        # gather from one tensor would first concatenate every column.
+        return Chunk(names, convert_table(table.take(pa.array(index)), fill_null))
+    tensor_names = [n for n, f in zip(names, table.schema, strict=True)
+                    if _is_numeric(f.type) or pa.types.is_fixed_size_list(f.type)]
+    other = [n for n in names if n not in set(tensor_names)]
+    cols = convert_table(table.select(tensor_names), fill_null)
+    idx = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for n in tensor_names:
+        if cols[n].dim() == 1:
+            by_dtype.setdefault(cols[n].dtype, []).append(n)
+    stacks = []
+    rest: Columns = {}
+    for dtype, keys in by_dtype.items():
+        if len(keys) < 2:
+            continue
+        m = _empty((len(keys), len(idx)), dtype)
+        for j, k in enumerate(keys):
+            torch.index_select(cols.pop(k), 0, idx, out=m[j])
+        stacks.append((tuple(keys), m))
+    for n, v in cols.items():
+        rest[n] = torch.index_select(v, 0, idx, out=_empty((len(idx), *v.shape[1:]), v.dtype))
+    if other:
+        rest.update(convert_table(table.select(other).take(pa.array(index)), fill_null))
+    return Chunk(names, rest, stacks, len(idx))
+
+
+def num_rows(cols: Columns | Chunk | pa.Table) -> int:
+    if isinstance(cols, (pa.Table, Chunk)):
+        return cols.num_rows if isinstance(cols, pa.Table) else cols.rows
     for v in cols.values():
         return len(v)
     return 0
 
 
-def slice_cols(cols: Columns | pa.Table, a: int, b: int) -> Columns | pa.Table:
+def slice_cols(cols: Chunk | pa.Table, a: int, b: int) -> Columns | pa.Table:
     """Rows ``[a, b)`` as views (tensors) or slices (lists, tables)."""
     if isinstance(cols, pa.Table):
         return cols.slice(a, b - a)
-    return {k: v[a:b] for k, v in cols.items()}
+    return cols.slice(a, b)
 
 
 def concat_cols(parts: Sequence[Columns | pa.Table]) -> Columns | pa.Table:
@@ -163,6 +271,8 @@ def _map_tensors(obj: Any, fn: Any) -> Any:
 
 def pin(obj: Any) -> Any:
     """Page-locked copies of every tensor in ``obj`` (for asynchronous CUDA copies)."""
+    if isinstance(obj, Chunk):
+        return obj.map_tensors(lambda t: t.pin_memory())
     return _map_tensors(obj, lambda t: t.pin_memory())
 
 

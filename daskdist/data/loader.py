@@ -34,7 +34,7 @@ from daskdist.context import InputContext, record_consumed
 from daskdist.data import batching
 from daskdist.data.convert import (
     concat_cols,
-    convert_table,
+    convert_chunk,
     num_rows,
     pin,
     slice_cols,
@@ -42,12 +42,13 @@ from daskdist.data.convert import (
 )
 from daskdist.data.dynamic import lease_token
 from daskdist.data.sharding import POLICIES, assign
-from daskdist.data.shards import ArrowShards
+from daskdist.data.shards import ArrowShards, UnitReader
 from daskdist.plugins.leases import normalize, subtract, union
 
 __all__ = ["ArrowLoader"]
 
 _END = object()
+_BUILDERS = 2  # shuffled blocks read, gathered and converted at once
 
 
 class _Failure:
@@ -272,62 +273,79 @@ class ArrowLoader:
 
     # -- producer side (runs in the prefetch thread) --------------------------------------
     def _convert(self, table: pa.Table, index: np.ndarray | None) -> Any:
-        """Rows ``index`` of ``table`` (a table for ``collate``, else columns of tensors).
+        """Rows ``index`` of ``table``: a table for ``collate``, else a :class:`Chunk`.
 
-        The gather is one Arrow ``take`` over the whole table: a single call that releases
-        the GIL, so it overlaps with the consumer cutting batches (per-column gathers would
-        hand the GIL back and forth once per column and serialise with it).
+        Gathers release the GIL (one Arrow ``take``; ``index_select`` per column into
+        2-D buffers), so they overlap with the consumer cutting batches.
         """
-        if index is not None:
-            table = table.take(pa.array(index))
-        return table if self.collate is not None else convert_table(table, self.fill_null)
+        if self.collate is not None:
+            return table if index is None else table.take(pa.array(index))
+        return convert_chunk(table, self.fill_null, index)
+
+    def _block(self, blocks: list[batching.Block], bi: int, skip: int, epoch: int,
+               reader: UnitReader) -> Any:
+        """Block ``bi`` read, gathered (strided pieces, shuffle) and converted, from its
+        row ``skip`` on."""
+        blk = blocks[bi]
+        units = self.shards.units
+        tables = [reader.read(units[self._pieces[k].unit], self.columns) for k in blk.pieces]
+        idx, strided, base = [], False, 0
+        for k in blk.pieces:
+            p = self._pieces[k]
+            if p.stride != 1:
+                strided = True
+            idx.append(np.arange(p.first_local(), p.num_rows, p.stride) + base)
+            base += p.num_rows
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        index = np.concatenate(idx) if strided else None
+        if blk.shuffled:
+            perm = batching.block_permutation(blk.rows, self.seed, epoch, bi)
+            index = perm if index is None else index[perm]
+        if skip:
+            if index is None:
+                table = table.slice(skip)
+            else:
+                index = index[skip:]
+        return self._convert(table, index)
 
     def _static_chunks(self, epoch: int, position: int) -> Iterator[tuple[Any, None]]:
         blocks = batching.plan_blocks(
             [p.rows for p in self._pieces], self.shuffle, self.seed, epoch, self.shuffle_buffer
         )
         b, off = batching.locate(blocks, position)
-        reader = self.shards.reader()
-        units = self.shards.units
+        if not self.shuffle:  # reading is the work, and pyarrow spreads it over threads
+            reader = self.shards.reader()
+            try:
+                for bi in range(b, len(blocks)):
+                    yield self._block(blocks, bi, off if bi == b else 0, epoch, reader), None
+            finally:
+                reader.close()
+            return
+        # Shuffled: gathers are single-threaded, so _BUILDERS blocks are built at once,
+        # each in a thread with a reader of its own, and handed on in order.
+        local = threading.local()
+        readers: list[UnitReader] = []
 
-        def read_block(blk: batching.Block) -> list[pa.Table]:
-            return [reader.read(units[self._pieces[k].unit], self.columns) for k in blk.pieces]
+        def build(bi: int) -> Any:
+            reader = getattr(local, "reader", None)
+            if reader is None:
+                reader = local.reader = self.shards.reader()
+                readers.append(reader)
+            return self._block(blocks, bi, off if bi == b else 0, epoch, reader)
 
-        # Shuffled blocks: read the next block in a helper thread while this one is
-        # gathered (one block of read-ahead; all reads happen in that one thread).
-        ahead = ThreadPoolExecutor(1, "daskdist-readahead") if self.shuffle else None
-        fut = None
+        pool = ThreadPoolExecutor(_BUILDERS, "daskdist-block")
+        futs: deque = deque()
         try:
             for bi in range(b, len(blocks)):
-                blk = blocks[bi]
-                if ahead is None:
-                    tables = read_block(blk)
-                else:
-                    tables = (fut or ahead.submit(read_block, blk)).result()
-                    fut = ahead.submit(read_block, blocks[bi + 1]) if bi + 1 < len(blocks) else None
-                idx, strided, base = [], False, 0
-                for k in blk.pieces:
-                    p = self._pieces[k]
-                    if p.stride != 1:
-                        strided = True
-                    idx.append(np.arange(p.first_local(), p.num_rows, p.stride) + base)
-                    base += p.num_rows
-                table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
-                index = np.concatenate(idx) if strided else None
-                if blk.shuffled:
-                    perm = batching.block_permutation(blk.rows, self.seed, epoch, bi)
-                    index = perm if index is None else index[perm]
-                if off:
-                    if index is None:
-                        table = table.slice(off)
-                    else:
-                        index = index[off:]
-                    off = 0
-                yield self._convert(table, index), None
+                futs.append(pool.submit(build, bi))
+                if len(futs) >= _BUILDERS:
+                    yield futs.popleft().result(), None
+            while futs:
+                yield futs.popleft().result(), None
         finally:
-            if ahead is not None:
-                ahead.shutdown(wait=True)
-            reader.close()
+            pool.shutdown(wait=True, cancel_futures=True)
+            for r in readers:
+                r.close()
 
     def _dynamic_chunks(self, epoch: int, book: _LeaseBook) -> Iterator[tuple[Any, np.ndarray]]:
         svc = self.ctx.leases

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -244,39 +245,51 @@ class ArrowShards:
 
     # -- reading -----------------------------------------------------------------------
     def reader(self) -> UnitReader:
-        """A reader for units; keep one per thread (it caches the open file)."""
+        """A reader for units; keep one per thread (it keeps files open)."""
         return UnitReader(self)
 
 
 class UnitReader:
-    """Reads units of one :class:`ArrowShards`, caching the most recently opened file."""
+    """Reads units of one :class:`ArrowShards`, keeping up to ``max_open`` files open.
 
-    def __init__(self, shards: ArrowShards) -> None:
+    A shuffled epoch visits files in a random order, so a reader that kept only the last
+    file would open it again (footer parse, mapping) for almost every unit; open files
+    are kept in least-recently-used order instead. Use one reader per thread.
+    """
+
+    def __init__(self, shards: ArrowShards, max_open: int = 64) -> None:
         self.shards = shards
-        self._path: str | None = None
-        self._file: Any = None
+        self.max_open = max(1, int(max_open))
+        self._files: OrderedDict[str, Any] = OrderedDict()
+
+    def _file(self, path: str) -> Any:
+        f = self._files.get(path)
+        if f is not None:
+            self._files.move_to_end(path)
+            return f
+        fmt = self.shards._sniff(path)
+        src = self.shards._open(path)
+        # pre_buffer: one coalesced read per row group instead of one per column
+        f = pq.ParquetFile(src, pre_buffer=True) if fmt == "parquet" else ipc.open_file(src)
+        self._files[path] = f
+        while len(self._files) > self.max_open:
+            self._files.popitem(last=False)
+        return f
 
     def read(self, unit: Unit, columns: Sequence[str] | None) -> pa.Table:
         """The unit's rows as a table of ``columns``; ``ValueError`` naming a bad file."""
         path = unit.path
         try:
-            if path != self._path:
-                self.close()
-                fmt = self.shards._sniff(path)
-                src = self.shards._open(path)
-                # pre_buffer: one coalesced read per row group instead of one per column
-                self._file = (pq.ParquetFile(src, pre_buffer=True) if fmt == "parquet"
-                              else ipc.open_file(src))
-                self._path = path
-            if isinstance(self._file, pq.ParquetFile):
-                table = self._file.read_row_group(unit.piece, columns=columns)
+            f = self._file(path)
+            if isinstance(f, pq.ParquetFile):
+                table = f.read_row_group(unit.piece, columns=columns)
             else:
-                batch = self._file.get_batch(unit.piece)
+                batch = f.get_batch(unit.piece)
                 if columns is not None:
                     batch = batch.select(list(columns))
                 table = pa.Table.from_batches([batch])
         except (OSError, pa.ArrowException) as e:
-            self.close()
+            self._files.pop(path, None)
             raise ValueError(f"{path}: corrupt or unreadable Arrow/Parquet file: {e}") from e
         if table.num_rows != unit.num_rows:
             raise ValueError(
@@ -286,5 +299,4 @@ class UnitReader:
         return table
 
     def close(self) -> None:
-        self._path = None
-        self._file = None
+        self._files.clear()
