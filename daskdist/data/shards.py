@@ -253,11 +253,12 @@ class UnitReader:
     """Reads units of one :class:`ArrowShards`, keeping up to ``max_open`` files open.
 
     A shuffled epoch visits files in a random order, so a reader that kept only the last
-    file would open it again (footer parse, mapping) for almost every unit; open files
-    are kept in least-recently-used order instead. Use one reader per thread.
+    file would open it again (footer parse, mapping) for almost every unit; a few open
+    files are kept in least-recently-used order instead (a small bound: what an open
+    file holds must not grow with the dataset). Use one reader per thread.
     """
 
-    def __init__(self, shards: ArrowShards, max_open: int = 64) -> None:
+    def __init__(self, shards: ArrowShards, max_open: int = 8) -> None:
         self.shards = shards
         self.max_open = max(1, int(max_open))
         self._files: OrderedDict[str, Any] = OrderedDict()
@@ -269,8 +270,13 @@ class UnitReader:
             return f
         fmt = self.shards._sniff(path)
         src = self.shards._open(path)
-        # pre_buffer: one coalesced read per row group instead of one per column
-        f = pq.ParquetFile(src, pre_buffer=True) if fmt == "parquet" else ipc.open_file(src)
+        if fmt == "parquet":
+            # Remote files: one coalesced read per row group instead of one per column.
+            # Mapped local files need none, and the cache would keep what was read
+            # (anonymous memory) for as long as the file stays open.
+            f = pq.ParquetFile(src, pre_buffer=not isinstance(src, pa.MemoryMappedFile))
+        else:
+            f = ipc.open_file(src)
         self._files[path] = f
         while len(self._files) > self.max_open:
             self._files.popitem(last=False)
