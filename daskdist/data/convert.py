@@ -132,20 +132,6 @@ def convert_table(table: pa.Table, fill_null: Any = None) -> Columns:
     return out
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in Arrow's memory pool.
-
-    Arrow's allocator keeps freed pages for the next block, where the C allocator
-    would map (and fault in) a fresh region for every large gather output.
-    """
-    n = 1
-    for d in shape:
-        n *= d
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.empty(shape, dtype=dtype)
-
-
 class Chunk:
     """Converted rows of one block, cut into batch views by :meth:`slice`.
 
@@ -204,9 +190,10 @@ def convert_chunk(table: pa.Table, fill_null: Any = None,
         # A block of several pieces: Arrow's take reads their chunks in place, where a
         # gather from one tensor would first concatenate every column.
         return Chunk(names, convert_table(table.take(pa.array(index)), fill_null))
-    tensor_names = [n for n, f in zip(names, table.schema, strict=True)
-                    if _is_numeric(f.type) or pa.types.is_fixed_size_list(f.type)]
-    other = [n for n in names if n not in set(tensor_names)]
+    is_tensor = [_is_numeric(f.type) or pa.types.is_fixed_size_list(f.type)
+                 for f in table.schema]
+    tensor_names = [n for n, t in zip(names, is_tensor, strict=True) if t]
+    other = [n for n, t in zip(names, is_tensor, strict=True) if not t]
     cols = convert_table(table.select(tensor_names), fill_null)
     idx = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
     by_dtype: dict[torch.dtype, list[str]] = {}
@@ -218,12 +205,12 @@ def convert_chunk(table: pa.Table, fill_null: Any = None,
     for dtype, keys in by_dtype.items():
         if len(keys) < 2:
             continue
-        m = _empty((len(keys), len(idx)), dtype)
+        m = torch.empty((len(keys), len(idx)), dtype=dtype)
         for j, k in enumerate(keys):
             torch.index_select(cols.pop(k), 0, idx, out=m[j])
         stacks.append((tuple(keys), m))
     for n, v in cols.items():
-        rest[n] = torch.index_select(v, 0, idx, out=_empty((len(idx), *v.shape[1:]), v.dtype))
+        rest[n] = torch.index_select(v, 0, idx)
     if other:
         rest.update(convert_table(table.select(other).take(pa.array(index)), fill_null))
     return Chunk(names, rest, stacks, len(idx))
