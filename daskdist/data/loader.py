@@ -6,8 +6,9 @@ What happens, in the producer (a background thread unless ``prefetch=0``):
    ``policy="dynamic"``, units are leased one at a time from ``ctx.leases``;
 2. the epoch plan (:mod:`.batching`) groups pieces into blocks (shuffled: piece order
    permuted by ``(seed, epoch)``, each block's rows permuted by one gather);
-3. each block is read with pyarrow and converted column-wise to tensors (:mod:`.convert`),
-   then cut into ``batch_size`` views; only a batch straddling two blocks is copied.
+3. each block is read with pyarrow and converted column-wise to tensors (:mod:`.convert`;
+   shuffled blocks are gathered, two blocks at once in builder threads), then cut into
+   ``batch_size`` views; only a batch straddling two blocks is copied.
 
 The consumer's ``__next__`` hands out ready batches (a bounded queue of ``prefetch``
 batches, so memory is bounded by prefetch and the shuffle buffer, never the dataset),
@@ -60,7 +61,8 @@ class _ChunkBuffer:
     """Bounded hand-off of converted chunks from the prefetch thread to the consumer.
 
     The producer waits while the queued chunks hold ``max_rows`` rows or more (``prefetch``
-    batches), so memory is bounded by that plus the chunk being built (one shuffle block).
+    batches), so memory is bounded by that plus the chunks being built (one block, or
+    ``_BUILDERS`` shuffle blocks).
     """
 
     def __init__(self, max_rows: int) -> None:
