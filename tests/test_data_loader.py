@@ -304,3 +304,21 @@ def test_reader_keeps_files_open_up_to_its_bound(tmp_path, monkeypatch):
     reader.read(f0[0], None)
     assert len(opened) == 4 and opened[-1] == f0[0].path
     reader.close()
+
+
+def test_chunk_map_tensors_keeps_layout_and_order():
+    """What pinning for CUDA does to a gathered chunk, checked with a copy on the CPU."""
+    from daskdist.data.convert import convert_chunk
+
+    ids = np.arange(10, dtype=np.int64)
+    table = pa.table({"a": ids.astype(np.float32), "id": ids, "b": -ids.astype(np.float32),
+                      "s": pa.array([str(i) for i in ids])})
+    chunk = convert_chunk(table, index=np.arange(10)[::-1].copy())
+    assert chunk.stacks and chunk.rows == 10  # a and b share one 2-D buffer
+    copied = chunk.map_tensors(torch.clone)
+    orig, new = chunk.slice(2, 7), copied.slice(2, 7)
+    assert list(new) == ["a", "id", "b", "s"]
+    assert new["id"].tolist() == [7, 6, 5, 4, 3] and new["s"] == ["7", "6", "5", "4", "3"]
+    assert torch.equal(new["b"], -new["a"])
+    assert all(torch.equal(orig[k], new[k]) for k in ("a", "id", "b"))
+    assert new["a"].data_ptr() != orig["a"].data_ptr()
