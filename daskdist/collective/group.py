@@ -238,7 +238,7 @@ class Group:
         except Exception:
             if work.is_completed():
                 return  # it failed: the caller's wait raises the outcome
-        with self._waiting() as _wake:
+        with self._waiting():  # registered: teardown and mark_peer_lost see a waiting call
             deadline = time.monotonic() + self.timeout + _GRACE
             while True:
                 left = self._left(work, pg, gen, what, deadline)
