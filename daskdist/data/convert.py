@@ -217,8 +217,10 @@ def convert_chunk(table: pa.Table, fill_null: Any = None,
 
 
 def num_rows(cols: Columns | Chunk | pa.Table) -> int:
-    if isinstance(cols, (pa.Table, Chunk)):
-        return cols.num_rows if isinstance(cols, pa.Table) else cols.rows
+    if isinstance(cols, Chunk):
+        return cols.rows
+    if isinstance(cols, pa.Table):
+        return cols.num_rows
     for v in cols.values():
         return len(v)
     return 0
