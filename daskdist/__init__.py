@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from daskdist import config  # noqa: F401 - loads daskdist.yaml into dask.config
 from daskdist.context import InputContext, WorkerContext, get_worker_context
 from daskdist.coordinator import Coordinator, DistributedDataset, PerWorkerDataset
 from daskdist.errors import CancelledError, CollectiveError, InputError, WorkerLostError

@@ -24,6 +24,7 @@ from distributed import Client, get_client
 from distributed.comm.core import CommClosedError
 from distributed.worker import dumps_function
 
+from daskdist import config
 from daskdist.errors import CollectiveError
 from daskdist.plugins.scheduler import PLUGIN_NAME, CoordinatorPlugin
 from daskdist.values import (
@@ -33,8 +34,6 @@ from daskdist.values import (
     load_error,
     map_structure,
 )
-
-MIN_MAX_QUEUED = 256
 
 
 def _has_plugin(dask_scheduler) -> bool:
@@ -135,11 +134,13 @@ class Coordinator:
         name: str = "default",
         *,
         max_queued: int | None = None,
-        max_worker_failures: int = 3,
+        max_worker_failures: int | None = None,
         torch_threads: int | None = None,
     ):
         if max_queued is not None and max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        if max_worker_failures is None:
+            max_worker_failures = int(config.get("coordinator.max-worker-failures"))
         if max_worker_failures < 1:
             raise ValueError(f"max_worker_failures must be >= 1, got {max_worker_failures}")
         self.client = client if client is not None else get_client()
@@ -271,7 +272,8 @@ class Coordinator:
     def _limit(self) -> int:
         if self._max_queued is not None:
             return self._max_queued
-        return max(MIN_MAX_QUEUED, MIN_MAX_QUEUED * self._workers)
+        per_worker = int(config.get("coordinator.max-queued-per-worker"))
+        return max(int(config.get("coordinator.min-max-queued")), per_worker * self._workers)
 
     # -- public API ---------------------------------------------------------------------------
     def schedule(
@@ -367,15 +369,16 @@ class Coordinator:
         return PerWorkerValues(values=members)
 
     def collective_group(self, backend: str = "auto", timeout: float = 60.0, *,
-                         rejoin_grace: float = 15.0):
+                         rejoin_grace: float | None = None):
         """Bootstrap a torch.distributed group on the current workers, through Dask.
 
         Ranks follow worker indices; ``backend="auto"`` is NCCL when every member has
         CUDA, else gloo. Closures reach it with ``dd.collective.get_group()``.
         Collective calls that cannot complete fail with ``CollectiveError`` within
         ``timeout`` seconds. When a member is lost, the group waits up to
-        ``rejoin_grace`` seconds for a replacement (a Nanny restart) before re-forming
-        with fewer members. Returns a ``daskdist.collective.CollectiveGroup``.
+        ``rejoin_grace`` seconds (default ``daskdist.collective.rejoin-grace``) for a
+        replacement (a Nanny restart) before re-forming with fewer members. Returns a
+        ``daskdist.collective.CollectiveGroup``.
         """
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
@@ -384,7 +387,7 @@ class Coordinator:
         from daskdist.collective.handle import CollectiveGroup  # imports torch: only here
 
         info = self._call("daskdist_group_form", backend=backend, timeout=float(timeout),
-                          rejoin_grace=float(rejoin_grace))
+                          rejoin_grace=None if rejoin_grace is None else float(rejoin_grace))
         if not info["ok"]:
             raise CollectiveError(
                 f"could not form a collective group on {info['world_size']} workers "

@@ -74,8 +74,18 @@ def kill_and_replace(client, coord, pid: int, n: int = 2) -> float:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with make_cluster(2) as c:
+def threads() -> int:
+    """Threads per worker of the module's ``cluster``; a module that must hold at any
+    thread count overrides this with ``params=[1, 2]`` (see ``THREADS``)."""
+    return 1
+
+
+THREADS = [1, 2]  # the thread counts a guarantee is tested at (Dask's default is cores/workers)
+
+
+@pytest.fixture(scope="module")
+def cluster(threads):
+    with make_cluster(2, threads=threads) as c:
         yield c
 
 

@@ -15,12 +15,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from daskdist import config
 from daskdist.plugins.state import GANG_OWNER, CoordinatorState
 
 logger = logging.getLogger(__name__)
 
-RETRY_SECONDS = 0.2  # pause before re-trying a formation that failed (a member left)
-REJOIN_GRACE = 15.0  # how long a broken group waits for its lost members' replacements
 
 
 class GroupDriver:
@@ -38,7 +37,7 @@ class GroupDriver:
         self.formations = 0
         self.last_formation_seconds = 0.0
         self.size = 0  # members of the last group formed: re-formation waits to regain it
-        self.rejoin_grace = REJOIN_GRACE
+        self.rejoin_grace = config.seconds("collective.rejoin-grace")
         self._short_since: float | None = None
 
     def start(self) -> None:
@@ -138,7 +137,8 @@ class GroupDriver:
                             pass
                         continue
                     if not await self.form(sessions):
-                        await asyncio.sleep(RETRY_SECONDS)  # backoff before retrying
+                        # backoff before retrying
+                        await asyncio.sleep(config.seconds("collective.formation-retry"))
                     continue
                 started = book.start_next() if sessions else None
                 if started is not None:

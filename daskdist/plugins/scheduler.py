@@ -24,6 +24,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from daskdist import config
 from daskdist.plugins import observe
 from daskdist.plugins.groups import GroupDriver
 from daskdist.plugins.leases import SessionExpired
@@ -34,7 +35,6 @@ from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "daskdist-coordinator"
-POLL_SECONDS = 2.0  # longest a worker's or client's long-poll waits before an empty reply
 
 
 class CoordinatorPlugin(SchedulerPlugin):
@@ -142,11 +142,13 @@ class CoordinatorPlugin(SchedulerPlugin):
         return ws is None or ws.status.name in ("closing_gracefully", "closing", "closed")
 
     # -- client handlers ---------------------------------------------------------------
-    async def create(self, name: str, max_worker_failures: int = 3,
+    async def create(self, name: str, max_worker_failures: int | None = None,
                      torch_threads: int | None = None) -> dict:
         """Create the named coordinator if new, and make sure workers run its plugin."""
         co = self.coordinators.get(name)
         if co is None:
+            if max_worker_failures is None:
+                max_worker_failures = int(config.get("coordinator.max-worker-failures"))
             co = self.coordinators[name] = CoordinatorState(name, max_worker_failures,
                                                             send=self._send)
             self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
@@ -180,7 +182,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             q.put(cid, owner, payload, retries)
         co.wake()
 
-    async def results(self, name: str, owner: str, ack: int, timeout: float = POLL_SECONDS):
+    async def results(self, name: str, owner: str, ack: int, timeout: float | None = None):
         """Long-poll: outcomes for ``owner`` from sequence number ``ack`` on."""
         co = self._get(name)
         box = co.outboxes.get(owner)
@@ -188,6 +190,8 @@ class CoordinatorPlugin(SchedulerPlugin):
             return {"detached": True}
         box.ack(ack)
         if not box.items and co.queue.error is None:
+            if timeout is None:
+                timeout = config.seconds("scheduler.poll-interval")
             await wait_event(box.event, timeout)
         return {
             "first": box.first_seq,
@@ -349,7 +353,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         ``held`` lists every closure the worker has received and not yet had
         acknowledged; closures leased to the session but missing from it were lost on
         the way (a reply nobody read) and go back to the queue. With ``block``, wait
-        up to ``POLL_SECONDS`` for work.
+        up to ``daskdist.scheduler.poll-interval`` for work.
         """
         co = self.coordinators.get(name)
         if co is None or session not in co.members:
@@ -368,7 +372,7 @@ class CoordinatorPlugin(SchedulerPlugin):
 
         closures = q.dispatch(session, fair(want))
         if not closures and block and want > 0:
-            deadline = time.monotonic() + POLL_SECONDS
+            deadline = time.monotonic() + config.seconds("scheduler.poll-interval")
             event = asyncio.Event()
             co.waiters.add(event)
             try:

@@ -28,6 +28,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol.pickle import dumps, loads
 from distributed.utils import sync
 
+from daskdist import config
 from daskdist.context import InputContext, WorkerContext, _set_current, _set_membership
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError
 from daskdist.plugins.gang import COLLECTIVE_ERROR, HOSTS_UPDATED
@@ -36,8 +37,6 @@ from daskdist.plugins.queue import INPUT_ERROR, UNSTARTED, USER_ERROR
 from daskdist.values import PerWorkerValues, dump_error, map_structure
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_PREFETCH = 16
 
 
 @functools.lru_cache(maxsize=100)
@@ -218,10 +217,12 @@ class ResourceRegistry:
 class ClosureRunner:
     """The pull loop of one session: exchange with the scheduler, run closures in threads."""
 
-    def __init__(self, worker, name: str, prefetch: int = DEFAULT_PREFETCH):
+    def __init__(self, worker, name: str, prefetch: int | None = None):
         self.worker = worker
         self.name = name
         self.nthreads = max(1, worker.state.nthreads)
+        if prefetch is None:
+            prefetch = int(config.get("worker.prefetch"))
         self.capacity = self.nthreads + max(0, prefetch)
         self.executor = ThreadPoolExecutor(self.nthreads, thread_name_prefix=f"daskdist-{name}")
         # a slot of its own for gang members, so they start even when all threads are busy
@@ -424,7 +425,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
 
     idempotent = True
 
-    def __init__(self, name: str = "default", prefetch: int = DEFAULT_PREFETCH,
+    def __init__(self, name: str = "default", prefetch: int | None = None,
                  torch_threads: int | None = None):
         self.name = name
         self.prefetch = prefetch
