@@ -389,9 +389,10 @@ class Coordinator:
         info = self._call("daskdist_group_form", backend=backend, timeout=float(timeout),
                           rejoin_grace=None if rejoin_grace is None else float(rejoin_grace))
         if not info["ok"]:
+            why = f": {info['error']}" if info.get("error") else ""
             raise CollectiveError(
                 f"could not form a collective group on {info['world_size']} workers "
-                f"(generation {info['generation']})")
+                f"(generation {info['generation']}){why}")
         return CollectiveGroup(info["world_size"], info["generation"],
                                tuple(info["members"]), info["backend"])
 

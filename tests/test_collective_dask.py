@@ -13,7 +13,13 @@ import pytest
 import torch
 
 import daskdist as dd
-from tests.conftest import make_cluster, sigkill, wait_for_workers, wait_until
+from tests.conftest import THREADS, make_cluster, sigkill, wait_for_workers, wait_until
+
+
+@pytest.fixture(scope="module", params=THREADS, ids=lambda n: f"threads{n}")
+def threads(request) -> int:
+    """Gang closures and groups hold at 1 and 2 threads per worker."""
+    return request.param
 
 OPS = {"sum": sum, "max": max, "min": min}
 
@@ -271,3 +277,19 @@ def test_worker_added_interrupts_all_ranks_at_same_step():
             assert interrupted[0] and interrupted[0] == interrupted[1]  # same step, all ranks
             assert all(o[4] == 120 for o in out)
             coord.close()
+
+
+def test_explicit_nccl_on_workers_without_own_gpus_is_a_clear_error(coord, client):
+    """LocalCluster workers have no GPU or share one: NCCL is refused before formation,
+    with a message naming why (and, for a shared GPU, the workers and the GPU)."""
+    has_cuda = any(client.run(torch.cuda.is_available).values())
+    with pytest.raises(dd.CollectiveError) as e:
+        coord.collective_group(backend="nccl", timeout=10)
+    msg = str(e.value)
+    if has_cuda:
+        assert "share GPU" in msg and "gpu_pin" in msg
+        assert all(a in msg for a in client.scheduler_info(n_workers=-1)["workers"])
+    else:
+        assert "CUDA on every member" in msg
+    # auto still forms (gloo: no LocalCluster worker has a GPU of its own)
+    assert coord.collective_group(backend="auto", timeout=30).backend == "gloo"

@@ -9,7 +9,13 @@ import time
 import pytest
 
 import daskdist as dd
-from tests.conftest import wait_for_workers, wait_until
+from tests.conftest import THREADS, wait_for_workers, wait_until
+
+
+@pytest.fixture(scope="module", params=THREADS, ids=lambda n: f"threads{n}")
+def threads(request) -> int:
+    """Every coordinator guarantee holds at 1 and 2 threads per worker."""
+    return request.param
 
 
 def square(x):
@@ -45,6 +51,13 @@ def flaky_until(attempt_ok):
     return attempt
 
 
+def reported_device():
+    """The device this worker binds (what its plugin reports): cuda:0 with a GPU."""
+    from daskdist.collective import bind_device
+
+    return str(bind_device())
+
+
 def test_schedule_fetch_and_worker_context(coord, client):
     rvs = [coord.schedule(whoami, args=(i,)) for i in range(20)]
     coord.join()
@@ -53,10 +66,11 @@ def test_schedule_fetch_and_worker_context(coord, client):
     assert [o["x"] for o in out] == list(range(20))
     workers = set(client.scheduler_info(n_workers=-1)["workers"])
     pids = set(client.run(os.getpid).values())
+    devices = client.run(reported_device)
     for o in out:
         assert o["index"] in (0, 1)
         assert o["num_workers"] == 2
-        assert o["device"] == "cpu"
+        assert o["device"] == devices[o["address"]]
         assert o["address"] in workers
         assert o["attempt"] == 1
         assert o["pid"] in pids and o["pid"] != os.getpid()

@@ -3,7 +3,8 @@
 Each worker binds one device: ``cuda:0`` when CUDA is visible (dask-cuda sets the
 worker's ``CUDA_VISIBLE_DEVICES`` so that index 0 is its own GPU), else the CPU.
 ``backend_for`` is pure: it takes the members' device strings, so it can run
-anywhere (client or worker) once the devices are gathered.
+anywhere (client or worker) once the devices are gathered; ``gpu_uuid`` is what a
+worker reports so the scheduler can tell members that share a GPU apart.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-BACKENDS = ("auto", "nccl", "gloo")
+from daskdist.plugins.backends import backend_for_devices
 
 
 def bind_device() -> Any:
@@ -29,17 +30,19 @@ def backend_for(devices: Iterable[Any], backend: str = "auto") -> str:
 
     ``devices`` holds one device per member (``torch.device`` or its string, e.g.
     ``"cuda:0"`` or ``"cpu"``). ``"auto"`` is NCCL only when every member has CUDA,
-    else gloo. An explicit ``"nccl"`` with a CPU member raises ``ValueError``.
+    else gloo. An explicit ``"nccl"`` with a CPU member raises ``ValueError``. Whether
+    members *share* a GPU is decided before formation, from their GPU UUIDs
+    (:func:`daskdist.plugins.backends.choose_backend`).
     """
-    backend = backend.lower()
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    kinds = [str(d).split(":", 1)[0] for d in devices]
-    if not kinds:
-        raise ValueError("backend_for() needs at least one member device")
-    all_cuda = all(k == "cuda" for k in kinds)
-    if backend == "auto":
-        return "nccl" if all_cuda else "gloo"
-    if backend == "nccl" and not all_cuda:
-        raise ValueError(f"backend 'nccl' needs CUDA on every member; member devices: {kinds}")
-    return backend
+    return backend_for_devices(devices, backend)
+
+
+def gpu_uuid(device: Any) -> str:
+    """The UUID of ``device``'s GPU (``""`` for a CPU device, or when torch cannot tell)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return "" if uuid is None else str(uuid)

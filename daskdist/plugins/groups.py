@@ -16,6 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from daskdist import config
+from daskdist.plugins.backends import (
+    HOW_TO_SPLIT,
+    BackendError,
+    MemberDevice,
+    choose_backend,
+    describe_sharing,
+    shared_gpus,
+)
 from daskdist.plugins.state import GANG_OWNER, CoordinatorState
 
 logger = logging.getLogger(__name__)
@@ -39,6 +47,8 @@ class GroupDriver:
         self.size = 0  # members of the last group formed: re-formation waits to regain it
         self.rejoin_grace = config.seconds("collective.rejoin-grace")
         self._short_since: float | None = None
+        self._warned: set[frozenset] = set()  # GPU sharings already logged
+        self.last_error = ""  # why the last formation failed ("" when it formed)
 
     def start(self) -> None:
         if self.task is None or self.task.done():
@@ -49,11 +59,21 @@ class GroupDriver:
             self.task.cancel()
 
     def backend_for(self, sessions: tuple[str, ...]) -> str:
-        backend = self.co.gangs.group.backend
-        if backend != "auto":
-            return backend
-        devices = [self.co.members.members[s].device for s in sessions]
-        return "nccl" if devices and all(d.startswith("cuda") for d in devices) else "gloo"
+        """The backend for these members (``BackendError`` when the requested one cannot
+        serve them, e.g. NCCL on GPUs that members share); logs once per sharing seen."""
+        members = [MemberDevice(m.address, m.device, m.gpu)
+                   for m in (self.co.members.members.get(s) for s in sessions) if m]
+        requested = self.co.gangs.group.backend
+        backend = choose_backend(members, requested)
+        shared = shared_gpus(members)
+        if shared and requested == "auto":
+            seen = frozenset((g, tuple(a)) for g, a in shared.items())
+            if seen not in self._warned:
+                self._warned.add(seen)
+                logger.warning("daskdist[%s]: %s, so backend='auto' uses gloo (NCCL needs a "
+                               "GPU per rank): %s", self.co.name, describe_sharing(shared),
+                               HOW_TO_SPLIT)
+        return backend
 
     async def form(self, sessions: tuple[str, ...] | None = None) -> bool:
         """Form a new generation over ``sessions`` (default: the current workers)."""
@@ -63,10 +83,15 @@ class GroupDriver:
             if not sessions:
                 return False
             book = co.gangs
+            try:
+                backend = self.backend_for(sessions)
+            except BackendError as e:  # no formation can succeed: say why, start none
+                self.last_error = str(e)
+                logger.error("daskdist[%s]: %s", co.name, e)
+                return False
             generation = book.begin_formation(sessions, self.next_generation())
             group = book.group
             members = [co.members.members[s] for s in sessions]
-            backend = self.backend_for(sessions)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             ok = False
@@ -85,12 +110,14 @@ class GroupDriver:
                 ])
                 ok = all(s in co.members for s in sessions)
             except Exception as e:
+                self.last_error = f"forming generation {generation} failed: {e}"
                 logger.info("daskdist[%s]: forming generation %d failed: %r",
                             co.name, generation, e)
                 co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
                               "generation": generation}, set(sessions))
             book.formation_done(generation, ok)
             if ok:
+                self.last_error = ""
                 self.size = len(sessions)
                 self._short_since = None
             self.formations += ok
@@ -110,12 +137,17 @@ class GroupDriver:
 
     def info(self) -> dict:
         group = self.co.gangs.group
+        try:
+            backend = self.backend_for(group.sessions) if group.sessions else group.backend
+        except BackendError:
+            backend = group.backend
         return {
+            "error": self.last_error,
             "generation": group.generation,
             "world_size": len(group.sessions),
             "members": [self.co.members.members[s].address
                         for s in group.sessions if s in self.co.members],
-            "backend": self.backend_for(group.sessions) if group.sessions else group.backend,
+            "backend": backend,
             "formed": not group.broken,
             "bootstrap_seconds": self.last_formation_seconds,
         }

@@ -18,6 +18,7 @@ class Member:
     index: int
     draining: bool = False
     device: str = "cpu"
+    gpu: str = ""  # the GPU's UUID, for telling members that share a GPU apart
 
 
 @dataclass
@@ -29,8 +30,8 @@ class Membership:
     joins: int = 0
     leaves: int = 0
 
-    def join(self, session: str, address: str,
-             device: str = "cpu") -> tuple[Member, Member | None]:
+    def join(self, session: str, address: str, device: str = "cpu",
+             gpu: str = "") -> tuple[Member, Member | None]:
         """Add ``session``; returns it and the older session of the same address it replaces.
 
         The caller must end the replaced session (its closures are put back).
@@ -41,7 +42,7 @@ class Membership:
         replaced = self.leave(old) if old is not None else None
         used = {m.index for m in self.members.values()}
         index = next(i for i in range(len(used) + 1) if i not in used)
-        member = Member(session, address, index, device=device)
+        member = Member(session, address, index, device=device, gpu=gpu)
         self.members[session] = member
         self.version += 1
         self.joins += 1

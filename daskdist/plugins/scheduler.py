@@ -300,7 +300,7 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     # -- worker handlers ---------------------------------------------------------------
     def register(self, name: str, session: str, address: str, slots: int = 1,
-                 device: str = "cpu", generation: int = 0) -> dict:
+                 device: str = "cpu", gpu: str = "", generation: int = 0) -> dict:
         """A worker plugin session joins: it gets the lowest free worker index.
 
         ``generation`` is the newest group generation the worker has seen (say, under a
@@ -311,7 +311,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         old = co.members.session_of(address)
         if old is not None and old != session:
             co.end_session(old)
-        member, _ = co.members.join(session, address, device)
+        member, _ = co.members.join(session, address, device, gpu)
         co.queue.add_session(session, slots)
         co.membership_changed()
         if self._worker_retiring(address):

@@ -151,15 +151,17 @@ def _highest_generation() -> int:
                max(runtime.stores, default=0))
 
 
-def _bind_device(torch_threads: int | None = None) -> Any:
+def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
+    """This worker's device and its GPU's UUID (``""`` without CUDA)."""
     import torch
 
-    from daskdist.collective.device import bind_device
+    from daskdist.collective.device import bind_device, gpu_uuid
 
     restore_dynamic_thresholds()  # before torch allocates: see plugins/malloc.py
     if torch_threads:  # Dask starts workers with OMP_NUM_THREADS=1
         torch.set_num_threads(torch_threads)
-    return bind_device()
+    device = bind_device()
+    return device, gpu_uuid(device)
 
 
 class ResourceRegistry:
@@ -231,6 +233,7 @@ class ClosureRunner:
         self.index = -1
         self.num_workers = 0
         self.device: Any = None
+        self.gpu = ""  # the device's GPU UUID: the scheduler tells shared GPUs apart by it
         self.held: set[str] = set()  # received, not yet acknowledged by the scheduler
         self.running = 0  # received, not yet finished here
         self.done: list[tuple] = []  # finished, not yet sent
@@ -245,7 +248,7 @@ class ClosureRunner:
 
     # -- life -----------------------------------------------------------------------
     async def start(self, torch_threads: int | None = None) -> None:
-        self.device = await asyncio.to_thread(_bind_device, torch_threads)
+        self.device, self.gpu = await asyncio.to_thread(_bind_device, torch_threads)
         _install_worker_handlers(self.worker)
         await self._register()
         self.task = asyncio.create_task(self._loop())
@@ -254,7 +257,8 @@ class ClosureRunner:
         self.session = uuid.uuid4().hex
         reply = await self.worker.scheduler.daskdist_register(
             name=self.name, session=self.session, address=self.worker.address,
-            slots=self.nthreads, device=str(self.device), generation=_highest_generation(),
+            slots=self.nthreads, device=str(self.device), gpu=self.gpu,
+            generation=_highest_generation(),
         )
         if reply is None:
             raise RuntimeError("the daskdist scheduler plugin is not registered")
