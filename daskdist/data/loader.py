@@ -44,7 +44,7 @@ from daskdist.data.convert import (
 from daskdist.data.dynamic import lease_token
 from daskdist.data.sharding import POLICIES, assign
 from daskdist.data.shards import ArrowShards, UnitReader
-from daskdist.plugins.leases import normalize, subtract, union
+from daskdist.intervals import normalize, subtract, union
 
 __all__ = ["ArrowLoader"]
 
