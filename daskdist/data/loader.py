@@ -28,8 +28,9 @@ the batch they got. Every wait ends: a caller waits for the lock (ends when the 
 finishes its cut, which itself ends as below), or for the next block (ends on a block,
 the end of the epoch, a failure, or ``close()``); the producer waits for room in the
 buffer (ends when a caller takes a block, or ``close()``). ``close()`` (any thread):
-mark closed, end the feed's waits, take the lock (its holder leaves at once), join the
-prefetch thread, give back rows leased and not delivered. A caller that arrives after
+mark closed, end the feed's waits (callers waiting for a block get ``StopIteration``),
+join the prefetch thread without holding the lock (it returns once its current read or
+lease RPC does), take the lock, give back rows leased and not delivered. A caller that arrives after
 the end of the epoch gets ``StopIteration``; under ``"dynamic"`` it first polls the
 lease service again (a new pass of the source), so rows that came back to the pool are
 still served, with any number of threads.
@@ -358,7 +359,7 @@ class _LoaderIterator:
         if self._done or feed is None:
             return None
         item = feed.get()  # waits: ends on a block, END, a failure or close()
-        if item is CLOSED:
+        if item is CLOSED or self._closed:  # a block read after close() goes back
             return None
         if item is END or isinstance(item, Failure):
             self._done = True
@@ -393,6 +394,7 @@ class _LoaderIterator:
             feed = self._feed
         if feed is not None:
             feed.signal()  # ends the waits of callers and of the producer
+            feed.join()  # the producer returns from its read or lease RPC; no lock held
         with self._lock:  # the holder, if any, leaves now that its wait has ended
             if self._feed is not None:
                 self._feed.stop()

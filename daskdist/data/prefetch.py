@@ -141,6 +141,13 @@ class Feed:
         if self._buf is not None:
             self._buf.close()
 
+    def join(self) -> None:
+        """Wait for the prefetch thread to return (after :meth:`signal`: see :meth:`stop`)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+
     def stop(self) -> None:
         """Signal, then join the prefetch thread (or close the inline generator).
 
@@ -148,9 +155,7 @@ class Feed:
         RPC, a staging copy): every put after the signal fails at once.
         """
         self.signal()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self.join()
         if self._gen is not None:
             self._gen.close()
             self._gen = None
