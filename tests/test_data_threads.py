@@ -212,7 +212,7 @@ def test_close_from_another_thread_ends_waiting_consumers(shards, prefetch):
     for t in consumers:
         t.start()
     # the unit's other 60 rows go, then every consumer waits for the gated lease
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while svc.calls < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
     assert svc.calls == 2
@@ -220,13 +220,13 @@ def test_close_from_another_thread_ends_waiting_consumers(shards, prefetch):
     closer.start()
     if prefetch:  # consumers wait on the buffer: close() ends their wait at once
         for _ in consumers:
-            assert counted.acquire(timeout=10), "a consumer still waits after close()"
+            assert counted.acquire(timeout=30), "a consumer still waits after close()"
         assert sorted(ended) == [0, 1, 2]
     svc.gate.set()  # the producer (or the inline read) may now return from the RPC
-    closer.join(10)
+    closer.join(30)
     assert not closer.is_alive(), "close() did not return"
     for t in consumers:
-        t.join(10)
+        t.join(30)
         assert not t.is_alive()
     assert sorted(ended) == [0, 1, 2]
     p = ld.progress()

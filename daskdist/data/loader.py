@@ -288,7 +288,7 @@ class _LoaderIterator:
         src, stage = self._source, self._stage
         gen = src.chunks()
         if stage is not None:
-            gen = (stage.stage(item) for item in gen)
+            gen = stage.stage_all(gen)
         ld = self.loader
         max_rows = ld.prefetch * ld.batch_size if ld.prefetch else None
         with self._feed_lock:

@@ -9,9 +9,11 @@ device with **one** asynchronous host-to-device copy on a side stream, and a CUD
 is recorded after them. The block's columns become views of those device tensors, so
 batches cut from it are views too. Strings and other list columns stay on the host.
 
-Overlap: the copy runs on the side stream while the prefetch thread decodes the next
-block into the next slot. A slot is written again only after the event of the copy out
-of it has completed (:meth:`Fence.synchronize`): that wait ends when the copy does.
+Overlap: a block is staged (copied into its slot, its copies queued) in a staging thread
+while the prefetch thread decodes the next block (:meth:`DeviceStage.stage_all`), and
+the copy runs on the side stream while the next block is written into the next slot.
+A slot is written again only after the event of the copy out of it has completed
+(:meth:`Fence.synchronize`): that wait ends when the copy does.
 
 Consumers (:meth:`DeviceStage.ready`, in the caller's thread, once per block and
 stream): the caller's current stream waits for the block's event (a GPU-side wait, no
@@ -22,10 +24,11 @@ Memory bound: pinned host memory is at most ``slots x`` the tensor bytes of the 
 block (each slot keeps its buffers, grown to the largest block it held). Device memory
 holds the blocks not yet dropped: those queued for consumers (about ``prefetch``
 batches plus one block), the one being cut, and the one being staged, plus whatever
-batches the user keeps.
+batches the user keeps. Host memory beyond the ring: the block being decoded and the
+one being staged (the CPU loader's own, plus one block).
 
-Threads: a :class:`StagingRing` is owned by one thread at a time (the prefetch thread;
-with ``prefetch=0`` the consumer holding the iterator's lock); :meth:`DeviceStage.ready`
+Threads: a :class:`StagingRing` is owned by the one staging thread of
+:meth:`DeviceStage.stage_all` (one block at a time, in order); :meth:`DeviceStage.ready`
 may run in several consumer threads at once.
 
 The copying back end is a :class:`Transfer`: :class:`CudaTransfer` on a GPU; tests use
@@ -34,6 +37,8 @@ a stand-in whose "copies" run late, to check that no slot is reused too early.
 
 from __future__ import annotations
 
+from collections.abc import Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -239,6 +244,25 @@ class DeviceStage:
             return item
         cols, staged = self.ring.stage(item.cols)
         return item._replace(cols=cols, staged=staged)
+
+    def stage_all(self, items: Iterator[Any]) -> Iterator[Any]:
+        """Stage ``items`` in order, one block behind: block ``k`` is staged in a thread
+        of its own (which owns the ring) while the caller's generator decodes ``k + 1``.
+        """
+        pool = ThreadPoolExecutor(1, "daskdist-stage")
+        pending = None
+        try:
+            for item in items:
+                fut = pool.submit(self.stage, item)
+                if pending is not None:
+                    yield pending.result()
+                pending = fut
+            if pending is not None:
+                yield pending.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            if isinstance(items, Generator):
+                items.close()
 
     def ready(self, items: list[Any]) -> None:
         """Before a batch cut from ``items`` is used on the caller's current stream."""
