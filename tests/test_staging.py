@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from daskdist.context import InputContext, WorkerContext
 from daskdist.data import ArrowLoader
 from daskdist.data.convert import convert_chunk
 from daskdist.data.loader import _LoaderIterator
@@ -184,6 +185,9 @@ def test_cuda_device_without_cuda_is_input_error_naming_it(tmp_path):
     root = write(tmp_path, files=1)
     with pytest.raises(InputError, match=r"'cuda:1'.*no CUDA"):
         ArrowLoader(root, device="cuda:1")
+    worker = WorkerContext(0, 1, torch.device("cuda", 0), "tcp://10.0.0.7:4242")
+    with pytest.raises(InputError, match=r"'cuda:0'.*worker tcp://10.0.0.7:4242"):
+        ArrowLoader(root, InputContext(worker=worker))  # the worker's device by default
 
 
 @pytest.mark.gpu
