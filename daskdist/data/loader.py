@@ -19,19 +19,21 @@ The pipeline, in stages with one job each:
 **Threads** (SPEC §2.6). TensorFlow runs a worker's closures on one thread; a Dask
 worker has several, and closures sharing one per-worker iterator call ``next()`` at
 once. The rule: ``next()`` on a :class:`_LoaderIterator` is safe from any number of
-threads. Cutting a batch (and taking the next block, and marking its rows delivered)
-is serialized by the iterator's lock, so each batch goes to exactly one caller; the
-rows are recorded, ``collate`` and the device step run after the lock, in the caller's
-thread, so a batch's rows count for the closure that received it. The prefetch thread
-owns the source's generator, the reader and the staging ring; callers own nothing but
-the batch they got. Every wait ends: a caller waits for the lock (ends when the holder
-finishes its cut, which itself ends as below), or for the next block (ends on a block,
-the end of the epoch, a failure, or ``close()``); the producer waits for room in the
-buffer (ends when a caller takes a block, or ``close()``). ``close()`` (any thread):
-mark closed, end the feed's waits (callers waiting for a block get ``StopIteration``),
-join the prefetch thread without holding the lock (it returns once its current read or
-lease RPC does), take the lock, give back rows leased and not delivered. A caller that arrives after
-the end of the epoch gets ``StopIteration``; under ``"dynamic"`` it first polls the
+threads. Serialized (the iterator's lock): cutting a batch, taking the next block, and
+marking the batch's rows delivered, so each batch goes to exactly one caller. Not
+serialized (after the lock, in the caller's thread): recording the rows for the
+caller's closure, the device step, ``collate``. Ownership: the prefetch thread owns
+the source's generator and its readers; the staging thread owns the staging ring;
+callers own only the batches they got.
+
+Every wait ends. A caller waits for the lock (ends when the holder finishes its cut,
+whose own waits end as follows) or for the next block (ends on a block, the end of the
+pass, a failure, or ``close()``); the producer waits for room in the buffer (ends when
+a caller takes a block, or ``close()``). Shutdown, ``close()`` from any thread: mark
+closed, end the feed's waits (callers waiting for a block get ``StopIteration``), join
+the prefetch thread without holding the lock (it returns once its current read or lease
+RPC does), take the lock, give back rows leased and not delivered. A caller arriving
+after the end of the pass gets ``StopIteration``; under ``"dynamic"`` it first polls the
 lease service again (a new pass of the source), so rows that came back to the pool are
 still served, with any number of threads.
 
@@ -87,6 +89,9 @@ class ArrowLoader:
     (default: a single pipeline). ``shuffle_buffer`` is the minimum rows per shuffled
     block. ``name`` makes :attr:`dataset_id` (the lease-table key under
     ``policy="dynamic"``) distinct for two loaders over the same files.
+
+    ``iter(loader)`` closes the previous iterator and returns one that several threads
+    may call ``next()`` on at once (see the module doc for the rule and the shutdown).
     """
 
     def __init__(
