@@ -218,3 +218,33 @@ def test_cuda_batches_are_views_of_one_device_tensor_per_dtype(tmp_path):
     assert x["a"].untyped_storage().data_ptr() == x["b"].untyped_storage().data_ptr()
     assert y["a"].data_ptr() == x["a"].data_ptr() + 64 * 4
     assert x["id"].device == torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_loader_from_two_threads_on_their_own_streams(tmp_path):
+    root = write(tmp_path)
+    it = iter(ArrowLoader(root, batch_size=32, device="cuda", shuffle=True, seed=2,
+                          shuffle_buffer=150))
+    seen = [[], []]
+    errors = []
+
+    def consume(i):
+        try:
+            stream = torch.cuda.Stream() if i else torch.cuda.current_stream()
+            with torch.cuda.stream(stream):
+                for b in it:
+                    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v
+                           for k, v in b.items()}
+                    check(cpu)
+                    seen[i].extend(cpu["id"].tolist())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in ts)
+    assert sorted(seen[0] + seen[1]) == list(range(900))
