@@ -106,14 +106,17 @@ def test_layout_one_aligned_buffer_per_dtype(shuffled):
     chunk = convert_chunk(table_of(ids), index=index)
     lay = plan_layout(chunk)
     assert set(lay.sizes) == {torch.float32, torch.int64, torch.float64, torch.bool}
-    places = lay.stacks + list(lay.rest.values())
+    places = lay.stacks + [p for _keys, p in lay.groups] + list(lay.rest.values())
     for dt in lay.sizes:
         mine = sorted((p.offset, p.offset + p.numel) for p in places if p.dtype == dt)
         assert all(a[1] <= b[0] for a, b in zip(mine, mine[1:], strict=False))  # disjoint
         assert all(a * torch.empty((), dtype=dt).element_size() % 128 == 0 for a, _ in mine)
         assert lay.sizes[dt] == mine[-1][1]
-    # float32 a and b: one [2, 100] stack when gathered, two segments when zero-copy
-    assert sum(p.numel for p in places if p.dtype == torch.float32) == 200
+    # float32 a and b: one [2, 100] segment (a stack when gathered, a group when not)
+    f32 = [p for p in places if p.dtype == torch.float32]
+    assert len(f32) == 1 and f32[0].shape == (2, 100)
+    groups = [keys for keys, _p in lay.groups]
+    assert groups == ([] if shuffled else [("a", "b"), ("id", "k")])  # gathered: stacks
     assert "s" not in lay.rest  # strings stay on the host
 
 
@@ -133,9 +136,10 @@ def test_ring_reuses_a_slot_only_after_its_copy_completed():
         b = chunk.slice(0, 50)
         check(b)
         assert b["id"].tolist() == list(range(k * 50, k * 50 + 50))
-    bound = 2 * sum(p.numel * torch.empty((), dtype=p.dtype).element_size()
-                    for p in list(plan_layout(convert_chunk(table_of(ids))).rest.values()))
-    assert ring.host_bytes <= bound + 2 * 4 * 128  # slots x block bytes (+ alignment)
+    sizes = plan_layout(convert_chunk(table_of(ids))).sizes
+    block_bytes = sum(n * torch.empty((), dtype=dt).element_size() for dt, n in sizes.items())
+    assert block_bytes <= 50 * (4 + 8 + 4 + 8 + 16 + 1) + 4 * 128  # the block's tensors
+    assert ring.host_bytes == 2 * block_bytes  # the bound: slots x block bytes
 
 
 def test_ring_grows_a_slot_for_a_larger_block_and_skips_finished_waits():
@@ -173,8 +177,10 @@ def test_loader_through_the_stage_keeps_values_and_order(tmp_path, shuffle, pref
     it = _LoaderIterator(loader(), 0, stage=DeviceStage(tr, slots=slots))
     held = list(it)  # batches kept alive while later blocks are staged in the same slots
     assert [b["id"].tolist() for b in held] == expected
+    names = ["a", "id", "b", "s", "k", "v", "flag"]
     for b in held:
         check(b)
+        assert list(b) == names  # the schema's order, whatever the staged layout
     assert tr.waits >= len(tr.fences) and len(tr.fences) >= 5  # each block waited on
     assert tr.host_buffers <= slots * 4
 

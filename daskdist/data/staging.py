@@ -1,12 +1,13 @@
 """The loader's device stage: whole blocks to the device through reused pinned buffers.
 
 For a CUDA device, each converted block (a :class:`~daskdist.data.convert.Chunk`) is
-*staged* in the prefetch thread: its tensor columns are copied into one slot of a small
+*staged* in a staging thread: its tensor columns are copied into one slot of a small
 ring (:class:`StagingRing`) of reused host buffers, pinned, **one buffer per dtype**
-(column segments back to back, each aligned to 128 bytes: the 1-D columns of a dtype
-are the rows of a ``[columns, rows]`` matrix), then each dtype's buffer goes to the
-device with **one** asynchronous host-to-device copy on a side stream, and a CUDA event
-is recorded after them. The block's columns become views of those device tensors, so
+(segments back to back, each aligned to 128 bytes; the 1-D columns of a dtype are the
+rows of one ``[columns, rows]`` segment, so a batch's views of all of them come from
+one slice and one ``unbind``, as on the CPU's shuffle path), then each dtype's buffer
+goes to the device with **one** asynchronous host-to-device copy on a side stream, and
+a CUDA event is recorded after them. The block's columns become views of those device tensors, so
 batches cut from it are views too. Strings and other list columns stay on the host.
 
 Overlap: a block is staged (copied into its slot, its copies queued) in a staging thread
@@ -108,6 +109,7 @@ class Layout:
     """A block's tensors laid out in one buffer per dtype."""
 
     stacks: list[Place]  # one per Chunk.stacks entry ([columns, rows] matrices)
+    groups: list[tuple[tuple[str, ...], Place]]  # 1-D rest columns of one dtype, stacked
     rest: dict[str, Place]  # the other tensor columns, by name
     sizes: dict[torch.dtype, int]  # elements each dtype's buffer needs
 
@@ -121,15 +123,23 @@ def plan_layout(chunk: Chunk) -> Layout:
     """Offsets of the chunk's tensors in one buffer per dtype (pure bookkeeping)."""
     sizes: dict[torch.dtype, int] = {}
 
-    def place(t: torch.Tensor) -> Place:
-        off = _align(sizes.get(t.dtype, 0), t.dtype)
-        p = Place(t.dtype, off, tuple(t.shape))
-        sizes[t.dtype] = off + p.numel
+    def place(dtype: torch.dtype, shape: tuple[int, ...]) -> Place:
+        off = _align(sizes.get(dtype, 0), dtype)
+        p = Place(dtype, off, tuple(shape))
+        sizes[dtype] = off + p.numel
         return p
 
-    stacks = [place(m) for _keys, m in chunk.stacks]
-    rest = {k: place(v) for k, v in chunk.rest.items() if isinstance(v, torch.Tensor)}
-    return Layout(stacks, rest, sizes)
+    stacks = [place(m.dtype, tuple(m.shape)) for _keys, m in chunk.stacks]
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for k, v in chunk.rest.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 1:
+            by_dtype.setdefault(v.dtype, []).append(k)
+    groups = [(tuple(keys), place(dt, (len(keys), chunk.rows)))
+              for dt, keys in by_dtype.items() if len(keys) > 1]
+    grouped = {k for keys, _p in groups for k in keys}
+    rest = {k: place(v.dtype, tuple(v.shape)) for k, v in chunk.rest.items()
+            if isinstance(v, torch.Tensor) and k not in grouped}
+    return Layout(stacks, groups, rest, sizes)
 
 
 @dataclass
@@ -180,6 +190,10 @@ class StagingRing:
                 slot.host[dtype] = self.transfer.host_buffer(n, dtype)
         for (_keys, m), p in zip(chunk.stacks, layout.stacks, strict=True):
             self._view(slot.host[p.dtype], p).copy_(m)
+        for keys, p in layout.groups:
+            rows = self._view(slot.host[p.dtype], p)
+            for j, k in enumerate(keys):
+                rows[j].copy_(chunk.rest[k])
         for k, p in layout.rest.items():
             self._view(slot.host[p.dtype], p).copy_(chunk.rest[k])
         dev = {dt: self.transfer.copy(slot.host[dt][:n]) for dt, n in layout.sizes.items()}
@@ -187,8 +201,10 @@ class StagingRing:
         slot.fence = fence
         stacks = [(keys, self._view(dev[p.dtype], p))
                   for (keys, _m), p in zip(chunk.stacks, layout.stacks, strict=True)]
+        stacks += [(keys, self._view(dev[p.dtype], p)) for keys, p in layout.groups]
+        grouped = {k for keys, _p in layout.groups for k in keys}
         rest = {k: self._view(dev[layout.rest[k].dtype], layout.rest[k]) if k in layout.rest
-                else v for k, v in chunk.rest.items()}
+                else v for k, v in chunk.rest.items() if k not in grouped}
         return Chunk(chunk.names, rest, stacks, chunk.rows), StagedBlock(fence, list(dev.values()))
 
     @staticmethod
