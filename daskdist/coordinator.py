@@ -453,6 +453,11 @@ class Coordinator:
 
         if "batch_size" in loader_options:
             raise TypeError("pass global_batch_size; each worker's batch size derives from it")
+        gbs = getattr(global_batch_size, "__index__", None)  # ints, numpy ints; not floats
+        if isinstance(global_batch_size, bool) or gbs is None or gbs() < 1:
+            raise ValueError(f"global_batch_size must be a positive int, got "
+                             f"{global_batch_size!r}")
+        global_batch_size = gbs()
         if not isinstance(shards, ArrowShards):
             shards = ArrowShards(shards)
         shards.units  # noqa: B018 - reads every footer: a bad file raises here

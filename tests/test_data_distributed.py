@@ -89,6 +89,10 @@ def test_distribute_dataset_bad_input_named(coord, tmp_path, shards_dir):
         coord.distribute_dataset(str(tmp_path / "nothing-here" / "*.parquet"), 64)
     with pytest.raises(ValueError, match="divisible"):
         coord.distribute_dataset(str(shards_dir), global_batch_size=63)
+    for bad in (0, -64, 64.0, "64", None, True):  # on the client, at once, naming it
+        with pytest.raises(ValueError, match="global_batch_size"):
+            coord.distribute_dataset(str(shards_dir), global_batch_size=bad)
+    assert coord.distribute_dataset(str(shards_dir), np.int64(64)).dataset_id  # numpy ints
     with pytest.raises(TypeError, match="global_batch_size"):
         coord.distribute_dataset(str(shards_dir), 64, batch_size=32)
 

@@ -234,7 +234,10 @@ def test_cuda_batches_are_pinned_and_copied(data):
     ld = ArrowLoader(data, batch_size=100, device="cuda")
     b = next(iter(ld))
     assert b["id"].device.type == "cuda" and b["s"][0] == "r0"
-    assert ids_of(ArrowLoader(data, batch_size=100, device="cuda")) == list(range(1000))
+    assert b["v"].device.type == "cuda" and b["v"].shape == (100, 3)
+    batches = list(ArrowLoader(data, batch_size=100, device="cuda"))
+    assert torch.cat([b["id"].cpu() for b in batches]).tolist() == list(range(1000))
+    assert all(torch.equal(b["x"].cpu(), b["id"].cpu().float() / 2) for b in batches)
 
 
 def test_shuffled_batches_stay_valid_while_held(tmp_path):

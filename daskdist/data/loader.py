@@ -1,29 +1,51 @@
 """ArrowLoader: batches of ``dict[str, torch.Tensor]`` from Arrow shards, per input pipeline.
 
-What happens, in the producer (a background thread unless ``prefetch=0``):
+The pipeline, in stages with one job each:
 
-1. the pipeline's pieces come from a sharding policy (:mod:`.sharding`), or, under
-   ``policy="dynamic"``, units are leased one at a time from ``ctx.leases``;
-2. the epoch plan (:mod:`.batching`) groups pieces into blocks (shuffled: piece order
-   permuted by ``(seed, epoch)``, each block's rows permuted by one gather);
-3. each block is read with pyarrow and converted column-wise to tensors (:mod:`.convert`;
-   shuffled blocks are gathered, two blocks at once in builder threads), then cut into
-   ``batch_size`` views; only a batch straddling two blocks is copied.
+1. a *source* (:mod:`.sources`) yields converted blocks: :class:`~.sources.StaticSource`
+   reads the pipeline's pieces (a sharding policy, :mod:`.sharding`) in the epoch plan's
+   order (:mod:`.batching`: shuffled pieces, each block's rows permuted by one gather);
+   :class:`~.sources.DynamicSource` leases units from ``ctx.leases`` (``"dynamic"``);
+2. for a CUDA device, the *device stage* (:mod:`.staging`) copies each whole block to
+   the device through a ring of reused pinned buffers, one copy per dtype;
+3. a *feed* (:mod:`.prefetch`) runs 1-2 in a prefetch thread and hands blocks over
+   through a buffer bounded by ``prefetch`` batches (or inline with ``prefetch=0``);
+4. the *iterator* only cuts ``batch_size`` views from the current block (a batch
+   straddling two blocks is concatenated) and, under ``"dynamic"``, records the
+   batch's rows with :func:`daskdist.context.record_consumed` in the caller's thread;
+5. the batch is finished after the cut: the caller's CUDA stream waits for the block's
+   copy, ``collate`` runs on the host, other devices get a plain ``.to(device)``.
 
-The consumer's ``__next__`` hands out ready batches (a bounded queue of ``prefetch``
-batches, so memory is bounded by prefetch and the shuffle buffer, never the dataset),
-moves them to the device (pinned + ``non_blocking`` for CUDA) and, under the dynamic
-policy, records the batch's rows with :func:`daskdist.context.record_consumed` in the
-consumer's (closure's) thread. State for resuming is ``(epoch, seed, position)``.
+**Threads** (SPEC §2.6). TensorFlow runs a worker's closures on one thread; a Dask
+worker has several, and closures sharing one per-worker iterator call ``next()`` at
+once. The rule: ``next()`` on a :class:`_LoaderIterator` is safe from any number of
+threads. Serialized (the iterator's lock): cutting a batch, taking the next block, and
+marking the batch's rows delivered, so each batch goes to exactly one caller. Not
+serialized (after the lock, in the caller's thread): recording the rows for the
+caller's closure, the device step, ``collate``. Ownership: the prefetch thread owns
+the source's generator and its readers; the staging thread owns the staging ring;
+callers own only the batches they got.
+
+Every wait ends. A caller waits for the lock (ends when the holder finishes its cut,
+whose own waits end as follows) or for the next block (ends on a block, the end of the
+pass, a failure, or ``close()``); the producer waits for room in the buffer (ends when
+a caller takes a block, or ``close()``). Shutdown, ``close()`` from any thread: mark
+closed, end the feed's waits (callers waiting for a block get ``StopIteration``), join
+the prefetch thread without holding the lock (it returns once its current read or lease
+RPC does), take the lock, give back rows leased and not delivered. A caller arriving
+after the end of the pass gets ``StopIteration``; under ``"dynamic"`` it first polls the
+lease service again (a new pass of the source), so rows that came back to the pool are
+still served, with any number of threads.
+
+Memory is bounded by ``prefetch`` batches, the shuffle buffer and the staging ring,
+never the dataset. State for resuming is ``(epoch, seed, position)``.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,86 +53,33 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import torch
 
+from daskdist import config
 from daskdist.context import InputContext, record_consumed
 from daskdist.data import batching
-from daskdist.data.convert import (
-    concat_cols,
-    convert_chunk,
-    num_rows,
-    pin,
-    slice_cols,
-    to_device,
-)
+from daskdist.data.convert import concat_cols, slice_cols, to_device
 from daskdist.data.dynamic import lease_token
+from daskdist.data.prefetch import CLOSED, END, Failure, Feed
 from daskdist.data.sharding import POLICIES, assign
-from daskdist.data.shards import ArrowShards, UnitReader
-from daskdist.plugins.leases import normalize, subtract, union
+from daskdist.data.shards import ArrowShards
+from daskdist.data.sources import ChunkItem, ChunkSource, DynamicSource, StaticSource
+from daskdist.data.staging import CudaTransfer, DeviceStage
+from daskdist.errors import InputError
 
 __all__ = ["ArrowLoader"]
 
-_END = object()
-_BUILDERS = 2  # shuffled blocks read, gathered and converted at once
 
-
-class _Failure:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-class _ChunkBuffer:
-    """Bounded hand-off of converted chunks from the prefetch thread to the consumer.
-
-    The producer waits while the queued chunks hold ``max_rows`` rows or more (``prefetch``
-    batches), so memory is bounded by that plus the chunks being built (one block, or
-    ``_BUILDERS`` shuffle blocks).
-    """
-
-    def __init__(self, max_rows: int) -> None:
-        self._cv = threading.Condition()
-        self._items: deque[tuple[Any, int]] = deque()
-        self._rows = 0
-        self._max_rows = max(1, max_rows)
-        self._closed = False
-
-    def put(self, item: Any, rows: int) -> bool:
-        with self._cv:
-            while self._rows >= self._max_rows and not self._closed:
-                self._cv.wait()
-            if self._closed:
-                return False
-            self._items.append((item, rows))
-            self._rows += rows
-            self._cv.notify_all()
-            return True
-
-    def get(self) -> Any:
-        with self._cv:
-            while not self._items:
-                self._cv.wait()
-            item, rows = self._items.popleft()
-            self._rows -= rows
-            self._cv.notify_all()
-            return item
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._items.clear()
-            self._rows = 0
-            self._cv.notify_all()
-
-
-def _produce(gen: Iterator[tuple], buf: _ChunkBuffer) -> None:
-    """Prefetch thread body: push every chunk of ``gen``, then ``_END`` (or a failure)."""
-    try:
-        for item in gen:
-            if not buf.put(item, item[2]):
-                return
-        buf.put(_END, 0)
-    except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-        buf.put(_Failure(e), 0)
-    finally:
-        gen.close()
+def _check_device(device: torch.device, ctx: InputContext) -> None:
+    """A CUDA device this process cannot use is bad input: ``InputError`` naming both."""
+    if device.type != "cuda":
+        return
+    where = (f"worker {ctx.worker.address}" if ctx.worker is not None
+             else f"this process (pid {os.getpid()})")
+    if not torch.cuda.is_available():
+        raise InputError(f"ArrowLoader: device {str(device)!r} requested on {where}, "
+                         "which has no CUDA (torch.cuda.is_available() is False)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise InputError(f"ArrowLoader: device {str(device)!r} requested on {where}, "
+                         f"which has {torch.cuda.device_count()} CUDA device(s)")
 
 
 class ArrowLoader:
@@ -120,6 +89,9 @@ class ArrowLoader:
     (default: a single pipeline). ``shuffle_buffer`` is the minimum rows per shuffled
     block. ``name`` makes :attr:`dataset_id` (the lease-table key under
     ``policy="dynamic"``) distinct for two loaders over the same files.
+
+    ``iter(loader)`` closes the previous iterator and returns one that several threads
+    may call ``next()`` on at once (see the module doc for the rule and the shutdown).
     """
 
     def __init__(
@@ -167,6 +139,7 @@ class ArrowLoader:
         self.collate = collate
         self.shuffle_buffer = int(shuffle_buffer)
         self.device = torch.device(device) if device is not None else self.ctx.device
+        _check_device(self.device, self.ctx)
 
         units = shards.units  # reads footers: a bad file raises here, before any batch
         names = shards.schema.names
@@ -273,278 +246,173 @@ class ArrowLoader:
                 f"policy={self.policy!r}, pipeline={self.ctx.input_pipeline_id}/"
                 f"{self.ctx.num_input_pipelines}, epoch={self.epoch})")
 
-    # -- producer side (runs in the prefetch thread) --------------------------------------
-    def _convert(self, table: pa.Table, index: np.ndarray | None) -> Any:
-        """Rows ``index`` of ``table``: a table for ``collate``, else a :class:`Chunk`.
+    # -- the pipeline's stages, built per iterator -----------------------------------------
+    def _source(self, epoch: int, position: int) -> ChunkSource:
+        if self.policy == "dynamic":
+            return DynamicSource(self, epoch)
+        return StaticSource(self, epoch, position)
 
-        Gathers release the GIL (one Arrow ``take``; ``index_select`` per column into
-        2-D buffers), so they overlap with the consumer cutting batches.
-        """
-        if self.collate is not None:
-            return table if index is None else table.take(pa.array(index))
-        return convert_chunk(table, self.fill_null, index)
-
-    def _block(self, blocks: list[batching.Block], bi: int, skip: int, epoch: int,
-               reader: UnitReader) -> Any:
-        """Block ``bi`` read, gathered (strided pieces, shuffle) and converted, from its
-        row ``skip`` on."""
-        blk = blocks[bi]
-        units = self.shards.units
-        tables = [reader.read(units[self._pieces[k].unit], self.columns) for k in blk.pieces]
-        idx, strided, base = [], False, 0
-        for k in blk.pieces:
-            p = self._pieces[k]
-            if p.stride != 1:
-                strided = True
-            idx.append(np.arange(p.first_local(), p.num_rows, p.stride) + base)
-            base += p.num_rows
-        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
-        index = np.concatenate(idx) if strided else None
-        if blk.shuffled:
-            perm = batching.block_permutation(blk.rows, self.seed, epoch, bi)
-            index = perm if index is None else index[perm]
-        if skip:
-            if index is None:
-                table = table.slice(skip)
-            else:
-                index = index[skip:]
-        return self._convert(table, index)
-
-    def _static_chunks(self, epoch: int, position: int) -> Iterator[tuple[Any, None]]:
-        blocks = batching.plan_blocks(
-            [p.rows for p in self._pieces], self.shuffle, self.seed, epoch, self.shuffle_buffer
-        )
-        b, off = batching.locate(blocks, position)
-        if not self.shuffle:  # reading is the work, and pyarrow spreads it over threads
-            reader = self.shards.reader()
-            try:
-                for bi in range(b, len(blocks)):
-                    yield self._block(blocks, bi, off if bi == b else 0, epoch, reader), None
-            finally:
-                reader.close()
-            return
-        # Shuffled: gathers are single-threaded, so _BUILDERS blocks are built at once,
-        # each in a thread with a reader of its own, and handed on in order.
-        local = threading.local()
-        readers: list[UnitReader] = []
-
-        def build(bi: int) -> Any:
-            reader = getattr(local, "reader", None)
-            if reader is None:
-                reader = local.reader = self.shards.reader()
-                readers.append(reader)
-            return self._block(blocks, bi, off if bi == b else 0, epoch, reader)
-
-        pool = ThreadPoolExecutor(_BUILDERS, "daskdist-block")
-        futs: deque = deque()
-        try:
-            for bi in range(b, len(blocks)):
-                futs.append(pool.submit(build, bi))
-                if len(futs) >= _BUILDERS:
-                    yield futs.popleft().result(), None
-            while futs:
-                yield futs.popleft().result(), None
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            for r in readers:
-                r.close()
-
-    def _dynamic_chunks(self, epoch: int, book: _LeaseBook) -> Iterator[tuple[Any, np.ndarray]]:
-        svc = self.ctx.leases
-        units = self.shards.units
-        reader = self.shards.reader()
-        try:
-            while True:
-                lease = svc.acquire(self.dataset_id, epoch, self._unit_rows)
-                if lease is None:
-                    return
-                u, intervals = lease
-                book.add(intervals)
-                unit = units[u]
-                ids = batching.ids_of_ranges(intervals)
-                if len(ids) == 0:
-                    continue
-                table = reader.read(unit, self.columns)
-                local = ids - unit.start
-                if self.shuffle:
-                    tile = batching.dynamic_tile(self.batch_size)
-                    order = batching.dynamic_order(len(ids), self.seed, epoch, u, tile)
-                    ids, index = ids[order], local[order]
-                else:
-                    index = None if len(ids) == unit.num_rows else local
-                yield self._convert(table, index), ids
-        finally:
-            reader.close()
-
-    def _chunks(self, chunks: Iterator[tuple[Any, np.ndarray | None]]) -> Iterator[tuple]:
-        """``(columns, ids | None, rows)`` per chunk, pinned for CUDA devices."""
-        for cols, ids in chunks:
-            n = num_rows(cols)
-            if n == 0:
-                continue
-            if self.device.type == "cuda" and self.collate is None:
-                cols = pin(cols)
-            yield cols, ids, n
-
-
-class _LeaseBook:
-    """Rows leased by one iterator and not yet handed to a closure (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.outstanding: list[tuple[int, int]] = []
-
-    def add(self, ranges: list[tuple[int, int]]) -> None:
-        with self._lock:
-            self.outstanding = union(self.outstanding, normalize(ranges))
-
-    def delivered(self, ranges: list[tuple[int, int]]) -> None:
-        with self._lock:
-            self.outstanding = subtract(self.outstanding, ranges)
+    def _device_stage(self) -> DeviceStage | None:
+        """Staging through pinned buffers for CUDA (not with ``collate``: host tables)."""
+        if self.device.type != "cuda" or self.collate is not None:
+            return None
+        return DeviceStage(CudaTransfer(self.device), int(config.get("data.staging-slots", 2)))
 
 
 class _LoaderIterator:
-    """One pass over a loader's epoch; under ``"dynamic"``, ``next()`` may be called
-    again after ``StopIteration`` to pick up rows that came back to the pool.
+    """One pass over a loader's epoch, safe to call from several threads (module doc).
 
-    The prefetch thread converts whole chunks (the GIL-free part: reading, decoding,
-    gathering); ``__next__`` cuts ``batch_size`` views from the current chunk, so slicing
-    overlaps with the next chunk's decoding. Only a batch straddling chunks is copied.
+    Under ``"dynamic"``, ``next()`` may be called again after ``StopIteration`` to pick
+    up rows that came back to the pool. The prefetch thread converts (and stages) whole
+    blocks, the GIL-free part; ``__next__`` cuts ``batch_size`` views from the current
+    block, so slicing overlaps with the next block's decoding.
     """
 
-    def __init__(self, loader: ArrowLoader, position: int) -> None:
+    def __init__(self, loader: ArrowLoader, position: int,
+                 stage: DeviceStage | None = None) -> None:
         self.loader = loader
         self.epoch = loader.epoch
         self.position = position
         self._bs = loader.batch_size
         self._dynamic = loader.policy == "dynamic"
-        self._book = _LeaseBook() if self._dynamic else None
-        self._device = loader.device if loader.device.type != "cpu" else None
-        self._cur: list | None = None  # [columns, ids, rows, next row]
-        self._thread: threading.Thread | None = None
-        self._buf: _ChunkBuffer | None = None
-        self._gen: Iterator[tuple] | None = None
+        self._source = loader._source(self.epoch, position)
+        self._stage = stage if stage is not None else loader._device_stage()
+        self._to_device = (loader.device if loader.device.type != "cpu" and self._stage is None
+                           else None)
+        self._lock = threading.Lock()  # serializes cuts: _cur, _at, _done, position
+        self._feed_lock = threading.Lock()  # guards _feed and _closed against close()
+        self._cur: ChunkItem | None = None
+        self._at = 0  # next row of _cur
+        self._feed: Feed | None = None
         self._done = False
         self._closed = False
         self._start()
 
-    def _start(self) -> None:
+    def _start(self) -> bool:
+        """A new feed over a new pass of the source; ``False`` if closed meanwhile."""
+        src, stage = self._source, self._stage
+        gen = src.chunks()
+        if stage is not None:
+            gen = stage.stage_all(gen)
         ld = self.loader
-        self._done = False
-        if self._dynamic:
-            gen = ld._chunks(ld._dynamic_chunks(self.epoch, self._book))
-        else:
-            gen = ld._chunks(ld._static_chunks(self.epoch, self.position))
-        if ld.prefetch == 0:
-            self._gen = gen
-            return
-        self._buf = _ChunkBuffer(ld.prefetch * ld.batch_size)
-        self._thread = threading.Thread(
-            target=_produce, args=(gen, self._buf), daemon=True,
-            name=f"daskdist-prefetch-{ld.dataset_id}",
-        )
-        self._thread.start()
+        max_rows = ld.prefetch * ld.batch_size if ld.prefetch else None
+        with self._feed_lock:
+            if self._closed:
+                gen.close()
+                return False
+            self._done = False
+            self._feed = Feed(gen, max_rows, f"daskdist-prefetch-{ld.dataset_id}")
+        return True
 
     def __iter__(self) -> _LoaderIterator:
         return self
 
-    def _next_chunk(self) -> tuple | None:
-        if self._done:
+    def __next__(self) -> Any:
+        with self._lock:
+            parts, ids, items = self._cut()
+            ranges = batching.ranges_of_ids(ids) if ids is not None else None
+            if ranges is not None:
+                self._source.delivered(ranges)
+        if ranges is not None:  # in the caller's thread: the rows count for its closure
+            record_consumed(lease_token(self.loader.dataset_id, self.epoch, ranges))
+        return self._finish(parts, items)
+
+    # -- under the lock ------------------------------------------------------------------
+    def _cut(self) -> tuple[list[Any], np.ndarray | None, list[ChunkItem]]:
+        """The next batch's parts (views), row ids and the blocks they come from."""
+        if self._closed:
+            raise StopIteration
+        bs = self._bs
+        cur, a = self._cur, self._at
+        if cur is not None and a + bs <= cur.rows:  # fast path: a view of the block
+            self._at = a + bs
+            self.position += bs
+            ids = cur.ids[a:a + bs] if cur.ids is not None else None
+            return [slice_cols(cur.cols, a, a + bs)], ids, [cur]
+        parts: list[Any] = []
+        id_parts: list[np.ndarray] = []
+        items: list[ChunkItem] = []
+        got = 0
+        if self._done and self._dynamic and (cur is None or a >= cur.rows):
+            self._start()  # rows may have come back to the pool since
+        while got < bs:
+            if cur is None or self._at >= cur.rows:
+                self._cur = None
+                cur = self._next_item()
+                if cur is None:
+                    break
+                self._cur, self._at = cur, 0
+            a = self._at
+            b = min(cur.rows, a + bs - got)
+            parts.append(slice_cols(cur.cols, a, b))
+            items.append(cur)
+            if cur.ids is not None:
+                id_parts.append(cur.ids[a:b])
+            self._at = b
+            got += b - a
+        if got == 0 or (got < bs and self.loader.drop_last):
+            raise StopIteration
+        self.position += got
+        ids = None
+        if id_parts:
+            ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
+        return parts, ids, items
+
+    def _next_item(self) -> ChunkItem | None:
+        """The next block; ``None`` at the end of the pass or once closed."""
+        feed = self._feed
+        if self._done or feed is None:
             return None
-        item = next(self._gen, _END) if self._gen is not None else self._buf.get()
-        if item is _END or isinstance(item, _Failure):
+        item = feed.get()  # waits: ends on a block, END, a failure or close()
+        if item is CLOSED or self._closed:  # a block read after close() goes back
+            return None
+        if item is END or isinstance(item, Failure):
             self._done = True
-            self._join()
-            if item is not _END:
+            feed.stop()  # the producer has finished: the join is immediate
+            if item is not END:
                 raise item.exc
             return None
         return item
 
-    def __next__(self) -> Any:
-        if self._closed:
-            raise StopIteration
-        bs = self._bs
-        cur = self._cur
-        if cur is not None and cur[3] + bs <= cur[2]:  # fast path: a view of the chunk
-            a = cur[3]
-            cur[3] = a + bs
-            cols = slice_cols(cur[0], a, a + bs)
-            ids = cur[1][a:a + bs] if cur[1] is not None else None
-        else:
-            cols, ids = self._gather()
-        n = num_rows(cols)
-        self.position += n
-        if ids is not None:
-            ranges = batching.ranges_of_ids(ids)
-            self._book.delivered(ranges)
-            record_consumed(lease_token(self.loader.dataset_id, self.epoch, ranges))
+    # -- after the lock, in the caller's thread -------------------------------------------
+    def _finish(self, parts: list[Any], items: list[ChunkItem]) -> Any:
+        """The device step after cutting: stream waits, concatenation, collate, copy."""
+        if self._stage is not None:
+            self._stage.ready(items)
+        cols = concat_cols(parts)
         if self.loader.collate is not None:
             cols = self.loader.collate(cols)
-        if self._device is not None:
-            cols = to_device(cols, self._device)
+        if self._to_device is not None:
+            cols = to_device(cols, self._to_device)
         return cols
 
-    def _gather(self) -> tuple[Any, np.ndarray | None]:
-        """A batch from the rest of the current chunk and the next ones (copies)."""
-        bs = self._bs
-        parts: list[Any] = []
-        id_parts: list[np.ndarray] = []
-        got = 0
-        if self._done and self._dynamic and self._cur is None:
-            self._start()  # rows may have come back to the pool since
-        while got < bs:
-            cur = self._cur
-            if cur is None or cur[3] >= cur[2]:
-                self._cur = None
-                chunk = self._next_chunk()
-                if chunk is None:
-                    break
-                cur = self._cur = [chunk[0], chunk[1], chunk[2], 0]
-            a = cur[3]
-            b = min(cur[2], a + bs - got)
-            parts.append(slice_cols(cur[0], a, b))
-            if cur[1] is not None:
-                id_parts.append(cur[1][a:b])
-            cur[3] = b
-            got += b - a
-        if got == 0 or (got < bs and self.loader.drop_last):
-            raise StopIteration
-        ids = None
-        if id_parts:
-            ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
-        cols = concat_cols(parts)
-        if self.loader.device.type == "cuda" and self.loader.collate is None and len(parts) > 1:
-            cols = pin(cols)
-        return cols, ids
-
-    def _join(self) -> None:
-        if self._gen is not None:
-            self._gen.close()
-            self._gen = None
-        if self._thread is not None:
-            self._buf.close()
-            self._thread.join()
-            self._thread = None
-
     def close(self) -> None:
-        """Stop prefetching; give back leased rows that were never handed out."""
-        if self._closed:
-            return
-        self._closed = True
-        self._cur = None
-        self._join()
-        if self._book is not None and self._book.outstanding:
-            release = getattr(self.loader.ctx.leases, "release", None)
-            if release is not None:
-                release(self.loader.dataset_id, self.epoch, list(self._book.outstanding))
-            self._book.outstanding = []
+        """Stop prefetching; give back leased rows that were never handed out.
+
+        From any thread, also while other threads wait in ``next()``: they return
+        (``StopIteration``) once the feed is signalled.
+        """
+        with self._feed_lock:
+            if self._closed:
+                return
+            self._closed = True
+            feed = self._feed
+        if feed is not None:
+            feed.signal()  # ends the waits of callers and of the producer
+            feed.join()  # the producer returns from its read or lease RPC; no lock held
+        with self._lock:  # the holder, if any, leaves now that its wait has ended
+            if self._feed is not None:
+                self._feed.stop()
+                self._feed = None
+            self._cur = None
+            self._source.close()
 
     def __del__(self) -> None:
         # Only signal the prefetch thread: no join and no lease RPC here, since the
         # collector may run on an event loop the thread (or the RPC) is waiting for.
         # Rows still leased return to the pool when the worker's session ends.
         try:
-            if self._buf is not None:
-                self._buf.close()
+            if self._feed is not None:
+                self._feed.signal()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass

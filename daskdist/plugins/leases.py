@@ -31,7 +31,15 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-Interval = tuple[int, int]
+from daskdist.intervals import (
+    Interval,
+    _intersect,
+    _size,
+    intervals_from_ids,
+    normalize,
+    subtract,
+    union,
+)
 
 __all__ = [
     "LEASE_TOKEN",
@@ -47,74 +55,6 @@ __all__ = [
 
 class SessionExpired(RuntimeError):
     """A session that was dropped (its worker was lost) asked for a new lease."""
-
-
-# ---------------------------------------------------------------------------------------
-# Interval-set helpers: lists of sorted, disjoint, non-adjacent half-open intervals.
-
-
-def normalize(ranges: Iterable[Sequence[int]]) -> list[Interval]:
-    """Sort and merge overlapping or adjacent intervals; drop empty ones."""
-    items = sorted((int(a), int(b)) for a, b in ranges if int(b) > int(a))
-    out: list[Interval] = []
-    for a, b in items:
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def union(x: list[Interval], y: list[Interval]) -> list[Interval]:
-    if not x:
-        return list(y)
-    if not y:
-        return list(x)
-    return normalize(x + y)
-
-
-def subtract(x: list[Interval], y: list[Interval]) -> list[Interval]:
-    """``x`` minus ``y`` (both normalized)."""
-    out: list[Interval] = []
-    j = 0
-    for a, b in x:
-        while j < len(y) and y[j][1] <= a:
-            j += 1
-        k = j
-        cur = a
-        while k < len(y) and y[k][0] < b:
-            if y[k][0] > cur:
-                out.append((cur, y[k][0]))
-            cur = max(cur, y[k][1])
-            k += 1
-        if cur < b:
-            out.append((cur, b))
-    return out
-
-
-def _intersect(x: list[Interval], y: list[Interval]) -> list[Interval]:
-    out: list[Interval] = []
-    i = j = 0
-    while i < len(x) and j < len(y):
-        a = max(x[i][0], y[j][0])
-        b = min(x[i][1], y[j][1])
-        if a < b:
-            out.append((a, b))
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def _size(x: Iterable[Interval]) -> int:
-    return sum(b - a for a, b in x)
-
-
-def intervals_from_ids(ids: Iterable[int]) -> list[Interval]:
-    """Intervals covering exactly the given row ids (for tests and small inputs)."""
-    return normalize((i, i + 1) for i in ids)
 
 
 LEASE_TOKEN = "lease"

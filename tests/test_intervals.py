@@ -1,0 +1,56 @@
+"""The interval-set helpers shared by the lease table and the loader (pure)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from daskdist.intervals import (
+    _intersect,
+    _size,
+    intervals_from_ids,
+    normalize,
+    subtract,
+    union,
+)
+
+
+def test_module_is_pure():
+    src = Path(__file__).parent.parent / "daskdist" / "intervals.py"
+    imported = set()
+    for node in ast.walk(ast.parse(src.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert not imported & {"dask", "distributed", "torch", "pyarrow", "numpy", "daskdist"}
+
+
+def test_interval_helpers():
+    assert normalize([(5, 7), (0, 2), (2, 3), (6, 9), (4, 4)]) == [(0, 3), (5, 9)]
+    assert subtract([(0, 10)], [(2, 3), (5, 7)]) == [(0, 2), (3, 5), (7, 10)]
+    assert subtract([(0, 3), (5, 9)], [(0, 9)]) == []
+    assert union([(0, 2)], [(2, 4), (8, 9)]) == [(0, 4), (8, 9)]
+    assert intervals_from_ids([3, 1, 2, 7]) == [(1, 4), (7, 8)]
+    assert _intersect([(0, 5), (8, 12)], [(3, 9)]) == [(3, 5), (8, 9)]
+    assert _size([(0, 5), (8, 12)]) == 9
+
+
+ids = st.sets(st.integers(0, 200), max_size=60)
+
+
+@given(ids, ids)
+def test_set_algebra_matches_python_sets(a, b):
+    x, y = intervals_from_ids(a), intervals_from_ids(b)
+
+    def members(iv):
+        return {i for s, e in iv for i in range(s, e)}
+
+    assert members(union(x, y)) == a | b and union(x, y) == intervals_from_ids(a | b)
+    assert subtract(x, y) == intervals_from_ids(a - b)
+    assert _intersect(x, y) == intervals_from_ids(a & b)
+    assert _size(x) == len(a)
+    assert all(p[1] < q[0] for p, q in zip(x, x[1:], strict=False))  # disjoint, apart
