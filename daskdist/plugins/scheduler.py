@@ -51,6 +51,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         # worker -> whether Dask expected its removal (retired, closed) or not (killed,
         # cut off); Dask logs the event just before it calls remove_worker
         self._expected: dict[str, bool] = {}
+        self._liveness_task: asyncio.Task | None = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -67,6 +68,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_register": self.register,
                 "daskdist_unregister": self.unregister,
                 "daskdist_exchange": self.exchange,
+                "daskdist_renew": self.renew,
                 "daskdist_report": self.report,
                 "daskdist_status": self.status,
                 "daskdist_closure_state": self.closure_state,
@@ -80,6 +82,24 @@ class CoordinatorPlugin(SchedulerPlugin):
         )
         scheduler.extensions["daskdist"] = self
         observe.install(self, scheduler)
+        self._liveness_task = asyncio.create_task(self._expire_loop())
+
+    async def _expire_loop(self) -> None:
+        """End sessions whose lease lapsed (SPEC §2.4); runs until ``close``.
+
+        Checks a few times per ``lease-timeout`` (at most every 0.5 s), so a hung
+        worker's closures are back in the queue within ``lease-timeout`` + 0.5 s.
+        """
+        while True:
+            timeouts = [co.liveness.timeout for co in self.coordinators.values()]
+            timeout = min(timeouts, default=config.seconds("liveness.lease-timeout"))
+            await asyncio.sleep(max(0.05, min(0.5, timeout / 10)))
+            now = time.monotonic()
+            for co in list(self.coordinators.values()):
+                for session in co.expire_sessions(now):
+                    logger.warning("daskdist[%s]: session %s sent nothing for %.1f s: "
+                                   "ended (its closures run elsewhere)", co.name, session,
+                                   co.liveness.timeout)
 
     # -- Dask events ------------------------------------------------------------------
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
@@ -136,6 +156,9 @@ class CoordinatorPlugin(SchedulerPlugin):
     async def close(self) -> None:
         for driver in self.drivers.values():
             driver.stop()
+        if self._liveness_task is not None:
+            self._liveness_task.cancel()
+            self._liveness_task = None
 
     def _worker_retiring(self, address: str) -> bool:
         ws = self.scheduler.workers.get(address)
@@ -149,8 +172,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         if co is None:
             if max_worker_failures is None:
                 max_worker_failures = int(config.get("coordinator.max-worker-failures"))
-            co = self.coordinators[name] = CoordinatorState(name, max_worker_failures,
-                                                            send=self._send)
+            co = self.coordinators[name] = CoordinatorState(
+                name, max_worker_failures, send=self._send,
+                lease_timeout=config.seconds("liveness.lease-timeout"))
             self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
         plugin_name = worker_plugin_name(name)
         if plugin_name not in self.scheduler.worker_plugins:
@@ -207,10 +231,22 @@ class CoordinatorPlugin(SchedulerPlugin):
         Returns the error (if another caller took it first: ``None``) and the cancelled.
         """
         co = self._get(name)
-        q = co.queue
-        if q.error is None:
+        if co.queue.error is None:
             return {"error": None, "cancelled": []}
         deadline = None if timeout is None else time.monotonic() + timeout
+        # Two raises must not interleave: the second would un-pause while the first
+        # waits, or cancel closures queued after the first took the error.
+        if not await _acquire(co.raise_lock, timeout):
+            return {"timeout": True}
+        try:
+            return await self._raise_locked(co, deadline)
+        finally:
+            co.raise_lock.release()
+
+    async def _raise_locked(self, co: CoordinatorState, deadline: float | None) -> dict:
+        q = co.queue
+        if q.error is None:  # another raise took it while we waited for the lock
+            return {"error": None, "cancelled": []}
         co.set_paused(True)
         try:
             while q.inflight:
@@ -312,6 +348,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         if old is not None and old != session:
             co.end_session(old)
         member, _ = co.members.join(session, address, device)
+        co.liveness.add(session, time.monotonic())
         co.queue.add_session(session, slots)
         co.membership_changed()
         if self._worker_retiring(address):
@@ -335,8 +372,28 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     def report(self, name: str, session: str, results: list) -> dict:
         co = self._get(name)
+        if not co.renew(session, time.monotonic()):
+            return {"unknown_session": True}  # fenced: the loop's exchange re-registers
         co.apply_results(session, results)
         return {"version": co.members.version, "hold": co.hold}
+
+    def renew(self, name: str, session: str) -> dict:
+        """A worker session's lease renewal (every ``liveness.renew-interval``)."""
+        co = self.coordinators.get(name)
+        return {"ok": co is not None and co.renew(session, time.monotonic())}
+
+    def _steal_for(self, co: CoordinatorState, thief: str) -> None:
+        """An idle session found no work: ask the session holding the most prefetched,
+        unstarted closures to give half of them back (they return as ``UNSTARTED``
+        results, go to the head of the queue and wake the idle session's long-poll)."""
+        victim = co.queue.steal_victim(thief)
+        if victim is None:
+            return
+        session, n = victim
+        member = co.members.members.get(session)
+        if member is not None:
+            co.steals += 1
+            self._send(member.address, {"op": "daskdist-steal", "name": co.name, "n": n})
 
     async def exchange(
         self,
@@ -356,7 +413,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         up to ``daskdist.scheduler.poll-interval`` for work.
         """
         co = self.coordinators.get(name)
-        if co is None or session not in co.members:
+        if co is None or not co.renew(session, time.monotonic()):
             return {"unknown_session": True}
         q = co.queue
         if results:
@@ -370,8 +427,10 @@ class CoordinatorPlugin(SchedulerPlugin):
             share = -(-q.backlog // max(1, len(co.members)))
             return min(want, max(1, share))
 
-        closures = q.dispatch(session, fair(want))
+        # A busy worker prefetches nothing while another waits idle for work (SPEC §2.4).
+        closures = q.dispatch(session, fair(want) if block or not co.waiters else 0)
         if not closures and block and want > 0:
+            self._steal_for(co, session)
             deadline = time.monotonic() + config.seconds("scheduler.poll-interval")
             event = asyncio.Event()
             co.waiters.add(event)
@@ -397,6 +456,24 @@ class CoordinatorPlugin(SchedulerPlugin):
             "version": co.members.version,
             "hold": co.hold,
         }
+
+
+async def _acquire(lock: asyncio.Lock, timeout: float | None) -> bool:
+    """Acquire ``lock`` within ``timeout`` seconds (``None``: wait); whether it was."""
+    if timeout is None:
+        await lock.acquire()
+        return True
+    task = asyncio.ensure_future(lock.acquire())
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout))
+    if task in done:
+        return True
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return False
+    lock.release()  # acquired just as it was cancelled
+    return False
 
 
 def dask_setup(scheduler) -> None:

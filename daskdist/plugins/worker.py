@@ -18,6 +18,7 @@ import logging
 import sys
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -105,12 +106,17 @@ def _install_worker_handlers(worker) -> None:
             collective.mark_peer_lost(generation)
 
     def membership(name: str, version: int) -> None:
-        _set_membership(version)
+        _set_membership(version, name=name)
 
     def hold(name: str, hold: bool) -> None:
         runner = _runner(worker, name)
         if runner is not None:
             runner.hold = hold
+
+    def steal(name: str, n: int) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.give_back(n)
 
     async def collective(action: str, name: str, **kw: Any) -> Any:
         from daskdist import collective as coll
@@ -137,6 +143,7 @@ def _install_worker_handlers(worker) -> None:
         "daskdist-peer-lost": peer_lost,
         "daskdist-membership": membership,
         "daskdist-hold": hold,
+        "daskdist-steal": steal,
     })
     worker.handlers["daskdist_collective"] = collective
 
@@ -233,6 +240,13 @@ class ClosureRunner:
         self.device: Any = None
         self.held: set[str] = set()  # received, not yet acknowledged by the scheduler
         self.running = 0  # received, not yet finished here
+        # Received closures not yet started, oldest first: ``nthreads`` drain loops in
+        # the executor take them in order; ``give_back`` (event loop) takes from the
+        # tail. Guarded by ``_lock`` (both sides).
+        self._pending: deque[tuple] = deque()
+        self._drains = 0  # drain loops running in the executor
+        self._lock = threading.Lock()
+        self.renewer: asyncio.Task | None = None
         self.done: list[tuple] = []  # finished, not yet sent
         self.wakeup = asyncio.Event()
         self.polling = False  # a blocking exchange is outstanding
@@ -249,6 +263,7 @@ class ClosureRunner:
         _install_worker_handlers(self.worker)
         await self._register()
         self.task = asyncio.create_task(self._loop())
+        self.renewer = asyncio.create_task(self._renew_loop())
 
     async def _register(self) -> None:
         self.session = uuid.uuid4().hex
@@ -260,11 +275,13 @@ class ClosureRunner:
             raise RuntimeError("the daskdist scheduler plugin is not registered")
         self.index = reply["index"]
         self.num_workers = reply["num_workers"]
-        _set_membership(reply["version"])
+        _set_membership(reply["version"], name=self.name)
         self.resources.clear()
 
     async def stop(self) -> None:
         self.stopping = True
+        if self.renewer is not None:
+            self.renewer.cancel()
         if self.task is not None:
             self.task.cancel()
             try:
@@ -289,6 +306,28 @@ class ClosureRunner:
         """Call a scheduler handler from a worker thread (not the event loop)."""
         return sync(self.worker.loop, getattr(self.worker.scheduler, op), name=self.name,
                     **kwargs)
+
+    async def _renew_loop(self) -> None:
+        """Renew this session's lease every ``liveness.renew-interval`` (SPEC §2.4).
+
+        Runs on the worker's event loop, not in a closure thread: closures release the
+        GIL often enough for it to run (see ``tests/test_liveness.py``), so only a hung
+        process or event loop lets the lease lapse. A refused renewal (the scheduler
+        ended the session) wakes the exchange loop, which registers a new session.
+        Each call is bounded so a dead connection cannot stall renewals for good.
+        """
+        interval = config.seconds("liveness.renew-interval")
+        while not self.stopping:
+            await asyncio.sleep(interval)
+            try:
+                reply = await asyncio.wait_for(
+                    self.worker.scheduler.daskdist_renew(name=self.name, session=self.session),
+                    max(5.0, 5 * interval))
+            except (OSError, CommClosedError, asyncio.TimeoutError) as e:
+                logger.info("daskdist: lease renewal failed (%r); retrying", e)
+                continue
+            if isinstance(reply, dict) and not reply.get("ok", True):
+                self.poke()  # the next exchange learns the session is gone
 
     # -- the loop -----------------------------------------------------------------------
     def _retiring(self) -> bool:
@@ -329,21 +368,66 @@ class ClosureRunner:
                 # The scheduler ended this session (it put our closures back): start anew.
                 self.held.clear()
                 self.done.clear()
+                self._drop_pending()
                 await self._register()
                 continue
             for r in results:
                 self.held.discard(r[0])
             self.num_workers = reply["num_workers"]
             self.hold = reply["hold"]
-            _set_membership(reply["version"])
+            _set_membership(reply["version"], name=self.name)
             session = self.session
+            work = []
             for cid, payload, attempt, gang in reply["closures"]:
                 self.held.add(cid)
                 if gang:
                     self.gang_executor.submit(self._run, session, cid, payload, attempt, True)
                 else:
-                    self.running += 1
-                    self.executor.submit(self._run, session, cid, payload, attempt)
+                    work.append((session, cid, payload, attempt))
+            if work:
+                self.running += len(work)
+                self._enqueue(work)
+
+    def _enqueue(self, work: list[tuple]) -> None:
+        """Queue received closures and start drain loops for idle threads (event loop)."""
+        with self._lock:
+            self._pending.extend(work)
+            start = min(len(self._pending), self.nthreads - self._drains)
+            self._drains += start
+        for _ in range(start):
+            self.executor.submit(self._drain)
+
+    def _drain(self) -> None:
+        """A closure thread: run pending closures in order until there are none."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._drains -= 1
+                    return
+                item = self._pending.popleft()
+            self._run(*item)
+
+    def give_back(self, n: int) -> int:
+        """The scheduler asks for up to ``n`` unstarted closures back (an idle worker
+        waits): the newest pending ones return as ``UNSTARTED`` results. Event loop."""
+        with self._lock:
+            take = [self._pending.pop() for _ in range(min(max(0, n), len(self._pending)))]
+        if not take:
+            return 0
+        self.running -= len(take)
+        self.done.extend((cid, False, None, UNSTARTED, []) for session, cid, _, _ in take
+                         if session == self.session)
+        self.wakeup.set()
+        if self.polling and not self.reporting:
+            asyncio.ensure_future(self._report())
+        return len(take)
+
+    def _drop_pending(self) -> None:
+        """The session ended: closures it received and did not start are not ours to run."""
+        with self._lock:
+            dropped = len(self._pending)
+            self._pending.clear()
+        self.running -= dropped
 
     def _on_done(self, session: str, result: tuple, gang: bool) -> None:
         """Runs on the event loop when a closure finished in a thread."""
@@ -369,6 +453,9 @@ class ClosureRunner:
                     )
                 except (OSError, CommClosedError):
                     self.done[:0] = results
+                    return
+                if reply.get("unknown_session"):
+                    self.poke()  # fenced: the loop's next exchange registers anew
                     return
                 for r in results:
                     self.held.discard(r[0])
