@@ -65,6 +65,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_raise": self.raise_error,
                 "daskdist_add_resource": self.add_resource,
                 "daskdist_get_resource": self.get_resource,
+                "daskdist_release_resources": self.release_resources,
                 "daskdist_register": self.register,
                 "daskdist_unregister": self.unregister,
                 "daskdist_exchange": self.exchange,
@@ -323,6 +324,17 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     def get_resource(self, name: str, rid: str) -> bytes | None:
         return self._get(name).resources.get(rid)
+
+    def release_resources(self, name: str, rids: list) -> None:
+        """The client dropped these per-worker resources: forget them here and on every
+        worker (one-way; the client sends it once no closure can still use them)."""
+        co = self.coordinators.get(name)
+        if co is None:
+            return
+        for rid in rids:
+            co.resources.pop(rid, None)
+        co.resources_released += len(rids)
+        co.broadcast({"op": "daskdist-release", "name": name, "rids": list(rids)})
 
     def closure_state(self, name: str, cid: str) -> str | None:
         """PENDING or RUNNING for a closure not yet final; ``None`` once final or unknown."""

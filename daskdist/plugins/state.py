@@ -84,6 +84,7 @@ class CoordinatorState:
         self.gangs_changed = asyncio.Event()  # the gang pump waits on it
         self.send = send or (lambda address, msg: None)
         self.workers_lost = 0  # removals Dask did not expect
+        self.resources_released = 0
         self.steals = 0  # requests to a busy worker to give back unstarted closures
         self.raise_lock = asyncio.Lock()  # one error raise at a time (see raise_error)
 
@@ -238,6 +239,8 @@ class CoordinatorState:
             "workers_lost": self.workers_lost,
             "lease_expiries": self.liveness.expiries,
             "steals": self.steals,
+            "resources": len(self.resources),
+            "resources_released": self.resources_released,
             "error_pending": self.queue.error is not None,
             "membership_version": self.members.version,
             "group_generation": group.generation,

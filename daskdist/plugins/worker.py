@@ -113,6 +113,11 @@ def _install_worker_handlers(worker) -> None:
         if runner is not None:
             runner.hold = hold
 
+    def release(name: str, rids: list) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.resources.drop(rids)
+
     def steal(name: str, n: int) -> None:
         runner = _runner(worker, name)
         if runner is not None:
@@ -144,6 +149,7 @@ def _install_worker_handlers(worker) -> None:
         "daskdist-membership": membership,
         "daskdist-hold": hold,
         "daskdist-steal": steal,
+        "daskdist-release": release,
     })
     worker.handlers["daskdist_collective"] = collective
 
@@ -219,6 +225,16 @@ class ResourceRegistry:
 
     def clear(self) -> None:
         self._objects.clear()
+
+    def drop(self, rids: list[str]) -> None:
+        """Forget released resources (a closure using one keeps its own reference)."""
+        with self._lock:
+            for rid in rids:
+                self._objects.pop(rid, None)
+                self._building.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._objects)
 
 
 class ClosureRunner:
