@@ -179,12 +179,22 @@ class CoordinatorPlugin(SchedulerPlugin):
             self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
         plugin_name = worker_plugin_name(name)
         if plugin_name not in self.scheduler.worker_plugins:
-            await self.scheduler.register_worker_plugin(
+            replies = await self.scheduler.register_worker_plugin(
                 comm=None,
                 plugin=dumps(CoordinatorWorkerPlugin(name, torch_threads=torch_threads)),
                 name=plugin_name,
                 idempotent=True,
             )
+            failed = {w: r for w, r in (replies or {}).items()
+                      if isinstance(r, dict) and r.get("status") != "OK"}
+            if failed:
+                # Unregister, so that the next attempt registers (and reports) again.
+                await self.scheduler.unregister_worker_plugin(comm=None, name=plugin_name)
+                worker, reply = next(iter(failed.items()))
+                raise RuntimeError(
+                    f"the daskdist worker plugin of coordinator {name!r} failed to set up "
+                    f"on {len(failed)} of {len(replies)} workers; {worker}: "
+                    f"{reply.get('exception_text') or reply}")
         return {"workers": len(co.members)}
 
     def attach(self, name: str, client: str | None = None) -> str:
