@@ -52,6 +52,8 @@ class CoordinatorPlugin(SchedulerPlugin):
         # cut off); Dask logs the event just before it calls remove_worker
         self._expected: dict[str, bool] = {}
         self._liveness_task: asyncio.Task | None = None
+        # client -> the pending drop of its owners (a cut connection may come back)
+        self._orphaned: dict[str, asyncio.TimerHandle] = {}
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -128,6 +130,25 @@ class CoordinatorPlugin(SchedulerPlugin):
             self._expected[msg["worker"]] = bool(msg.get("expected"))
 
     def remove_client(self, scheduler, client: str) -> None:
+        """A client's connection closed: drop its owners after ``coordinator.client-grace``
+        unless it reconnects first (Dask's client reconnects with the same id)."""
+        if not any(box.client == client for co in self.coordinators.values()
+                   for box in co.outboxes.values()):
+            return
+        old = self._orphaned.pop(client, None)
+        if old is not None:
+            old.cancel()
+        grace = config.seconds("coordinator.client-grace")
+        self._orphaned[client] = asyncio.get_running_loop().call_later(
+            grace, self._drop_client, client)
+
+    def add_client(self, scheduler, client: str) -> None:
+        handle = self._orphaned.pop(client, None)
+        if handle is not None:
+            handle.cancel()  # it came back: its closures and results are still here
+
+    def _drop_client(self, client: str) -> None:
+        self._orphaned.pop(client, None)
         for co in self.coordinators.values():
             for owner, box in list(co.outboxes.items()):
                 if box.client == client:
@@ -160,6 +181,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         if self._liveness_task is not None:
             self._liveness_task.cancel()
             self._liveness_task = None
+        for handle in self._orphaned.values():
+            handle.cancel()
+        self._orphaned.clear()
 
     def _worker_retiring(self, address: str) -> bool:
         ws = self.scheduler.workers.get(address)
