@@ -65,6 +65,14 @@ def test_renewal_never_moves_back_in_time():
     assert t.deadline("a") == 15.0
 
 
+def test_a_stalled_scheduler_blames_no_session():
+    t = LivenessTable(timeout=5)
+    t.add("a", 0.0)
+    t.extend(8.0)  # the scheduler's loop was blocked for 8 s
+    assert t.expire(10.0) == []
+    assert t.expire(13.5) == ["a"]
+
+
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="lease-timeout"):
         LivenessTable(timeout=0)

@@ -50,6 +50,13 @@ class LivenessTable:
         self.expiries += len(out)
         return out
 
+    def extend(self, seconds: float) -> None:
+        """The scheduler itself did not listen for ``seconds`` (its event loop stalled):
+        renewals sent meanwhile may still be unread, so no session is blamed for it."""
+        if seconds > 0:
+            for s in self._last:
+                self._last[s] += seconds
+
     def deadline(self, session: str) -> float | None:
         """When ``session`` expires unless renewed (``None`` if it is not live)."""
         t = self._last.get(session)

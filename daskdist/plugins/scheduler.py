@@ -93,12 +93,18 @@ class CoordinatorPlugin(SchedulerPlugin):
         Checks a few times per ``lease-timeout`` (at most every 0.5 s), so a hung
         worker's closures are back in the queue within ``lease-timeout`` + 0.5 s.
         """
+        last = time.monotonic()
         while True:
             timeouts = [co.liveness.timeout for co in self.coordinators.values()]
             timeout = min(timeouts, default=config.seconds("liveness.lease-timeout"))
-            await asyncio.sleep(max(0.05, min(0.5, timeout / 10)))
+            interval = max(0.05, min(0.5, timeout / 10))
+            await asyncio.sleep(interval)
             now = time.monotonic()
+            stall = now - last - interval
+            last = now
             for co in list(self.coordinators.values()):
+                if stall > 1.0:  # this loop was blocked: renewals may wait unread
+                    co.liveness.extend(stall)
                 for session in co.expire_sessions(now):
                     logger.warning("daskdist[%s]: session %s sent nothing for %.1f s: "
                                    "ended (its closures run elsewhere)", co.name, session,
