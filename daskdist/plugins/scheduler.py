@@ -343,7 +343,7 @@ class CoordinatorPlugin(SchedulerPlugin):
     def lease_acquire(self, name: str, session: str, dataset_id: str, epoch: int,
                       unit_rows: list[int]) -> dict:
         co = self._get(name)
-        if session not in co.members:
+        if not co.renew(session, time.monotonic()):
             return {"expired": True}
         try:
             lease = co.leases.acquire(session, dataset_id, epoch, unit_rows)

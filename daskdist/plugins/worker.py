@@ -304,6 +304,7 @@ class ClosureRunner:
                 await self.task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._drop_pending()  # received, never started: the scheduler puts them back
         results, self.done = self.done, []
         try:
             await self.worker.scheduler.daskdist_unregister(
