@@ -374,3 +374,19 @@ def test_no_victim_without_prefetched_closures():
     q.add_session("b", slots=1)
     q.dispatch("a", 2)
     assert q.steal_victim("b") is None
+
+
+def test_protocol_types_travel_as_plain_lists():
+    """Named message types are wire-compatible with the positional tuples they replace."""
+    from distributed.protocol import dumps, loads
+
+    from daskdist.plugins.protocol import Dispatch, Result
+
+    msg = {"closures": [Dispatch("o-1", [b"fn", None], 2, False)],
+           "results": [Result("o-0", False, b"err", USER_ERROR, [("lease", "d", 0, [(0, 4)])])]}
+    back = loads(dumps(msg))
+    d = Dispatch._make(back["closures"][0])
+    assert (d.cid, list(d.payload), d.attempt, d.gang) == ("o-1", [b"fn", None], 2, False)
+    cid, ok, value, kind, tokens = back["results"][0]  # positional unpacking still works
+    assert (cid, ok, value, kind) == ("o-0", False, b"err", USER_ERROR)
+    assert Result._make(back["results"][0]).tokens[0][0] == "lease"

@@ -28,6 +28,7 @@ from daskdist import config
 from daskdist.plugins import observe
 from daskdist.plugins.groups import GroupDriver
 from daskdist.plugins.leases import SessionExpired
+from daskdist.plugins.protocol import Dispatch
 from daskdist.plugins.queue import CANCELLED
 from daskdist.plugins.state import CoordinatorState, Outbox, wait_event
 from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
@@ -502,7 +503,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             finally:
                 co.waiters.discard(event)
         return {
-            "closures": [(c.cid, c.payload, c.attempt, c.pinned is not None)
+            "closures": [Dispatch(c.cid, c.payload, c.attempt, c.pinned is not None)
                          for c in closures],
             "num_workers": len(co.members),
             "version": co.members.version,

@@ -34,6 +34,7 @@ from daskdist.context import InputContext, WorkerContext, _set_current, _set_mem
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError
 from daskdist.plugins.gang import COLLECTIVE_ERROR, HOSTS_UPDATED
 from daskdist.plugins.malloc import restore_dynamic_thresholds
+from daskdist.plugins.protocol import Dispatch, Result
 from daskdist.plugins.queue import INPUT_ERROR, UNSTARTED, USER_ERROR
 from daskdist.values import PerWorkerValues, dump_error, map_structure
 
@@ -395,7 +396,7 @@ class ClosureRunner:
             _set_membership(reply["version"], name=self.name)
             session = self.session
             work = []
-            for cid, payload, attempt, gang in reply["closures"]:
+            for cid, payload, attempt, gang in map(Dispatch._make, reply["closures"]):
                 self.held.add(cid)
                 if gang:
                     self.gang_executor.submit(self._run, session, cid, payload, attempt, True)
@@ -432,7 +433,7 @@ class ClosureRunner:
         if not take:
             return 0
         self.running -= len(take)
-        self.done.extend((cid, False, None, UNSTARTED, []) for session, cid, _, _ in take
+        self.done.extend(Result(cid, False, None, UNSTARTED, []) for session, cid, _, _ in take
                          if session == self.session)
         self.wakeup.set()
         if self.polling and not self.reporting:
