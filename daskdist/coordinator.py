@@ -141,7 +141,9 @@ class Coordinator:
     ``max_worker_failures`` is how often a closure's workers may die before it fails
     with ``WorkerLostError``; ``torch_threads`` sets torch's intra-op threads on the
     workers (Dask starts them with ``OMP_NUM_THREADS=1``, which slows gloo reductions
-    and CPU training; the first Coordinator of a name decides).
+    and CPU training; the first Coordinator of a name decides). ``lease_timeout``
+    (default ``daskdist.liveness.lease-timeout``, 30 s) is how long a worker may send
+    nothing before its work is taken back (the first Coordinator of a name decides).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class Coordinator:
         max_queued: int | None = None,
         max_worker_failures: int | None = None,
         torch_threads: int | None = None,
+        lease_timeout: float | None = None,
     ):
         if max_queued is not None and max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
@@ -169,8 +172,11 @@ class Coordinator:
         # nothing (such clusters may refuse client plugins); else register it once.
         if not self._plugin_loaded():
             self.client.register_plugin(CoordinatorPlugin(), name=PLUGIN_NAME)
+        if lease_timeout is not None and not lease_timeout > 0:
+            raise ValueError(f"lease_timeout must be positive, got {lease_timeout!r}")
         info = self._call("daskdist_create", max_worker_failures=max_worker_failures,
-                          torch_threads=torch_threads)
+                          torch_threads=torch_threads,
+                          lease_timeout=None if lease_timeout is None else float(lease_timeout))
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "

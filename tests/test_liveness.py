@@ -242,3 +242,17 @@ def test_short_closures_do_not_wait_behind_a_long_one():
         assert coord.status()["steals"] >= 1
         print(f"60 short closures beside a 20 s one: {elapsed:.2f} s")
         coord.close()
+
+
+def test_lease_timeout_constructor_argument_wins(short_lease_cluster):
+    _, client = short_lease_cluster
+    with pytest.raises(ValueError, match="lease_timeout"):
+        dd.Coordinator(client, name="lt-bad", lease_timeout=0)
+    coord = dd.Coordinator(client, name="lt", lease_timeout=7)
+    try:
+        got = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.extensions["daskdist"]
+            .coordinators["lt"].liveness.timeout)
+        assert got == 7.0
+    finally:
+        coord.close()

@@ -198,7 +198,8 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     # -- client handlers ---------------------------------------------------------------
     async def create(self, name: str, max_worker_failures: int | None = None,
-                     torch_threads: int | None = None) -> dict:
+                     torch_threads: int | None = None,
+                     lease_timeout: float | None = None) -> dict:
         """Create the named coordinator if new, and make sure workers run its plugin."""
         co = self.coordinators.get(name)
         if co is None:
@@ -206,7 +207,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                 max_worker_failures = int(config.get("coordinator.max-worker-failures"))
             co = self.coordinators[name] = CoordinatorState(
                 name, max_worker_failures, send=self._send,
-                lease_timeout=config.seconds("liveness.lease-timeout"))
+                lease_timeout=lease_timeout or config.seconds("liveness.lease-timeout"))
             self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
         plugin_name = worker_plugin_name(name)
         if plugin_name not in self.scheduler.worker_plugins:
