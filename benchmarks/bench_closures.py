@@ -7,7 +7,10 @@ Run: ``python benchmarks/bench_closures.py [--n 5000] [--workers 2]``.
 - latency: median of one ``schedule(...).fetch()`` vs one ``submit(...).result()``
   (target: <= 2 ms), beside the same path through bare Dask RPC handlers (the floor);
 - recovery: seconds from a worker's SIGKILL to its closures completing elsewhere
-  (target: <= 1 s).
+  (target: <= 1 s);
+- hang (``--hang``): seconds from a worker's SIGSTOP to its closures completing
+  elsewhere, with the configured ``daskdist.liveness.lease-timeout`` (default 30 s;
+  target: <= lease-timeout + 2 s), then SIGCONT: the worker rejoins as a new session.
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=5000, help="closures per throughput run")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=300, help="round trips for the latency")
+    ap.add_argument("--hang", action="store_true",
+                    help="also measure recovery from a SIGSTOPped worker (lease-timeout)")
     args = ap.parse_args()
 
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
@@ -143,7 +148,35 @@ def main() -> None:
         print(f"recovery    {first:7.3f} s from SIGKILL to the killed closure completing "
               f"elsewhere ({len(reruns)} re-run, {coord.status()['recoveries']} put back) "
               f"(target <= 1 s)")
+        if args.hang:
+            hang_recovery(coord, client)
         coord.close()
+
+
+def hang_recovery(coord: dd.Coordinator, client: Client) -> None:
+    """SIGSTOP a worker running closures; time until they complete elsewhere."""
+    from daskdist import config
+
+    lease = config.seconds("liveness.lease-timeout")
+    rvs = [coord.schedule(timed_sleepy, args=(i, 0.05)) for i in range(200)]
+    victim = _wait_first(rvs)[0].fetch()[1]
+    t_stop = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        coord.join()
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    out = [rv.fetch() for rv in rvs]
+    reruns = [end for _, pid, attempt, end in out if attempt >= 2 and pid != victim]
+    first = min(reruns) - t_stop if reruns else float("nan")
+    deadline = time.monotonic() + 60
+    while coord.status()["workers"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    s = coord.status()
+    print(f"hang        {first:7.3f} s from SIGSTOP to the stopped closure completing "
+          f"elsewhere (lease-timeout {lease:.0f} s; target <= {lease + 2:.0f} s); "
+          f"{s['lease_expiries']} lease expired, {s['workers']} workers after SIGCONT, "
+          f"{len(out)} results for {len(rvs)} closures")
 
 
 if __name__ == "__main__":

@@ -96,17 +96,26 @@ def record_consumed(token: Any) -> None:
         cb(token)
 
 
-# Membership as this worker last heard it from the scheduler plugin. The worker plugin
-# updates it; collective code (elastic State.commit) reads it to see that hosts changed.
-_membership: dict[str, Any] = {"version": 0, "workers": ()}
+# Membership as this worker last heard it from the scheduler plugin, per coordinator
+# name (coordinators of different names have their own members and counters). The
+# worker plugin updates it; collective code (elastic State.commit) reads it to see that
+# hosts changed.
+_membership: dict[str, int] = {}
 
 
-def membership_version() -> int:
-    """A counter the scheduler plugin bumps whenever a worker joins or leaves."""
-    return _membership["version"]
+def _current_name() -> str:
+    """The coordinator name of the closure running in this thread (else "default")."""
+    ctx = getattr(_local, "context", None)
+    return ctx.name if ctx is not None else "default"
 
 
-def _set_membership(version: int, workers: tuple = ()) -> None:
-    if version > _membership["version"]:
-        _membership["version"] = version
-        _membership["workers"] = tuple(workers)
+def membership_version(name: str | None = None) -> int:
+    """A counter the scheduler plugin bumps whenever a worker joins or leaves coordinator
+    ``name`` (default: the coordinator whose closure runs in this thread)."""
+    return _membership.get(_current_name() if name is None else name, 0)
+
+
+def _set_membership(version: int, workers: tuple = (), name: str | None = None) -> None:
+    key = _current_name() if name is None else name
+    if version > _membership.get(key, 0):
+        _membership[key] = version

@@ -15,6 +15,7 @@ import itertools
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,6 +41,21 @@ def _has_plugin(dask_scheduler) -> bool:
     return PLUGIN_NAME in dask_scheduler.plugins
 
 
+class _ResourceHandle(PerWorkerValues):
+    """The client's reference to a registered per-worker resource: when it is garbage
+    collected, the resource is released on the scheduler and the workers (once every
+    closure scheduled before has finished). Travels as a plain ``PerWorkerValues``."""
+
+    __slots__ = ("__weakref__", "parent")
+
+    def __init__(self, rid: str, kind: str, parent: PerWorkerValues | None = None):
+        super().__init__(rid=rid, kind=kind)
+        self.parent = parent  # an iterator keeps its dataset alive
+
+    def __reduce__(self):
+        return (PerWorkerValues, (self.rid, self.kind))
+
+
 class PerWorkerDataset:
     """A dataset built on every worker by a factory (``create_per_worker_dataset``).
 
@@ -51,7 +67,7 @@ class PerWorkerDataset:
         self.values = values
 
     def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
-        return self._coordinator._register_resource("iterator", None, parent=self.values.rid)
+        return self._coordinator._register_resource("iterator", None, parent=self.values)
 
     def __repr__(self) -> str:
         return f"PerWorkerDataset({self.values.rid})"
@@ -103,7 +119,7 @@ class DistributedDataset(PerWorkerDataset):
 
     def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
         return self._coordinator._register_resource(
-            "iterator", _EpochIterator(self.epoch), parent=self.values.rid)
+            "iterator", _EpochIterator(self.epoch), parent=self.values)
 
     def progress(self, epoch: int | None = None) -> dict:
         """The dynamic policy's counts for ``epoch``: total, acknowledged, leased, free,
@@ -125,7 +141,9 @@ class Coordinator:
     ``max_worker_failures`` is how often a closure's workers may die before it fails
     with ``WorkerLostError``; ``torch_threads`` sets torch's intra-op threads on the
     workers (Dask starts them with ``OMP_NUM_THREADS=1``, which slows gloo reductions
-    and CPU training; the first Coordinator of a name decides).
+    and CPU training; the first Coordinator of a name decides). ``lease_timeout``
+    (default ``daskdist.liveness.lease-timeout``, 30 s) is how long a worker may send
+    nothing before its work is taken back (the first Coordinator of a name decides).
     """
 
     def __init__(
@@ -136,6 +154,7 @@ class Coordinator:
         max_queued: int | None = None,
         max_worker_failures: int | None = None,
         torch_threads: int | None = None,
+        lease_timeout: float | None = None,
     ):
         if max_queued is not None and max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
@@ -153,8 +172,11 @@ class Coordinator:
         # nothing (such clusters may refuse client plugins); else register it once.
         if not self._plugin_loaded():
             self.client.register_plugin(CoordinatorPlugin(), name=PLUGIN_NAME)
+        if lease_timeout is not None and not lease_timeout > 0:
+            raise ValueError(f"lease_timeout must be positive, got {lease_timeout!r}")
         info = self._call("daskdist_create", max_worker_failures=max_worker_failures,
-                          torch_threads=torch_threads)
+                          torch_threads=torch_threads,
+                          lease_timeout=None if lease_timeout is None else float(lease_timeout))
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "
@@ -170,6 +192,9 @@ class Coordinator:
         self._flushing = False
         self._error_pending = False
         self._closed = False
+        # (watermark, rid) of per-worker resources whose handle was garbage collected:
+        # released once no closure scheduled before the watermark is unfinished
+        self._released: deque[tuple[int, str]] = deque()
         self.client.loop.add_callback(self._results_loop)
 
     # -- plumbing ------------------------------------------------------------------------
@@ -228,6 +253,26 @@ class Coordinator:
                 self._error_pending = reply["error"]
                 self._workers = reply["workers"]
                 self._cv.notify_all()
+            if self._released:
+                await self._release_resources()
+
+    def _resource_dropped(self, rid: str) -> None:
+        """A resource handle was garbage collected (any thread; must not block)."""
+        self._released.append((next(self._seq), rid))
+
+    async def _release_resources(self) -> None:
+        """Release dropped resources that no unfinished closure can still use (client loop)."""
+        with self._cv:
+            oldest = min((_seq_of(cid) for cid in self._pending), default=None)
+        rids = []
+        while self._released and (oldest is None or self._released[0][0] < oldest):
+            rids.append(self._released.popleft()[1])
+        if rids:
+            try:
+                await self._rpc.daskdist_release_resources(name=self.name, rids=rids,
+                                                           reply=False)
+            except Exception:  # the scheduler is gone: so are its resources
+                pass
 
     def _resolve(self, item) -> None:
         cid, state, payload, kind, attempt = item
@@ -469,16 +514,22 @@ class Coordinator:
                                   shards.dataset_id(loader_options.get("name")))
 
     def _register_resource(self, kind: str, fn: Callable | None,
-                           parent: str | None = None) -> PerWorkerValues:
+                           parent: PerWorkerValues | None = None) -> PerWorkerValues:
         if kind != "iterator" and not callable(fn):
             raise TypeError(f"the per-worker {kind} factory must be callable, got {fn!r}")
         try:
-            payload = cloudpickle.dumps((kind, fn, parent))
+            payload = cloudpickle.dumps((kind, fn, None if parent is None else parent.rid))
         except Exception as e:
             raise TypeError(f"the per-worker {kind} factory cannot be pickled: {e}") from e
         rid = f"{kind}-{uuid.uuid4().hex[:12]}"
         self._call("daskdist_add_resource", rid=rid, payload=payload)
-        return PerWorkerValues(rid=rid, kind=kind)
+        handle = _ResourceHandle(rid, kind, parent)
+        weakref.finalize(handle, _dropped, weakref.ref(self), rid)
+        return handle
+
+    def _release_now(self) -> None:
+        """Release dropped resources without waiting for the next results (tests)."""
+        self.client.sync(self._release_resources)
 
     def status(self) -> dict[str, Any]:
         """Queue and worker counts: queued, running, done, failed, retried, cancelled, ..."""
@@ -534,3 +585,14 @@ class Coordinator:
         )
         return (f"<div><b>daskdist Coordinator</b> <code>{html.escape(self.name)}</code>"
                 f"<table>{rows}</table></div>")
+
+
+def _seq_of(cid: str) -> int:
+    """The schedule order of a closure (``owner-12``) or gang (``owner-g12``) id."""
+    return int(cid.rpartition("-")[2].lstrip("g"))
+
+
+def _dropped(coordinator: weakref.ref, rid: str) -> None:
+    co = coordinator()
+    if co is not None and not co._closed:
+        co._resource_dropped(rid)

@@ -116,11 +116,58 @@ def test_memory_is_intervals_not_rows():
     rows = [1_000_000] * 50
     for s in range(50):
         t.acquire(f"s{s}", DS, 0, rows)
-    for s in range(50):
+    for s in range(49):
         assert t.ack(f"s{s}", DS, 0, [(s * 1_000_000, (s + 1) * 1_000_000)])
     ep = t._epochs[(DS, 0)]
-    assert sum(len(u.acked) + len(u.free) for u in ep.units) == 50
+    assert sum(len(u.acked) + len(u.free) for u in ep.units) == 49
+    assert t.ack("s49", DS, 0, [(49_000_000, 50_000_000)])
     assert t.progress(DS, 0)["complete"]
+
+
+def test_completed_epoch_table_is_dropped_and_stays_complete():
+    t = LeaseTable()
+    for epoch in range(3):
+        t.acquire("a", DS, epoch, [4, 4])
+        t.acquire("a", DS, epoch, [4, 4])
+        assert t.ack_tokens("a", [("lease", DS, epoch, [(0, 8)])])
+    assert t._epochs == {} and t.epochs_completed == 3
+    assert t._completed == {DS: (8, [(0, 3)])}  # one interval, not one entry per epoch
+    p = t.progress(DS, 1, [4, 4])
+    assert (p["complete"], p["acknowledged"], p["total"], p["free"]) == (True, 8, 8, 0)
+    assert t.progress(DS, 2)["complete"]
+    assert t.acquire("b", DS, 1, [4, 4]) is None  # no table comes back to life
+    assert t._epochs == {}
+    assert t.acknowledged(DS, 0) == [(0, 8)]
+    assert not t.ack("a", DS, 0, [(0, 1)])  # nothing is leased in a completed epoch
+    assert not t.progress(DS, 3)["known"]
+    t.forget(DS, 1)
+    assert not t.progress(DS, 1)["complete"] and t.progress(DS, 2)["complete"]
+    t.check()
+
+
+def test_expired_sessions_kept_bounded():
+    t = LeaseTable(max_expired=3)
+    for i in range(10):
+        t.acquire(f"s{i}", DS, 0, [1] * 10)
+        t.drop_session(f"s{i}")
+    assert t.sessions_dropped == 10 and len(t._expired) == 3
+    assert t.is_expired("s9") and not t.is_expired("s0")
+    assert t._session_keys == {}
+    t.check()
+
+
+def test_malformed_lease_token_is_refused_not_skipped():
+    t = LeaseTable()
+    t.acquire("a", DS, 0, [4])
+    good = ("lease", DS, 0, [(0, 2)])
+    for bad in [("lease", DS, 0), ("lease", DS, "x", [(0, 1)]), ("lease", DS, 0, [(0,)]),
+                ("lease", DS, 0, 5)]:
+        assert not t.ack_tokens("a", [good, bad])
+        assert t.progress(DS, 0)["acknowledged"] == 0
+        assert t.release_tokens("a", [good, bad]) == 0
+    assert t.leased_to("a", DS, 0) == [(0, 4)]
+    assert t.ack_tokens("a", [good, ("gang", 1)])  # tokens of other kinds are not leases
+    t.check()
 
 
 # -- stateful: random acquire / consume / ack / release / drop keep the invariant ------

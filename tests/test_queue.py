@@ -340,3 +340,53 @@ def test_wait_event_reports_set_or_timeout():
         assert await wait_event(ev, 0) is True  # already set: no wait at all
 
     asyncio.run(scenario())
+
+
+def test_steal_victim_is_the_session_with_most_prefetched():
+    q = make(20)
+    q.add_session("a", slots=1)
+    q.add_session("b", slots=2)
+    q.add_session("idle", slots=1)
+    q.dispatch("a", 5)  # 1 running + 4 prefetched
+    q.dispatch("b", 9)  # 2 running + 7 prefetched
+    assert q.prefetched("a") == 4 and q.prefetched("b") == 7 and q.prefetched("idle") == 0
+    assert q.steal_victim("idle") == ("b", 4)  # half, rounded up
+    assert q.steal_victim("b") == ("a", 2)
+
+
+def test_stolen_closures_go_back_at_the_head_unstarted():
+    q = make(6)
+    q.add_session("busy", slots=1)
+    q.add_session("idle", slots=1)
+    q.dispatch("busy", 6)
+    assert q.steal_victim("idle") == ("busy", 3)
+    assert q.put_back("busy", ["o-5", "o-4", "o-3"]) == 3  # the worker's newest pending
+    got = q.dispatch("idle", 10)
+    assert [c.cid for c in got] == ["o-3", "o-4", "o-5"]
+    assert all(c.attempt == 1 and c.worker_failures == 0 for c in got)
+    assert q.steal_victim("idle") == ("busy", 1)
+    q.check_invariants()
+
+
+def test_no_victim_without_prefetched_closures():
+    q = make(2)
+    q.add_session("a", slots=2)
+    q.add_session("b", slots=1)
+    q.dispatch("a", 2)
+    assert q.steal_victim("b") is None
+
+
+def test_protocol_types_travel_as_plain_lists():
+    """Named message types are wire-compatible with the positional tuples they replace."""
+    from distributed.protocol import dumps, loads
+
+    from daskdist.plugins.protocol import Dispatch, Result
+
+    msg = {"closures": [Dispatch("o-1", [b"fn", None], 2, False)],
+           "results": [Result("o-0", False, b"err", USER_ERROR, [("lease", "d", 0, [(0, 4)])])]}
+    back = loads(dumps(msg))
+    d = Dispatch._make(back["closures"][0])
+    assert (d.cid, list(d.payload), d.attempt, d.gang) == ("o-1", [b"fn", None], 2, False)
+    cid, ok, value, kind, tokens = back["results"][0]  # positional unpacking still works
+    assert (cid, ok, value, kind) == ("o-0", False, b"err", USER_ERROR)
+    assert Result._make(back["results"][0]).tokens[0][0] == "lease"

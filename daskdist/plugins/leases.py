@@ -61,13 +61,22 @@ LEASE_TOKEN = "lease"
 
 
 def _group_tokens(tokens: Iterable[object]) -> dict[tuple[str, int], list[Interval]]:
-    """Lease tokens ``("lease", dataset_id, epoch, ranges)`` grouped by epoch table."""
+    """Lease tokens ``("lease", dataset_id, epoch, ranges)`` grouped by epoch table.
+
+    Tokens of other kinds are ignored; a lease token of the wrong shape raises
+    ``ValueError`` (it must not be skipped while the acknowledgement reports success).
+    """
     groups: dict[tuple[str, int], list[Interval]] = {}
     for tok in tokens:
-        if isinstance(tok, (tuple, list)) and len(tok) == 4 and tok[0] == LEASE_TOKEN:
-            groups.setdefault((str(tok[1]), int(tok[2])), []).extend(
-                (int(a), int(b)) for a, b in tok[3]
-            )
+        if not (isinstance(tok, (tuple, list)) and tok and tok[0] == LEASE_TOKEN):
+            continue
+        try:
+            _, dataset_id, epoch, ranges = tok
+            pairs = [(int(a), int(b)) for a, b in ranges]
+            key = (str(dataset_id), int(epoch))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"malformed lease token {tok!r}: {e}") from None
+        groups.setdefault(key, []).extend(pairs)
     return groups
 
 
@@ -114,15 +123,40 @@ class LeaseTable:
 
     Sessions are opaque strings (the worker plugin's session id). Not thread-safe: the
     scheduler plugin calls it from its event loop only.
+
+    Memory stays bounded: an epoch whose every row is acknowledged drops its table and
+    is remembered as one interval of completed epochs per dataset (with its row count);
+    the ids of the last ``max_expired`` dropped sessions are kept for fencing (the
+    scheduler fences older ones by membership: sessions are never reused).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_expired: int = 4096) -> None:
         self._epochs: dict[tuple[str, int], _Epoch] = {}
-        self._expired: set[str] = set()
+        self._expired: dict[str, None] = {}  # insertion-ordered: the oldest go first
+        self._max_expired = max_expired
+        # dataset -> (total rows, intervals of completed epochs): their tables are gone
+        self._completed: dict[str, tuple[int, list[Interval]]] = {}
+        self.epochs_completed = 0
+        self.sessions_dropped = 0
         # session -> keys of the epochs where it holds leases (for drop_session)
         self._session_keys: dict[str, set[tuple[str, int]]] = {}
 
     # -- table definition --------------------------------------------------------------
+    def is_complete(self, dataset_id: str, epoch: int) -> bool:
+        """Every row of the epoch was acknowledged (its table may be dropped already)."""
+        done = self._completed.get(dataset_id)
+        return done is not None and any(a <= int(epoch) < b for a, b in done[1])
+
+    def _complete(self, key: tuple[str, int], ep: _Epoch) -> None:
+        """Every row of the epoch is acknowledged: keep only that fact (and its size)."""
+        del self._epochs[key]
+        for keys in self._session_keys.values():
+            keys.discard(key)
+        dataset_id, epoch = key
+        _, done = self._completed.get(dataset_id, (ep.total, []))
+        self._completed[dataset_id] = (ep.total, union(done, [(epoch, epoch + 1)]))
+        self.epochs_completed += 1
+
     def _epoch(self, dataset_id: str, epoch: int, unit_rows: Sequence[int] | None) -> _Epoch:
         key = (dataset_id, int(epoch))
         ep = self._epochs.get(key)
@@ -163,6 +197,12 @@ class LeaseTable:
             del self._epochs[key]
             for keys in self._session_keys.values():
                 keys.discard(key)
+        if dataset_id in self._completed:
+            if epoch is None:
+                del self._completed[dataset_id]
+            else:
+                total, done = self._completed[dataset_id]
+                self._completed[dataset_id] = (total, subtract(done, [(epoch, epoch + 1)]))
 
     # -- transitions ------------------------------------------------------------------
     def acquire(
@@ -176,6 +216,8 @@ class LeaseTable:
         """
         if session in self._expired:
             raise SessionExpired(f"session {session!r} expired; its worker was lost")
+        if self.is_complete(dataset_id, epoch):
+            return None
         ep = self._epoch(dataset_id, epoch, unit_rows)
         while ep.heap:
             u = ep.heap[0]
@@ -250,13 +292,17 @@ class LeaseTable:
         if found is None:
             return False
         self._acknowledge(session, *found)
+        self._drop_completed([(dataset_id, epoch)])
         return True
 
     def ack_tokens(self, session: str, tokens: Iterable[object]) -> bool:
         """Acknowledge every lease token ``("lease", dataset_id, epoch, ranges)`` of one
         completed closure, atomically: all tokens are checked first and, if any is
         refused, nothing changes and ``False`` is returned. Other tokens are ignored."""
-        groups = _group_tokens(tokens)
+        try:
+            groups = _group_tokens(tokens)
+        except ValueError:
+            return False  # refused: nothing acknowledged
         if session in self._expired:
             return not groups
         found = [self._leased_pieces(session, dataset_id, epoch, ranges)
@@ -265,13 +311,26 @@ class LeaseTable:
             return False
         for ep, per_unit in found:
             self._acknowledge(session, ep, per_unit)
+        self._drop_completed(groups)
         return True
 
+    def _drop_completed(self, keys: Iterable[tuple[str, int]]) -> None:
+        for dataset_id, epoch in keys:
+            key = (dataset_id, int(epoch))
+            ep = self._epochs.get(key)
+            if ep is not None and ep.n_acked == ep.total:
+                self._complete(key, ep)
+
     def release_tokens(self, session: str, tokens: Iterable[object]) -> int:
-        """Release the rows of every lease token of one failed closure; rows freed."""
+        """Release the rows of every lease token of one failed closure; rows freed (0
+        for a malformed token: nothing can be said of its rows)."""
+        try:
+            groups = _group_tokens(tokens)
+        except ValueError:
+            return 0
         return sum(
             self.release(session, dataset_id, epoch, ranges)
-            for (dataset_id, epoch), ranges in _group_tokens(tokens).items()
+            for (dataset_id, epoch), ranges in groups.items()
         )
 
     def release(
@@ -308,7 +367,11 @@ class LeaseTable:
     def drop_session(self, session: str) -> int:
         """A lost worker: every row leased to ``session`` goes back to free, and later
         acks, releases and acquires from it are refused. Returns rows freed."""
-        self._expired.add(session)
+        if session not in self._expired:
+            self.sessions_dropped += 1
+        self._expired[session] = None
+        while len(self._expired) > self._max_expired:
+            del self._expired[next(iter(self._expired))]
         moved = 0
         for key in self._session_keys.pop(session, set()):
             ep = self._epochs.get(key)
@@ -330,6 +393,13 @@ class LeaseTable:
         """``total``, ``acknowledged``, ``leased``, ``free`` rows and ``complete`` (every
         row acknowledged). An unknown table (and no ``unit_rows`` to define it) reports
         ``known=False`` and ``complete=False``."""
+        if self.is_complete(dataset_id, epoch):
+            total = self._completed[dataset_id][0]
+            return {
+                "dataset_id": dataset_id, "epoch": int(epoch), "known": True,
+                "total": total, "acknowledged": total, "leased": 0, "free": 0,
+                "units": len(unit_rows) if unit_rows is not None else 0, "complete": True,
+            }
         if unit_rows is None and (dataset_id, int(epoch)) not in self._epochs:
             return {
                 "dataset_id": dataset_id, "epoch": int(epoch), "known": False, "total": 0,
@@ -360,6 +430,9 @@ class LeaseTable:
         return out
 
     def acknowledged(self, dataset_id: str, epoch: int) -> list[Interval]:
+        if self.is_complete(dataset_id, epoch):
+            total = self._completed[dataset_id][0]
+            return [(0, total)] if total else []
         ep = self._epoch(dataset_id, epoch, None)
         return normalize(iv for unit in ep.units for iv in unit.acked)
 

@@ -214,6 +214,24 @@ class ClosureQueue:
         running[c.cid] = None
         return c
 
+    def prefetched(self, session: str) -> int:
+        """Closures leased to ``session`` beyond its threads (unstarted, as far as the
+        scheduler can tell: a worker runs its leases in order)."""
+        running = self._running.get(session, ())
+        own = sum(1 for cid in running if self.closures[cid].pinned is None)
+        return max(0, own - self._slots.get(session, 1))
+
+    def steal_victim(self, thief: str) -> tuple[str, int] | None:
+        """The session (other than ``thief``) holding the most prefetched closures and
+        how many to take back from it (half, rounded up); ``None`` if none has any."""
+        best, most = None, 0
+        for session in self._sessions:
+            if session != thief:
+                n = self.prefetched(session)
+                if n > most:
+                    best, most = session, n
+        return None if best is None else (best, (most + 1) // 2)
+
     def has_work_for(self, session: str) -> bool:
         """Whether ``dispatch(session, n)`` would return anything now."""
         if self._pinned.get(session):

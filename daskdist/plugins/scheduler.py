@@ -28,6 +28,7 @@ from daskdist import config
 from daskdist.plugins import observe
 from daskdist.plugins.groups import GroupDriver
 from daskdist.plugins.leases import SessionExpired
+from daskdist.plugins.protocol import Dispatch
 from daskdist.plugins.queue import CANCELLED
 from daskdist.plugins.state import CoordinatorState, Outbox, wait_event
 from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
@@ -51,6 +52,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         # worker -> whether Dask expected its removal (retired, closed) or not (killed,
         # cut off); Dask logs the event just before it calls remove_worker
         self._expected: dict[str, bool] = {}
+        self._liveness_task: asyncio.Task | None = None
+        # client -> the pending drop of its owners (a cut connection may come back)
+        self._orphaned: dict[str, asyncio.TimerHandle] = {}
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -64,9 +68,11 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_raise": self.raise_error,
                 "daskdist_add_resource": self.add_resource,
                 "daskdist_get_resource": self.get_resource,
+                "daskdist_release_resources": self.release_resources,
                 "daskdist_register": self.register,
                 "daskdist_unregister": self.unregister,
                 "daskdist_exchange": self.exchange,
+                "daskdist_renew": self.renew,
                 "daskdist_report": self.report,
                 "daskdist_status": self.status,
                 "daskdist_closure_state": self.closure_state,
@@ -80,6 +86,30 @@ class CoordinatorPlugin(SchedulerPlugin):
         )
         scheduler.extensions["daskdist"] = self
         observe.install(self, scheduler)
+        self._liveness_task = asyncio.create_task(self._expire_loop())
+
+    async def _expire_loop(self) -> None:
+        """End sessions whose lease lapsed (SPEC §2.4); runs until ``close``.
+
+        Checks a few times per ``lease-timeout`` (at most every 0.5 s), so a hung
+        worker's closures are back in the queue within ``lease-timeout`` + 0.5 s.
+        """
+        last = time.monotonic()
+        while True:
+            timeouts = [co.liveness.timeout for co in self.coordinators.values()]
+            timeout = min(timeouts, default=config.seconds("liveness.lease-timeout"))
+            interval = max(0.05, min(0.5, timeout / 10))
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            stall = now - last - interval
+            last = now
+            for co in list(self.coordinators.values()):
+                if stall > 1.0:  # this loop was blocked: renewals may wait unread
+                    co.liveness.extend(stall)
+                for session in co.expire_sessions(now):
+                    logger.warning("daskdist[%s]: session %s sent nothing for %.1f s: "
+                                   "ended (its closures run elsewhere)", co.name, session,
+                                   co.liveness.timeout)
 
     # -- Dask events ------------------------------------------------------------------
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
@@ -107,6 +137,25 @@ class CoordinatorPlugin(SchedulerPlugin):
             self._expected[msg["worker"]] = bool(msg.get("expected"))
 
     def remove_client(self, scheduler, client: str) -> None:
+        """A client's connection closed: drop its owners after ``coordinator.client-grace``
+        unless it reconnects first (Dask's client reconnects with the same id)."""
+        if not any(box.client == client for co in self.coordinators.values()
+                   for box in co.outboxes.values()):
+            return
+        old = self._orphaned.pop(client, None)
+        if old is not None:
+            old.cancel()
+        grace = config.seconds("coordinator.client-grace")
+        self._orphaned[client] = asyncio.get_running_loop().call_later(
+            grace, self._drop_client, client)
+
+    def add_client(self, scheduler, client: str) -> None:
+        handle = self._orphaned.pop(client, None)
+        if handle is not None:
+            handle.cancel()  # it came back: its closures and results are still here
+
+    def _drop_client(self, client: str) -> None:
+        self._orphaned.pop(client, None)
         for co in self.coordinators.values():
             for owner, box in list(co.outboxes.items()):
                 if box.client == client:
@@ -136,6 +185,12 @@ class CoordinatorPlugin(SchedulerPlugin):
     async def close(self) -> None:
         for driver in self.drivers.values():
             driver.stop()
+        if self._liveness_task is not None:
+            self._liveness_task.cancel()
+            self._liveness_task = None
+        for handle in self._orphaned.values():
+            handle.cancel()
+        self._orphaned.clear()
 
     def _worker_retiring(self, address: str) -> bool:
         ws = self.scheduler.workers.get(address)
@@ -143,23 +198,35 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     # -- client handlers ---------------------------------------------------------------
     async def create(self, name: str, max_worker_failures: int | None = None,
-                     torch_threads: int | None = None) -> dict:
+                     torch_threads: int | None = None,
+                     lease_timeout: float | None = None) -> dict:
         """Create the named coordinator if new, and make sure workers run its plugin."""
         co = self.coordinators.get(name)
         if co is None:
             if max_worker_failures is None:
                 max_worker_failures = int(config.get("coordinator.max-worker-failures"))
-            co = self.coordinators[name] = CoordinatorState(name, max_worker_failures,
-                                                            send=self._send)
+            co = self.coordinators[name] = CoordinatorState(
+                name, max_worker_failures, send=self._send,
+                lease_timeout=lease_timeout or config.seconds("liveness.lease-timeout"))
             self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
         plugin_name = worker_plugin_name(name)
         if plugin_name not in self.scheduler.worker_plugins:
-            await self.scheduler.register_worker_plugin(
+            replies = await self.scheduler.register_worker_plugin(
                 comm=None,
                 plugin=dumps(CoordinatorWorkerPlugin(name, torch_threads=torch_threads)),
                 name=plugin_name,
                 idempotent=True,
             )
+            failed = {w: r for w, r in (replies or {}).items()
+                      if isinstance(r, dict) and r.get("status") != "OK"}
+            if failed:
+                # Unregister, so that the next attempt registers (and reports) again.
+                await self.scheduler.unregister_worker_plugin(comm=None, name=plugin_name)
+                worker, reply = next(iter(failed.items()))
+                raise RuntimeError(
+                    f"the daskdist worker plugin of coordinator {name!r} failed to set up "
+                    f"on {len(failed)} of {len(replies)} workers; {worker}: "
+                    f"{reply.get('exception_text') or reply}")
         return {"workers": len(co.members)}
 
     def attach(self, name: str, client: str | None = None) -> str:
@@ -207,10 +274,22 @@ class CoordinatorPlugin(SchedulerPlugin):
         Returns the error (if another caller took it first: ``None``) and the cancelled.
         """
         co = self._get(name)
-        q = co.queue
-        if q.error is None:
+        if co.queue.error is None:
             return {"error": None, "cancelled": []}
         deadline = None if timeout is None else time.monotonic() + timeout
+        # Two raises must not interleave: the second would un-pause while the first
+        # waits, or cancel closures queued after the first took the error.
+        if not await _acquire(co.raise_lock, timeout):
+            return {"timeout": True}
+        try:
+            return await self._raise_locked(co, deadline)
+        finally:
+            co.raise_lock.release()
+
+    async def _raise_locked(self, co: CoordinatorState, deadline: float | None) -> dict:
+        q = co.queue
+        if q.error is None:  # another raise took it while we waited for the lock
+            return {"error": None, "cancelled": []}
         co.set_paused(True)
         try:
             while q.inflight:
@@ -266,7 +345,7 @@ class CoordinatorPlugin(SchedulerPlugin):
     def lease_acquire(self, name: str, session: str, dataset_id: str, epoch: int,
                       unit_rows: list[int]) -> dict:
         co = self._get(name)
-        if session not in co.members:
+        if not co.renew(session, time.monotonic()):
             return {"expired": True}
         try:
             lease = co.leases.acquire(session, dataset_id, epoch, unit_rows)
@@ -287,6 +366,17 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     def get_resource(self, name: str, rid: str) -> bytes | None:
         return self._get(name).resources.get(rid)
+
+    def release_resources(self, name: str, rids: list) -> None:
+        """The client dropped these per-worker resources: forget them here and on every
+        worker (one-way; the client sends it once no closure can still use them)."""
+        co = self.coordinators.get(name)
+        if co is None:
+            return
+        for rid in rids:
+            co.resources.pop(rid, None)
+        co.resources_released += len(rids)
+        co.broadcast({"op": "daskdist-release", "name": name, "rids": list(rids)})
 
     def closure_state(self, name: str, cid: str) -> str | None:
         """PENDING or RUNNING for a closure not yet final; ``None`` once final or unknown."""
@@ -312,6 +402,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         if old is not None and old != session:
             co.end_session(old)
         member, _ = co.members.join(session, address, device, gpu)
+        co.liveness.add(session, time.monotonic())
         co.queue.add_session(session, slots)
         co.membership_changed()
         if self._worker_retiring(address):
@@ -335,8 +426,28 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     def report(self, name: str, session: str, results: list) -> dict:
         co = self._get(name)
+        if not co.renew(session, time.monotonic()):
+            return {"unknown_session": True}  # fenced: the loop's exchange re-registers
         co.apply_results(session, results)
         return {"version": co.members.version, "hold": co.hold}
+
+    def renew(self, name: str, session: str) -> dict:
+        """A worker session's lease renewal (every ``liveness.renew-interval``)."""
+        co = self.coordinators.get(name)
+        return {"ok": co is not None and co.renew(session, time.monotonic())}
+
+    def _steal_for(self, co: CoordinatorState, thief: str) -> None:
+        """An idle session found no work: ask the session holding the most prefetched,
+        unstarted closures to give half of them back (they return as ``UNSTARTED``
+        results, go to the head of the queue and wake the idle session's long-poll)."""
+        victim = co.queue.steal_victim(thief)
+        if victim is None:
+            return
+        session, n = victim
+        member = co.members.members.get(session)
+        if member is not None:
+            co.steals += 1
+            self._send(member.address, {"op": "daskdist-steal", "name": co.name, "n": n})
 
     async def exchange(
         self,
@@ -356,7 +467,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         up to ``daskdist.scheduler.poll-interval`` for work.
         """
         co = self.coordinators.get(name)
-        if co is None or session not in co.members:
+        if co is None or not co.renew(session, time.monotonic()):
             return {"unknown_session": True}
         q = co.queue
         if results:
@@ -370,8 +481,10 @@ class CoordinatorPlugin(SchedulerPlugin):
             share = -(-q.backlog // max(1, len(co.members)))
             return min(want, max(1, share))
 
-        closures = q.dispatch(session, fair(want))
+        # A busy worker prefetches nothing while another waits idle for work (SPEC §2.4).
+        closures = q.dispatch(session, fair(want) if block or not co.waiters else 0)
         if not closures and block and want > 0:
+            self._steal_for(co, session)
             deadline = time.monotonic() + config.seconds("scheduler.poll-interval")
             event = asyncio.Event()
             co.waiters.add(event)
@@ -391,12 +504,30 @@ class CoordinatorPlugin(SchedulerPlugin):
             finally:
                 co.waiters.discard(event)
         return {
-            "closures": [(c.cid, c.payload, c.attempt, c.pinned is not None)
+            "closures": [Dispatch(c.cid, c.payload, c.attempt, c.pinned is not None)
                          for c in closures],
             "num_workers": len(co.members),
             "version": co.members.version,
             "hold": co.hold,
         }
+
+
+async def _acquire(lock: asyncio.Lock, timeout: float | None) -> bool:
+    """Acquire ``lock`` within ``timeout`` seconds (``None``: wait); whether it was."""
+    if timeout is None:
+        await lock.acquire()
+        return True
+    task = asyncio.ensure_future(lock.acquire())
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout))
+    if task in done:
+        return True
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return False
+    lock.release()  # acquired just as it was cancelled
+    return False
 
 
 def dask_setup(scheduler) -> None:

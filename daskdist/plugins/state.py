@@ -16,6 +16,7 @@ from typing import Any
 
 from daskdist.plugins.gang import GangBook, GangOutcome
 from daskdist.plugins.leases import LeaseTable
+from daskdist.plugins.liveness import LivenessTable
 from daskdist.plugins.membership import Membership
 from daskdist.plugins.queue import FAILED, READY, UNSTARTED, ClosureQueue, Outcome
 
@@ -68,8 +69,10 @@ class CoordinatorState:
     """One named coordinator: queue, members, leases, gangs, outboxes and waiters."""
 
     def __init__(self, name: str, max_worker_failures: int = 3,
-                 send: Callable[[str, dict], None] | None = None):
+                 send: Callable[[str, dict], None] | None = None,
+                 lease_timeout: float = 30.0):
         self.name = name
+        self.liveness = LivenessTable(lease_timeout)  # session leases (SPEC §2.4)
         self.queue = ClosureQueue(max_worker_failures=max_worker_failures)
         self.members = Membership()
         self.leases = LeaseTable()
@@ -81,6 +84,9 @@ class CoordinatorState:
         self.gangs_changed = asyncio.Event()  # the gang pump waits on it
         self.send = send or (lambda address, msg: None)
         self.workers_lost = 0  # removals Dask did not expect
+        self.resources_released = 0
+        self.steals = 0  # requests to a busy worker to give back unstarted closures
+        self.raise_lock = asyncio.Lock()  # one error raise at a time (see raise_error)
 
     # -- delivery -------------------------------------------------------------------
     def deliver(self, outcomes: list[Outcome]) -> None:
@@ -139,6 +145,7 @@ class CoordinatorState:
         killed, crashed, cut off (False: counted as a lost worker).
         """
         self.members.leave(session)
+        self.liveness.forget(session)
         self.workers_lost += not expected
         self.leases.drop_session(session)
         group = self.gangs.group
@@ -149,6 +156,20 @@ class CoordinatorState:
         self.deliver(self.queue.remove_session(session))
         self.membership_changed()
         self.wake()
+
+    def renew(self, session: str, now: float) -> bool:
+        """A message from ``session``: its lease runs on. ``False`` if it is not a member
+        (ended or expired: the worker must register a new session)."""
+        return session in self.members and self.liveness.renew(session, now)
+
+    def expire_sessions(self, now: float) -> list[str]:
+        """End every session silent for ``lease-timeout`` like a lost worker (fenced: its
+        later messages are refused because it is no longer a member)."""
+        expired = self.liveness.expire(now)
+        for session in expired:
+            if session in self.members:
+                self.end_session(session, expected=False)
+        return expired
 
     def apply_results(self, session: str, results: list) -> None:
         """Apply a worker's results (each ``(cid, ok, value, kind, tokens)``).
@@ -216,6 +237,10 @@ class CoordinatorState:
             "worker_joins": self.members.joins,
             "worker_leaves": self.members.leaves,
             "workers_lost": self.workers_lost,
+            "lease_expiries": self.liveness.expiries,
+            "steals": self.steals,
+            "resources": len(self.resources),
+            "resources_released": self.resources_released,
             "error_pending": self.queue.error is not None,
             "membership_version": self.members.version,
             "group_generation": group.generation,

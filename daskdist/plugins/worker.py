@@ -18,6 +18,7 @@ import logging
 import sys
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,6 +34,7 @@ from daskdist.context import InputContext, WorkerContext, _set_current, _set_mem
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError
 from daskdist.plugins.gang import COLLECTIVE_ERROR, HOSTS_UPDATED
 from daskdist.plugins.malloc import restore_dynamic_thresholds
+from daskdist.plugins.protocol import Dispatch, Result
 from daskdist.plugins.queue import INPUT_ERROR, UNSTARTED, USER_ERROR
 from daskdist.values import PerWorkerValues, dump_error, map_structure
 
@@ -105,12 +107,22 @@ def _install_worker_handlers(worker) -> None:
             collective.mark_peer_lost(generation)
 
     def membership(name: str, version: int) -> None:
-        _set_membership(version)
+        _set_membership(version, name=name)
 
     def hold(name: str, hold: bool) -> None:
         runner = _runner(worker, name)
         if runner is not None:
             runner.hold = hold
+
+    def release(name: str, rids: list) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.resources.drop(rids)
+
+    def steal(name: str, n: int) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.give_back(n)
 
     async def collective(action: str, name: str, **kw: Any) -> Any:
         from daskdist import collective as coll
@@ -137,6 +149,8 @@ def _install_worker_handlers(worker) -> None:
         "daskdist-peer-lost": peer_lost,
         "daskdist-membership": membership,
         "daskdist-hold": hold,
+        "daskdist-steal": steal,
+        "daskdist-release": release,
     })
     worker.handlers["daskdist_collective"] = collective
 
@@ -215,6 +229,16 @@ class ResourceRegistry:
     def clear(self) -> None:
         self._objects.clear()
 
+    def drop(self, rids: list[str]) -> None:
+        """Forget released resources (a closure using one keeps its own reference)."""
+        with self._lock:
+            for rid in rids:
+                self._objects.pop(rid, None)
+                self._building.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
 
 class ClosureRunner:
     """The pull loop of one session: exchange with the scheduler, run closures in threads."""
@@ -236,6 +260,13 @@ class ClosureRunner:
         self.gpu = ""  # the device's GPU UUID: the scheduler tells shared GPUs apart by it
         self.held: set[str] = set()  # received, not yet acknowledged by the scheduler
         self.running = 0  # received, not yet finished here
+        # Received closures not yet started, oldest first: ``nthreads`` drain loops in
+        # the executor take them in order; ``give_back`` (event loop) takes from the
+        # tail. Guarded by ``_lock`` (both sides).
+        self._pending: deque[tuple] = deque()
+        self._drains = 0  # drain loops running in the executor
+        self._lock = threading.Lock()
+        self.renewer: asyncio.Task | None = None
         self.done: list[tuple] = []  # finished, not yet sent
         self.wakeup = asyncio.Event()
         self.polling = False  # a blocking exchange is outstanding
@@ -252,6 +283,7 @@ class ClosureRunner:
         _install_worker_handlers(self.worker)
         await self._register()
         self.task = asyncio.create_task(self._loop())
+        self.renewer = asyncio.create_task(self._renew_loop())
 
     async def _register(self) -> None:
         self.session = uuid.uuid4().hex
@@ -264,17 +296,20 @@ class ClosureRunner:
             raise RuntimeError("the daskdist scheduler plugin is not registered")
         self.index = reply["index"]
         self.num_workers = reply["num_workers"]
-        _set_membership(reply["version"])
+        _set_membership(reply["version"], name=self.name)
         self.resources.clear()
 
     async def stop(self) -> None:
         self.stopping = True
+        if self.renewer is not None:
+            self.renewer.cancel()
         if self.task is not None:
             self.task.cancel()
             try:
                 await self.task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._drop_pending()  # received, never started: the scheduler puts them back
         results, self.done = self.done, []
         try:
             await self.worker.scheduler.daskdist_unregister(
@@ -293,6 +328,28 @@ class ClosureRunner:
         """Call a scheduler handler from a worker thread (not the event loop)."""
         return sync(self.worker.loop, getattr(self.worker.scheduler, op), name=self.name,
                     **kwargs)
+
+    async def _renew_loop(self) -> None:
+        """Renew this session's lease every ``liveness.renew-interval`` (SPEC §2.4).
+
+        Runs on the worker's event loop, not in a closure thread: closures release the
+        GIL often enough for it to run (see ``tests/test_liveness.py``), so only a hung
+        process or event loop lets the lease lapse. A refused renewal (the scheduler
+        ended the session) wakes the exchange loop, which registers a new session.
+        Each call is bounded so a dead connection cannot stall renewals for good.
+        """
+        interval = config.seconds("liveness.renew-interval")
+        while not self.stopping:
+            await asyncio.sleep(interval)
+            try:
+                reply = await asyncio.wait_for(
+                    self.worker.scheduler.daskdist_renew(name=self.name, session=self.session),
+                    max(5.0, 5 * interval))
+            except (OSError, CommClosedError, asyncio.TimeoutError) as e:
+                logger.info("daskdist: lease renewal failed (%r); retrying", e)
+                continue
+            if isinstance(reply, dict) and not reply.get("ok", True):
+                self.poke()  # the next exchange learns the session is gone
 
     # -- the loop -----------------------------------------------------------------------
     def _retiring(self) -> bool:
@@ -333,21 +390,66 @@ class ClosureRunner:
                 # The scheduler ended this session (it put our closures back): start anew.
                 self.held.clear()
                 self.done.clear()
+                self._drop_pending()
                 await self._register()
                 continue
             for r in results:
                 self.held.discard(r[0])
             self.num_workers = reply["num_workers"]
             self.hold = reply["hold"]
-            _set_membership(reply["version"])
+            _set_membership(reply["version"], name=self.name)
             session = self.session
-            for cid, payload, attempt, gang in reply["closures"]:
+            work = []
+            for cid, payload, attempt, gang in map(Dispatch._make, reply["closures"]):
                 self.held.add(cid)
                 if gang:
                     self.gang_executor.submit(self._run, session, cid, payload, attempt, True)
                 else:
-                    self.running += 1
-                    self.executor.submit(self._run, session, cid, payload, attempt)
+                    work.append((session, cid, payload, attempt))
+            if work:
+                self.running += len(work)
+                self._enqueue(work)
+
+    def _enqueue(self, work: list[tuple]) -> None:
+        """Queue received closures and start drain loops for idle threads (event loop)."""
+        with self._lock:
+            self._pending.extend(work)
+            start = min(len(self._pending), self.nthreads - self._drains)
+            self._drains += start
+        for _ in range(start):
+            self.executor.submit(self._drain)
+
+    def _drain(self) -> None:
+        """A closure thread: run pending closures in order until there are none."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._drains -= 1
+                    return
+                item = self._pending.popleft()
+            self._run(*item)
+
+    def give_back(self, n: int) -> int:
+        """The scheduler asks for up to ``n`` unstarted closures back (an idle worker
+        waits): the newest pending ones return as ``UNSTARTED`` results. Event loop."""
+        with self._lock:
+            take = [self._pending.pop() for _ in range(min(max(0, n), len(self._pending)))]
+        if not take:
+            return 0
+        self.running -= len(take)
+        self.done.extend(Result(cid, False, None, UNSTARTED, []) for session, cid, _, _ in take
+                         if session == self.session)
+        self.wakeup.set()
+        if self.polling and not self.reporting:
+            asyncio.ensure_future(self._report())
+        return len(take)
+
+    def _drop_pending(self) -> None:
+        """The session ended: closures it received and did not start are not ours to run."""
+        with self._lock:
+            dropped = len(self._pending)
+            self._pending.clear()
+        self.running -= dropped
 
     def _on_done(self, session: str, result: tuple, gang: bool) -> None:
         """Runs on the event loop when a closure finished in a thread."""
@@ -373,6 +475,9 @@ class ClosureRunner:
                     )
                 except (OSError, CommClosedError):
                     self.done[:0] = results
+                    return
+                if reply.get("unknown_session"):
+                    self.poke()  # fenced: the loop's next exchange registers anew
                     return
                 for r in results:
                     self.held.discard(r[0])

@@ -1,0 +1,69 @@
+"""Races and silent failures found by reading (issue 11, point 4), each pinned by a test
+that fails without its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from daskdist.context import (
+    WorkerContext,
+    _set_current,
+    _set_membership,
+    membership_version,
+)
+from daskdist.plugins.queue import USER_ERROR
+from daskdist.plugins.scheduler import CoordinatorPlugin
+from daskdist.plugins.state import CoordinatorState
+
+
+def test_membership_counter_is_per_coordinator_name():
+    _set_membership(7, name="race-a")
+    _set_membership(3, name="race-b")
+    _set_membership(2, name="race-a")  # never goes back
+    assert membership_version("race-a") == 7 and membership_version("race-b") == 3
+    seen = {}
+
+    def closure_thread(name):
+        # what elastic State.commit() calls: the version of the closure's coordinator
+        _set_current(WorkerContext(0, 1, "cpu", "tcp://w", 1, name), None)
+        try:
+            seen[name] = membership_version()
+        finally:
+            _set_current(None, None)
+
+    for name in ("race-a", "race-b"):
+        t = threading.Thread(target=closure_thread, args=(name,))
+        t.start()
+        t.join()
+    assert seen == {"race-a": 7, "race-b": 3}
+
+
+def test_two_error_raises_do_not_interleave():
+    """A raise that times out must not un-pause the queue while another raise waits."""
+    async def main():
+        plugin = CoordinatorPlugin()
+        co = plugin.coordinators["r"] = CoordinatorState("r")
+        q = co.queue
+        q.add_session("s", slots=2)
+        q.put("o-0", "o", b"")
+        q.put("o-1", "o", b"")
+        q.dispatch("s", 2)
+        q.finish("s", "o-0", False, b"boom", USER_ERROR)  # the error; o-1 still runs
+        second = asyncio.ensure_future(plugin.raise_error("r"))  # waits for o-1
+        first = await plugin.raise_error("r", timeout=0.1)
+        await asyncio.sleep(0)
+        assert "error" in first or first == {"timeout": True}
+        assert not second.done()
+        assert q.paused  # the waiting raise still holds dispatch
+        q.put("o-2", "o", b"")
+        assert q.dispatch("s", 5) == []
+        co.apply_results("s", [("o-1", True, b"ok", None, [])])
+        got = await asyncio.wait_for(second, 5)
+        assert got["error"] is not None and got["error"][0] == "o-0"
+        assert ("o", "o-2") in got["cancelled"]
+        assert not q.paused
+        again = await plugin.raise_error("r")
+        assert again == {"error": None, "cancelled": []}
+
+    asyncio.run(main())
