@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -118,3 +120,28 @@ def test_init_member_gives_up_connecting_to_a_dead_rank0_when_told():
     th.join(10)
     assert isinstance(box.get("err"), CollectiveError), box
     assert box["at"] - t0 < 3.0  # one connect attempt (0.5 s + torch's retry delay)
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* write them) listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                    found.append(addr)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux's /proc/net/tcp")
+def test_rendezvous_store_listens_on_the_given_interface_only_and_only_while_needed():
+    from daskdist.collective import create_store, destroy_member
+
+    host, port = create_store(987654, "127.0.0.1", timeout=5)
+    assert host == "127.0.0.1"
+    # 127.0.0.1 as /proc writes it; never 0.0.0.0 or :: (every interface)
+    assert _listening(port) == ["0100007F"]
+    destroy_member()
+    assert _listening(port) == []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -48,17 +49,26 @@ def create_store(generation: int, host: str, timeout: float = 60.0) -> tuple[str
     """Rank 0: open the rendezvous store of ``generation``; return ``(host, port)``.
 
     ``host`` is this worker's address as the other members reach it (the host part of
-    its Dask address). The store listens on an ephemeral port and is held in this
-    process until ``destroy_member()`` or a later generation's store replaces it.
-    Run it in any thread of the rank-0 worker, before ``init_member`` on any member.
+    its Dask address). The store listens on an ephemeral port of that interface only
+    (torch's own bind would take every interface) and is held in this process until
+    ``destroy_member()`` or a later generation's store replaces it: it lives as long as
+    the group generation it serves. Run it in any thread of the rank-0 worker, before
+    ``init_member`` on any member.
     """
-    store = dist.TCPStore(
-        host,
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    fd = _listen_on(host)
+    try:
+        store = dist.TCPStore(
+            host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
     with runtime.lock:
         for g in [g for g in runtime.stores if g < generation]:
             del runtime.stores[g]
@@ -128,6 +138,20 @@ def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> No
 
 
 # -- internals ---------------------------------------------------------------
+
+
+def _listen_on(host: str) -> int:
+    """A TCP socket listening on ``host``'s interface only, at an ephemeral port; its file
+    descriptor, which the store takes over (and closes when it is destroyed)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def _init_locked(
