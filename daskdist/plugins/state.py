@@ -18,6 +18,7 @@ from daskdist.plugins.gang import GangBook, GangOutcome
 from daskdist.plugins.leases import LeaseTable
 from daskdist.plugins.membership import Membership
 from daskdist.plugins.queue import FAILED, READY, UNSTARTED, ClosureQueue, Outcome
+from daskdist.plugins.stats import CoordinatorStats
 
 GANG_OWNER = "__gang__"  # owner of gang member closures: routed to the gang book
 
@@ -81,6 +82,7 @@ class CoordinatorState:
         self.gangs_changed = asyncio.Event()  # the gang pump waits on it
         self.send = send or (lambda address, msg: None)
         self.workers_lost = 0  # removals Dask did not expect
+        self.stats = CoordinatorStats()  # dashboard counters and history (plugins/stats.py)
 
     # -- delivery -------------------------------------------------------------------
     def deliver(self, outcomes: list[Outcome]) -> None:
@@ -138,6 +140,7 @@ class CoordinatorState:
         ``expected`` is Dask's word on a removed worker: retired or closed (True), or
         killed, crashed, cut off (False: counted as a lost worker).
         """
+        self.stats.on_session_end(self, session, expected)
         self.members.leave(session)
         self.workers_lost += not expected
         self.leases.drop_session(session)
@@ -167,6 +170,7 @@ class CoordinatorState:
                 continue
             accepted = q.holds(session, cid)
             o = q.finish(session, cid, ok, value, kind)
+            self.stats.on_results(self, session, accepted, ok, tokens)
             if tokens:
                 if accepted and ok:
                     self.leases.ack_tokens(session, tokens)
