@@ -107,6 +107,8 @@ class DaskdistDashboard:
                                   tools=[hover.clone()], name="daskdist-worker-rows", **fig)
         self.worker_rows.hbar(y="worker", right="rows_per_second", height=0.7,
                               source=self.workers, color=COLORS["queued"])
+        for f in (self.worker_closures, self.worker_rows):
+            f.x_range.start = 0
 
         # per dynamic dataset: the newest epoch's acknowledged / leased / free rows
         self.datasets = ColumnDataSource({k: [] for k in (
@@ -141,7 +143,10 @@ class DaskdistDashboard:
                                           source=self.events, x_offset=6, y_offset=6,
                                           text_font_size="10pt"))
         self.timeline.yaxis.axis_label = "generation"
-        self.timeline.xaxis.formatter = self.closures.xaxis.formatter
+        self.timeline.xaxis.formatter = DatetimeTickFormatter(
+            milliseconds="%H:%M:%S.%3N", seconds="%H:%M:%S", minsec="%H:%M:%S",
+            minutes="%H:%M")
+        self.timeline.x_range.range_padding = 0.1
 
     def update(self) -> None:
         snaps = snapshots(self.plugin)

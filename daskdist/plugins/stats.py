@@ -125,7 +125,7 @@ class CoordinatorStats:
         out: dict[str, list[float]] = {k: [] for k in (
             "time", "done", "failed", "retried", "recovered", "queued", "running")}
         points = list(self.history)
-        for a, b in zip(points, points[1:]):
+        for a, b in zip(points, points[1:], strict=False):
             dt = max(b.time - a.time, 1e-9)
             out["time"].append(b.time)
             for k in ("done", "failed", "retried", "recovered"):
