@@ -32,6 +32,7 @@ from bokeh.models import (
     FactorRange,
     HoverTool,
     LabelSet,
+    NumeralTickFormatter,
     Select,
 )
 from bokeh.plotting import figure
@@ -124,6 +125,7 @@ class DaskdistDashboard:
                                      color=[COLORS[k] for k in ("acknowledged", "leased", "free")],
                                      legend_label=["acknowledged", "leased", "free"])
         self.dataset_bars.x_range.start = 0
+        self.dataset_bars.xaxis.formatter = NumeralTickFormatter(format="0,0")
         self.dataset_bars.legend.orientation = "horizontal"
         self.dataset_bars.legend.location = "bottom_right"
 
@@ -146,7 +148,9 @@ class DaskdistDashboard:
         self.timeline.xaxis.formatter = DatetimeTickFormatter(
             milliseconds="%H:%M:%S.%3N", seconds="%H:%M:%S", minsec="%H:%M:%S",
             minutes="%H:%M")
-        self.timeline.x_range.range_padding = 0.1
+        self.timeline.x_range.range_padding = 0.2
+        self.timeline.y_range.range_padding = 0.3
+        self.timeline.yaxis.ticker.min_interval = 1  # generations are integers
 
     def update(self) -> None:
         snaps = snapshots(self.plugin)
@@ -171,7 +175,7 @@ class DaskdistDashboard:
         self.rates.data = h
 
         ws = snap["workers"]
-        labels = [w["address"] if w["index"] is None else f"{w['index']}: {w['address']}"
+        labels = [f"{w['index']}: {w['address']}" if w["alive"] else f"gone: {w['address']}"
                   for w in ws]
         if list(self.worker_closures.y_range.factors) != labels:
             self.worker_closures.y_range.factors = labels
