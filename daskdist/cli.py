@@ -27,11 +27,12 @@ import numpy as np
 FEATURES = 16
 
 
-def write_shards(root: Path, rows: int, files: int, seed: int = 0) -> np.ndarray:
+def write_shards(root: Path | str, rows: int, files: int, seed: int = 0) -> np.ndarray:
     """Synthetic regression shards: y = X @ w + noise. Returns the true weights."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    root = Path(root)
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(FEATURES).astype(np.float32)
     per_file = rows // files
