@@ -238,3 +238,37 @@ def test_browser_renders_live_plots(live, tmp_path):
     assert all(n > 0 for n in result["rows"].values()), result["rows"]
     assert result["canvases"] >= 5, result
     assert shot.stat().st_size > 10_000  # a drawn page, not a blank one
+
+
+# -- the pure bookkeeping (no cluster) --------------------------------------------------------
+
+def test_stats_counts_rows_rates_and_group_events():
+    from types import SimpleNamespace
+
+    from daskdist.plugins.stats import CoordinatorStats
+
+    now = [100.0]
+    stats = CoordinatorStats(history=10, clock=lambda: now[0])
+    member = SimpleNamespace(address="tcp://w0", index=0, device="cpu")
+    group = SimpleNamespace(sessions=("s0", "s1"), generation=3, broken=False)
+    co = SimpleNamespace(members=SimpleNamespace(members={"s0": member}),
+                         gangs=SimpleNamespace(group=group))
+    base = dict(done=0, failed=0, retried=0, recovered=0, queued=5, running=1)
+    stats.sample(base)
+    token = ("lease", "ds", 0, [(0, 100), (200, 250)])
+    stats.on_results(co, "s0", True, True, [token])
+    stats.on_results(co, "s0", True, False, [token])  # failed: no rows
+    stats.on_results(co, "s0", False, True, [token])  # fenced duplicate: nothing
+    now[0] = 102.0
+    stats.sample({**base, "done": 4, "queued": 1})
+    assert stats.workers["tcp://w0"].closures == 1 and stats.workers["tcp://w0"].rows == 150
+    assert stats.workers["tcp://w0"].failed == 1 and stats.dataset_rows == {"ds": 150}
+    series = stats.series()
+    assert series["time"] == [102.0] and series["done"] == [2.0] and series["queued"] == [1]
+    assert stats.worker_rates() == {"tcp://w0": (0.5, 75.0)}
+    stats.on_session_end(co, "s0", expected=False)
+    stats.on_session_end(co, "s9", expected=False)  # not a group member: no event
+    stats.on_formation(4, True, 0.25, 1)
+    assert [(e.kind, e.generation, e.worker) for e in stats.events] == [
+        ("loss", 3, "tcp://w0"), ("formed", 4, "")]
+    assert stats.losses == 1 and stats.formations == 1 and stats.events[-1].seconds == 0.25
