@@ -223,7 +223,10 @@ def demo(args: argparse.Namespace) -> int:
         print(f"data      {shards.num_rows:,} rows in {len(shards.units)} units "
               f"({shards.pattern})", flush=True)
         coord = stack.enter_context(dd.Coordinator(client, name="demo"))
-        coord.wait_for_workers(args.workers, timeout=120)
+        try:
+            coord.wait_for_workers(args.workers, timeout=120)
+        except TimeoutError as e:
+            raise UsageError(f"--workers {args.workers}: {e}") from None
         print(f"cluster   {args.workers} workers ready in {time.perf_counter() - t0:.1f} s"
               + (f"; dashboard {client.dashboard_link}" if args.dashboard else ""), flush=True)
 
