@@ -224,7 +224,7 @@ def demo(args: argparse.Namespace) -> int:
               f"({shards.pattern})", flush=True)
         coord = stack.enter_context(dd.Coordinator(client, name="demo"))
         try:
-            coord.wait_for_workers(args.workers, timeout=120)
+            coord.wait_for_workers(args.workers, timeout=args.wait)
         except TimeoutError as e:
             raise UsageError(f"--workers {args.workers}: {e}") from None
         print(f"cluster   {args.workers} workers ready in {time.perf_counter() - t0:.1f} s"
@@ -296,6 +296,8 @@ def parser() -> argparse.ArgumentParser:
                    help="address of a running scheduler (default: an embedded LocalCluster)")
     d.add_argument("--dashboard", default=None, metavar="ADDRESS",
                    help="serve the embedded cluster's dashboard here, e.g. :8787")
+    d.add_argument("--wait", type=positive_int, default=120,
+                   help="seconds to wait for --workers workers to join")
     d.add_argument("--kill", action="store_true", help="SIGKILL a worker mid-epoch")
     m = sub.add_parser("make-shards", help="write synthetic Parquet shards for the demo")
     m.add_argument("out", help="directory to create")

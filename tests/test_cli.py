@@ -112,3 +112,20 @@ def test_ctrl_c_stops_the_demo_and_its_cluster(tmp):
     finally:
         if proc.poll() is None or session_processes(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_demo_on_an_existing_scheduler(tmp):
+    from distributed import Client
+
+    from tests.conftest import make_cluster
+
+    with make_cluster(2) as cluster, Client(cluster) as client:
+        r = cli("demo", "--scheduler", cluster.scheduler_address, "--workers", "2",
+                "--epochs", "1", "--rows", "2000", "--files", "2", "--steps", "3", tmp=tmp)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "2,000 rows (each exactly once: 2,000 acknowledged of 2,000)" in r.stdout
+        assert "sync      3 steps" in r.stdout
+        assert len(client.scheduler_info()["workers"]) == 2  # the cluster is left running
+        r = cli("demo", "--scheduler", cluster.scheduler_address, "--workers", "3",
+                "--wait", "2", "--steps", "0", "--rows", "1000", tmp=tmp, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--workers 3" in r.stderr
