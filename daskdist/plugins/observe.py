@@ -214,7 +214,10 @@ def install(plugin: Any, scheduler: Any) -> None:
         except ImportError as e:  # Bokeh missing: Dask has no dashboard either
             logger.info("daskdist: no Bokeh pages (%s)", e)
         else:
-            dashboard.install(plugin, scheduler)
+            try:
+                dashboard.install(plugin, scheduler)
+            except Exception as e:  # a Bokeh whose server internals differ: no plots
+                logger.warning("daskdist: dashboard pages not installed: %r", e)
     try:
         import prometheus_client
     except ImportError:
