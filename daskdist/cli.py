@@ -1,11 +1,13 @@
-"""The ``daskdist`` command: ``daskdist demo`` trains a small model on an embedded cluster.
+"""The ``daskdist`` command: ``daskdist demo`` trains a small model; ``make-shards`` writes data.
 
-The demo writes synthetic Parquet shards, starts a ``LocalCluster`` with worker
-processes, then trains a linear regression two ways: asynchronously (closures on
-per-worker replicas and per-worker datasets, any worker takes any step) and
+The demo writes synthetic Parquet shards (or reads ``--data``), starts a ``LocalCluster``
+with worker processes (or connects to ``--scheduler``), then trains a linear regression
+two ways: asynchronously for ``--epochs`` epochs (closures on per-worker replicas, a
+dynamic dataset: every row of every epoch exactly once, reported per epoch) and
 synchronously (a gloo collective group, gang closures, averaged gradients, elastic
-state). ``--kill`` SIGKILLs a worker mid-run to show recovery. Nothing in the library
-imports this module.
+state). ``--kill`` SIGKILLs a worker mid-epoch to show recovery. Bad input is one line
+on stderr and exit status 2, before anything is created; Ctrl-C closes the cluster and
+exits with status 130. Nothing in the library imports this module.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +27,12 @@ import numpy as np
 FEATURES = 16
 
 
-def write_shards(root: Path, rows: int, files: int, seed: int = 0) -> np.ndarray:
+def write_shards(root: Path | str, rows: int, files: int, seed: int = 0) -> np.ndarray:
     """Synthetic regression shards: y = X @ w + noise. Returns the true weights."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    root = Path(root)
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(FEATURES).astype(np.float32)
     per_file = rows // files
@@ -101,108 +105,219 @@ def sync_steps(state, iterator, steps):
     return losses, rows, dd.collective.get_group().generation
 
 
-def kill_one_worker(client) -> int:
-    pid = sorted(client.run(os.getpid, on_error="ignore").values())[-1]
-    os.kill(pid, signal.SIGKILL)
-    return pid
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+async def _sigkill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_one_worker(client) -> str:
+    """SIGKILL the process of one worker (its nanny starts a new one); its address."""
+    address = sorted(client.scheduler_info(n_workers=-1)["workers"])[-1]
+    client.run(_sigkill_self, workers=[address], on_error="ignore", wait=False)
+    return address
+
+
+def find_shards(data: str):
+    """``ArrowShards`` of the Parquet files in ``data`` (UsageError when none)."""
+    import daskdist as dd
+
+    path = Path(data)
+    if not path.is_dir():
+        raise UsageError(f"--data {data}: no such directory")
+    if not any(path.glob("*.parquet")):
+        raise UsageError(f"--data {data}: no *.parquet shards in it "
+                         "(write some with: daskdist make-shards DIR)")
+    return dd.data.ArrowShards(str(path / "*.parquet"))
+
+
+def connect(args: argparse.Namespace, stack: ExitStack):
+    """A Client of ``--scheduler`` (UsageError when unreachable) or of a new LocalCluster."""
+    from distributed import Client, LocalCluster
+
+    if args.scheduler:
+        try:
+            return stack.enter_context(Client(args.scheduler, timeout="5s"))
+        except (OSError, TimeoutError, ValueError) as e:
+            raise UsageError(f"--scheduler {args.scheduler}: cannot connect "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    cluster = stack.enter_context(LocalCluster(
+        n_workers=args.workers, threads_per_worker=1, processes=True,
+        dashboard_address=args.dashboard, silence_logs=logging.ERROR))
+    return stack.enter_context(Client(cluster))
+
+
+def async_epoch(coord, client, ds, replica, args, epoch: int, kill: bool, t0: float) -> None:
+    """One epoch of asynchronous training, until every row is acknowledged; one line."""
+    from tqdm.auto import tqdm
+
+    ds.set_epoch(epoch)
+    it = iter(ds)
+    total = ds.progress()["total"]
+    losses, rows, killed = [], 0, None
+    t = time.perf_counter()
+    with tqdm(total=total, desc=f"epoch {epoch}", unit="row", unit_scale=True,
+              leave=False) as bar:
+        while not ds.progress()["complete"]:
+            rvs = [coord.schedule(async_step, args=(replica, it)) for _ in range(32)]
+            if kill and killed is None and rows > total // 3:
+                killed = kill_one_worker(client)
+                bar.write(f"killed    worker {killed} (SIGKILL); its work re-runs")
+            for out in coord.fetch(rvs):
+                if out is not None:
+                    losses.append(out[0])
+                    rows += out[1]
+                    bar.update(out[1])
+    p = ds.progress()
+    once = "each exactly once" if rows == p["acknowledged"] == p["total"] else "MISMATCH"
+    print(f"epoch {epoch}   {rows:,} rows ({once}: {p['acknowledged']:,} acknowledged of "
+          f"{p['total']:,}) in {time.perf_counter() - t:.1f} s; "
+          f"loss {losses[0]:.3f} -> {np.mean(losses[-8:]):.4f}", flush=True)
+    if once == "MISMATCH":
+        raise RuntimeError(f"epoch {epoch}: {rows} rows trained, {p} acknowledged")
+
+
+def sync_phase(coord, shards, args) -> None:
+    """Synchronous data-parallel training on a collective group (``sync_steps``)."""
+    from tqdm.auto import tqdm
+
+    group = coord.collective_group(backend="auto", timeout=60)
+    print(f"group     {group.backend} world_size={group.world_size} "
+          f"generation={group.generation}", flush=True)
+    state = coord.create_per_worker_resource(make_state)
+    sync_ds = coord.distribute_dataset(shards, global_batch_size=args.batch_size * args.workers,
+                                       shuffle=True, seed=1, policy="file")
+    sync_it = iter(sync_ds)
+    t = time.perf_counter()
+    sync_losses, sync_rows = [], 0
+    per_call = 20
+    with tqdm(total=args.steps, desc="sync", unit="step", leave=False) as bar:
+        done = 0
+        while done < args.steps:
+            out = coord.fetch(coord.schedule_on_all(
+                sync_steps, args=(state, sync_it, min(per_call, args.steps - done))))
+            steps = len(out[0][0])
+            if steps == 0:
+                break
+            sync_losses += out[0][0]
+            sync_rows += sum(o[1] for o in out)
+            done += steps
+            bar.update(steps)
+    print(f"sync      {done} steps, {sync_rows:,} rows in {time.perf_counter() - t:.1f} s; "
+          f"loss {sync_losses[0]:.3f} -> {np.mean(sync_losses[-5:]):.4f}", flush=True)
 
 
 def demo(args: argparse.Namespace) -> int:
-    from distributed import Client, LocalCluster
-    from tqdm.auto import tqdm
-
     import daskdist as dd
 
-    data = Path(args.data) if args.data else Path(tempfile.mkdtemp(prefix="daskdist-demo-"))
-    data.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    if not list(data.glob("*.parquet")):
-        write_shards(data, args.rows, args.files)
-    shards = dd.data.ArrowShards(str(data / "*.parquet"))
-    print(f"data      {shards.num_rows:,} rows in {len(shards.units)} units under {data}")
-
-    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                      dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
-            Client(cluster) as client:
-        coord = dd.Coordinator(client, name="demo")
-        coord.wait_for_workers(args.workers, timeout=120)
-        print(f"cluster   {args.workers} workers ready in {time.perf_counter() - t0:.1f} s")
+    shards = find_shards(args.data) if args.data else None  # bad input: before any work
+    with ExitStack() as stack:
+        t0 = time.perf_counter()
+        client = connect(args, stack)
+        if shards is None:
+            data = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="daskdist-")))
+            write_shards(data, args.rows, args.files)
+            shards = dd.data.ArrowShards(str(data / "*.parquet"))
+        print(f"data      {shards.num_rows:,} rows in {len(shards.units)} units "
+              f"({shards.pattern})", flush=True)
+        coord = stack.enter_context(dd.Coordinator(client, name="demo"))
+        try:
+            coord.wait_for_workers(args.workers, timeout=args.wait)
+        except TimeoutError as e:
+            raise UsageError(f"--workers {args.workers}: {e}") from None
+        print(f"cluster   {args.workers} workers ready in {time.perf_counter() - t0:.1f} s"
+              + (f"; dashboard {client.dashboard_link}" if args.dashboard else ""), flush=True)
 
         # -- asynchronous training: any worker takes any step of its own replica --------
         replica = coord.create_per_worker_resource(make_replica)
-        ds = coord.distribute_dataset(shards, global_batch_size=args.batch * args.workers,
+        ds = coord.distribute_dataset(shards, global_batch_size=args.batch_size * args.workers,
                                       shuffle=True, seed=0, policy="dynamic", name="async")
-        it = iter(ds)
-        losses, rows, killed = [], 0, None
-        t = time.perf_counter()
-        with tqdm(total=shards.num_rows, desc="async", unit="row", unit_scale=True) as bar:
-            while not ds.progress()["complete"]:
-                rvs = [coord.schedule(async_step, args=(replica, it)) for _ in range(32)]
-                if args.kill and killed is None and rows > shards.num_rows // 3:
-                    killed = kill_one_worker(client)
-                    bar.write(f"killed    worker pid {killed} (SIGKILL); its work re-runs")
-                for out in coord.fetch(rvs):
-                    if out is not None:
-                        losses.append(out[0])
-                        rows += out[1]
-                        bar.update(out[1])
-        async_seconds = time.perf_counter() - t
-        p = ds.progress()
-        once = "each exactly once" if rows == p["acknowledged"] == p["total"] else "MISMATCH"
-        print(f"async     {rows:,} rows ({once}: {p['acknowledged']:,} acknowledged of "
-              f"{p['total']:,}) in {async_seconds:.1f} s; "
-              f"loss {losses[0]:.3f} -> {np.mean(losses[-8:]):.4f}")
+        for epoch in range(args.epochs):
+            async_epoch(coord, client, ds, replica, args, epoch,
+                        kill=args.kill and epoch == args.epochs // 2, t0=t0)
 
         # -- synchronous training: a gloo group, gang closures, elastic state -----------
         coord.wait_for_workers(args.workers, timeout=120)  # a killed worker is back
-        group = coord.collective_group(backend="auto", timeout=60)
-        print(f"group     {group.backend} world_size={group.world_size} "
-              f"generation={group.generation}")
-        state = coord.create_per_worker_resource(make_state)
-        sync_ds = coord.distribute_dataset(shards, global_batch_size=args.batch * args.workers,
-                                           shuffle=True, seed=1, policy="file")
-        sync_it = iter(sync_ds)
-        t = time.perf_counter()
-        sync_losses, sync_rows = [], 0
-        per_call = 20
-        with tqdm(total=args.steps, desc="sync", unit="step") as bar:
-            done = 0
-            while done < args.steps:
-                out = coord.fetch(coord.schedule_on_all(
-                    sync_steps, args=(state, sync_it, min(per_call, args.steps - done))))
-                steps = len(out[0][0])
-                if steps == 0:
-                    break
-                sync_losses += out[0][0]
-                sync_rows += sum(o[1] for o in out)
-                done += steps
-                bar.update(steps)
-        sync_seconds = time.perf_counter() - t
+        if args.steps:
+            sync_phase(coord, shards, args)
         status = coord.status()
-        print(f"sync      {done} steps, {sync_rows:,} rows in {sync_seconds:.1f} s; "
-              f"loss {sync_losses[0]:.3f} -> {np.mean(sync_losses[-5:]):.4f}")
         print(f"summary   closures done={status['done']} retried={status['retried']} "
               f"recoveries={status['recoveries']} failed={status['failed']} "
-              f"workers={status['workers']} total {time.perf_counter() - t0:.1f} s")
-        coord.close()
+              f"workers={status['workers']} total {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="daskdist", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def make_shards(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.glob("*.parquet"))):
+        raise UsageError(f"{out}: exists and is not an empty directory of shards")
+    if args.files > args.rows:
+        raise UsageError(f"--files {args.files}: more files than --rows {args.rows}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_shards(out, args.rows, args.files)
+    print(f"wrote {args.rows // args.files * args.files:,} rows in {args.files} files to {out}")
+    return 0
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not positive")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block): ``daskdist: error: ...``."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="daskdist", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     d = sub.add_parser("demo", help="train a small model on an embedded LocalCluster")
-    d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--rows", type=int, default=200_000)
-    d.add_argument("--files", type=int, default=8)
-    d.add_argument("--batch", type=int, default=256, help="per-worker batch size")
-    d.add_argument("--steps", type=int, default=100, help="synchronous steps")
-    d.add_argument("--data", default=None, help="shard directory (default: a temp dir)")
-    d.add_argument("--kill", action="store_true", help="SIGKILL a worker mid-run")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return demo(args)
-    return 2
+    d.add_argument("--epochs", type=positive_int, default=2,
+                   help="asynchronous epochs, each row exactly once per epoch")
+    d.add_argument("--workers", type=positive_int, default=2,
+                   help="workers to start (with --scheduler: to wait for)")
+    d.add_argument("--rows", type=positive_int, default=200_000, help="synthetic rows")
+    d.add_argument("--files", type=positive_int, default=8, help="synthetic shard files")
+    d.add_argument("--batch-size", type=positive_int, default=256, help="per-worker batch size")
+    d.add_argument("--steps", type=int, default=100, help="synchronous steps (0: none)")
+    d.add_argument("--data", default=None,
+                   help="an existing directory of *.parquet shards (default: synthetic)")
+    d.add_argument("--scheduler", default=None,
+                   help="address of a running scheduler (default: an embedded LocalCluster)")
+    d.add_argument("--dashboard", default=None, metavar="ADDRESS",
+                   help="serve the embedded cluster's dashboard here, e.g. :8787")
+    d.add_argument("--wait", type=positive_int, default=120,
+                   help="seconds to wait for --workers workers to join")
+    d.add_argument("--kill", action="store_true", help="SIGKILL a worker mid-epoch")
+    m = sub.add_parser("make-shards", help="write synthetic Parquet shards for the demo")
+    m.add_argument("out", help="directory to create")
+    m.add_argument("--rows", type=positive_int, default=200_000)
+    m.add_argument("--files", type=positive_int, default=8)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(argv)
+        if args.command == "demo" and args.steps < 0:
+            raise UsageError(f"argument --steps: {args.steps} is negative")
+        return demo(args) if args.command == "demo" else make_shards(args)
+    except UsageError as e:
+        print(f"daskdist: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the ExitStack closed the coordinator and the cluster
+        print("daskdist: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ long-poll. Errors follow TensorFlow: the first failure is raised by the next
 from __future__ import annotations
 
 import asyncio
-import html
 import itertools
 import threading
 import time
@@ -25,7 +24,7 @@ from distributed import Client, get_client
 from distributed.comm.core import CommClosedError
 from distributed.worker import dumps_function
 
-from daskdist import config
+from daskdist import config, reprs
 from daskdist.errors import CollectiveError
 from daskdist.plugins.scheduler import PLUGIN_NAME, CoordinatorPlugin
 from daskdist.values import (
@@ -121,13 +120,19 @@ class DistributedDataset(PerWorkerDataset):
         return self._coordinator._register_resource(
             "iterator", _EpochIterator(self.epoch), parent=self.values)
 
-    def progress(self, epoch: int | None = None) -> dict:
+    def progress(self, epoch: int | None = None, bar: bool = False) -> dict:
         """The dynamic policy's counts for ``epoch``: total, acknowledged, leased, free,
-        complete."""
+        complete. ``bar=True`` also shows them on a ``tqdm.auto`` bar (one per dataset)."""
         epoch = self.epoch if epoch is None else int(epoch)
         unit_rows = [u.num_rows for u in self.shards.units]
-        return self._coordinator._call("daskdist_lease_progress", dataset_id=self.dataset_id,
-                                       epoch=epoch, unit_rows=unit_rows)
+        p = self._coordinator._call("daskdist_lease_progress", dataset_id=self.dataset_id,
+                                    epoch=epoch, unit_rows=unit_rows)
+        if bar:
+            reprs.update_epoch_bar(self, p)
+        return p
+
+    def _repr_html_(self) -> str:
+        return reprs.dataset_html(self)
 
 
 class Coordinator:
@@ -441,8 +446,12 @@ class Coordinator:
         return CollectiveGroup(info["world_size"], info["generation"],
                                tuple(info["members"]), info["backend"])
 
-    def join(self, timeout: float | None = None) -> None:
-        """Block until every closure scheduled here finished; raise the first error."""
+    def join(self, timeout: float | None = None, progress: bool = False) -> None:
+        """Block until every closure scheduled here finished; raise the first error.
+
+        ``progress=True`` shows a ``tqdm.auto`` bar of the closures finishing meanwhile."""
+        if progress:
+            return reprs.join_with_bar(self, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._error_pending:
@@ -575,16 +584,7 @@ class Coordinator:
         return f"<Coordinator {self.name!r} scheduler={self.client.scheduler.address}>"
 
     def _repr_html_(self) -> str:
-        try:
-            s = self.status()
-        except Exception as e:
-            return f"<b>Coordinator</b> {html.escape(self.name)}: status unavailable ({e!r})"
-        rows = "".join(
-            f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
-            for k, v in s.items()
-        )
-        return (f"<div><b>daskdist Coordinator</b> <code>{html.escape(self.name)}</code>"
-                f"<table>{rows}</table></div>")
+        return reprs.coordinator_html(self)
 
 
 def _seq_of(cid: str) -> int:

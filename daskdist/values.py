@@ -143,10 +143,18 @@ class RemoteValue:
         return f"<RemoteValue {self._cid} {self._status.value}>"
 
     def _repr_html_(self) -> str:
+        """Its state (not asking the scheduler), attempt, and a short form of the value."""
         color = {"READY": "green", "FAILED": "red", "CANCELLED": "gray"}.get(
             self._status.value, "orange")
+        extra = f" · attempt {self.attempt}" if self.attempt else ""
+        if self._event.is_set():
+            try:
+                text = repr(self._load())
+            except Exception as e:  # a value that cannot be loaded here
+                text = f"<unloadable: {e!r}>"
+            extra += f" · <code>{html.escape(text[:200])}</code>"
         return (f"<b>RemoteValue</b> <code>{html.escape(self._cid)}</code> "
-                f"<span style='color:{color}'>{self._status.value}</span>")
+                f"<span style='color:{color}'>{self._status.value}</span>{extra}")
 
 
 class PerWorkerValues:

@@ -20,4 +20,12 @@ def test_quickstart_notebook_runs():
     assert not [o for o in outputs if o.output_type == "error"]
     html = [o["data"]["text/html"] for o in outputs
             if o.output_type == "execute_result" and "text/html" in o.get("data", {})]
-    assert any("daskdist Coordinator" in h for h in html)  # the HTML repr rendered
+    for name in ("daskdist Coordinator", "RemoteValue", "daskdist DistributedDataset",
+                 "daskdist CollectiveGroup"):
+        assert any(name in h for h in html), name  # each HTML repr rendered
+    (ds_html,) = [h for h in html if "daskdist DistributedDataset" in h]
+    assert "4,000 of 4,000 rows acknowledged" in ds_html
+    # the tqdm.auto bars ran (a widget, or text on stderr where ipywidgets is missing)
+    bars = [o for o in outputs if o.output_type == "display_data"
+            or (o.output_type == "stream" and "closures" in o.get("text", ""))]
+    assert bars

@@ -39,4 +39,47 @@ def test_dashboard_page_and_metrics(dash_client):
                 if ln.startswith('daskdist_closures_done_total{coordinator="observed"}'))
     assert float(line.split()[-1]) == 7.0
     assert 'daskdist_workers{coordinator="observed"} 1.0' in metrics
+    # per worker closures, recoveries, re-formations, lease expiries: Prometheus names
+    values = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
+              for ln in metrics.splitlines() if ln.startswith("daskdist_")}
+    worker = coord.client.scheduler_info()["workers"]
+    (address,) = worker
+    assert values[f'daskdist_worker_closures_total{{coordinator="observed",worker="{address}"}}'
+                  ] == 7.0
+    for name in ("daskdist_recoveries_total", "daskdist_group_reformations_total",
+                 "daskdist_lease_expiries_total", "daskdist_group_member_losses_total",
+                 "daskdist_group_formation_seconds"):
+        assert values[f'{name}{{coordinator="observed"}}'] == 0.0
+    assert all(n.split("{")[0].endswith(("_total", "_seconds")) or "_total" not in n
+               for n in values)
+    coord.close()
+
+
+def step(it):
+    try:
+        return len(next(it)["y"])
+    except StopIteration:
+        return 0
+
+
+def test_dataset_rows_metric(dash_client, tmp_path):
+    from daskdist.cli import write_shards
+
+    write_shards(tmp_path, 1000, 2)
+    coord = dd.Coordinator(dash_client, name="rows")
+    wait_for_workers(dash_client, coord, 1)
+    ds = coord.distribute_dataset(str(tmp_path / "*.parquet"), global_batch_size=100,
+                                  policy="dynamic", name="metered")
+    it = iter(ds)
+    rows = 0
+    while not ds.progress()["complete"]:
+        rows += sum(coord.fetch([coord.schedule(step, args=(it,)) for _ in range(4)]))
+    assert rows == 1000
+    base = dash_client.dashboard_link.rsplit("/", 1)[0]
+    lines = [ln for ln in get(base + "/metrics").splitlines()
+             if ln.startswith("daskdist_dataset") and 'coordinator="rows"' in ln]
+    acked = [ln for ln in lines if ln.startswith("daskdist_dataset_rows_acknowledged_total")]
+    assert len(acked) == 1 and float(acked[0].split()[-1]) == 1000.0
+    assert any('state="acknowledged"' in ln and ln.endswith(" 1000.0") for ln in lines)
+    assert any('state="free"' in ln and ln.endswith(" 0.0") for ln in lines)
     coord.close()

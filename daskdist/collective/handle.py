@@ -34,3 +34,8 @@ class CollectiveGroup:
             f"CollectiveGroup(world_size={self.world_size}, generation={self.generation}, "
             f"backend={self.backend!r})"
         )
+
+    def _repr_html_(self) -> str:
+        from daskdist.reprs import group_html
+
+        return group_html(self)

@@ -122,6 +122,7 @@ class GroupDriver:
                 self._short_since = None
             self.formations += ok
             self.last_formation_seconds = loop.time() - t0
+            co.stats.on_formation(generation, ok, self.last_formation_seconds, len(sessions))
             co.gangs_changed.set()
             return ok
 

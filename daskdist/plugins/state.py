@@ -19,6 +19,7 @@ from daskdist.plugins.leases import LeaseTable
 from daskdist.plugins.liveness import LivenessTable
 from daskdist.plugins.membership import Membership
 from daskdist.plugins.queue import FAILED, READY, UNSTARTED, ClosureQueue, Outcome
+from daskdist.plugins.stats import CoordinatorStats
 
 GANG_OWNER = "__gang__"  # owner of gang member closures: routed to the gang book
 
@@ -87,6 +88,7 @@ class CoordinatorState:
         self.resources_released = 0
         self.steals = 0  # requests to a busy worker to give back unstarted closures
         self.raise_lock = asyncio.Lock()  # one error raise at a time (see raise_error)
+        self.stats = CoordinatorStats()  # dashboard counters and history (plugins/stats.py)
 
     # -- delivery -------------------------------------------------------------------
     def deliver(self, outcomes: list[Outcome]) -> None:
@@ -144,6 +146,7 @@ class CoordinatorState:
         ``expected`` is Dask's word on a removed worker: retired or closed (True), or
         killed, crashed, cut off (False: counted as a lost worker).
         """
+        self.stats.on_session_end(self, session, expected)
         self.members.leave(session)
         self.liveness.forget(session)
         self.workers_lost += not expected
@@ -188,6 +191,7 @@ class CoordinatorState:
                 continue
             accepted = q.holds(session, cid)
             o = q.finish(session, cid, ok, value, kind)
+            self.stats.on_results(self, session, accepted, ok, tokens)
             if tokens:
                 if accepted and ok:
                     self.leases.ack_tokens(session, tokens)

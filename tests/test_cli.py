@@ -1,0 +1,131 @@
+"""The ``daskdist`` command as a user runs it: real subprocesses, real clusters, real SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(240)
+
+
+def cli(*args: str, tmp: Path, timeout: float = 200) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
+    return subprocess.run([sys.executable, "-m", "daskdist.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=tmp)
+
+
+@pytest.fixture
+def tmp(tmp_path) -> Path:
+    (tmp_path / "tmp").mkdir()
+    return tmp_path / "tmp"
+
+
+@pytest.mark.parametrize("args, names", [
+    (["demo", "--bogus"], "--bogus"),
+    (["demo", "--workers", "0"], "--workers"),
+    (["demo", "--rows", "-5"], "--rows"),
+    (["demo", "--batch-size", "x"], "--batch-size"),
+    (["demo", "--epochs", "0"], "--epochs"),
+    (["demo", "--data", "no-such-dir"], "no-such-dir"),
+    (["demo", "--data", "empty"], "empty"),
+    (["demo", "--scheduler", "tcp://127.0.0.1:1"], "tcp://127.0.0.1:1"),
+    (["demo", "--scheduler", "nonsense"], "nonsense"),
+    (["make-shards", "out", "--rows", "0"], "--rows"),
+    (["make-shards", "out", "--files", "-1"], "--files"),
+    (["frobnicate"], "frobnicate"),
+])
+def test_bad_input_is_one_line_and_status_2(tmp, args, names):
+    (tmp / "empty").mkdir()
+    before = sorted(p.name for p in tmp.iterdir())
+    r = cli(*args, tmp=tmp, timeout=60)
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("daskdist: error:"), r.stderr
+    assert names in lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
+    assert sorted(p.name for p in tmp.iterdir()) == before  # nothing created
+
+
+def test_make_shards_then_demo_epochs_exactly_once_with_a_kill(tmp):
+    r = cli("make-shards", "shards", "--rows", "6000", "--files", "3", tmp=tmp, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert len(list((tmp / "shards").glob("*.parquet"))) == 3
+    again = cli("make-shards", "shards", tmp=tmp, timeout=60)  # never overwrites shards
+    assert again.returncode == 2 and "shards" in again.stderr
+    r = cli("demo", "--data", "shards", "--epochs", "2", "--workers", "2",
+            "--batch-size", "100", "--steps", "5", "--kill", tmp=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    epochs = [ln for ln in r.stdout.splitlines() if ln.startswith("epoch ")]
+    assert len(epochs) == 2, r.stdout
+    assert all("6,000 rows (each exactly once: 6,000 acknowledged of 6,000)" in ln
+               for ln in epochs), r.stdout
+    assert "killed    worker" in r.stdout + r.stderr
+    assert "sync      5 steps" in r.stdout and "summary" in r.stdout
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``, from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_ctrl_c_stops_the_demo_and_its_cluster(tmp):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daskdist.cli", "demo", "--workers", "2", "--epochs", "50",
+         "--rows", "400000", "--batch-size", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp,
+        start_new_session=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 150
+        while not line.startswith("cluster"):  # workers are up: training starts now
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            line = proc.stdout.readline()
+        assert len(session_processes(proc.pid)) >= 3  # the demo and its worker processes
+        proc.send_signal(signal.SIGINT)
+        t = time.monotonic()
+        rc = proc.wait(60)
+        seconds = time.monotonic() - t
+        assert rc == 130, proc.stderr.read()[-3000:]
+        assert seconds < 30, f"took {seconds:.1f} s to stop"
+        wait_until(lambda: not session_processes(proc.pid), 15, "worker processes to exit")
+        assert "Traceback" not in proc.stderr.read()
+        assert not list(tmp.glob("daskdist-*"))  # the synthetic shards were removed
+    finally:
+        if proc.poll() is None or session_processes(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_demo_on_an_existing_scheduler(tmp):
+    from distributed import Client
+
+    from tests.conftest import make_cluster
+
+    with make_cluster(2) as cluster, Client(cluster) as client:
+        r = cli("demo", "--scheduler", cluster.scheduler_address, "--workers", "2",
+                "--epochs", "1", "--rows", "2000", "--files", "2", "--steps", "3", tmp=tmp)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "2,000 rows (each exactly once: 2,000 acknowledged of 2,000)" in r.stdout
+        assert "sync      3 steps" in r.stdout
+        assert len(client.scheduler_info()["workers"]) == 2  # the cluster is left running
+        r = cli("demo", "--scheduler", cluster.scheduler_address, "--workers", "3",
+                "--wait", "2", "--steps", "0", "--rows", "1000", tmp=tmp, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--workers 3" in r.stderr

@@ -1,0 +1,202 @@
+"""HPC: dask-jobqueue on a real one-node Slurm, started by the test without systemd.
+
+The fixture starts Debian's munged (as user ``munge``), ``slurmctld -D`` and ``slurmd -D``
+(as root) on a minimal ``slurm.conf`` in a tmp dir (``SLURM_CONF``); the test runs
+``examples/jobqueue_slurm.py``'s ``train`` on two jobs, cancelling one mid-epoch. It
+skips, saying why, where the packages (``.ci/run`` installs them) or root are missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(300)
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "squeue", "sbatch", "scancel")
+
+
+def missing() -> str | None:
+    absent = [d for d in DAEMONS if not (shutil.which(d) or Path("/usr/sbin", d).exists())]
+    if absent:
+        return (f"Slurm/munge not installed ({', '.join(absent)} missing; .ci/run installs "
+                "Debian's slurmctld slurmd slurm-client munge)")
+    if importlib.util.find_spec("dask_jobqueue") is None:
+        return "dask-jobqueue is not installed (pip install -e .[test])"
+    if os.geteuid() != 0:
+        return "starting slurmd and munged needs root (CI runs as root)"
+    if not Path("/etc/munge/munge.key").exists():
+        return "no /etc/munge/munge.key (the munge package creates it)"
+    return None
+
+
+def _exe(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+SLURM_CONF = """\
+ClusterName=daskdist
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MailProg=/bin/true
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+SlurmdParameters=config_overrides
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SlurmctldTimeout=30
+SlurmdTimeout=30
+NodeName={host} NodeAddr=127.0.0.1 CPUs=2 Sockets=1 CoresPerSocket=2 ThreadsPerCore=1 \
+RealMemory=6000 State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A one-node Slurm: yields its environment (``SLURM_CONF``) and the start seconds."""
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool"):
+        (d / sub).mkdir()
+    host = socket.gethostname().split(".")[0]
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=host, dir=d, ctld_port=free_port(),
+                                      d_port=free_port()))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    t0 = time.monotonic()
+    run = Path("/run/munge")
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    shutil.chown(run, "munge", "munge")
+    procs: list[subprocess.Popen] = []
+    log = open(d / "daemons.log", "w")  # noqa: SIM115 - closed at teardown
+    try:
+        procs.append(subprocess.Popen([_exe("munged"), "-F"], user="munge", group="munge",
+                                      stdout=log, stderr=log))
+        wait_until(lambda: (run / "munge.socket.2").exists(), 20, "munged's socket")
+        procs.append(subprocess.Popen([_exe("slurmctld"), "-D", "-i"], env=env,
+                                      stdout=log, stderr=log))
+        procs.append(subprocess.Popen([_exe("slurmd"), "-D"], env=env, stdout=log,
+                                      stderr=log))
+
+        def idle():
+            for p in procs:
+                assert p.poll() is None, (d / "daemons.log").read_text()[-3000:]
+            r = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                               text=True)
+            return r.stdout.strip() == "idle"
+
+        wait_until(idle, 60, "the Slurm node to be idle", interval=0.2)
+        started = time.monotonic() - t0
+        print(f"slurm daemons up in {started:.1f} s")
+        old = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = str(conf)  # dask-jobqueue calls sbatch / scancel
+        yield {"env": env, "dir": d, "started_seconds": started}
+        subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True)
+        wait_until(lambda: not subprocess.run(["squeue", "-h"], env=env, capture_output=True,
+                                              text=True).stdout.strip(), 60, "an empty squeue")
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+    finally:
+        for p in reversed(procs):  # slurmd, slurmctld, munged
+            _stop(p)
+        log.close()
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("jobqueue_slurm",
+                                                  ROOT / "examples" / "jobqueue_slurm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_jobqueue_workers_train_and_survive_a_cancelled_job(slurm, tmp_path):
+    from dask_jobqueue import SLURMCluster
+    from distributed import Client
+
+    from daskdist.cli import write_shards
+
+    example = load_example()
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shards(data, 6000, 3)
+    cluster = SLURMCluster(
+        cores=1, memory="2GB", processes=1, interface="lo", walltime="00:20:00",
+        python=sys.executable, local_directory=str(tmp_path), log_directory=str(tmp_path),
+        job_script_prologue=[f"export PYTHONPATH={ROOT}"],
+        scheduler_options={**example.SCHEDULER_PRELOAD, "dashboard_address": None},
+    )
+    try:
+        assert "#SBATCH" in cluster.job_script() and sys.executable in cluster.job_script()
+        t = time.monotonic()
+        cluster.scale(jobs=2)
+        with Client(cluster) as client:
+            client.wait_for_workers(2, timeout=120)
+            print(f"two jobqueue workers registered in {time.monotonic() - t:.1f} s")
+            jobs = sorted(j.job_id for j in cluster.workers.values())
+            assert len(jobs) == 2
+
+            def cancel_one():
+                subprocess.run(["scancel", jobs[-1]], env=slurm["env"], check=True)
+
+            out = example.train(client, str(data / "*.parquet"), workers=2,
+                                during_epoch=cancel_one)
+        assert out["group"].world_size == 2
+        assert sorted(r[0] for r in out["ranks"]) == [0, 1]
+        assert out["rows"] == 6000  # every row of the epoch exactly once
+        p = out["progress"]
+        assert p["complete"] and p["acknowledged"] == p["total"] == 6000
+        squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm["env"],
+                                capture_output=True, text=True).stdout.split()
+        assert jobs[-1] not in squeue  # the cancelled job is gone
+    finally:
+        cluster.close()
