@@ -191,7 +191,9 @@ def test_dead_peer_raises_collective_error(coord, client):
     logs = [entry for log in out for entry in log]
     errors = [e for e in logs if e[0] == "collective-error"]
     assert errors and all(seconds < 15 for _, seconds in errors)  # well before a hang
-    assert [log[-1][0] for log in out] == ["ok", "ok"]  # the re-run succeeded everywhere
+    # the re-run succeeded on every rank of the generation that completed it: the
+    # survivor alone (the group shrinks at once), or with the replacement if it was quick
+    assert 1 <= len(out) <= 2 and all(log[-1][0] == "ok" for log in out)
     wait_for_workers(client, coord, 2)
 
 

@@ -6,6 +6,14 @@ holds; then every member joins at once, each in a worker thread), gang members a
 put in the closure queue pinned to their sessions and the member workers are told at
 once on their streams (a worker whose threads are all busy still keeps a slot for
 them). Never imports torch: the worker plugin does the torch side.
+
+Membership changes (SPEC §4.1): a group that lost a member re-forms on the survivors
+at once (``daskdist.collective.rejoin-grace``, default 0, may hold it for a Nanny's
+replacement); a worker that joins later makes the running gang's ``State.commit()``
+raise ``HostsUpdatedInterrupt`` and the gang runs again on a group that includes it.
+A formation that keeps failing is retried after growing pauses
+(``formation-retry`` doubling up to ``formation-retry-max``) and fails the pending
+gangs with ``CollectiveError`` after ``formation-timeout``.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from daskdist import config
+from daskdist.errors import CollectiveError
 from daskdist.plugins.state import GANG_OWNER, CoordinatorState
+from daskdist.values import dump_error
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +49,8 @@ class GroupDriver:
         self.size = 0  # members of the last group formed: re-formation waits to regain it
         self.rejoin_grace = config.seconds("collective.rejoin-grace")
         self._short_since: float | None = None
+        self._failing_since: float | None = None  # first failure of the current streak
+        self._failures = 0
 
     def start(self) -> None:
         if self.task is None or self.task.done():
@@ -63,6 +75,7 @@ class GroupDriver:
             if not sessions:
                 return False
             book = co.gangs
+            version = co.members.version  # what State.sync() records: later joins interrupt
             generation = book.begin_formation(sessions, self.next_generation())
             group = book.group
             members = [co.members.members[s] for s in sessions]
@@ -79,7 +92,7 @@ class GroupDriver:
                     self.rpc(m.address).daskdist_collective(
                         action="init", name=co.name, rank=rank, world_size=len(members),
                         host=host, port=port, backend=backend, generation=generation,
-                        timeout=group.timeout,
+                        timeout=group.timeout, version=version,
                     )
                     for rank, m in enumerate(members)
                 ])
@@ -107,6 +120,28 @@ class GroupDriver:
         if self._short_since is None:
             self._short_since = now
         return max(0.0, self._short_since + self.rejoin_grace - now)
+
+    async def _after_failure(self) -> None:
+        """Pause before the next formation attempt (doubling each time); past
+        ``formation-timeout`` of failures, fail the pending gangs."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._failing_since is None:
+            self._failing_since = now
+        self._failures += 1
+        limit = config.seconds("collective.formation-timeout")
+        if now - self._failing_since >= limit:
+            err = CollectiveError(
+                f"the collective group of coordinator {self.co.name!r} could not be formed "
+                f"in {self._failures} attempts over {now - self._failing_since:.1f} s "
+                f"(daskdist.collective.formation-timeout is {limit:g} s)")
+            for outcome in self.co.gangs.fail_pending(dump_error(err), "collective"):
+                self.co.deliver_gang(outcome)
+            self._failing_since, self._failures = None, 0
+            return
+        pause = min(config.seconds("collective.formation-retry") * 2 ** (self._failures - 1),
+                    config.seconds("collective.formation-retry-max"))
+        await asyncio.sleep(pause)
 
     def info(self) -> dict:
         group = self.co.gangs.group
@@ -136,9 +171,10 @@ class GroupDriver:
                         except asyncio.TimeoutError:
                             pass
                         continue
-                    if not await self.form(sessions):
-                        # backoff before retrying
-                        await asyncio.sleep(config.seconds("collective.formation-retry"))
+                    if await self.form(sessions):
+                        self._failing_since, self._failures = None, 0
+                    else:
+                        await self._after_failure()
                     continue
                 started = book.start_next() if sessions else None
                 if started is not None:

@@ -76,6 +76,9 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_lease_acquire": self.lease_acquire,
                 "daskdist_lease_progress": self.lease_progress,
                 "daskdist_lease_release": self.lease_release,
+                # elastic commits (SPEC §4.2)
+                "daskdist_gang_commit": self.gang_commit,
+                "daskdist_commit_outcome": self.commit_outcome,
             }
         )
         scheduler.extensions["daskdist"] = self
@@ -98,9 +101,15 @@ class CoordinatorPlugin(SchedulerPlugin):
             # a retiring (or memory-paused) worker gets no new work; back to running, it does
             draining = msg.get("status") in ("closing_gracefully", "closing", "closed", "paused")
             for co in self.coordinators.values():
+                before = co.members.session_of(topic)
+                was = before is not None and co.members.members[before].draining
                 session = co.members.drain(topic, draining)
                 if session is not None:
                     co.queue.drain_session(session, draining)
+                    if was != draining and (session in co.gangs.group.sessions or not draining):
+                        # a retiring member leaves the group at the next commit (SPEC §4.1)
+                        co.members.version += 1
+                        co.membership_changed()
                     if not draining:
                         co.wake()
         elif action == "remove-worker" and "worker" in msg:
@@ -281,6 +290,15 @@ class CoordinatorPlugin(SchedulerPlugin):
     def lease_release(self, name: str, session: str, dataset_id: str, epoch: int,
                       ranges: list) -> int:
         return self._get(name).leases.release(session, dataset_id, epoch, ranges)
+
+    # -- elastic commits: rows acknowledged at State.commit() (SPEC §4.2) -------------------
+    def gang_commit(self, name: str, generation: int, key: str, tokens: dict) -> bool:
+        """Rank 0 of a gang commits every rank's consumed rows at once (all or nothing)."""
+        return self._get(name).gang_commit(int(generation), str(key), tokens)
+
+    def commit_outcome(self, name: str, key: str) -> bool:
+        """Whether commit ``key`` was applied (a rank that missed the outcome asks)."""
+        return self._get(name).commits.outcome(str(key))
 
     def add_resource(self, name: str, rid: str, payload: bytes) -> None:
         self._get(name).resources[rid] = payload

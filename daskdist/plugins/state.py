@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from daskdist.plugins.commits import CommitBook
 from daskdist.plugins.gang import GangBook, GangOutcome
 from daskdist.plugins.leases import LeaseTable
 from daskdist.plugins.membership import Membership
@@ -74,6 +75,7 @@ class CoordinatorState:
         self.members = Membership()
         self.leases = LeaseTable()
         self.gangs = GangBook(max_losses=max_worker_failures)
+        self.commits = CommitBook()  # commits that acknowledged gang members' rows
         self.resources: dict[str, bytes] = {}
         self.outboxes: dict[str, Outbox] = {}
         self.waiters: set[asyncio.Event] = set()  # long-polls of workers waiting for work
@@ -142,7 +144,7 @@ class CoordinatorState:
         self.workers_lost += not expected
         self.leases.drop_session(session)
         group = self.gangs.group
-        if self.gangs.session_lost(session):
+        if self.gangs.session_lost(session, expected):
             # surviving members: collective calls of this generation fail at once
             self.broadcast({"op": "daskdist-peer-lost", "name": self.name,
                             "generation": group.generation}, set(group.sessions))
@@ -155,7 +157,9 @@ class CoordinatorState:
 
         A closure's result and its lease tokens are applied together: rows are
         acknowledged only when the closure completes, released when it fails, and a
-        refused (fenced) result leaves the table to the session's own fate.
+        refused (fenced) result leaves the table to the session's own fate. A gang
+        member's rows are acknowledged by its commits (:meth:`gang_commit`): the tokens
+        it ends with were never committed, so they are released, whatever its result.
         """
         outcomes = []
         q = self.queue
@@ -166,9 +170,11 @@ class CoordinatorState:
                 unstarted.append(cid)
                 continue
             accepted = q.holds(session, cid)
+            c = q.closures.get(cid)
+            gang = c is not None and c.owner == GANG_OWNER
             o = q.finish(session, cid, ok, value, kind)
             if tokens:
-                if accepted and ok:
+                if accepted and ok and not gang:
                     self.leases.ack_tokens(session, tokens)
                 else:  # failed, retried, or a duplicate run: its rows go back to the pool
                     self.leases.release_tokens(session, tokens)
@@ -181,6 +187,18 @@ class CoordinatorState:
             self.changed.set()
             if q.backlog > backlog:
                 self.wake()  # retried or unstarted closures went back to the queue
+
+    def gang_commit(self, generation: int, key: str, tokens: dict) -> bool:
+        """Apply a commit of generation ``generation``'s ranks (each rank's lease tokens),
+        all or nothing: refused unless that generation is the current group and every
+        member's session is still live."""
+        group = self.gangs.group
+        if generation != group.generation:
+            return False
+        sessions = dict(enumerate(group.sessions))
+        tokens = {int(r): t for r, t in tokens.items()}
+        return self.commits.apply(self.leases, key, sessions, tokens,
+                                  set(self.members.members))
 
     def active_sessions(self) -> tuple[str, ...]:
         """Sessions that may run closures, in worker-index (rank) order."""
