@@ -4,7 +4,8 @@ The demo writes synthetic Parquet shards, starts a ``LocalCluster`` with worker
 processes, then trains a linear regression two ways: asynchronously (closures on
 per-worker replicas and per-worker datasets, any worker takes any step) and
 synchronously (a gloo collective group, gang closures, averaged gradients, elastic
-state). ``--kill`` SIGKILLs a worker mid-run to show recovery. Nothing in the library
+state). ``--kill`` SIGKILLs a worker mid-run to show recovery (rank 0 of the group in
+the synchronous phase). Nothing in the library
 imports this module.
 """
 
@@ -77,19 +78,21 @@ def make_state(ctx):
 
 
 def sync_steps(state, iterator, steps):
-    """Data-parallel SGD on the group: averaged gradients, a commit every step."""
-    import torch
+    """Data-parallel SGD on the group: averaged gradients, a commit every step.
 
+    ``sync()`` starts every rank from the newest commit (a fresh replacement never
+    overwrites the survivors); each ``commit()`` acknowledges the step's rows, so the
+    committed model trains on every row exactly once across kills; ``synced`` ends all
+    ranks at the same step when a rank's iterator runs dry.
+    """
     import daskdist as dd
 
-    state.sync()  # new members start equal to rank 0
+    state.sync()
     losses, rows = [], 0
-    for _ in range(steps):
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            break
-        loss = torch.nn.functional.mse_loss(state.model(batch["x"]).squeeze(-1), batch["y"])
+    for batch in dd.collective.synced(iterator):
+        n = len(batch["y"])
+        pred = state.model(batch["x"]).squeeze(-1)
+        loss = (pred - batch["y"]).pow(2).sum() / max(1, n)  # finite on an empty tail batch
         state.optimizer.zero_grad()
         loss.backward()
         dd.collective.allreduce_gradients(state.model, average=True)
@@ -97,8 +100,58 @@ def sync_steps(state, iterator, steps):
         state.step += 1
         state.commit()
         losses.append(loss.item())
-        rows += len(batch["y"])
+        rows += n
+        if len(losses) >= steps:
+            break
     return losses, rows, dd.collective.get_group().generation
+
+
+def rank0_pid(coord, client) -> int | None:
+    """The process id of rank 0 of the coordinator's collective group."""
+    members = coord._call("daskdist_group_info")["members"]
+    if not members:
+        return None
+    pid = client.run(os.getpid, workers=[members[0]], on_error="ignore").get(members[0])
+    return pid if isinstance(pid, int) else None
+
+
+def sync_phase(coord, client, shards, args, tqdm) -> tuple[list, int, float]:
+    """Synchronous training until every row of an epoch is committed exactly once.
+
+    The driver loops gang closures until the dynamic dataset's epoch is complete;
+    ``--kill`` SIGKILLs rank 0 of the group (the member every other rank synced from
+    before) once a third of the rows are trained.
+    """
+    coord.wait_for_workers(args.workers, timeout=120)  # a killed worker is back
+    group = coord.collective_group(backend="auto", timeout=60)
+    print(f"group     {group.backend} world_size={group.world_size} "
+          f"generation={group.generation}")
+    state = coord.create_per_worker_resource(make_state)
+    sync_ds = coord.distribute_dataset(shards, global_batch_size=args.batch * args.workers,
+                                       shuffle=True, seed=1, policy="dynamic", name="sync")
+    sync_it = iter(sync_ds)
+    t = time.perf_counter()
+    sync_losses, killed = [], None
+    with tqdm(total=shards.num_rows, desc="sync", unit="row", unit_scale=True) as bar:
+        done = 0
+        while not (p := sync_ds.progress())["complete"]:
+            bar.update(p["acknowledged"] - done)
+            done = p["acknowledged"]
+            gang = coord.schedule_on_all(sync_steps, args=(state, sync_it, 20))
+            if args.kill and killed is None and done > shards.num_rows // 3:
+                killed = rank0_pid(coord, client)
+                if killed is not None:
+                    os.kill(killed, signal.SIGKILL)
+                    bar.write(f"killed    rank 0 (pid {killed}, SIGKILL); survivors go on "
+                              "from the last commit")
+            out = coord.fetch(gang)
+            sync_losses += out[0][0]
+        bar.update(p["acknowledged"] - done)
+    seconds = time.perf_counter() - t
+    once = "each exactly once" if p["acknowledged"] == p["total"] else "MISMATCH"
+    print(f"sync      {p['acknowledged']:,} rows ({once}, committed) in {seconds:.1f} s; "
+          f"generation {coord.status()['group_generation']}")
+    return sync_losses, p["acknowledged"], seconds
 
 
 def kill_one_worker(client) -> int:
@@ -154,32 +207,9 @@ def demo(args: argparse.Namespace) -> int:
               f"loss {losses[0]:.3f} -> {np.mean(losses[-8:]):.4f}")
 
         # -- synchronous training: a gloo group, gang closures, elastic state -----------
-        coord.wait_for_workers(args.workers, timeout=120)  # a killed worker is back
-        group = coord.collective_group(backend="auto", timeout=60)
-        print(f"group     {group.backend} world_size={group.world_size} "
-              f"generation={group.generation}")
-        state = coord.create_per_worker_resource(make_state)
-        sync_ds = coord.distribute_dataset(shards, global_batch_size=args.batch * args.workers,
-                                           shuffle=True, seed=1, policy="file")
-        sync_it = iter(sync_ds)
-        t = time.perf_counter()
-        sync_losses, sync_rows = [], 0
-        per_call = 20
-        with tqdm(total=args.steps, desc="sync", unit="step") as bar:
-            done = 0
-            while done < args.steps:
-                out = coord.fetch(coord.schedule_on_all(
-                    sync_steps, args=(state, sync_it, min(per_call, args.steps - done))))
-                steps = len(out[0][0])
-                if steps == 0:
-                    break
-                sync_losses += out[0][0]
-                sync_rows += sum(o[1] for o in out)
-                done += steps
-                bar.update(steps)
-        sync_seconds = time.perf_counter() - t
+        sync_losses, sync_rows, sync_seconds = sync_phase(coord, client, shards, args, tqdm)
         status = coord.status()
-        print(f"sync      {done} steps, {sync_rows:,} rows in {sync_seconds:.1f} s; "
+        print(f"sync      {len(sync_losses)} steps, {sync_rows:,} rows in {sync_seconds:.1f} s; "
               f"loss {sync_losses[0]:.3f} -> {np.mean(sync_losses[-5:]):.4f}")
         print(f"summary   closures done={status['done']} retried={status['retried']} "
               f"recoveries={status['recoveries']} failed={status['failed']} "

@@ -96,11 +96,12 @@ def test_rank0_killed_twice_resumes_from_the_newest_commit(cluster3, tmp_path):
     steps = 400
     gang = coord.schedule_on_all(elastic_loop, args=(state, steps, str(tmp_path)))
     kills = []
-    for k in range(2):
+    for _ in range(2):
         floor = max([e[2] for e in _read_logs(tmp_path) if e[1] == "commit"], default=0)
         # a full group of 3 is stepping (after the first kill: with the replacement)
-        wait_until(lambda: any(e[1] == "commit" and e[5] == 3 and e[2] > floor + 5
-                               for e in _read_logs(tmp_path)), 60, "3 ranks stepping")
+        wait_until(lambda floor=floor: any(e[1] == "commit" and e[5] == 3 and e[2] > floor + 5
+                                           for e in _read_logs(tmp_path)),
+                   60, "3 ranks stepping")
         victim = _pid_of_rank0(coord, client)
         kills.append((time.time(), victim))
         sigkill(victim)
@@ -188,7 +189,7 @@ def train_rows(state, it):
         c = torch.bincount(batch["id"], minlength=N_ROWS).to(torch.float64)
         g.allreduce(c)
         state.counts += c
-        time.sleep(0.04)
+        time.sleep(0.05)
         state.commit()
         steps += 1
     return steps
@@ -219,9 +220,9 @@ def test_row_ledger_every_row_once_across_kills_and_a_retirement(cluster3, tmp_p
                 return
             members = _group(coord)["members"]
             if what == "kill":  # rank 0 first, then the last rank
-                pids = client.run(os.getpid, on_error="ignore")
-                victim = pids.get(members[0 if not faults else -1])
-                if victim is not None:
+                addr = members[0 if not faults else -1]
+                victim = client.run(os.getpid, workers=[addr], on_error="ignore").get(addr)
+                if isinstance(victim, int):
                     sigkill(victim)
                     faults.append(what)
             else:

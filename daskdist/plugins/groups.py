@@ -60,6 +60,22 @@ class GroupDriver:
         if self.task is not None:
             self.task.cancel()
 
+    def candidates(self) -> tuple[str, ...]:
+        """The sessions the next generation forms over, in rank (worker-index) order.
+
+        The workers not retiring; but if none of them was a member of the current
+        group (so none holds the committed state), the current group's retiring
+        members still there are kept, so ``State.sync()`` hands their state over
+        before they leave (they leave the group when their worker closes).
+        """
+        co = self.co
+        active = co.active_sessions()
+        current = co.gangs.group.sessions
+        if not current or set(active) & set(current):
+            return active
+        keep = set(active) | {s for s in current if s in co.members}
+        return tuple(m.session for m in co.members.by_index() if m.session in keep)
+
     def backend_for(self, sessions: tuple[str, ...]) -> str:
         backend = self.co.gangs.group.backend
         if backend != "auto":
@@ -71,7 +87,7 @@ class GroupDriver:
         """Form a new generation over ``sessions`` (default: the current workers)."""
         async with self.lock:
             co = self.co
-            sessions = sessions or co.active_sessions()
+            sessions = sessions or self.candidates()
             if not sessions:
                 return False
             book = co.gangs
@@ -162,7 +178,7 @@ class GroupDriver:
         while True:
             co.gangs_changed.clear()
             if book.running is None and book.pending:
-                sessions = co.active_sessions()
+                sessions = self.candidates()
                 if sessions and book.needs_formation(sessions):
                     wait = self._rejoin_wait(len(sessions))
                     if wait > 0:  # a lost member's replacement (Nanny restart) is coming
