@@ -54,20 +54,24 @@ class Sim:
         return self.committed + Counter(i for lst in self.lists for i in rows(lst))
 
     def commit(self, die: str | None = None, victim: int = 0) -> None:
-        """One ``State.commit()``; with ``die``, rank ``victim`` dies ``"before"`` rank 0
-        sends the commit or ``"after"`` it was applied but before the outcome arrived."""
+        """One ``State.commit()``: every rank sends its part; the outcome is settled at
+        once here (the next commit's allgather in State). With ``die``, rank ``victim``
+        dies ``"before"`` sending its part or ``"after"`` the commit was applied but
+        before the outcome reached the ranks."""
         key = commit_key(self.generation, self.commits + 1)
         model = self.working()
         taken = [lst[:] for lst in self.lists]
         for r, lst in enumerate(self.lists):
             self.ledgers[r].begin(key, lst, model)
             lst.clear()
-        if die == "before":
-            self._lose(victim, taken)
-            return
         sessions = dict(enumerate(self.sessions))
-        ok = self.book.apply(self.table, key, sessions, dict(enumerate(taken)), self.live)
-        if die == "after":
+        ok = None
+        for r in range(len(self.sessions)):
+            if die == "before" and r == victim:
+                continue
+            ok = self.book.add_part(self.table, key, r, len(self.sessions), taken[r],
+                                    sessions, self.live)
+        if die is not None:
             self._lose(victim, taken)
             return
         for r, ledger in enumerate(self.ledgers):
@@ -83,6 +87,7 @@ class Sim:
         dead = self.sessions[victim]
         self.table.drop_session(dead)
         self.live.discard(dead)
+        self.book.abort_open()  # the scheduler's end_session
         for r, s in enumerate(self.sessions):
             if r == victim:
                 continue
@@ -162,6 +167,25 @@ def test_a_commit_with_a_dead_member_is_refused_and_changes_nothing():
                         dict(enumerate(sim.lists)), sim.live)
     assert not ok and not sim.book.outcome(key)
     assert sim.table.progress(DS, EPOCH) == before
+
+
+def test_parts_apply_once_all_came_and_a_loss_refuses_open_commits():
+    sim = Sim()
+    sim.step()
+    sessions = dict(enumerate(sim.sessions))
+    parts = [list(lst) for lst in sim.lists]
+    assert sim.book.add_part(sim.table, "1:1", 0, 3, parts[0], sessions, sim.live) is None
+    assert sim.book.add_part(sim.table, "1:1", 1, 3, parts[1], sessions, sim.live) is None
+    assert sim.book.add_part(sim.table, "1:1", 2, 3, parts[2], sessions, sim.live) is True
+    assert sim.book.outcome("1:1")
+    sim.step()
+    parts = [list(lst) for lst in sim.lists]
+    assert sim.book.add_part(sim.table, "1:2", 0, 3, parts[0], sessions, sim.live) is None
+    assert sim.book.abort_open() == ["1:2"]
+    assert sim.book.add_part(sim.table, "1:2", 1, 3, parts[1], sessions, sim.live) is False
+    assert not sim.book.outcome("1:2")
+    # a part of a generation that is no longer current is refused
+    assert sim.book.add_part(sim.table, "1:3", 0, 3, [], None, sim.live) is False
 
 
 def test_ack_all_is_all_or_nothing():

@@ -9,11 +9,13 @@
   ``HostsUpdatedInterrupt`` is raised on **all** ranks at the same commit, never on
   some ranks only (which would deadlock the next collective).
 - With a ``"dynamic"`` dataset inside the gang, the same commit acknowledges the rows
-  each rank consumed since its last commit (see ``daskdist.plugins.commits``): rank 0
-  gathers every rank's lease tokens and sends ONE commit message; the scheduler applies
-  all acknowledgements or none; the outcome is broadcast and the new state promoted.
-  If a member dies mid-commit, the next ``sync()`` asks the scheduler whether the
-  commit was recorded. Without lease tokens the plain commit costs one small allgather.
+  each rank consumed since its last commit (see ``daskdist.plugins.commits``): once
+  the allgather shows every rank reached the commit, each rank sends its lease tokens
+  without waiting; the scheduler applies the commit when every part came, all or
+  nothing. The outcome travels in the next commit's allgather (so every rank takes
+  the same decision) and the state is promoted then; if a member dies meanwhile,
+  ``sync()`` asks the scheduler whether the commit was applied. The allgather is the
+  plain commit's only collective call, so acknowledging rows adds no collective call.
 - ``restore()`` returns model, optimizer and objects to the last commit and gives back
   the rows consumed since it.
 - ``sync()`` goes back to this rank's last commit, then broadcasts the state of the rank
@@ -27,7 +29,6 @@ The state always talks to the group formed *now* (``get_group()`` per call), so 
 from __future__ import annotations
 
 import copy
-import pickle
 from typing import Any
 
 import torch
@@ -110,51 +111,40 @@ class State:
         g = get_group()
         snapshot = self._snapshot()
         tokens = take_consumed()
-        blob = pickle.dumps(tokens, protocol=pickle.HIGHEST_PROTOCOL) if tokens else b""
+        ledger = self._ledger
+        prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout)
         dev = g._wire_device()
-        head = torch.tensor([len(blob), membership_version()], dtype=torch.int64, device=dev)
+        head = torch.tensor([int(bool(tokens)), membership_version(), prev],
+                            dtype=torch.int64, device=dev)
         try:
             heads = g.allgather(head)  # one small call: commit() runs every step
         except BaseException:
             _give_back(tokens)
             raise
-        sizes = [int(h[0]) for h in heads]
         version = int(heads[0][1])
-        if any(sizes):
-            self._commit_rows(g, snapshot, tokens, blob, sizes)
+        if ledger.in_flight:  # the previous commit's outcome, as every rank saw it
+            if min(int(h[2]) for h in heads) != _OK:
+                _give_back(tokens)  # the previous commit stays in flight: sync() settles it
+                raise CollectiveError(
+                    f"commit {ledger.key} was not confirmed on every rank (a member left "
+                    f"or the scheduler was unreachable); re-form and sync()")
+            state, _ = ledger.settle(True)
+            self._promote(state)
+        if any(int(h[0]) for h in heads):
+            # rows to acknowledge: every rank sends its part; the outcome is taken at
+            # the next commit (or by sync()), so the step does not wait for it
+            key = commit_key(g.generation, self._commits + 1)
+            try:
+                reply = rows.send_part(g.generation, key, g.rank, g.world_size, tokens,
+                                       g.timeout)
+            except BaseException:
+                _give_back(tokens)
+                raise
+            ledger.begin(key, tokens, snapshot, reply)
+            self._synced = True
         else:
             self._promote(snapshot)
         self._check(version)
-
-    def _commit_rows(self, g: Group, snapshot: tuple, tokens: list, blob: bytes,
-                     sizes: list[int]) -> None:
-        """Acknowledge every rank's tokens in one scheduler call, then promote."""
-        key = commit_key(g.generation, self._commits + 1)
-        self._ledger.begin(key, tokens, snapshot)
-        try:
-            dev = g._wire_device()
-            padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
-            if blob:
-                padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            parts = g.allgather(padded)
-            ok = torch.zeros(1, dtype=torch.int64, device=dev)
-            if g.rank == 0:
-                per_rank = {r: pickle.loads(p[:n].cpu().numpy().tobytes())
-                            for r, (p, n) in enumerate(zip(parts, sizes, strict=True)) if n}
-                ok[0] = int(rows.commit(g.generation, key, per_rank))
-            g.broadcast(ok, src=0)
-        except BaseException:
-            # outcome unknown: the tokens go back to the closure's list (released when it
-            # ends, a no-op for rows the commit acknowledged); sync() settles the state
-            _give_back(tokens)
-            raise
-        state, back = self._ledger.settle(bool(ok.item()))
-        if state is None:
-            _give_back(back)
-            raise CollectiveError(
-                f"commit {key} was refused by the scheduler: a member of generation "
-                f"{g.generation} left; re-form and sync()")
-        self._promote(state)
 
     def _promote(self, snapshot: tuple) -> None:
         self._saved = snapshot
@@ -177,8 +167,9 @@ class State:
         self._check(int(v.item()))
 
     def restore(self) -> None:
-        """Return model, optimizer and objects to the last commit (no communication);
+        """Return model, optimizer and objects to the last commit (no collective call);
         rows consumed since the last commit go back to the pool."""
+        self._settle_pending()
         self._load(self._saved)
         back = take_consumed()
         if back:
@@ -194,11 +185,19 @@ class State:
         self._objects.update(copy.deepcopy(objects))
 
     def _settle_pending(self) -> None:
-        """A commit whose outcome never arrived: promote it if the scheduler recorded it."""
-        if self._ledger.in_flight:
-            state, _ = self._ledger.settle(rows.recorded(self._ledger.key))
-            if state is not None:
-                self._promote(state)
+        """A commit in flight: promote it if the scheduler applied it, else give its
+        rows back to the pool."""
+        ledger = self._ledger
+        if not ledger.in_flight:
+            return
+        outcome = _outcome(ledger.reply, 60.0)
+        if outcome != _OK:
+            outcome = _OK if rows.recorded(ledger.key) else _REFUSED
+        state, back = ledger.settle(outcome == _OK)
+        if state is not None:
+            self._promote(state)
+        elif back:
+            rows.release(back)
 
     def sync(self, group: Group | None = None) -> None:
         """Make every rank equal to the newest commit among them, and record that as the
@@ -235,6 +234,17 @@ class State:
         self._commits = counts[src]
         self._synced = True
         self.save()
+
+
+_OK, _REFUSED, _UNKNOWN, _NONE = 1, 0, -1, 2  # a commit's outcome as a rank saw it
+
+
+def _outcome(reply, timeout: float) -> int:
+    """Wait for a commit's reply: ``_OK``, ``_REFUSED`` or ``_UNKNOWN`` (no reply)."""
+    try:
+        return _OK if reply.result(timeout) else _REFUSED
+    except Exception:  # noqa: BLE001 - a comm error, a timeout: the outcome is unknown
+        return _UNKNOWN
 
 
 def _give_back(tokens: list) -> None:

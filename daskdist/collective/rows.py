@@ -1,15 +1,17 @@
 """The scheduler calls elastic state makes from a gang closure's thread (SPEC §4.2).
 
-``commit`` sends one commit (every rank's lease tokens) from rank 0, ``recorded`` asks
-whether a commit was applied, ``release`` gives rows back to the pool. Each finds this
-worker's daskdist runner (the worker plugin of the closure's coordinator) and calls the
-scheduler through it, blocking this thread (never the worker's event loop) until the
-reply comes or the comm fails (then the error propagates: the caller treats the commit
-as unknown).
+``send_part`` sends this rank's part of a commit without waiting (a future of the
+commit's outcome), ``recorded`` asks whether a commit was applied, ``release`` gives
+rows back to the pool. Each finds this worker's daskdist runner (the worker plugin of
+the closure's coordinator) and calls the scheduler on the worker's event loop;
+``recorded`` and ``release`` block this thread (never the loop) until the reply comes or
+the comm fails (then the error propagates: the caller treats the commit as unknown).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from typing import Any
 
 from daskdist.context import get_worker_context
@@ -30,11 +32,14 @@ def _runner() -> Any:
     raise RuntimeError(f"no daskdist worker plugin {ctx.name!r} on {ctx.address}")
 
 
-def commit(generation: int, key: str, tokens: dict[int, list]) -> bool:
-    """Rank 0: apply commit ``key`` of ``generation`` (each rank's tokens) atomically."""
-    reply = _runner().call("daskdist_gang_commit", generation=int(generation), key=key,
-                           tokens={int(r): list(t) for r, t in tokens.items()})
-    return bool(reply)
+def send_part(generation: int, key: str, rank: int, world: int, tokens: list,
+              timeout: float) -> concurrent.futures.Future:
+    """Send this rank's part of commit ``key``; a future of the commit's outcome."""
+    runner = _runner()
+    coro = runner.worker.scheduler.daskdist_gang_commit_part(
+        name=runner.name, generation=int(generation), key=key, rank=int(rank),
+        world=int(world), tokens=list(tokens), timeout=float(timeout))
+    return asyncio.run_coroutine_threadsafe(coro, runner.worker.loop.asyncio_loop)
 
 
 def recorded(key: str) -> bool:

@@ -77,7 +77,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_lease_progress": self.lease_progress,
                 "daskdist_lease_release": self.lease_release,
                 # elastic commits (SPEC §4.2)
-                "daskdist_gang_commit": self.gang_commit,
+                "daskdist_gang_commit_part": self.gang_commit_part,
                 "daskdist_commit_outcome": self.commit_outcome,
             }
         )
@@ -292,9 +292,12 @@ class CoordinatorPlugin(SchedulerPlugin):
         return self._get(name).leases.release(session, dataset_id, epoch, ranges)
 
     # -- elastic commits: rows acknowledged at State.commit() (SPEC §4.2) -------------------
-    def gang_commit(self, name: str, generation: int, key: str, tokens: dict) -> bool:
-        """Rank 0 of a gang commits every rank's consumed rows at once (all or nothing)."""
-        return self._get(name).gang_commit(int(generation), str(key), tokens)
+    async def gang_commit_part(self, name: str, generation: int, key: str, rank: int,
+                               world: int, tokens: list, timeout: float = 60.0) -> bool:
+        """A gang rank's part of a commit; the commit is applied (all or nothing) once
+        every rank's part came. Replies with the outcome."""
+        return await self._get(name).gang_commit_part(int(generation), str(key), int(rank),
+                                                      int(world), tokens, float(timeout))
 
     def commit_outcome(self, name: str, key: str) -> bool:
         """Whether commit ``key`` was applied (a rank that missed the outcome asks)."""

@@ -76,6 +76,7 @@ class CoordinatorState:
         self.leases = LeaseTable()
         self.gangs = GangBook(max_losses=max_worker_failures)
         self.commits = CommitBook()  # commits that acknowledged gang members' rows
+        self.commit_events: dict[str, asyncio.Event] = {}  # open commits' waiters
         self.resources: dict[str, bytes] = {}
         self.outboxes: dict[str, Outbox] = {}
         self.waiters: set[asyncio.Event] = set()  # long-polls of workers waiting for work
@@ -144,6 +145,10 @@ class CoordinatorState:
         self.workers_lost += not expected
         self.leases.drop_session(session)
         group = self.gangs.group
+        for key in self.commits.abort_open():  # a member's part may never come
+            event = self.commit_events.pop(key, None)
+            if event is not None:
+                event.set()
         if self.gangs.session_lost(session, expected):
             # surviving members: collective calls of this generation fail at once
             self.broadcast({"op": "daskdist-peer-lost", "name": self.name,
@@ -188,17 +193,24 @@ class CoordinatorState:
             if q.backlog > backlog:
                 self.wake()  # retried or unstarted closures went back to the queue
 
-    def gang_commit(self, generation: int, key: str, tokens: dict) -> bool:
-        """Apply a commit of generation ``generation``'s ranks (each rank's lease tokens),
-        all or nothing: refused unless that generation is the current group and every
-        member's session is still live."""
+    async def gang_commit_part(self, generation: int, key: str, rank: int, world: int,
+                               tokens: list, timeout: float) -> bool:
+        """Rank ``rank``'s part of a gang commit; the commit's outcome once every rank's
+        part came (all or nothing: refused unless ``generation`` is the current group and
+        every member's session is live), or ``False`` after ``timeout`` seconds."""
         group = self.gangs.group
-        if generation != group.generation:
-            return False
-        sessions = dict(enumerate(group.sessions))
-        tokens = {int(r): t for r, t in tokens.items()}
-        return self.commits.apply(self.leases, key, sessions, tokens,
-                                  set(self.members.members))
+        sessions = dict(enumerate(group.sessions)) if generation == group.generation else None
+        ok = self.commits.add_part(self.leases, key, rank, world, tokens, sessions,
+                                   set(self.members.members))
+        if ok is not None:
+            event = self.commit_events.pop(key, None)
+            if event is not None:
+                event.set()
+            return ok
+        event = self.commit_events.setdefault(key, asyncio.Event())
+        await wait_event(event, timeout)
+        self.commit_events.pop(key, None)
+        return self.commits.outcome(key)
 
     def active_sessions(self) -> tuple[str, ...]:
         """Sessions that may run closures, in worker-index (rank) order."""
