@@ -74,7 +74,7 @@ def make_state(ctx):
     torch.manual_seed(ctx.worker_index)
     model = torch.nn.Linear(FEATURES, 1).to(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    return dd.collective.State(model=model, optimizer=opt, step=0)
+    return dd.collective.State(model=model, optimizer=opt, step=0, rows=0)
 
 
 def sync_steps(state, iterator, steps):
@@ -85,9 +85,12 @@ def sync_steps(state, iterator, steps):
     committed model trains on every row exactly once across kills; ``synced`` ends all
     ranks at the same step when a rank's iterator runs dry.
     """
+    import torch
+
     import daskdist as dd
 
     state.sync()
+    g = dd.collective.get_group()
     losses, rows = [], 0
     for batch in dd.collective.synced(iterator):
         n = len(batch["y"])
@@ -98,12 +101,15 @@ def sync_steps(state, iterator, steps):
         dd.collective.allreduce_gradients(state.model, average=True)
         state.optimizer.step()
         state.step += 1
+        total = torch.tensor([n])
+        g.allreduce(total)
+        state.rows += int(total.item())  # rows in the model (every rank's): committed with it
         state.commit()
         losses.append(loss.item())
         rows += n
         if len(losses) >= steps:
             break
-    return losses, rows, dd.collective.get_group().generation
+    return losses, rows, g.generation, state.rows
 
 
 def rank0_pid(coord, client) -> int | None:
@@ -131,7 +137,7 @@ def sync_phase(coord, client, shards, args, tqdm) -> tuple[list, int, float]:
                                        shuffle=True, seed=1, policy="dynamic", name="sync")
     sync_it = iter(sync_ds)
     t = time.perf_counter()
-    sync_losses, killed = [], None
+    sync_losses, killed, in_model = [], None, 0
     with tqdm(total=shards.num_rows, desc="sync", unit="row", unit_scale=True) as bar:
         done = 0
         while not (p := sync_ds.progress())["complete"]:
@@ -146,10 +152,13 @@ def sync_phase(coord, client, shards, args, tqdm) -> tuple[list, int, float]:
                               "from the last commit")
             out = coord.fetch(gang)
             sync_losses += out[0][0]
+            in_model = out[0][3]
         bar.update(p["acknowledged"] - done)
     seconds = time.perf_counter() - t
-    once = "each exactly once" if p["acknowledged"] == p["total"] else "MISMATCH"
-    print(f"sync      {p['acknowledged']:,} rows ({once}, committed) in {seconds:.1f} s; "
+    once = ("each exactly once" if p["acknowledged"] == p["total"] == in_model
+            else "MISMATCH")
+    print(f"sync      {in_model:,} rows in the committed model ({once}: "
+          f"{p['acknowledged']:,} acknowledged of {p['total']:,}) in {seconds:.1f} s; "
           f"generation {coord.status()['group_generation']}")
     return sync_losses, p["acknowledged"], seconds
 
