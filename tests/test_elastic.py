@@ -160,8 +160,9 @@ def test_worker_added_joins_at_a_commit_with_the_same_state(tmp_path):
         # ... and the re-formed group resumed there, the newcomer included
         resumed = [e for e in logs if e[1] == "resume" and e[5] == 3]
         assert {e[2] for e in resumed} == {max(last.values())}
-        assert dd.collective.HostsUpdatedInterrupt  # exported for user code
         coord.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            coord.schedule_on_all(elastic_loop, args=(state, 1, str(tmp_path)))
 
 
 # -- rows exactly once --------------------------------------------------------------

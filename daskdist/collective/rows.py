@@ -15,6 +15,7 @@ import concurrent.futures
 from typing import Any
 
 from daskdist.context import get_worker_context
+from daskdist.errors import CollectiveError
 from daskdist.plugins.leases import _group_tokens
 
 
@@ -29,7 +30,8 @@ def _runner() -> Any:
             runner = runner_of(w, ctx.name)
             if runner is not None:
                 return runner
-    raise RuntimeError(f"no daskdist worker plugin {ctx.name!r} on {ctx.address}")
+    # the plugin was torn down (the worker is retiring or closing): a membership change
+    raise CollectiveError(f"worker {ctx.address} left coordinator {ctx.name!r}")
 
 
 def send_part(generation: int, key: str, rank: int, world: int, tokens: list,
