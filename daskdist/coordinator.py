@@ -389,8 +389,14 @@ class Coordinator:
         with self._cv:
             self._pending[gid] = whole
             self._gangs[gid] = view
-        info = self._call("daskdist_schedule_gang", owner=self._owner, cid=gid,
-                          payload=payload)
+        try:
+            info = self._call("daskdist_schedule_gang", owner=self._owner, cid=gid,
+                              payload=payload)
+        except BaseException:
+            with self._cv:
+                self._pending.pop(gid, None)
+                self._gangs.pop(gid, None)
+            raise
         n = info["world_size"]
         with self._cv:
             if n == 0:
