@@ -106,8 +106,10 @@ class CoordinatorPlugin(SchedulerPlugin):
                 session = co.members.drain(topic, draining)
                 if session is not None:
                     co.queue.drain_session(session, draining)
-                    if was != draining and (session in co.gangs.group.sessions or not draining):
-                        # a retiring member leaves the group at the next commit (SPEC §4.1)
+                    if (was != draining and msg.get("status") != "paused"
+                            and (session in co.gangs.group.sessions) == draining):
+                        # a retiring member leaves the group at the next commit, one back
+                        # in service joins it (SPEC §4.1); a memory pause does neither
                         co.members.version += 1
                         co.membership_changed()
                     if not draining:
