@@ -278,3 +278,51 @@ def test_formation_that_always_fails_fails_the_gang(tmp_path):
                 coord.fetch(gang)
             assert time.monotonic() - t0 < 60
             coord.close()
+
+
+# -- the sync source, without Dask -----------------------------------------------------
+
+
+def _sync_member(rank: int, addr_q, out_q) -> None:
+    """Ranks 1 and 2 committed 3 and 2 times; rank 0 is fresh: all take rank 1's state."""
+    from daskdist.collective import State, create_store, destroy_member, get_group, init_member
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        host, port = create_store(1, "127.0.0.1")
+        for _ in range(2):
+            addr_q.put((host, port))
+    else:
+        host, port = addr_q.get()
+    init_member(rank, 3, host, port, "gloo", 1, 30.0)
+    torch.manual_seed(rank)
+    state = State(model=torch.nn.Linear(3, 1), step=0, who=rank)
+    if rank:  # a history of commits, as a survivor has (no peers needed to make it)
+        state.step = 4 - rank
+        state.save()
+        state._commits, state._synced = 4 - rank, True
+        with torch.no_grad():  # uncommitted changes: sync goes back to the commit first
+            state.model.weight.add_(100.0)
+    get_group().barrier()
+    state.sync()
+    out_q.put((rank, state.step, state.who, state.commits,
+               state.model.weight.detach().flatten().tolist()))
+    destroy_member()
+
+
+def test_sync_takes_the_newest_commit_not_rank_0():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    addr_q, out_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_sync_member, args=(r, addr_q, out_q)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        out = sorted(out_q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+    assert [o[1:4] for o in out] == [(3, 1, 3)] * 3  # rank 1's state: most commits
+    assert out[0][4] == out[1][4] == out[2][4]
+    assert all(abs(w) < 50 for w in out[0][4])  # the commit, not the uncommitted change
