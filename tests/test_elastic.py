@@ -93,7 +93,7 @@ def test_rank0_killed_twice_resumes_from_the_newest_commit(cluster3, tmp_path):
     _cluster, client, coord = cluster3
     coord.collective_group(timeout=30)
     state = coord.create_per_worker_resource(make_state)
-    steps = 400
+    steps = 700  # room for two kills, each with its replacement joining
     gang = coord.schedule_on_all(elastic_loop, args=(state, steps, str(tmp_path)))
     kills = []
     for _ in range(2):
@@ -146,11 +146,12 @@ def test_worker_added_joins_at_a_commit_with_the_same_state(tmp_path):
         wait_for_workers(client, coord, 2)
         first = coord.collective_group(timeout=30)
         state = coord.create_per_worker_resource(make_state)
-        gang = coord.schedule_on_all(elastic_loop, args=(state, 150, str(tmp_path)))
+        steps = 500  # about 12 s: room for the newcomer's process to start and join
+        gang = coord.schedule_on_all(elastic_loop, args=(state, steps, str(tmp_path)))
         wait_until(lambda: any(e[1] == "commit" for e in _read_logs(tmp_path)), 60, "steps")
         cluster.scale(3)
         out = coord.fetch(gang)
-        assert len(out) == 3 and all(o[1] == 3 and o[3] == 150 for o in out)
+        assert len(out) == 3 and all(o[1] == 3 and o[3] == steps for o in out)
         assert all(o[2] > first.generation for o in out)
         assert out[0][4] == out[1][4] == out[2][4]  # the newcomer holds the same model
         logs = _read_logs(tmp_path)
