@@ -5,7 +5,8 @@ with worker processes (or connects to ``--scheduler``), then trains a linear reg
 two ways: asynchronously for ``--epochs`` epochs (closures on per-worker replicas, a
 dynamic dataset: every row of every epoch exactly once, reported per epoch) and
 synchronously (a gloo collective group, gang closures, averaged gradients, elastic
-state). ``--kill`` SIGKILLs a worker mid-epoch to show recovery. Bad input is one line
+state). ``--kill`` SIGKILLs a worker mid-epoch to show recovery (and rank 0 of the group
+in the synchronous phase). Bad input is one line
 on stderr and exit status 2, before anything is created; Ctrl-C closes the cluster and
 exits with status 130. Nothing in the library imports this module.
 """
@@ -77,32 +78,96 @@ def make_state(ctx):
     torch.manual_seed(ctx.worker_index)
     model = torch.nn.Linear(FEATURES, 1).to(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    return dd.collective.State(model=model, optimizer=opt, step=0)
+    return dd.collective.State(model=model, optimizer=opt, step=0, rows=0)
 
 
 def sync_steps(state, iterator, steps):
-    """Data-parallel SGD on the group: averaged gradients, a commit every step."""
+    """Data-parallel SGD on the group: averaged gradients, a commit every step.
+
+    ``sync()`` starts every rank from the newest commit (a fresh replacement never
+    overwrites the survivors); each ``commit()`` acknowledges the step's rows, so the
+    committed model trains on every row exactly once across kills; ``synced`` ends all
+    ranks at the same step when a rank's iterator runs dry.
+    """
     import torch
 
     import daskdist as dd
 
-    state.sync()  # new members start equal to rank 0
+    state.sync()
+    g = dd.collective.get_group()
     losses, rows = [], 0
-    for _ in range(steps):
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            break
-        loss = torch.nn.functional.mse_loss(state.model(batch["x"]).squeeze(-1), batch["y"])
+    for batch in dd.collective.synced(iterator):
+        n = len(batch["y"])
+        pred = state.model(batch["x"]).squeeze(-1)
+        loss = (pred - batch["y"]).pow(2).sum() / max(1, n)  # finite on an empty tail batch
         state.optimizer.zero_grad()
         loss.backward()
         dd.collective.allreduce_gradients(state.model, average=True)
         state.optimizer.step()
         state.step += 1
+        total = torch.tensor([n])
+        g.allreduce(total)
+        state.rows += int(total.item())  # rows in the model (every rank's): committed with it
         state.commit()
         losses.append(loss.item())
-        rows += len(batch["y"])
-    return losses, rows, dd.collective.get_group().generation
+        rows += n
+        if len(losses) >= steps:
+            break
+    return losses, rows, g.generation, state.rows
+
+
+def rank0_pid(coord, client) -> int | None:
+    """The process id of rank 0 of the coordinator's collective group."""
+    members = coord._call("daskdist_group_info")["members"]
+    if not members:
+        return None
+    pid = client.run(os.getpid, workers=[members[0]], on_error="ignore").get(members[0])
+    return pid if isinstance(pid, int) else None
+
+
+def sync_phase(coord, client, shards, args) -> tuple[list, int, float]:
+    """Synchronous training until every row of an epoch is committed exactly once.
+
+    The driver loops gang closures until the dynamic dataset's epoch is complete;
+    ``--kill`` SIGKILLs rank 0 of the group (the member every other rank synced from
+    before) once a third of the rows are trained. ``--steps`` is the steps per gang
+    closure.
+    """
+    from tqdm.auto import tqdm
+
+    coord.wait_for_workers(args.workers, timeout=120)  # a killed worker is back
+    group = coord.collective_group(backend="auto", timeout=60)
+    print(f"group     {group.backend} world_size={group.world_size} "
+          f"generation={group.generation}")
+    state = coord.create_per_worker_resource(make_state)
+    sync_ds = coord.distribute_dataset(shards, global_batch_size=args.batch_size * args.workers,
+                                       shuffle=True, seed=1, policy="dynamic", name="sync")
+    sync_it = iter(sync_ds)
+    t = time.perf_counter()
+    sync_losses, killed, in_model = [], None, 0
+    with tqdm(total=shards.num_rows, desc="sync", unit="row", unit_scale=True) as bar:
+        done = 0
+        while not (p := sync_ds.progress())["complete"]:
+            bar.update(p["acknowledged"] - done)
+            done = p["acknowledged"]
+            gang = coord.schedule_on_all(sync_steps, args=(state, sync_it, args.steps))
+            if args.kill and killed is None and done > shards.num_rows // 3:
+                killed = rank0_pid(coord, client)
+                if killed is not None:
+                    os.kill(killed, signal.SIGKILL)
+                    bar.write(f"killed    rank 0 (pid {killed}, SIGKILL); survivors go on "
+                              "from the last commit")
+            out = coord.fetch(gang)
+            sync_losses += out[0][0]
+            in_model = out[0][3]
+        bar.update(p["acknowledged"] - done)
+    seconds = time.perf_counter() - t
+    once = ("each exactly once" if p["acknowledged"] == p["total"] == in_model
+            else "MISMATCH")
+    print(f"sync      {in_model:,} rows in the committed model ({once}: "
+          f"{p['acknowledged']:,} acknowledged of {p['total']:,}) in {seconds:.1f} s; "
+          f"generation {coord.status()['group_generation']}")
+    return sync_losses, p["acknowledged"], seconds
 
 
 class UsageError(Exception):
@@ -179,36 +244,6 @@ def async_epoch(coord, client, ds, replica, args, epoch: int, kill: bool, t0: fl
         raise RuntimeError(f"epoch {epoch}: {rows} rows trained, {p} acknowledged")
 
 
-def sync_phase(coord, shards, args) -> None:
-    """Synchronous data-parallel training on a collective group (``sync_steps``)."""
-    from tqdm.auto import tqdm
-
-    group = coord.collective_group(backend="auto", timeout=60)
-    print(f"group     {group.backend} world_size={group.world_size} "
-          f"generation={group.generation}", flush=True)
-    state = coord.create_per_worker_resource(make_state)
-    sync_ds = coord.distribute_dataset(shards, global_batch_size=args.batch_size * args.workers,
-                                       shuffle=True, seed=1, policy="file")
-    sync_it = iter(sync_ds)
-    t = time.perf_counter()
-    sync_losses, sync_rows = [], 0
-    per_call = 20
-    with tqdm(total=args.steps, desc="sync", unit="step", leave=False) as bar:
-        done = 0
-        while done < args.steps:
-            out = coord.fetch(coord.schedule_on_all(
-                sync_steps, args=(state, sync_it, min(per_call, args.steps - done))))
-            steps = len(out[0][0])
-            if steps == 0:
-                break
-            sync_losses += out[0][0]
-            sync_rows += sum(o[1] for o in out)
-            done += steps
-            bar.update(steps)
-    print(f"sync      {done} steps, {sync_rows:,} rows in {time.perf_counter() - t:.1f} s; "
-          f"loss {sync_losses[0]:.3f} -> {np.mean(sync_losses[-5:]):.4f}", flush=True)
-
-
 def demo(args: argparse.Namespace) -> int:
     import daskdist as dd
 
@@ -239,9 +274,11 @@ def demo(args: argparse.Namespace) -> int:
                         kill=args.kill and epoch == args.epochs // 2, t0=t0)
 
         # -- synchronous training: a gloo group, gang closures, elastic state -----------
-        coord.wait_for_workers(args.workers, timeout=120)  # a killed worker is back
         if args.steps:
-            sync_phase(coord, shards, args)
+            sync_losses, sync_rows, sync_seconds = sync_phase(coord, client, shards, args)
+            print(f"sync      {len(sync_losses)} steps, {sync_rows:,} rows in "
+                  f"{sync_seconds:.1f} s; loss {sync_losses[0]:.3f} -> "
+                  f"{np.mean(sync_losses[-5:]):.4f}", flush=True)
         status = coord.status()
         print(f"summary   closures done={status['done']} retried={status['retried']} "
               f"recoveries={status['recoveries']} failed={status['failed']} "
@@ -289,7 +326,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--rows", type=positive_int, default=200_000, help="synthetic rows")
     d.add_argument("--files", type=positive_int, default=8, help="synthetic shard files")
     d.add_argument("--batch-size", type=positive_int, default=256, help="per-worker batch size")
-    d.add_argument("--steps", type=int, default=100, help="synchronous steps (0: none)")
+    d.add_argument("--steps", type=int, default=20,
+                   help="synchronous steps per gang closure (0: no synchronous phase)")
     d.add_argument("--data", default=None,
                    help="an existing directory of *.parquet shards (default: synthetic)")
     d.add_argument("--scheduler", default=None,

@@ -96,6 +96,33 @@ def record_consumed(token: Any) -> None:
         cb(token)
 
 
+def _consumed_list() -> list | None:
+    """The running closure's token list (the worker plugin records into a list)."""
+    tokens = getattr(getattr(_local, "on_consume", None), "__self__", None)
+    return tokens if isinstance(tokens, list) else None
+
+
+def consumed_mark() -> int:
+    """How many tokens the closure in this thread has recorded so far (0 outside one)."""
+    tokens = _consumed_list()
+    return 0 if tokens is None else len(tokens)
+
+
+def take_consumed(since: int = 0) -> list:
+    """Remove and return the tokens recorded in this thread from position ``since`` on.
+
+    Elastic state takes them at ``commit()`` (the commit acknowledges them instead of
+    the closure's end) and ``synced`` takes a batch it gives back. ``[]`` outside a
+    closure.
+    """
+    tokens = _consumed_list()
+    if tokens is None:
+        return []
+    out = tokens[since:]
+    del tokens[since:]
+    return out
+
+
 # Membership as this worker last heard it from the scheduler plugin, per coordinator
 # name (coordinators of different names have their own members and counters). The
 # worker plugin updates it; collective code (elastic State.commit) reads it to see that
@@ -119,3 +146,18 @@ def _set_membership(version: int, workers: tuple = (), name: str | None = None) 
     key = _current_name() if name is None else name
     if version > _membership.get(key, 0):
         _membership[key] = version
+
+
+_formations: dict[int, int] = {}  # group generation -> membership version it was formed at
+
+
+def formation_version(generation: int) -> int | None:
+    """The membership version the scheduler formed ``generation`` at (``None``: unknown)."""
+    return _formations.get(generation)
+
+
+def _set_formation_version(generation: int, version: int | None) -> None:
+    if version is not None:
+        _formations[int(generation)] = int(version)
+        for g in [g for g in _formations if g < generation - 8]:
+            del _formations[g]

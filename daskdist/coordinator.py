@@ -36,6 +36,21 @@ from daskdist.values import (
 )
 
 
+class GangValues(PerWorkerValues):
+    """The per-rank ``RemoteValue``s of a gang closure (``schedule_on_all``).
+
+    Once the gang is done they are those of the ranks of the generation that completed
+    it, in rank order (a member that left is not an error).
+    """
+
+    __slots__ = ("whole", "final")
+
+    def __init__(self, whole: RemoteValue):
+        super().__init__(values=())
+        self.whole = whole
+        self.final = False
+
+
 def _has_plugin(dask_scheduler) -> bool:
     return PLUGIN_NAME in dask_scheduler.plugins
 
@@ -192,7 +207,9 @@ class Coordinator:
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._pending: dict[str, RemoteValue] = {}
-        self._gangs: dict[str, list[RemoteValue]] = {}  # gang cid -> per-rank values
+        # gang cid -> its per-rank values; written by the caller and the result loop,
+        # always under self._cv
+        self._gangs: dict[str, GangValues] = {}
         self._outgoing: deque[tuple] = deque()
         self._flushing = False
         self._error_pending = False
@@ -285,25 +302,33 @@ class Coordinator:
             rv = self._pending.pop(cid, None)
             if rv is not None and state == "FAILED":
                 self._error_pending = True
+            view = self._gangs.pop(cid, None)
+            if view is not None:  # per-rank values first: whoever waits on the gang sees them
+                self._spread_gang(view, state, payload, kind, attempt)
             self._cv.notify_all()
         if rv is not None:
             rv._set(state, payload, kind, attempt)
-            if cid in self._gangs:
-                self._spread_gang(cid, rv)
 
-    def _spread_gang(self, gid: str, whole: RemoteValue) -> None:
-        """A gang's outcome (one per-rank list of results) to its per-rank values."""
-        members = self._gangs.pop(gid)
-        state, payload = whole._status.value, whole._payload
-        for rank, rv in enumerate(members):
-            if state != "READY":
-                rv._set(state, payload, whole._kind, whole.attempt)
-            elif rank < len(payload):
-                rv._set(state, payload[rank], None, whole.attempt)
-            else:
-                err = CollectiveError(f"rank {rank} was not a member of the group that ran "
-                                      f"the gang closure (it had {len(payload)} members)")
-                rv._set("FAILED", dump_error(err), "user-error", whole.attempt)
+    @staticmethod
+    def _spread_gang(view: GangValues, state: str, payload: Any, kind: str | None,
+                     attempt: int) -> None:
+        """A gang's outcome (the per-rank results of the generation that completed it)
+        to its per-rank values; the view's length becomes that generation's size.
+        Called with ``self._cv`` held."""
+        gid = view.whole._cid
+        old = list(view.values)
+        if state != "READY":
+            for rv in old:
+                rv._set(state, payload, kind, attempt)
+            return
+        members = old[: len(payload)]
+        members += [RemoteValue(f"{gid}#{r}", None) for r in range(len(members), len(payload))]
+        for rv, value in zip(members, payload, strict=True):
+            rv._set(state, value, None, attempt)
+        for rv in old[len(payload):]:  # ranks of a member that left: not an error
+            rv._set("CANCELLED", None, None, attempt)
+        view.values = tuple(members)
+        view.final = True
 
     def _raise_pending(self, timeout: float | None = None) -> None:
         """Raise the first unraised error, cancelling what is still queued (TF semantics)."""
@@ -396,27 +421,41 @@ class Coordinator:
         """Run ``fn`` on every member of the collective group at once (a gang closure).
 
         Returns a ``PerWorkerValues`` of ``RemoteValue``s in rank order. If a member is
-        lost, the group is re-formed from the current workers and the gang runs again.
+        lost, the group is re-formed from the current workers and the gang runs again;
+        a worker that joins makes elastic ``State.commit()`` interrupt it, and it runs
+        again on the group that includes the newcomer. A member that left is not an
+        error: once the gang is done, the values (and ``fetch``) are the results of the
+        ranks of the generation that completed it, in rank order, so their number is
+        that generation's size (the values of ranks beyond it are cancelled).
         """
+        if self._closed:
+            raise RuntimeError("this Coordinator is closed")
         if self._error_pending:
             self._raise_pending()
         payload = self._pickle(fn, args, kwargs, 0)
         gid = f"{self._owner}-g{next(self._seq)}"
         whole = RemoteValue(gid, None)
+        view = GangValues(whole)
         with self._cv:
             self._pending[gid] = whole
-        info = self._call("daskdist_schedule_gang", owner=self._owner, cid=gid,
-                          payload=payload)
-        n = info["world_size"]
-        if n == 0:
+            self._gangs[gid] = view
+        try:
+            info = self._call("daskdist_schedule_gang", owner=self._owner, cid=gid,
+                              payload=payload)
+        except BaseException:
             with self._cv:
                 self._pending.pop(gid, None)
-            raise RuntimeError("no workers to run the gang closure on")
-        members = [RemoteValue(f"{gid}#{rank}", None) for rank in range(n)]
-        self._gangs[gid] = members
-        if whole.done():  # finished before we got here
-            self._spread_gang(gid, whole)
-        return PerWorkerValues(values=members)
+                self._gangs.pop(gid, None)
+            raise
+        n = info["world_size"]
+        with self._cv:
+            if n == 0:
+                self._pending.pop(gid, None)
+                self._gangs.pop(gid, None)
+                raise RuntimeError("no workers to run the gang closure on")
+            if not view.final:  # not finished before we got here
+                view.values = tuple(RemoteValue(f"{gid}#{r}", None) for r in range(n))
+        return view
 
     def collective_group(self, backend: str = "auto", timeout: float = 60.0, *,
                          rejoin_grace: float | None = None):
@@ -425,9 +464,10 @@ class Coordinator:
         Ranks follow worker indices; ``backend="auto"`` is NCCL when every member has
         CUDA, else gloo. Closures reach it with ``dd.collective.get_group()``.
         Collective calls that cannot complete fail with ``CollectiveError`` within
-        ``timeout`` seconds. When a member is lost, the group waits up to
-        ``rejoin_grace`` seconds (default ``daskdist.collective.rejoin-grace``) for a
-        replacement (a Nanny restart) before re-forming with fewer members. Returns a
+        ``timeout`` seconds. When a member is lost, the group re-forms on the
+        survivors after ``rejoin_grace`` seconds (default
+        ``daskdist.collective.rejoin-grace``: 0, at once); a replacement that registers
+        later joins at the next elastic ``State.commit()``. Returns a
         ``daskdist.collective.CollectiveGroup``.
         """
         if backend not in ("auto", "gloo", "nccl"):
@@ -480,6 +520,8 @@ class Coordinator:
         def one(v):
             if isinstance(v, RemoteValue):
                 return v.fetch()
+            if isinstance(v, GangValues):
+                v.whole.exception()  # done: the values are the completing generation's
             if isinstance(v, PerWorkerValues) and v.values is not None:
                 return [one(x) for x in v.values]
             return v

@@ -197,7 +197,9 @@ def test_dead_peer_raises_collective_error(coord, client):
     logs = [entry for log in out for entry in log]
     errors = [e for e in logs if e[0] == "collective-error"]
     assert errors and all(seconds < 15 for _, seconds in errors)  # well before a hang
-    assert [log[-1][0] for log in out] == ["ok", "ok"]  # the re-run succeeded everywhere
+    # the re-run succeeded on every rank of the generation that completed it: the
+    # survivor alone (the group shrinks at once), or with the replacement if it was quick
+    assert 1 <= len(out) <= 2 and all(log[-1][0] == "ok" for log in out)
     wait_for_workers(client, coord, 2)
 
 
@@ -270,7 +272,8 @@ def test_worker_added_interrupts_all_ranks_at_same_step():
             wait_until(lambda: coord.status()["running"] >= 2, 30, "the gang to run")
             cluster.scale(3)
             out = coord.fetch(rvs)
-            assert [o[0] for o in out] == [0, 1]
+            # the results of the generation that completed the gang: the newcomer's too
+            assert [o[0] for o in out] == [0, 1, 2]
             assert all(o[1] == 3 for o in out)  # finished on the re-formed 3-member group
             assert all(o[2] > group.generation for o in out)
             interrupted = [o[3] for o in out]

@@ -7,7 +7,7 @@ it drives formation through worker RPCs that call the bootstrap functions:
 
 Inside a closure: ``get_group()`` for collectives, ``broadcast_parameters`` /
 ``allreduce_gradients`` (or plain ``DistributedDataParallel``) for replicas, and
-``State`` for elastic training.
+``State`` for elastic training, ``synced(iterator)`` for the end of an epoch.
 """
 
 from daskdist.collective.bootstrap import (
@@ -21,6 +21,7 @@ from daskdist.collective.elastic import HostsUpdatedInterrupt, State
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.handle import CollectiveGroup
 from daskdist.collective.replicas import allreduce_gradients, broadcast_parameters
+from daskdist.collective.synced import synced
 
 __all__ = [
     "CollectiveGroup",
@@ -36,4 +37,5 @@ __all__ = [
     "get_group",
     "init_member",
     "mark_peer_lost",
+    "synced",
 ]

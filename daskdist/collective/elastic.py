@@ -1,15 +1,26 @@
-"""Elastic training state with Horovod semantics (SPEC §4).
+"""Elastic training state with Horovod semantics (SPEC §4, §4.1, §4.2).
 
 ``State(model, optimizer, **objects)`` keeps a committed copy of the training state:
 
-- ``commit()`` saves a copy, then checks for host updates: rank 0's view of the
-  membership counter (``daskdist.context.membership_version()``, bumped by the
-  scheduler plugin on every join or leave) is broadcast, so every rank takes rank
-  0's decision and ``HostsUpdatedInterrupt`` is raised on **all** ranks at the same
-  commit, never on some ranks only (which would deadlock the next collective).
-- ``restore()`` returns model, optimizer and objects to the last commit.
-- ``sync()`` broadcasts rank 0's model, optimizer and objects, and records the result
-  (and rank 0's membership counter) as the last commit.
+- ``commit()`` saves a copy, then checks for host updates: one allgather of every
+  rank's ``[token bytes, membership counter]`` (the counter is
+  ``daskdist.context.membership_version()``, bumped by the scheduler plugin on every
+  join, leave or retirement), so every rank takes rank 0's decision and
+  ``HostsUpdatedInterrupt`` is raised on **all** ranks at the same commit, never on
+  some ranks only (which would deadlock the next collective).
+- With a ``"dynamic"`` dataset inside the gang, the same commit acknowledges the rows
+  each rank consumed since its last commit (see ``daskdist.plugins.commits``): once
+  the allgather shows every rank reached the commit, each rank sends its lease tokens
+  without waiting; the scheduler applies the commit when every part came, all or
+  nothing. The outcome travels in the next commit's allgather (so every rank takes
+  the same decision) and the state is promoted then; if a member dies meanwhile,
+  ``sync()`` asks the scheduler whether the commit was applied. The allgather is the
+  plain commit's only collective call, so acknowledging rows adds no collective call.
+- ``restore()`` returns model, optimizer and objects to the last commit and gives back
+  the rows consumed since it.
+- ``sync()`` goes back to this rank's last commit, then broadcasts the state of the rank
+  holding the *newest* commit (ties: the lowest rank), never a fresh replacement's, and
+  records it as the last commit on every rank.
 
 The state always talks to the group formed *now* (``get_group()`` per call), so one
 ``State`` survives a re-formation: catch the error, re-form, ``sync()``, continue.
@@ -22,12 +33,18 @@ from typing import Any
 
 import torch
 
+from daskdist.collective import rows
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import broadcast_parameters
-from daskdist.context import membership_version
-from daskdist.errors import HostsUpdatedInterrupt  # defined there: the worker plugin knows it
+from daskdist.context import formation_version, membership_version, record_consumed, take_consumed
+from daskdist.errors import (  # defined there: the worker plugin knows them
+    CollectiveError,
+    HostsUpdatedInterrupt,
+)
+from daskdist.plugins.commits import RankLedger, commit_key
 
-_OWN = ("model", "optimizer", "_objects", "_saved", "_last_version")
+_OWN = ("model", "optimizer", "_objects", "_saved", "_last_version", "_commits", "_synced",
+        "_ledger")
 
 
 class State:
@@ -47,6 +64,9 @@ class State:
         object.__setattr__(self, "_objects", dict(objects))
         object.__setattr__(self, "_saved", None)
         object.__setattr__(self, "_last_version", membership_version())
+        object.__setattr__(self, "_commits", 0)  # commits behind the saved copy
+        object.__setattr__(self, "_synced", False)  # took part in a sync or commit
+        object.__setattr__(self, "_ledger", RankLedger())  # a commit in flight
         self.save()
 
     # -- objects as attributes ---------------------------------------------------
@@ -67,40 +87,96 @@ class State:
         names = ", ".join(sorted(self._objects))
         return f"State(model={type(self.model).__name__}, objects=[{names}])"
 
+    @property
+    def commits(self) -> int:
+        """How many commits the saved state holds (the newest wins at ``sync()``)."""
+        return self._commits
+
     # -- Horovod's API -----------------------------------------------------------
 
-    def save(self) -> None:
-        """Keep a deep copy of the current state (no communication)."""
-        self._saved = (
+    def _snapshot(self) -> tuple:
+        return (
             _copy_state_dict(self.model),
             _copy_state_dict(self.optimizer),
             copy.deepcopy(self._objects),
         )
 
-    def commit(self) -> None:
-        """Save, then raise ``HostsUpdatedInterrupt`` on all ranks if hosts changed."""
-        self.save()
-        self.check_host_updates()
+    def save(self) -> None:
+        """Keep a deep copy of the current state (no communication)."""
+        self._saved = self._snapshot()
 
-    def check_host_updates(self) -> None:
-        """One broadcast of rank 0's decision; raises on every rank alike."""
+    def commit(self) -> None:
+        """Save (acknowledging rows consumed since the last commit), then raise
+        ``HostsUpdatedInterrupt`` on all ranks if hosts changed."""
         g = get_group()
-        decision = torch.zeros(2, dtype=torch.int64, device=g._wire_device())
-        if g.rank == 0:
-            now = membership_version()
-            decision[0] = int(now != self._last_version)
-            decision[1] = now
-        g.broadcast(decision, src=0)  # one small call: commit() runs every step
-        changed, version = (int(v) for v in decision.tolist())
+        snapshot = self._snapshot()
+        tokens = take_consumed()
+        ledger = self._ledger
+        prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout)
+        dev = g._wire_device()
+        head = torch.tensor([int(bool(tokens)), membership_version(), prev],
+                            dtype=torch.int64, device=dev)
+        try:
+            heads = g.allgather(head)  # one small call: commit() runs every step
+        except BaseException:
+            _give_back(tokens)
+            raise
+        version = int(heads[0][1])
+        if ledger.in_flight:  # the previous commit's outcome, as every rank saw it
+            if min(int(h[2]) for h in heads) != _OK:
+                _give_back(tokens)  # the previous commit stays in flight: sync() settles it
+                raise CollectiveError(
+                    f"commit {ledger.key} was not confirmed on every rank (a member left "
+                    f"or the scheduler was unreachable); re-form and sync()")
+            state, _ = ledger.settle(True)
+            self._promote(state)
+        if any(int(h[0]) for h in heads):
+            # rows to acknowledge: every rank sends its part; the outcome is taken at
+            # the next commit (or by sync()), so the step does not wait for it
+            key = commit_key(g.generation, self._commits + 1)
+            try:
+                reply = rows.send_part(g.generation, key, g.rank, g.world_size, tokens,
+                                       g.timeout)
+            except BaseException:
+                _give_back(tokens)
+                raise
+            ledger.begin(key, tokens, snapshot, reply)
+            self._synced = True
+        else:
+            self._promote(snapshot)
+        self._check(version)
+
+    def _promote(self, snapshot: tuple) -> None:
+        self._saved = snapshot
+        self._commits += 1
+        self._synced = True
+
+    def _check(self, version: int) -> None:
+        changed = version != self._last_version
         self._last_version = version
         if changed:
             raise HostsUpdatedInterrupt(
                 f"workers joined or left (membership version {version}); re-form and sync()"
             )
 
+    def check_host_updates(self) -> None:
+        """One broadcast of rank 0's decision; raises on every rank alike."""
+        g = get_group()
+        v = torch.tensor([membership_version()], dtype=torch.int64, device=g._wire_device())
+        g.broadcast(v, src=0)
+        self._check(int(v.item()))
+
     def restore(self) -> None:
-        """Return model, optimizer and objects to the last commit (no communication)."""
-        model_sd, opt_sd, objects = self._saved
+        """Return model, optimizer and objects to the last commit (no collective call);
+        rows consumed since the last commit go back to the pool."""
+        self._settle_pending()
+        self._load(self._saved)
+        back = take_consumed()
+        if back:
+            rows.release(back)
+
+    def _load(self, saved: tuple) -> None:
+        model_sd, opt_sd, objects = saved
         if self.model is not None and model_sd is not None:
             self.model.load_state_dict(model_sd)
         if self.optimizer is not None and opt_sd is not None:
@@ -108,25 +184,73 @@ class State:
         self._objects.clear()
         self._objects.update(copy.deepcopy(objects))
 
+    def _settle_pending(self) -> None:
+        """A commit in flight: promote it if the scheduler applied it, else give its
+        rows back to the pool."""
+        ledger = self._ledger
+        if not ledger.in_flight:
+            return
+        outcome = _outcome(ledger.reply, 60.0)
+        if outcome != _OK:
+            outcome = _OK if rows.recorded(ledger.key) else _REFUSED
+        state, back = ledger.settle(outcome == _OK)
+        if state is not None:
+            self._promote(state)
+        elif back:
+            rows.release(back)
+
     def sync(self, group: Group | None = None) -> None:
-        """Make every rank equal to rank 0, and record that as the last commit."""
+        """Make every rank equal to the newest commit among them, and record that as the
+        last commit. Ranks that took part in a commit go back to it first; the source is
+        the rank with the most commits (ties: the lowest rank)."""
         g = group or get_group()
+        self._settle_pending()
+        if self._synced:
+            self._load(self._saved)
+        dev = g._wire_device()
+        head = torch.tensor([self._commits, membership_version()], dtype=torch.int64,
+                            device=dev)
+        heads = g.allgather(head)
+        counts = [int(h[0]) for h in heads]
+        src = counts.index(max(counts))
         if self.model is not None:
-            broadcast_parameters(self.model, src=0, group=g)
+            broadcast_parameters(self.model, src=src, group=g)
         payload = None
-        if g.rank == 0:
+        if g.rank == src:
             opt_sd = None
             if self.optimizer is not None:
                 opt_sd = _to_cpu(self.optimizer.state_dict())
-            payload = (opt_sd, self._objects, membership_version())
-        opt_sd, objects, version = g.broadcast_object(payload, src=0)
-        if g.rank != 0:
+            payload = (opt_sd, self._objects)
+        opt_sd, objects = g.broadcast_object(payload, src=src)
+        if g.rank != src:
             if self.optimizer is not None and opt_sd is not None:
                 self.optimizer.load_state_dict(opt_sd)
             self._objects.clear()
             self._objects.update(objects)
+        version = formation_version(g.generation)
+        if version is None:
+            version = max(int(h[1]) for h in heads)
         self._last_version = version
+        self._commits = counts[src]
+        self._synced = True
         self.save()
+
+
+_OK, _REFUSED, _UNKNOWN, _NONE = 1, 0, -1, 2  # a commit's outcome as a rank saw it
+
+
+def _outcome(reply, timeout: float) -> int:
+    """Wait for a commit's reply: ``_OK``, ``_REFUSED`` or ``_UNKNOWN`` (no reply)."""
+    try:
+        return _OK if reply.result(timeout) else _REFUSED
+    except Exception:  # noqa: BLE001 - a comm error, a timeout: the outcome is unknown
+        return _UNKNOWN
+
+
+def _give_back(tokens: list) -> None:
+    """Tokens taken for a commit that did not complete go back to the closure's list."""
+    for t in tokens:
+        record_consumed(t)
 
 
 def _copy_state_dict(obj: Any) -> Any:

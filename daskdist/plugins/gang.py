@@ -7,6 +7,13 @@ interrupt, is *interrupted*: the group is marked broken, and once every member's
 closure has ended the group is re-formed from the current workers (generation + 1)
 and the gang runs again. A member's plain user error fails the gang.
 
+Loss budget (SPEC §4.1): ``max_losses`` bounds the losses of each *rank's* work, not
+of the whole gang: a gang of 8 survives 8 different members dying once each, and
+fails when the work of one rank killed ``max_losses`` workers (a poison pill). A
+member that left as Dask expected (retired, closed) costs nothing. The result of a
+gang is the values of the generation that completed it, in rank order (its length is
+that generation's size): a member that left is not an error.
+
 No Dask, no I/O: the scheduler plugin asks :meth:`GangBook.next_step` what to do
 (form a group, dispatch a gang) and feeds back what happened. Member closures live
 in the :class:`~daskdist.plugins.queue.ClosureQueue` pinned to their sessions.
@@ -29,7 +36,8 @@ class Gang:
     owner: str
     payload: Any
     attempt: int = 0
-    losses: int = 0  # interruptions caused by a lost member
+    losses: dict[int, int] = field(default_factory=dict)  # rank -> its work's worker losses
+    spared: set[int] = field(default_factory=set)  # ranks whose worker left as expected
     generation: int = 0
     members: dict[str, int] = field(default_factory=dict)  # member cid -> rank
     results: dict[int, Any] = field(default_factory=dict)
@@ -107,6 +115,7 @@ class GangBook:
         gang.attempt += 1
         gang.generation = self.group.generation
         gang.interrupted = False
+        gang.spared.clear()
         gang.results.clear()
         gang.errors.clear()
         members = [(f"{gang.cid}@{gang.generation}#{rank}", s, rank)
@@ -130,28 +139,46 @@ class GangBook:
             if kind in INTERRUPTING or self.group.broken:
                 gang.interrupted = True
                 self.group.broken = True
-                if kind == "worker-lost":
-                    gang.losses += 1
+                if kind == "worker-lost" and rank not in gang.spared:
+                    gang.losses[rank] = gang.losses.get(rank, 0) + 1
         return self._maybe_final(gang)
 
-    def session_lost(self, session: str) -> bool:
-        """A member's worker left: the group is broken. True if it was a group member."""
+    def session_lost(self, session: str, expected: bool = False) -> bool:
+        """A member's worker left: the group is broken. True if it was a group member.
+
+        ``expected`` (Dask retired or closed it): its rank's work is not charged a loss.
+        """
         if session not in self.group.sessions:
             return False
         self.group.broken = True
         if self.running is not None:
             self.running.interrupted = True
+            if expected and self.running.generation == self.group.generation:
+                self.running.spared.add(self.group.sessions.index(session))
         return True
+
+    def worst_losses(self, gang: Gang) -> int:
+        """The most worker losses charged to one rank's work of ``gang``."""
+        return max(gang.losses.values(), default=0)
+
+    def fail_pending(self, error: Any, kind: str) -> list[GangOutcome]:
+        """Fail every gang not yet dispatched with ``error`` (the group cannot form)."""
+        out = [GangOutcome(g.cid, g.owner, False, error=error, kind=kind, attempt=g.attempt)
+               for g in self.pending]
+        self.pending.clear()
+        return out
 
     def _maybe_final(self, gang: Gang) -> GangOutcome | None:
         if gang.members:
             return None  # members still running
         self.running = None
         if gang.interrupted:
-            if gang.losses >= self.max_losses:
+            worst = self.worst_losses(gang)
+            if worst >= self.max_losses:
+                rank = min(r for r, n in gang.losses.items() if n == worst)
                 return GangOutcome(gang.cid, gang.owner, False,
-                                   error="members of the gang were lost "
-                                         f"{gang.losses} times", kind="worker-lost",
+                                   error=f"the workers running rank {rank} of the gang "
+                                         f"were lost {worst} times", kind="worker-lost",
                                    attempt=gang.attempt)
             self.pending.appendleft(gang)  # runs again on the re-formed group
             return None

@@ -6,6 +6,14 @@ holds; then every member joins at once, each in a worker thread), gang members a
 put in the closure queue pinned to their sessions and the member workers are told at
 once on their streams (a worker whose threads are all busy still keeps a slot for
 them). Never imports torch: the worker plugin does the torch side.
+
+Membership changes (SPEC §4.1): a group that lost a member re-forms on the survivors
+at once (``daskdist.collective.rejoin-grace``, default 0, may hold it for a Nanny's
+replacement); a worker that joins later makes the running gang's ``State.commit()``
+raise ``HostsUpdatedInterrupt`` and the gang runs again on a group that includes it.
+A formation that keeps failing is retried after growing pauses
+(``formation-retry`` doubling up to ``formation-retry-max``) and fails the pending
+gangs with ``CollectiveError`` after ``formation-timeout``.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daskdist import config
+from daskdist.errors import CollectiveError
 from daskdist.plugins.backends import (
     HOW_TO_SPLIT,
     BackendError,
@@ -25,6 +34,7 @@ from daskdist.plugins.backends import (
     shared_gpus,
 )
 from daskdist.plugins.state import GANG_OWNER, CoordinatorState
+from daskdist.values import dump_error
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,9 @@ class GroupDriver:
         self._short_since: float | None = None
         self._warned: set[frozenset] = set()  # GPU sharings already logged
         self.last_error = ""  # why the last formation failed ("" when it formed)
+        self._failing_since: float | None = None  # first failure of the current streak
+        self._hopeless = False  # the last formation cannot succeed by retrying (a backend)
+        self._failures = 0
 
     def start(self) -> None:
         if self.task is None or self.task.done():
@@ -57,6 +70,22 @@ class GroupDriver:
     def stop(self) -> None:
         if self.task is not None:
             self.task.cancel()
+
+    def candidates(self) -> tuple[str, ...]:
+        """The sessions the next generation forms over, in rank (worker-index) order.
+
+        The workers not retiring; but if none of them was a member of the current
+        group (so none holds the committed state), the current group's retiring
+        members still there are kept, so ``State.sync()`` hands their state over
+        before they leave (they leave the group when their worker closes).
+        """
+        co = self.co
+        active = co.active_sessions()
+        current = co.gangs.group.sessions
+        if not current or set(active) & set(current):
+            return active
+        keep = set(active) | {s for s in current if s in co.members}
+        return tuple(m.session for m in co.members.by_index() if m.session in keep)
 
     def backend_for(self, sessions: tuple[str, ...]) -> str:
         """The backend for these members (``BackendError`` when the requested one cannot
@@ -79,7 +108,7 @@ class GroupDriver:
         """Form a new generation over ``sessions`` (default: the current workers)."""
         async with self.lock:
             co = self.co
-            sessions = sessions or co.active_sessions()
+            sessions = sessions or self.candidates()
             if not sessions:
                 return False
             book = co.gangs
@@ -87,8 +116,11 @@ class GroupDriver:
                 backend = self.backend_for(sessions)
             except BackendError as e:  # no formation can succeed: say why, start none
                 self.last_error = str(e)
+                self._hopeless = True
                 logger.error("daskdist[%s]: %s", co.name, e)
                 return False
+            self._hopeless = False
+            version = co.members.version  # what State.sync() records: later joins interrupt
             generation = book.begin_formation(sessions, self.next_generation())
             group = book.group
             members = [co.members.members[s] for s in sessions]
@@ -104,7 +136,7 @@ class GroupDriver:
                     self.rpc(m.address).daskdist_collective(
                         action="init", name=co.name, rank=rank, world_size=len(members),
                         host=host, port=port, backend=backend, generation=generation,
-                        timeout=group.timeout,
+                        timeout=group.timeout, version=version,
                     )
                     for rank, m in enumerate(members)
                 ])
@@ -136,6 +168,29 @@ class GroupDriver:
             self._short_since = now
         return max(0.0, self._short_since + self.rejoin_grace - now)
 
+    async def _after_failure(self, final: bool = False) -> None:
+        """Pause before the next formation attempt (doubling each time); past
+        ``formation-timeout`` of failures, or at once when retrying cannot help
+        (``final``: the backend cannot serve these members), fail the pending gangs."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._failing_since is None:
+            self._failing_since = now
+        self._failures += 1
+        limit = config.seconds("collective.formation-timeout")
+        if final or now - self._failing_since >= limit:
+            err = CollectiveError(
+                f"the collective group of coordinator {self.co.name!r} could not be formed "
+                f"in {self._failures} attempts over {now - self._failing_since:.1f} s "
+                f"(daskdist.collective.formation-timeout is {limit:g} s): {self.last_error}")
+            for outcome in self.co.gangs.fail_pending(dump_error(err), "collective"):
+                self.co.deliver_gang(outcome)
+            self._failing_since, self._failures = None, 0
+            return
+        pause = min(config.seconds("collective.formation-retry") * 2 ** (self._failures - 1),
+                    config.seconds("collective.formation-retry-max"))
+        await asyncio.sleep(pause)
+
     def info(self) -> dict:
         group = self.co.gangs.group
         try:
@@ -160,7 +215,7 @@ class GroupDriver:
         while True:
             co.gangs_changed.clear()
             if book.running is None and book.pending:
-                sessions = co.active_sessions()
+                sessions = self.candidates()
                 if sessions and book.needs_formation(sessions):
                     wait = self._rejoin_wait(len(sessions))
                     if wait > 0:  # a lost member's replacement (Nanny restart) is coming
@@ -169,9 +224,10 @@ class GroupDriver:
                         except asyncio.TimeoutError:
                             pass
                         continue
-                    if not await self.form(sessions):
-                        # backoff before retrying
-                        await asyncio.sleep(config.seconds("collective.formation-retry"))
+                    if await self.form(sessions):
+                        self._failing_since, self._failures = None, 0
+                    else:
+                        await self._after_failure(final=self._hopeless)
                     continue
                 started = book.start_next() if sessions else None
                 if started is not None:

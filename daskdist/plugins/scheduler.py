@@ -82,6 +82,9 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_lease_acquire": self.lease_acquire,
                 "daskdist_lease_progress": self.lease_progress,
                 "daskdist_lease_release": self.lease_release,
+                # elastic commits (SPEC §4.2)
+                "daskdist_gang_commit_part": self.gang_commit_part,
+                "daskdist_commit_outcome": self.commit_outcome,
             }
         )
         scheduler.extensions["daskdist"] = self
@@ -128,9 +131,17 @@ class CoordinatorPlugin(SchedulerPlugin):
             # a retiring (or memory-paused) worker gets no new work; back to running, it does
             draining = msg.get("status") in ("closing_gracefully", "closing", "closed", "paused")
             for co in self.coordinators.values():
+                before = co.members.session_of(topic)
+                was = before is not None and co.members.members[before].draining
                 session = co.members.drain(topic, draining)
                 if session is not None:
                     co.queue.drain_session(session, draining)
+                    if (was != draining and msg.get("status") != "paused"
+                            and (session in co.gangs.group.sessions) == draining):
+                        # a retiring member leaves the group at the next commit, one back
+                        # in service joins it (SPEC §4.1); a memory pause does neither
+                        co.members.version += 1
+                        co.membership_changed()
                     if not draining:
                         co.wake()
         elif action == "remove-worker" and "worker" in msg:
@@ -360,6 +371,18 @@ class CoordinatorPlugin(SchedulerPlugin):
     def lease_release(self, name: str, session: str, dataset_id: str, epoch: int,
                       ranges: list) -> int:
         return self._get(name).leases.release(session, dataset_id, epoch, ranges)
+
+    # -- elastic commits: rows acknowledged at State.commit() (SPEC §4.2) -------------------
+    async def gang_commit_part(self, name: str, generation: int, key: str, rank: int,
+                               world: int, tokens: list, timeout: float = 60.0) -> bool:
+        """A gang rank's part of a commit; the commit is applied (all or nothing) once
+        every rank's part came. Replies with the outcome."""
+        return await self._get(name).gang_commit_part(int(generation), str(key), int(rank),
+                                                      int(world), tokens, float(timeout))
+
+    def commit_outcome(self, name: str, key: str) -> bool:
+        """Whether commit ``key`` was applied (a rank that missed the outcome asks)."""
+        return self._get(name).commits.outcome(str(key))
 
     def add_resource(self, name: str, rid: str, payload: bytes) -> None:
         self._get(name).resources[rid] = payload

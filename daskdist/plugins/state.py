@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from daskdist.plugins.commits import CommitBook
 from daskdist.plugins.gang import GangBook, GangOutcome
 from daskdist.plugins.leases import LeaseTable
 from daskdist.plugins.liveness import LivenessTable
@@ -78,6 +79,8 @@ class CoordinatorState:
         self.members = Membership()
         self.leases = LeaseTable()
         self.gangs = GangBook(max_losses=max_worker_failures)
+        self.commits = CommitBook()  # commits that acknowledged gang members' rows
+        self.commit_events: dict[str, asyncio.Event] = {}  # open commits' waiters
         self.resources: dict[str, bytes] = {}
         self.outboxes: dict[str, Outbox] = {}
         self.waiters: set[asyncio.Event] = set()  # long-polls of workers waiting for work
@@ -152,7 +155,11 @@ class CoordinatorState:
         self.workers_lost += not expected
         self.leases.drop_session(session)
         group = self.gangs.group
-        if self.gangs.session_lost(session):
+        for key in self.commits.abort_open():  # a member's part may never come
+            event = self.commit_events.pop(key, None)
+            if event is not None:
+                event.set()
+        if self.gangs.session_lost(session, expected):
             # surviving members: collective calls of this generation fail at once
             self.broadcast({"op": "daskdist-peer-lost", "name": self.name,
                             "generation": group.generation}, set(group.sessions))
@@ -179,7 +186,9 @@ class CoordinatorState:
 
         A closure's result and its lease tokens are applied together: rows are
         acknowledged only when the closure completes, released when it fails, and a
-        refused (fenced) result leaves the table to the session's own fate.
+        refused (fenced) result leaves the table to the session's own fate. A gang
+        member's rows are acknowledged by its commits (:meth:`gang_commit`): the tokens
+        it ends with were never committed, so they are released, whatever its result.
         """
         outcomes = []
         q = self.queue
@@ -190,10 +199,12 @@ class CoordinatorState:
                 unstarted.append(cid)
                 continue
             accepted = q.holds(session, cid)
+            c = q.closures.get(cid)
+            gang = c is not None and c.owner == GANG_OWNER
             o = q.finish(session, cid, ok, value, kind)
             self.stats.on_results(self, session, accepted, ok, tokens)
             if tokens:
-                if accepted and ok:
+                if accepted and ok and not gang:
                     self.leases.ack_tokens(session, tokens)
                 else:  # failed, retried, or a duplicate run: its rows go back to the pool
                     self.leases.release_tokens(session, tokens)
@@ -206,6 +217,25 @@ class CoordinatorState:
             self.changed.set()
             if q.backlog > backlog:
                 self.wake()  # retried or unstarted closures went back to the queue
+
+    async def gang_commit_part(self, generation: int, key: str, rank: int, world: int,
+                               tokens: list, timeout: float) -> bool:
+        """Rank ``rank``'s part of a gang commit; the commit's outcome once every rank's
+        part came (all or nothing: refused unless ``generation`` is the current group and
+        every member's session is live), or ``False`` after ``timeout`` seconds."""
+        group = self.gangs.group
+        sessions = dict(enumerate(group.sessions)) if generation == group.generation else None
+        ok = self.commits.add_part(self.leases, key, rank, world, tokens, sessions,
+                                   set(self.members.members))
+        if ok is not None:
+            event = self.commit_events.pop(key, None)
+            if event is not None:
+                event.set()
+            return ok
+        event = self.commit_events.setdefault(key, asyncio.Event())
+        await wait_event(event, timeout)
+        self.commit_events.pop(key, None)
+        return self.commits.outcome(key)
 
     def active_sessions(self) -> tuple[str, ...]:
         """Sessions that may run closures, in worker-index (rank) order."""

@@ -30,7 +30,13 @@ from distributed.protocol.pickle import dumps, loads
 from distributed.utils import sync
 
 from daskdist import config
-from daskdist.context import InputContext, WorkerContext, _set_current, _set_membership
+from daskdist.context import (
+    InputContext,
+    WorkerContext,
+    _set_current,
+    _set_formation_version,
+    _set_membership,
+)
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError
 from daskdist.plugins.gang import COLLECTIVE_ERROR, HOSTS_UPDATED
 from daskdist.plugins.malloc import restore_dynamic_thresholds
@@ -133,6 +139,7 @@ def _install_worker_handlers(worker) -> None:
             return list(await asyncio.to_thread(coll.create_store, kw["generation"], host,
                                                 kw["timeout"]))
         if action == "init":
+            _set_formation_version(kw["generation"], kw.get("version"))
             await asyncio.to_thread(
                 coll.init_member, kw["rank"], kw["world_size"], kw["host"], kw["port"],
                 kw["backend"], kw["generation"], kw["timeout"],

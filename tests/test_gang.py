@@ -1,0 +1,103 @@
+"""GangBook (pure): the loss budget is per rank's work, a retired member costs nothing,
+a formation that cannot succeed fails the pending gangs."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daskdist.plugins.gang import GangBook
+
+
+def _formed(book: GangBook, sessions: tuple[str, ...]) -> None:
+    gen = book.begin_formation(sessions)
+    book.formation_done(gen, True)
+
+
+def _run_until_final(book, losses, sessions):
+    """Dispatch the gang; lose the member of each rank in ``losses`` (one per attempt);
+    then let every member succeed. Returns the outcome."""
+    fresh = iter(range(1000))
+    for rank in losses:
+        gang, members = book.start_next()
+        victim = members[rank][1]
+        assert book.session_lost(victim)
+        outcome = None
+        for cid, session, _r in members:
+            outcome = book.member_finished(cid, False, None,
+                                           "worker-lost" if session == victim else "collective")
+        if outcome is not None:
+            return outcome
+        sessions = tuple(s if s != victim else f"new{next(fresh)}" for s in sessions)
+        _formed(book, sessions)
+    gang, members = book.start_next()
+    outcome = None
+    for cid, _s, rank in members:
+        outcome = book.member_finished(cid, True, rank, None)
+    return outcome
+
+
+def test_a_gang_of_8_survives_8_members_dying_once():
+    sessions = tuple(f"s{i}" for i in range(8))
+    book = GangBook(max_losses=3)
+    _formed(book, sessions)
+    book.submit("g", "owner", b"")
+    out = _run_until_final(book, list(range(8)), sessions)
+    assert out.ok and out.values == list(range(8)) and out.attempt == 9
+
+
+def test_the_same_rank_lost_max_times_fails_the_gang():
+    sessions = ("a", "b", "c")
+    book = GangBook(max_losses=3)
+    _formed(book, sessions)
+    book.submit("g", "owner", b"")
+    out = _run_until_final(book, [1, 1, 1], sessions)
+    assert not out.ok and out.kind == "worker-lost" and "rank 1" in out.error
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=12), st.integers(1, 4))
+def test_fails_exactly_when_one_rank_reaches_the_budget(losses, budget):
+    sessions = ("a", "b", "c", "d")
+    book = GangBook(max_losses=budget)
+    _formed(book, sessions)
+    book.submit("g", "owner", b"")
+    out = _run_until_final(book, losses, sessions)
+    counts: dict[int, int] = {}
+    first_fail = None
+    for i, r in enumerate(losses):
+        counts[r] = counts.get(r, 0) + 1
+        if counts[r] >= budget:
+            first_fail = i
+            break
+    if first_fail is None:
+        assert out.ok and out.values == [0, 1, 2, 3]
+    else:
+        assert not out.ok and out.attempt == first_fail + 1
+
+
+def test_a_retired_member_costs_no_loss():
+    sessions = ("a", "b", "c")
+    book = GangBook(max_losses=1)
+    _formed(book, sessions)
+    book.submit("g", "owner", b"")
+    gang, members = book.start_next()
+    assert book.session_lost("c", expected=True)
+    for cid, session, _r in members:
+        assert book.member_finished(cid, False, None,
+                                    "worker-lost" if session == "c" else "collective") is None
+    _formed(book, ("a", "b"))
+    gang, members = book.start_next()
+    out = None
+    for cid, _s, rank in members:
+        out = book.member_finished(cid, True, rank, None)
+    assert out.ok and out.values == [0, 1]  # the completing generation's ranks only
+
+
+def test_fail_pending():
+    book = GangBook()
+    book.submit("g1", "o", b"")
+    book.submit("g2", "o", b"")
+    outs = book.fail_pending(b"err", "collective")
+    assert [o.cid for o in outs] == ["g1", "g2"] and not any(o.ok for o in outs)
+    assert not book.pending
