@@ -256,3 +256,26 @@ def test_lease_timeout_constructor_argument_wins(short_lease_cluster):
         assert got == 7.0
     finally:
         coord.close()
+
+
+def test_a_completed_closure_whose_rows_are_refused_is_counted_and_frees_its_lease():
+    """A closure that completes with rows its session does not hold (never expected) is
+    counted and logged, and the rows it does hold go back to the pool (none stay stuck)."""
+    from daskdist.data.dynamic import lease_token
+    from daskdist.plugins.state import CoordinatorState
+
+    co = CoordinatorState("t")
+    co.members.join("s1", "w1")
+    co.queue.add_session("s1", 1)
+    co.queue.put("o-0", "o", b"")
+    assert [c.cid for c in co.queue.dispatch("s1", 1)] == ["o-0"]
+    co.members.join("s2", "w2")
+    assert co.leases.acquire("s1", "ds", 0, [10, 10]) == (0, [(0, 10)])
+    assert co.leases.acquire("s2", "ds", 0, [10, 10]) == (1, [(10, 20)])
+    # rows 0-5 are this session's, 10-12 another's: the acknowledgement is refused whole
+    co.apply_results("s1", [("o-0", True, b"", None,
+                             [lease_token("ds", 0, [(0, 5)]), lease_token("ds", 0, [(10, 12)])])])
+    assert co.status()["acks_refused"] == 1
+    p = co.leases.progress("ds", 0)
+    assert p["acknowledged"] == 0 and p["free"] == 5  # s1's rows 0-5 back in the pool
+    assert co.leases.leased_to("s2", "ds", 0) == [(10, 20)]  # the other's untouched

@@ -15,10 +15,6 @@ import pytest
 README = Path(__file__).resolve().parent.parent / "README.md"
 pytestmark = pytest.mark.timeout(240)
 
-# The elastic issue rewrites this section's block (the new sync pattern); until that
-# branch is merged the block here is pseudo-code. Lead: empty this set after the merge.
-PENDING_SECTIONS = {"Collectives and elastic training"}
-
 
 def blocks() -> list[tuple[str, str, str]]:
     """``(section, info string, code)`` of every fenced block, in order."""
@@ -48,8 +44,6 @@ def test_readme_python_blocks_run():
     ran = []
     try:
         for section, code in python_blocks():
-            if section in PENDING_SECTIONS:
-                continue
             try:
                 exec(compile(code, f"README.md ({section})", "exec"), namespace)
             except Exception as e:
@@ -63,10 +57,5 @@ def test_readme_python_blocks_run():
                     obj.close()
                 except Exception:
                     pass
-    assert {"Async closures", "Data", "JupyterLab and the dashboard"} <= set(ran)
-
-
-@pytest.mark.skipif(bool(PENDING_SECTIONS), reason="the elastic issue rewrites the "
-                    f"README block of {sorted(PENDING_SECTIONS)}; runs once merged")
-def test_no_pending_sections():
-    assert not PENDING_SECTIONS
+    assert {"Async closures", "Data", "Collectives and elastic training",
+            "JupyterLab and the dashboard"} <= set(ran)

@@ -10,6 +10,7 @@ plugin provides (a message on the worker's stream), so it imports nothing from D
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from daskdist.plugins.liveness import LivenessTable
 from daskdist.plugins.membership import Membership
 from daskdist.plugins.queue import FAILED, READY, UNSTARTED, ClosureQueue, Outcome
 from daskdist.plugins.stats import CoordinatorStats
+
+logger = logging.getLogger(__name__)
 
 GANG_OWNER = "__gang__"  # owner of gang member closures: routed to the gang book
 
@@ -90,6 +93,7 @@ class CoordinatorState:
         self.workers_lost = 0  # removals Dask did not expect
         self.resources_released = 0
         self.steals = 0  # requests to a busy worker to give back unstarted closures
+        self.acks_refused = 0  # completed closures whose rows were not leased to them
         self.raise_lock = asyncio.Lock()  # one error raise at a time (see raise_error)
         self.stats = CoordinatorStats()  # dashboard counters and history (plugins/stats.py)
 
@@ -205,7 +209,14 @@ class CoordinatorState:
             self.stats.on_results(self, session, accepted, ok, tokens)
             if tokens:
                 if accepted and ok and not gang:
-                    self.leases.ack_tokens(session, tokens)
+                    if not self.leases.ack_tokens(session, tokens):
+                        # rows this session does not hold (a bug upstream, never expected):
+                        # say so, and free what it does hold rather than keep it leased
+                        self.acks_refused += 1
+                        logger.warning("daskdist[%s]: closure %s completed but the lease "
+                                       "table refused its rows; they go back to the pool",
+                                       self.name, cid)
+                        self.leases.release_tokens(session, tokens)
                 else:  # failed, retried, or a duplicate run: its rows go back to the pool
                     self.leases.release_tokens(session, tokens)
             if o is not None:
@@ -273,6 +284,7 @@ class CoordinatorState:
             "workers_lost": self.workers_lost,
             "lease_expiries": self.liveness.expiries,
             "steals": self.steals,
+            "acks_refused": self.acks_refused,
             "resources": len(self.resources),
             "resources_released": self.resources_released,
             "error_pending": self.queue.error is not None,
