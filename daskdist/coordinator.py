@@ -320,6 +320,7 @@ class Coordinator:
         if state != "READY":
             for rv in old:
                 rv._set(state, payload, kind, attempt)
+            view.final = True
             return
         members = old[: len(payload)]
         members += [RemoteValue(f"{gid}#{r}", None) for r in range(len(members), len(payload))]
@@ -447,13 +448,9 @@ class Coordinator:
                 self._pending.pop(gid, None)
                 self._gangs.pop(gid, None)
             raise
-        n = info["world_size"]
+        n = info["world_size"]  # 0: no group could form yet; the gang waits for one
         with self._cv:
-            if n == 0:
-                self._pending.pop(gid, None)
-                self._gangs.pop(gid, None)
-                raise RuntimeError("no workers to run the gang closure on")
-            if not view.final:  # not finished before we got here
+            if n and not view.final:  # not finished before we got here
                 view.values = tuple(RemoteValue(f"{gid}#{r}", None) for r in range(n))
         return view
 
@@ -521,7 +518,10 @@ class Coordinator:
             if isinstance(v, RemoteValue):
                 return v.fetch()
             if isinstance(v, GangValues):
-                v.whole.exception()  # done: the values are the completing generation's
+                # done: the values are the completing generation's; a gang that failed
+                # before any group formed has none, so its own value raises the error
+                if v.whole.exception() is not None and not v.values:
+                    v.whole.fetch()
             if isinstance(v, PerWorkerValues) and v.values is not None:
                 return [one(x) for x in v.values]
             return v

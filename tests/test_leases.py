@@ -276,3 +276,15 @@ class LeaseMachine(RuleBasedStateMachine):
 LeaseMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30,
                                           deadline=None)
 TestLeaseMachine = LeaseMachine.TestCase
+
+
+def test_newest_epochs_include_completed_ones_whose_tables_are_dropped():
+    t = LeaseTable()
+    s = "s"
+    for epoch in (0, 1):
+        u, ranges = t.acquire(s, "ds", epoch, [4])
+        assert t.ack(s, "ds", epoch, ranges)
+    assert t.newest_epochs() == {"ds": 1}
+    assert t.acquire(s, "other", 3, [2]) is not None  # live, not complete
+    assert t.newest_epochs() == {"ds": 1, "other": 3}
+    assert t.progress("ds", 1)["complete"] and not t.progress("other", 3)["complete"]

@@ -387,6 +387,13 @@ class LeaseTable:
         return session in self._expired
 
     # -- queries -----------------------------------------------------------------------
+    def newest_epochs(self) -> dict[str, int]:
+        """Every dataset's newest epoch, live or completed (its table dropped)."""
+        newest = {d: done[-1][1] - 1 for d, (_, done) in self._completed.items() if done}
+        for dataset_id, epoch in self._epochs:
+            newest[dataset_id] = max(epoch, newest.get(dataset_id, epoch))
+        return newest
+
     def progress(
         self, dataset_id: str, epoch: int, unit_rows: Sequence[int] | None = None
     ) -> dict:

@@ -152,11 +152,9 @@ class CoordinatorStats:
 
 
 def datasets(co: Any) -> list[dict]:
-    """The newest epoch of every dynamic dataset in the coordinator's lease table."""
-    newest: dict[str, int] = {}
-    for dataset_id, epoch in list(getattr(co.leases, "_epochs", {})):  # read-only
-        newest[dataset_id] = max(epoch, newest.get(dataset_id, epoch))
-    return [co.leases.progress(d, e) for d, e in sorted(newest.items())]
+    """The newest epoch of every dynamic dataset in the coordinator's lease table
+    (a completed epoch too, although its table is dropped)."""
+    return [co.leases.progress(d, e) for d, e in sorted(co.leases.newest_epochs().items())]
 
 
 def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
