@@ -28,8 +28,7 @@ from daskdist import config
 from daskdist.plugins import observe
 from daskdist.plugins.groups import GroupDriver
 from daskdist.plugins.leases import SessionExpired
-from daskdist.plugins.protocol import Dispatch
-from daskdist.plugins.queue import CANCELLED
+from daskdist.plugins.protocol import CANCELLED, Delivery, Dispatch, Submission
 from daskdist.plugins.state import CoordinatorState, Outbox, wait_event
 from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
 
@@ -253,11 +252,11 @@ class CoordinatorPlugin(SchedulerPlugin):
             self._drop_owner(co, owner)
 
     def put(self, name: str, owner: str, closures: list) -> None:
-        """Queue ``closures`` (each ``(cid, payload, retries)``) for ``owner`` (one-way)."""
+        """Queue ``closures`` (each a :class:`Submission`) for ``owner`` (one-way)."""
         co = self._get(name)
         q = co.queue
-        for cid, payload, retries in closures:
-            q.put(cid, owner, payload, retries)
+        for sub in map(Submission._make, closures):
+            q.put(sub.cid, owner, sub.payload, sub.retries)
         co.wake()
 
     async def results(self, name: str, owner: str, ack: int, timeout: float | None = None):
@@ -317,7 +316,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             for gang in co.gangs.cancel_pending():
                 box = co.outboxes.get(gang.owner)
                 if box is not None:
-                    box.push((gang.cid, CANCELLED, None, None, gang.attempt))
+                    box.push(Delivery(gang.cid, CANCELLED, None, None, gang.attempt))
                 cancelled.append(gang)
             err = q.take_error()
         finally:

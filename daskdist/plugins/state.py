@@ -20,7 +20,8 @@ from daskdist.plugins.gang import GangBook, GangOutcome
 from daskdist.plugins.leases import LeaseTable
 from daskdist.plugins.liveness import LivenessTable
 from daskdist.plugins.membership import Membership
-from daskdist.plugins.queue import FAILED, READY, UNSTARTED, ClosureQueue, Outcome
+from daskdist.plugins.protocol import FAILED, READY, UNSTARTED, Delivery, Result
+from daskdist.plugins.queue import ClosureQueue, Outcome
 from daskdist.plugins.stats import CoordinatorStats
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Outbox:
     items: list = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def push(self, item: tuple) -> None:
+    def push(self, item: Delivery) -> None:
         self.items.append(item)
         self.event.set()
 
@@ -109,16 +110,16 @@ class CoordinatorState:
                 continue
             box = self.outboxes.get(o.owner)
             if box is not None:
-                box.push((o.cid, o.state, o.value, o.kind, o.attempt))
+                box.push(Delivery(o.cid, o.state, o.value, o.kind, o.attempt))
         if outcomes and self.queue.error is not None:
             for box in self.outboxes.values():
                 box.event.set()  # tell every owner an error is pending
 
     def deliver_gang(self, g: GangOutcome) -> None:
         if g.ok:
-            item = (g.cid, READY, g.values, None, g.attempt)
+            item = Delivery(g.cid, READY, g.values, None, g.attempt)
         else:
-            item = (g.cid, FAILED, g.error, g.kind, g.attempt)
+            item = Delivery(g.cid, FAILED, g.error, g.kind, g.attempt)
             if self.queue.error is None:
                 self.queue.error = Outcome(g.cid, g.owner, FAILED, g.error, g.kind, g.attempt)
                 self.queue.counters.failed += 1
@@ -186,7 +187,7 @@ class CoordinatorState:
         return expired
 
     def apply_results(self, session: str, results: list) -> None:
-        """Apply a worker's results (each ``(cid, ok, value, kind, tokens)``).
+        """Apply a worker's results (each a :class:`Result`, or its wire form).
 
         A closure's result and its lease tokens are applied together: rows are
         acknowledged only when the closure completes, released when it fails, and a
@@ -198,7 +199,7 @@ class CoordinatorState:
         q = self.queue
         backlog = q.backlog
         unstarted = []
-        for cid, ok, value, kind, tokens in results:
+        for cid, ok, value, kind, tokens in map(Result._make, results):
             if kind == UNSTARTED:
                 unstarted.append(cid)
                 continue

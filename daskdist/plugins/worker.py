@@ -38,10 +38,16 @@ from daskdist.context import (
     _set_membership,
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError
-from daskdist.plugins.gang import COLLECTIVE_ERROR, HOSTS_UPDATED
 from daskdist.plugins.malloc import restore_dynamic_thresholds
-from daskdist.plugins.protocol import Dispatch, Result
-from daskdist.plugins.queue import INPUT_ERROR, UNSTARTED, USER_ERROR
+from daskdist.plugins.protocol import (
+    COLLECTIVE_ERROR,
+    HOSTS_UPDATED,
+    INPUT_ERROR,
+    UNSTARTED,
+    USER_ERROR,
+    Dispatch,
+    Result,
+)
 from daskdist.values import PerWorkerValues, dump_error, map_structure
 
 logger = logging.getLogger(__name__)
@@ -458,7 +464,7 @@ class ClosureRunner:
             self._pending.clear()
         self.running -= dropped
 
-    def _on_done(self, session: str, result: tuple, gang: bool) -> None:
+    def _on_done(self, session: str, result: Result, gang: bool) -> None:
         """Runs on the event loop when a closure finished in a thread."""
         if not gang:
             self.running -= 1  # a thread is free, whichever session it ran for
@@ -511,7 +517,7 @@ class ClosureRunner:
     def _run(self, session: str, cid: str, payload: bytes, attempt: int,
              gang: bool = False) -> None:
         if self.hold and not gang:  # an error is being raised: this counts as still queued
-            self._finished(session, (cid, False, None, UNSTARTED, []), gang)
+            self._finished(session, Result(cid, False, None, UNSTARTED, []), gang)
             return
         tokens: list = []
         _set_current(self._worker_context(attempt), tokens.append)
@@ -522,14 +528,14 @@ class ClosureRunner:
             if args or kwargs:
                 args, kwargs = self.resources.resolve((args, kwargs))
             value = fn(*args, **kwargs)
-            result = (cid, True, dumps(value), None, tokens)
+            result = Result(cid, True, dumps(value), None, tokens)
         except BaseException as e:  # noqa: BLE001 - every user error goes back to the client
-            result = (cid, False, dump_error(e), _error_kind(e), tokens)
+            result = Result(cid, False, dump_error(e), _error_kind(e), tokens)
         finally:
             _set_current(None, None)
         self._finished(session, result, gang)
 
-    def _finished(self, session: str, result: tuple, gang: bool = False) -> None:
+    def _finished(self, session: str, result: Result, gang: bool = False) -> None:
         try:
             self.worker.loop.add_callback(self._on_done, session, result, gang)
         except RuntimeError:  # the worker's loop is closed: the worker is going away
