@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from daskdist.plugins.gang import GangBook, GangOutcome
 from daskdist.plugins.leases import LeaseTable
 from daskdist.plugins.liveness import LivenessTable
 from daskdist.plugins.membership import Membership
-from daskdist.plugins.protocol import FAILED, READY, UNSTARTED, Delivery, Result
+from daskdist.plugins.protocol import CANCELLED, FAILED, READY, UNSTARTED, Delivery, Result
 from daskdist.plugins.queue import ClosureQueue, Outcome
 from daskdist.plugins.stats import CoordinatorStats
 
@@ -46,6 +47,24 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
     except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
         return False
     return True
+
+
+async def _acquire(lock: asyncio.Lock, timeout: float | None) -> bool:
+    """Acquire ``lock`` within ``timeout`` seconds (``None``: wait); whether it was."""
+    if timeout is None:
+        await lock.acquire()
+        return True
+    task = asyncio.ensure_future(lock.acquire())
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout))
+    if task in done:
+        return True
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return False
+    lock.release()  # acquired just as it was cancelled
+    return False
 
 
 @dataclass
@@ -148,6 +167,55 @@ class CoordinatorState:
                         "version": self.members.version})
         self.gangs_changed.set()
 
+    def start_session(self, session: str, address: str, slots: int, device: str, gpu: str,
+                      retiring: Callable[[str], bool], now: float) -> dict[str, int]:
+        """A worker plugin session joins: the lowest free worker index, a lease, ``slots``
+        closure slots. An older session of the same worker ends first; a worker that
+        ``retiring(address)`` says is leaving joins draining. The register reply."""
+        old = self.members.session_of(address)
+        if old is not None and old != session:
+            self.end_session(old)
+        member, _ = self.members.join(session, address, device, gpu)
+        self.liveness.add(session, now)
+        self.queue.add_session(session, slots)
+        self.membership_changed()
+        if retiring(address):
+            self.members.drain(address)
+            self.queue.drain_session(session)
+        self.wake()
+        return {
+            "index": member.index,
+            "num_workers": len(self.members),
+            "version": self.members.version,
+        }
+
+    def stop_session(self, session: str, results: list | None = None) -> None:
+        """A worker plugin session closes (teardown): its last results, then its end (an
+        expected leave: not counted as lost)."""
+        if results:
+            self.apply_results(session, results)
+        if session in self.members:
+            self.end_session(session)
+
+    def worker_status_changed(self, address: str, status: str | None) -> None:
+        """Dask changed a worker's status: a retiring (or memory-paused) worker gets no
+        new work; back to running, it does. A retiring group member leaves the group at
+        the next commit and one back in service joins it (SPEC §4.1); a memory pause
+        does neither."""
+        draining = status in ("closing_gracefully", "closing", "closed", "paused")
+        before = self.members.session_of(address)
+        was = before is not None and self.members.members[before].draining
+        session = self.members.drain(address, draining)
+        if session is None:
+            return
+        self.queue.drain_session(session, draining)
+        if (was != draining and status != "paused"
+                and (session in self.gangs.group.sessions) == draining):
+            self.members.version += 1
+            self.membership_changed()
+        if not draining:
+            self.wake()
+
     def end_session(self, session: str, expected: bool = True) -> None:
         """A worker session is gone: put its closures back, drop its index and leases.
 
@@ -248,6 +316,56 @@ class CoordinatorState:
         await wait_event(event, timeout)
         self.commit_events.pop(key, None)
         return self.commits.outcome(key)
+
+    # -- raising an error to the user (SPEC §2.3) -------------------------------------------
+    async def raise_error(self, timeout: float | None = None) -> dict:
+        """Raise the first unraised error: pause dispatch, wait for in-flight closures,
+        cancel the queue (and pending gangs), take the error.
+
+        Dispatch is paused meanwhile, so when this returns nothing is executing.
+        Returns ``{"error": (cid, payload, kind) or None, "cancelled": [(owner, cid)]}``
+        (``None``: no error, or another caller took it first), or ``{"timeout": True}``
+        when in-flight closures did not finish within ``timeout`` seconds.
+        """
+        if self.queue.error is None:
+            return {"error": None, "cancelled": []}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # Two raises must not interleave: the second would un-pause while the first
+        # waits, or cancel closures queued after the first took the error.
+        if not await _acquire(self.raise_lock, timeout):
+            return {"timeout": True}
+        try:
+            return await self._raise_locked(deadline)
+        finally:
+            self.raise_lock.release()
+
+    async def _raise_locked(self, deadline: float | None) -> dict:
+        q = self.queue
+        if q.error is None:  # another raise took it while we waited for the lock
+            return {"error": None, "cancelled": []}
+        self.set_paused(True)
+        try:
+            while q.inflight:
+                self.changed.clear()
+                if q.inflight == 0:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return {"timeout": True}
+                if not await wait_event(self.changed, left):
+                    return {"timeout": True}
+            cancelled = q.cancel_pending()
+            self.deliver(cancelled)
+            for gang in self.gangs.cancel_pending():
+                box = self.outboxes.get(gang.owner)
+                if box is not None:
+                    box.push(Delivery(gang.cid, CANCELLED, None, None, gang.attempt))
+                cancelled.append(gang)
+            err = q.take_error()
+        finally:
+            self.set_paused(False)
+        error = None if err is None else (err.cid, err.value, err.kind)
+        return {"error": error, "cancelled": [(o.owner, o.cid) for o in cancelled]}
 
     def active_sessions(self) -> tuple[str, ...]:
         """Sessions that may run closures, in worker-index (rank) order."""
