@@ -397,9 +397,9 @@ def _mark_lost_while_waiting(wait, generation):
     th = threading.Thread(target=run)
     th.start()
     deadline = time.monotonic() + 10
-    while not runtime.waiters and time.monotonic() < deadline:
+    while not runtime.PROCESS.waiters and time.monotonic() < deadline:
         time.sleep(0.001)  # condition poll with a deadline: the call is now waiting
-    assert runtime.waiters, "the call never started waiting"
+    assert runtime.PROCESS.waiters, "the call never started waiting"
     t0 = time.monotonic()
     mark_peer_lost(generation)
     th.join(5)
@@ -498,7 +498,7 @@ def _start_zombie_init(_slot, host, port, generation):
     th = threading.Thread(target=join, daemon=True)
     th.start()
     deadline = time.monotonic() + 10
-    while not runtime.waiters and time.monotonic() < deadline:
+    while not runtime.PROCESS.waiters and time.monotonic() < deadline:
         time.sleep(0.001)  # condition poll with a deadline: init waits on its peers
     _KEPT["zombie"] = (th, box)
     return True

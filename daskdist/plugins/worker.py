@@ -114,6 +114,7 @@ def _install_worker_handlers(worker) -> None:
             runner.poke()
 
     def peer_lost(name: str, generation: int) -> None:
+        # through sys.modules, not an import: see _process_group_state
         collective = sys.modules.get("daskdist.collective")
         if collective is not None:  # no group was ever formed in this process otherwise
             collective.mark_peer_lost(generation)
@@ -168,14 +169,22 @@ def _install_worker_handlers(worker) -> None:
     worker.handlers["daskdist_collective"] = collective
 
 
+def _process_group_state() -> Any:
+    """This process's collective-group state (``collective.runtime.PROCESS``), or
+    ``None`` when no collective code ever ran here.
+
+    Read through ``sys.modules``, never imported: importing ``daskdist.collective``
+    imports torch, and this module is also imported (and this plugin unpickled) on the
+    scheduler, which must not import torch (SPEC §1).
+    """
+    runtime = sys.modules.get("daskdist.collective.runtime")
+    return None if runtime is None else runtime.PROCESS
+
+
 def _highest_generation() -> int:
     """The newest collective generation this process has seen (later ones must be higher)."""
-    runtime = sys.modules.get("daskdist.collective.runtime")
-    if runtime is None:
-        return 0
-    member = runtime.current()
-    return max(runtime.lost_upto, member.generation if member else 0,
-               max(runtime.stores, default=0))
+    state = _process_group_state()
+    return 0 if state is None else state.highest_generation()
 
 
 def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
