@@ -419,12 +419,13 @@ def _lost_wakes_inflight(_slot):
 def _stale_group_refuses(_slot, old_gen):
     from daskdist.collective import get_group
     from daskdist.collective.group import Group
-    from daskdist.collective.runtime import Member
+    from daskdist.collective.runtime import ProcessMembership
     from daskdist.errors import CollectiveError
 
     g = get_group()
     assert g.generation > old_gen
-    stale = Group(Member(g.rank, g.world_size, old_gen, "gloo", torch.device("cpu"), 5.0))
+    stale = Group(ProcessMembership(g.rank, g.world_size, old_gen, "gloo",
+                                    torch.device("cpu"), 5.0))
     with pytest.raises(CollectiveError, match="replaced"):
         stale.allreduce(torch.ones(1))
     t = torch.full((3,), float(g.rank + 1))

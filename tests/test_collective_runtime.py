@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from daskdist.collective.runtime import PROCESS, Member, ProcessGroupState
+from daskdist.collective.runtime import PROCESS, ProcessGroupState, ProcessMembership
 from daskdist.errors import CollectiveError
 
 
-def member(generation: int) -> Member:
-    return Member(0, 2, generation, "gloo", "cpu", 5.0)
+def member(generation: int) -> ProcessMembership:
+    return ProcessMembership(0, 2, generation, "gloo", "cpu", 5.0)
 
 
 def test_join_check_and_leave():

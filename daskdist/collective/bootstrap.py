@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from daskdist.collective.device import backend_for, bind_device
-from daskdist.collective.runtime import PROCESS, Member
+from daskdist.collective.runtime import PROCESS, ProcessMembership
 from daskdist.errors import CollectiveError
 
 __all__ = [
@@ -192,7 +192,7 @@ def _init_locked(
         raise CollectiveError(
             f"init_process_group failed for generation {generation} (rank {rank}): {e}"
         ) from e
-    joined = PROCESS.join(Member(
+    joined = PROCESS.join(ProcessMembership(
         rank=rank,
         world_size=world_size,
         generation=generation,

@@ -28,7 +28,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from daskdist.collective.runtime import PROCESS, Member
+from daskdist.collective.runtime import PROCESS, ProcessMembership
 from daskdist.errors import CollectiveError
 
 _OPS = {
@@ -69,7 +69,7 @@ class Group:
     re-formed group.
     """
 
-    def __init__(self, member: Member):
+    def __init__(self, member: ProcessMembership):
         self.rank: int = member.rank
         self.world_size: int = member.world_size
         self.generation: int = member.generation

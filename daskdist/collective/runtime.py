@@ -26,7 +26,7 @@ from daskdist.errors import CollectiveError
 
 
 @dataclass
-class Member:
+class ProcessMembership:
     """This process's place in the formed group of one generation."""
 
     rank: int
@@ -47,18 +47,18 @@ class ProcessGroupState:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.member: Member | None = None
+        self.member: ProcessMembership | None = None
         self.lost_upto = 0  # every generation <= lost_upto has lost a peer
         self.waiters: set[threading.Event] = set()
         self.stores: dict[int, Any] = {}  # generation -> TCPStore master held on rank 0
         self.graveyard: list[tuple[Any, Any]] = []  # (process group, pending work) kept alive
 
     # -- membership -----------------------------------------------------------------
-    def current(self) -> Member | None:
+    def current(self) -> ProcessMembership | None:
         """The formed membership, or ``None``."""
         return self.member
 
-    def join(self, member: Member) -> bool:
+    def join(self, member: ProcessMembership) -> bool:
         """Become ``member``, unless its generation was declared lost meanwhile
         (``False``: nothing changes)."""
         with self.lock:
@@ -67,7 +67,7 @@ class ProcessGroupState:
             self.member = member
             return True
 
-    def leave(self, keep_store: int | None) -> Member | None:
+    def leave(self, keep_store: int | None) -> ProcessMembership | None:
         """Forget the membership (marked broken), wake every waiting call and drop every
         store but ``keep_store``'s; the membership left, if any."""
         with self.lock:
@@ -109,7 +109,7 @@ class ProcessGroupState:
             for ev in self.waiters:
                 ev.set()
 
-    def check(self, generation: int) -> Member:
+    def check(self, generation: int) -> ProcessMembership:
         """The healthy membership of ``generation``; ``CollectiveError`` otherwise."""
         m = self.member
         if m is None:

@@ -64,7 +64,7 @@ class GangOutcome:
 
 
 @dataclass
-class Group:
+class GroupRecord:
     """The collective group as the scheduler sees it."""
 
     generation: int = 0
@@ -79,7 +79,7 @@ class GangBook:
     """Pending and running gangs plus the current group generation."""
 
     max_losses: int = 3
-    group: Group = field(default_factory=Group)
+    group: GroupRecord = field(default_factory=GroupRecord)
     pending: deque[Gang] = field(default_factory=deque)
     running: Gang | None = None
     forming: bool = False
