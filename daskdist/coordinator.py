@@ -26,6 +26,14 @@ from distributed.worker import dumps_function
 
 from daskdist import config, reprs
 from daskdist.errors import CollectiveError
+from daskdist.plugins.protocol import (
+    CANCELLED,
+    FAILED,
+    READY,
+    USER_ERROR,
+    Delivery,
+    Submission,
+)
 from daskdist.plugins.scheduler import PLUGIN_NAME, CoordinatorPlugin
 from daskdist.values import (
     PerWorkerValues,
@@ -210,7 +218,7 @@ class Coordinator:
         # gang cid -> its per-rank values; written by the caller and the result loop,
         # always under self._cv
         self._gangs: dict[str, GangValues] = {}
-        self._outgoing: deque[tuple] = deque()
+        self._outgoing: deque[Submission] = deque()
         self._flushing = False
         self._error_pending = False
         self._closed = False
@@ -247,8 +255,8 @@ class Coordinator:
             except Exception as e:  # the scheduler is unreachable: these closures fail
                 err = RuntimeError(f"could not send closures to the scheduler: {e!r}")
                 payload = dump_error(err)
-                for cid, _, _ in batch:
-                    self._resolve((cid, "FAILED", payload, "user-error", 0))
+                for sub in batch:
+                    self._resolve(Delivery(sub.cid, FAILED, payload, USER_ERROR, 0))
 
     async def _results_loop(self) -> None:
         """Receive outcomes in batches until closed (runs on the client's event loop)."""
@@ -269,7 +277,7 @@ class Coordinator:
             items = reply["items"]
             for i, item in enumerate(items):
                 if first + i >= ack:
-                    self._resolve(item)
+                    self._resolve(Delivery._make(item))
             ack = max(ack, first + len(items))
             with self._cv:
                 self._error_pending = reply["error"]
@@ -296,11 +304,11 @@ class Coordinator:
             except Exception:  # the scheduler is gone: so are its resources
                 pass
 
-    def _resolve(self, item) -> None:
+    def _resolve(self, item: Delivery) -> None:
         cid, state, payload, kind, attempt = item
         with self._cv:
             rv = self._pending.pop(cid, None)
-            if rv is not None and state == "FAILED":
+            if rv is not None and state == FAILED:
                 self._error_pending = True
             view = self._gangs.pop(cid, None)
             if view is not None:  # per-rank values first: whoever waits on the gang sees them
@@ -317,7 +325,7 @@ class Coordinator:
         Called with ``self._cv`` held."""
         gid = view.whole._cid
         old = list(view.values)
-        if state != "READY":
+        if state != READY:
             for rv in old:
                 rv._set(state, payload, kind, attempt)
             view.final = True
@@ -327,7 +335,7 @@ class Coordinator:
         for rv, value in zip(members, payload, strict=True):
             rv._set(state, value, None, attempt)
         for rv in old[len(payload):]:  # ranks of a member that left: not an error
-            rv._set("CANCELLED", None, None, attempt)
+            rv._set(CANCELLED, None, None, attempt)
         view.values = tuple(members)
         view.final = True
 
@@ -338,7 +346,7 @@ class Coordinator:
             raise TimeoutError(f"in-flight closures did not finish within {timeout} s")
         for owner, cid in reply["cancelled"]:
             if owner == self._owner:
-                self._resolve((cid, "CANCELLED", None, None, 0))
+                self._resolve(Delivery(cid, CANCELLED, None, None, 0))
         with self._cv:
             self._error_pending = False
         if reply["error"] is not None:
@@ -379,7 +387,7 @@ class Coordinator:
                     self._cv.wait(0.5)
                 if not self._error_pending:
                     self._pending[cid] = rv
-                    self._outgoing.append((cid, payload, retries))
+                    self._outgoing.append(Submission(cid, payload, retries))
                     start, self._flushing = not self._flushing, True
                     break
             self._raise_pending()  # an error arrived while we waited for room

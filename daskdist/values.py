@@ -12,16 +12,17 @@ from typing import Any
 from distributed.protocol.pickle import dumps, loads
 
 from daskdist.errors import CancelledError, InputError, RemoteTraceback, WorkerLostError
+from daskdist.plugins import protocol
 
 
 class RemoteValueStatus(str, Enum):
     """Where a scheduled closure is in its life (SPEC §2.5a)."""
 
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    READY = "READY"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
+    PENDING = protocol.PENDING
+    RUNNING = protocol.RUNNING
+    READY = protocol.READY
+    FAILED = protocol.FAILED
+    CANCELLED = protocol.CANCELLED
 
 
 def map_structure(fn: Callable[[Any], Any], structure: Any) -> Any:
@@ -47,7 +48,7 @@ def dump_error(exc: BaseException) -> bytes:
 
 def load_error(payload: bytes | None, kind: str | None) -> BaseException:
     """Rebuild a remote exception, its remote traceback chained as ``__cause__``."""
-    if kind == "worker-lost":
+    if kind == protocol.WORKER_LOST:
         return WorkerLostError(
             payload or "the closure's workers died too many times while running it"
         )
@@ -55,7 +56,7 @@ def load_error(payload: bytes | None, kind: str | None) -> BaseException:
         exc, tb = loads(payload)
     except Exception as e:  # an exception class missing on the client, say
         return RuntimeError(f"remote error could not be unpickled: {e!r}")
-    if kind == "input-error" and not isinstance(exc, InputError):
+    if kind == protocol.INPUT_ERROR and not isinstance(exc, InputError):
         exc = InputError(str(exc), exc)
     if exc.__cause__ is None:
         exc.__cause__ = RemoteTraceback(tb)
@@ -129,7 +130,7 @@ class RemoteValue:
         """PENDING, RUNNING, READY, FAILED or CANCELLED (RUNNING is asked of the scheduler)."""
         if not self._event.is_set() and self._coordinator is not None:
             state = self._coordinator._closure_state(self._cid)
-            if state == "RUNNING" and not self._event.is_set():
+            if state == protocol.RUNNING and not self._event.is_set():
                 return RemoteValueStatus.RUNNING
         return self._status
 
@@ -144,7 +145,8 @@ class RemoteValue:
 
     def _repr_html_(self) -> str:
         """Its state (not asking the scheduler), attempt, and a short form of the value."""
-        color = {"READY": "green", "FAILED": "red", "CANCELLED": "gray"}.get(
+        color = {protocol.READY: "green", protocol.FAILED: "red",
+                 protocol.CANCELLED: "gray"}.get(
             self._status.value, "orange")
         extra = f" · attempt {self.attempt}" if self.attempt else ""
         if self._event.is_set():

@@ -223,7 +223,9 @@ def test_two_groups_in_a_row_share_no_state(coord):
 def _workers_saw_generation(n):
     from daskdist.collective import runtime
 
-    runtime.lost_upto = max(runtime.lost_upto, n)
+    state = runtime.PROCESS
+    with state.lock:
+        state.lost_upto = max(state.lost_upto, n)
 
 
 def test_generations_continue_above_what_workers_saw(client, request):

@@ -397,9 +397,9 @@ def _mark_lost_while_waiting(wait, generation):
     th = threading.Thread(target=run)
     th.start()
     deadline = time.monotonic() + 10
-    while not runtime.waiters and time.monotonic() < deadline:
+    while not runtime.PROCESS.waiters and time.monotonic() < deadline:
         time.sleep(0.001)  # condition poll with a deadline: the call is now waiting
-    assert runtime.waiters, "the call never started waiting"
+    assert runtime.PROCESS.waiters, "the call never started waiting"
     t0 = time.monotonic()
     mark_peer_lost(generation)
     th.join(5)
@@ -419,12 +419,13 @@ def _lost_wakes_inflight(_slot):
 def _stale_group_refuses(_slot, old_gen):
     from daskdist.collective import get_group
     from daskdist.collective.group import Group
-    from daskdist.collective.runtime import Member
+    from daskdist.collective.runtime import ProcessMembership
     from daskdist.errors import CollectiveError
 
     g = get_group()
     assert g.generation > old_gen
-    stale = Group(Member(g.rank, g.world_size, old_gen, "gloo", torch.device("cpu"), 5.0))
+    stale = Group(ProcessMembership(g.rank, g.world_size, old_gen, "gloo",
+                                    torch.device("cpu"), 5.0))
     with pytest.raises(CollectiveError, match="replaced"):
         stale.allreduce(torch.ones(1))
     t = torch.full((3,), float(g.rank + 1))
@@ -498,7 +499,7 @@ def _start_zombie_init(_slot, host, port, generation):
     th = threading.Thread(target=join, daemon=True)
     th.start()
     deadline = time.monotonic() + 10
-    while not runtime.waiters and time.monotonic() < deadline:
+    while not runtime.PROCESS.waiters and time.monotonic() < deadline:
         time.sleep(0.001)  # condition poll with a deadline: init waits on its peers
     _KEPT["zombie"] = (th, box)
     return True

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from daskdist.collective import runtime
 from daskdist.collective.device import backend_for, bind_device
+from daskdist.collective.runtime import PROCESS, ProcessMembership
 from daskdist.errors import CollectiveError
 
 __all__ = [
@@ -69,10 +69,7 @@ def create_store(generation: int, host: str, timeout: float = 60.0) -> tuple[str
     except BaseException:
         os.close(fd)
         raise
-    with runtime.lock:
-        for g in [g for g in runtime.stores if g < generation]:
-            del runtime.stores[g]
-        runtime.stores[generation] = store
+    PROCESS.keep_store(generation, store)
     return host, int(store.port)
 
 
@@ -100,7 +97,7 @@ def init_member(
     backend = backend_for([dev], backend)
     # Every older generation is superseded: an init_member of one still meeting its
     # peers in another thread gives up at once instead of forming a stale group.
-    runtime.mark_lost(generation - 1, f"superseded by generation {generation}")
+    PROCESS.mark_lost(generation - 1, f"superseded by generation {generation}")
     with _init_lock:
         return _init_locked(rank, world_size, host, port, backend, generation, timeout, dev)
 
@@ -112,8 +109,8 @@ def destroy_member(generation: int | None = None) -> None:
     generation older than the current one does nothing (it cannot tear down a newer
     group).
     """
-    with runtime.lock:
-        m = runtime.member
+    with PROCESS.lock:
+        m = PROCESS.current()
         if generation is not None and m is not None and m.generation > generation:
             return
     _teardown(keep_store=None)
@@ -127,8 +124,8 @@ def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> No
     still meeting its peers gives up. Cheap and non-blocking: call it from any thread,
     including an event loop.
     """
-    m = runtime.current()
-    runtime.mark_lost(generation, f"{reason} (generation {generation})")
+    m = PROCESS.current()
+    PROCESS.mark_lost(generation, f"{reason} (generation {generation})")
     if m is not None and m.backend == "nccl" and m.generation <= generation:
         # NCCL work runs on the GPU, not in a thread we can wake: abort the
         # communicators so kernels waiting on the lost peer end too (off this thread:
@@ -166,7 +163,7 @@ def _init_locked(
 ) -> dict:
     _teardown(keep_store=generation)
     _raise_if_lost(generation)
-    runtime.prune_graveyard()
+    PROCESS.prune_graveyard()
     if backend == "nccl":
         # A dead peer must surface as an error, not a hang: torch's watchdog aborts
         # the communicators on an error or timeout. Mode 2 ("clean up only") does
@@ -195,21 +192,16 @@ def _init_locked(
         raise CollectiveError(
             f"init_process_group failed for generation {generation} (rank {rank}): {e}"
         ) from e
-    with runtime.lock:
-        if generation <= runtime.lost_upto:
-            lost = True
-        else:
-            lost = False
-            runtime.member = runtime.Member(
-                rank=rank,
-                world_size=world_size,
-                generation=generation,
-                backend=backend,
-                device=dev,
-                timeout=float(timeout),
-                pg=dist.group.WORLD,
-            )
-    if lost:
+    joined = PROCESS.join(ProcessMembership(
+        rank=rank,
+        world_size=world_size,
+        generation=generation,
+        backend=backend,
+        device=dev,
+        timeout=float(timeout),
+        pg=dist.group.WORLD,
+    ))
+    if not joined:
         _teardown(keep_store=None)
         _raise_if_lost(generation)
     return {
@@ -229,7 +221,7 @@ def _abort(pg: Any) -> None:
 
 
 def _raise_if_lost(generation: int) -> None:
-    if generation <= runtime.lost_upto:
+    if PROCESS.is_lost(generation):
         raise CollectiveError(f"generation {generation} lost a peer before it formed")
 
 
@@ -237,8 +229,7 @@ def _store_for(
     rank: int, generation: int, host: str, port: int, timeout: float, deadline: float
 ) -> Any:
     if rank == 0:
-        with runtime.lock:
-            store = runtime.stores.get(generation)
+        store = PROCESS.store(generation)
         if store is None or int(store.port) != int(port):
             raise RuntimeError(
                 f"rank 0 holds no store for generation {generation} on port {port}: "
@@ -247,10 +238,7 @@ def _store_for(
         return store
     # Connect in short attempts: a client retries a refused connection until its
     # timeout, and rank 0 may be gone; between attempts, mark_peer_lost is heard.
-    wake = threading.Event()
-    with runtime.lock:
-        runtime.waiters.add(wake)
-    try:
+    with PROCESS.waiting() as wake:
         while True:
             _raise_if_lost(generation)
             left = deadline - time.monotonic()
@@ -272,17 +260,17 @@ def _store_for(
                 continue
             store.set_timeout(datetime.timedelta(seconds=timeout))
             return store
-    finally:
-        with runtime.lock:
-            runtime.waiters.discard(wake)
 
 
 def _rendezvous(store: Any, rank: int, world_size: int, generation: int, deadline: float) -> None:
     """Wait until every member reached the store; abortable by ``mark_peer_lost``."""
-    wake = threading.Event()
-    with runtime.lock:
-        runtime.waiters.add(wake)
     keys = [f"{_JOINED}{r}" for r in range(world_size)]
+    with PROCESS.waiting() as wake:
+        _rendezvous_wait(store, keys, rank, world_size, generation, deadline, wake)
+
+
+def _rendezvous_wait(store: Any, keys: list[str], rank: int, world_size: int,
+                     generation: int, deadline: float, wake: threading.Event) -> None:
     try:
         store.set(keys[rank], b"1")
         pause = 0.0005
@@ -303,22 +291,11 @@ def _rendezvous(store: Any, rank: int, world_size: int, generation: int, deadlin
         raise
     except Exception as e:  # the store's master (rank 0) went away
         raise CollectiveError(f"generation {generation}: rendezvous failed: {e}") from e
-    finally:
-        with runtime.lock:
-            runtime.waiters.discard(wake)
 
 
 def _teardown(keep_store: int | None) -> None:
     """Destroy this process's group, wake its waiters, drop stores not kept."""
-    with runtime.lock:
-        m = runtime.member
-        runtime.member = None
-        if m is not None and not m.broken:
-            m.broken = "the group was destroyed"
-        for ev in runtime.waiters:
-            ev.set()
-        for g in [g for g in runtime.stores if g != keep_store]:
-            del runtime.stores[g]
+    PROCESS.leave(keep_store)
     # Abandoned in-flight work keeps its group object alive in the graveyard, so this
     # never runs the C++ destructor while gloo still waits on a dead peer.
     if dist.is_initialized():

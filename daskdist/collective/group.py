@@ -28,7 +28,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from daskdist.collective import runtime
+from daskdist.collective.runtime import PROCESS, ProcessMembership
 from daskdist.errors import CollectiveError
 
 _OPS = {
@@ -52,7 +52,7 @@ def get_group() -> Group:
 
     Raises ``RuntimeError`` when no group is formed in this process.
     """
-    m = runtime.current()
+    m = PROCESS.current()
     if m is None:
         raise RuntimeError(
             "no collective group is formed on this worker: create one with "
@@ -69,7 +69,7 @@ class Group:
     re-formed group.
     """
 
-    def __init__(self, member: runtime.Member):
+    def __init__(self, member: ProcessMembership):
         self.rank: int = member.rank
         self.world_size: int = member.world_size
         self.generation: int = member.generation
@@ -190,7 +190,7 @@ class Group:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        m = runtime.current()
+        m = PROCESS.current()
         if m is not None and m.generation == self.generation:
             self._pg = m.pg
 
@@ -206,14 +206,14 @@ class Group:
     def _run(self, what: str, issue: Callable[[Any], Any]) -> None:
         """Issue one async collective and wait for it, the lost signal, or the timeout."""
         gen = self.generation
-        runtime.check(gen)
+        PROCESS.check(gen)
         # Always this generation's own process group, never "the current default":
         # a call racing a re-formation must not land in the next generation's group.
         pg = self._pg
         try:
             work = issue(pg)
         except Exception as e:
-            runtime.break_group(gen, f"{what} failed: {e}")
+            PROCESS.break_group(gen, f"{what} failed: {e}")
             raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
         if self.backend == "gloo":
             self._wait_in_torch(work, pg, gen, what)
@@ -222,7 +222,7 @@ class Group:
         try:
             work.wait()
         except Exception as e:
-            runtime.break_group(gen, f"{what} failed: {e}")
+            PROCESS.break_group(gen, f"{what} failed: {e}")
             raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
 
     def _wait_in_torch(self, work: Any, pg: Any, gen: int, what: str) -> None:
@@ -267,28 +267,22 @@ class Group:
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[threading.Event]:
         """An event registered for the call's wait: lost-peer marks and teardown set it."""
-        wake = threading.Event()
-        with runtime.lock:
-            runtime.waiters.add(wake)
-        try:
+        with PROCESS.waiting() as wake:
             yield wake
-        finally:
-            with runtime.lock:
-                runtime.waiters.discard(wake)
 
     def _left(self, work: Any, pg: Any, gen: int, what: str, deadline: float) -> float:
         """Seconds left to wait for ``work``; ``CollectiveError`` (burying the unfinished
         work) when the generation was lost or torn down, or the deadline passed."""
         try:
-            runtime.check(gen)
+            PROCESS.check(gen)
         except CollectiveError:
-            runtime.bury(pg, work)
+            PROCESS.bury(pg, work)
             raise
         left = deadline - time.monotonic()
         if left <= 0:
-            runtime.bury(pg, work)
+            PROCESS.bury(pg, work)
             reason = f"{what} timed out after {self.timeout:g} s"
-            runtime.break_group(gen, reason)
+            PROCESS.break_group(gen, reason)
             raise CollectiveError(f"{reason} on rank {self.rank}")
         return left
 

@@ -4,7 +4,7 @@
 it (RPCs to the scheduler plugin, which holds a :class:`~daskdist.plugins.leases.LeaseTable`);
 :class:`LocalLeaseService` implements it in-process on a local table, for tests and
 single-process use. Acknowledgements do not go through this protocol: the loader
-records a ``("lease", dataset_id, epoch, ranges)`` token per batch with
+records a :class:`~daskdist.plugins.protocol.LeaseToken` per batch with
 :func:`daskdist.context.record_consumed`, and whoever ran the closure acks or releases
 those rows (the worker/scheduler plugins; :meth:`LocalLeaseService.ack` here).
 """
@@ -15,16 +15,17 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from daskdist.plugins.leases import LEASE_TOKEN, LeaseTable
+from daskdist.plugins.leases import LeaseTable
+from daskdist.plugins.protocol import LEASE_TOKEN, LeaseToken
 
 __all__ = ["LEASE_TOKEN", "LeaseService", "LocalLeaseService", "lease_token"]
 
 Interval = tuple[int, int]
 
 
-def lease_token(dataset_id: str, epoch: int, ranges: list[Interval]) -> tuple:
-    """The token a loader records for one batch: ``("lease", dataset_id, epoch, ranges)``."""
-    return (LEASE_TOKEN, dataset_id, int(epoch), ranges)
+def lease_token(dataset_id: str, epoch: int, ranges: list[Interval]) -> LeaseToken:
+    """The token a loader records for one batch (a :class:`LeaseToken`)."""
+    return LeaseToken.of(dataset_id, epoch, ranges)
 
 
 @runtime_checkable

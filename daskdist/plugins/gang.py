@@ -25,9 +25,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-COLLECTIVE_ERROR = "collective"  # a member's collective call failed (peer lost, timeout)
-HOSTS_UPDATED = "hosts-updated"  # elastic State.commit saw membership change
-INTERRUPTING = frozenset({COLLECTIVE_ERROR, HOSTS_UPDATED, "worker-lost"})
+from daskdist.plugins.protocol import (  # noqa: F401  (kinds, re-exported)
+    COLLECTIVE_ERROR,
+    HOSTS_UPDATED,
+    USER_ERROR,
+    WORKER_LOST,
+)
+
+INTERRUPTING = frozenset({COLLECTIVE_ERROR, HOSTS_UPDATED, WORKER_LOST})
 
 
 @dataclass
@@ -59,7 +64,7 @@ class GangOutcome:
 
 
 @dataclass
-class Group:
+class GroupRecord:
     """The collective group as the scheduler sees it."""
 
     generation: int = 0
@@ -74,7 +79,7 @@ class GangBook:
     """Pending and running gangs plus the current group generation."""
 
     max_losses: int = 3
-    group: Group = field(default_factory=Group)
+    group: GroupRecord = field(default_factory=GroupRecord)
     pending: deque[Gang] = field(default_factory=deque)
     running: Gang | None = None
     forming: bool = False
@@ -135,11 +140,11 @@ class GangBook:
         if ok:
             gang.results[rank] = value
         else:
-            gang.errors[rank] = (value, kind or "user-error")
+            gang.errors[rank] = (value, kind or USER_ERROR)
             if kind in INTERRUPTING or self.group.broken:
                 gang.interrupted = True
                 self.group.broken = True
-                if kind == "worker-lost" and rank not in gang.spared:
+                if kind == WORKER_LOST and rank not in gang.spared:
                     gang.losses[rank] = gang.losses.get(rank, 0) + 1
         return self._maybe_final(gang)
 
@@ -178,7 +183,7 @@ class GangBook:
                 rank = min(r for r, n in gang.losses.items() if n == worst)
                 return GangOutcome(gang.cid, gang.owner, False,
                                    error=f"the workers running rank {rank} of the gang "
-                                         f"were lost {worst} times", kind="worker-lost",
+                                         f"were lost {worst} times", kind=WORKER_LOST,
                                    attempt=gang.attempt)
             self.pending.appendleft(gang)  # runs again on the re-formed group
             return None

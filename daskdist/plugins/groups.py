@@ -33,6 +33,7 @@ from daskdist.plugins.backends import (
     describe_sharing,
     shared_gpus,
 )
+from daskdist.plugins.protocol import COLLECTIVE_ERROR
 from daskdist.plugins.state import GANG_OWNER, CoordinatorState
 from daskdist.values import dump_error
 
@@ -183,7 +184,7 @@ class GroupDriver:
                 f"the collective group of coordinator {self.co.name!r} could not be formed "
                 f"in {self._failures} attempts over {now - self._failing_since:.1f} s "
                 f"(daskdist.collective.formation-timeout is {limit:g} s): {self.last_error}")
-            for outcome in self.co.gangs.fail_pending(dump_error(err), "collective"):
+            for outcome in self.co.gangs.fail_pending(dump_error(err), COLLECTIVE_ERROR):
                 self.co.deliver_gang(outcome)
             self._failing_since, self._failures = None, 0
             return

@@ -40,6 +40,7 @@ from daskdist.intervals import (
     subtract,
     union,
 )
+from daskdist.plugins.protocol import LEASE_TOKEN, LeaseToken
 
 __all__ = [
     "LEASE_TOKEN",
@@ -57,26 +58,17 @@ class SessionExpired(RuntimeError):
     """A session that was dropped (its worker was lost) asked for a new lease."""
 
 
-LEASE_TOKEN = "lease"
-
-
 def _group_tokens(tokens: Iterable[object]) -> dict[tuple[str, int], list[Interval]]:
-    """Lease tokens ``("lease", dataset_id, epoch, ranges)`` grouped by epoch table.
+    """Lease tokens (:class:`~daskdist.plugins.protocol.LeaseToken`) grouped by epoch table.
 
     Tokens of other kinds are ignored; a lease token of the wrong shape raises
     ``ValueError`` (it must not be skipped while the acknowledgement reports success).
     """
     groups: dict[tuple[str, int], list[Interval]] = {}
     for tok in tokens:
-        if not (isinstance(tok, (tuple, list)) and tok and tok[0] == LEASE_TOKEN):
-            continue
-        try:
-            _, dataset_id, epoch, ranges = tok
-            pairs = [(int(a), int(b)) for a, b in ranges]
-            key = (str(dataset_id), int(epoch))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"malformed lease token {tok!r}: {e}") from None
-        groups.setdefault(key, []).extend(pairs)
+        lease = LeaseToken.parse(tok)
+        if lease is not None:
+            groups.setdefault((lease.dataset_id, lease.epoch), []).extend(lease.ranges)
     return groups
 
 
@@ -296,7 +288,7 @@ class LeaseTable:
         return True
 
     def ack_tokens(self, session: str, tokens: Iterable[object]) -> bool:
-        """Acknowledge every lease token ``("lease", dataset_id, epoch, ranges)`` of one
+        """Acknowledge every lease token (``LeaseToken``) of one
         completed closure, atomically: all tokens are checked first and, if any is
         refused, nothing changes and ``False`` is returned. Other tokens are ignored."""
         try:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
-class Member:
+class SessionMembership:
+    """One worker session's membership: its worker, logical index and state."""
+
     session: str
     address: str
     index: int
@@ -25,13 +27,13 @@ class Member:
 class Membership:
     """Sessions by id, at most one per worker address."""
 
-    members: dict[str, Member] = field(default_factory=dict)
+    members: dict[str, SessionMembership] = field(default_factory=dict)
     version: int = 0
     joins: int = 0
     leaves: int = 0
 
     def join(self, session: str, address: str, device: str = "cpu",
-             gpu: str = "") -> tuple[Member, Member | None]:
+             gpu: str = "") -> tuple[SessionMembership, SessionMembership | None]:
         """Add ``session``; returns it and the older session of the same address it replaces.
 
         The caller must end the replaced session (its closures are put back).
@@ -42,13 +44,13 @@ class Membership:
         replaced = self.leave(old) if old is not None else None
         used = {m.index for m in self.members.values()}
         index = next(i for i in range(len(used) + 1) if i not in used)
-        member = Member(session, address, index, device=device, gpu=gpu)
+        member = SessionMembership(session, address, index, device=device, gpu=gpu)
         self.members[session] = member
         self.version += 1
         self.joins += 1
         return member, replaced
 
-    def leave(self, session: str) -> Member | None:
+    def leave(self, session: str) -> SessionMembership | None:
         """Remove ``session`` (no-op if unknown); frees its index."""
         member = self.members.pop(session, None)
         if member is not None:
@@ -76,6 +78,6 @@ class Membership:
     def __len__(self) -> int:
         return len(self.members)
 
-    def by_index(self) -> list[Member]:
+    def by_index(self) -> list[SessionMembership]:
         """Members in index order (the rank order of collective groups)."""
         return sorted(self.members.values(), key=lambda m: m.index)

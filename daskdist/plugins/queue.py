@@ -2,7 +2,8 @@
 
 TensorFlow's ``_CoordinatedClosureQueue`` (put / get / put_back / mark_failed / wait /
 cancel) restated as a single-threaded state machine that the scheduler plugin drives
-from its event loop. It imports nothing from Dask or the rest of the package, so every
+from its event loop. It imports nothing from Dask (from the package only the pure
+``protocol`` module: closure states and error kinds), so every
 transition is unit-tested directly. Payloads are opaque bytes; sessions are opaque
 strings naming one worker plugin's life on one worker.
 
@@ -10,7 +11,7 @@ A closure's life (SPEC §2.5a)::
 
     PENDING -> RUNNING -> READY | FAILED
     RUNNING -> PENDING            (its session was lost; attempt + 1)
-    RUNNING -> FAILED             (lost ``max_worker_failures`` times: "worker-lost")
+    RUNNING -> FAILED             (lost ``max_worker_failures`` times: WORKER_LOST)
     PENDING -> CANCELLED          (an error was raised to the user)
 
 Every closure reaches exactly one final state, once; a finish for a closure that is not
@@ -24,19 +25,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-PENDING = "PENDING"
-RUNNING = "RUNNING"
-READY = "READY"
-FAILED = "FAILED"
-CANCELLED = "CANCELLED"
-FINAL_STATES = frozenset({READY, FAILED, CANCELLED})
-
-# Why a closure failed: the kinds of error a FAILED closure carries.
-USER_ERROR = "user-error"
-INPUT_ERROR = "input-error"
-WORKER_LOST = "worker-lost"
-# A worker gives back a prefetched closure it did not start (an error is being raised).
-UNSTARTED = "unstarted"
+from daskdist.plugins.protocol import (  # noqa: F401  (states and kinds, re-exported)
+    CANCELLED,
+    FAILED,
+    FINAL_STATES,
+    INPUT_ERROR,
+    PENDING,
+    READY,
+    RUNNING,
+    UNSTARTED,
+    USER_ERROR,
+    WORKER_LOST,
+)
 
 
 @dataclass(slots=True, eq=False)

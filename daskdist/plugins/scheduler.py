@@ -28,8 +28,7 @@ from daskdist import config
 from daskdist.plugins import observe
 from daskdist.plugins.groups import GroupDriver
 from daskdist.plugins.leases import SessionExpired
-from daskdist.plugins.protocol import Dispatch
-from daskdist.plugins.queue import CANCELLED
+from daskdist.plugins.protocol import Dispatch, Submission
 from daskdist.plugins.state import CoordinatorState, Outbox, wait_event
 from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
 
@@ -128,22 +127,8 @@ class CoordinatorPlugin(SchedulerPlugin):
             return
         action = msg.get("action")
         if action == "worker-status-change":
-            # a retiring (or memory-paused) worker gets no new work; back to running, it does
-            draining = msg.get("status") in ("closing_gracefully", "closing", "closed", "paused")
             for co in self.coordinators.values():
-                before = co.members.session_of(topic)
-                was = before is not None and co.members.members[before].draining
-                session = co.members.drain(topic, draining)
-                if session is not None:
-                    co.queue.drain_session(session, draining)
-                    if (was != draining and msg.get("status") != "paused"
-                            and (session in co.gangs.group.sessions) == draining):
-                        # a retiring member leaves the group at the next commit, one back
-                        # in service joins it (SPEC §4.1); a memory pause does neither
-                        co.members.version += 1
-                        co.membership_changed()
-                    if not draining:
-                        co.wake()
+                co.worker_status_changed(topic, msg.get("status"))
         elif action == "remove-worker" and "worker" in msg:
             self._expected[msg["worker"]] = bool(msg.get("expected"))
 
@@ -253,11 +238,11 @@ class CoordinatorPlugin(SchedulerPlugin):
             self._drop_owner(co, owner)
 
     def put(self, name: str, owner: str, closures: list) -> None:
-        """Queue ``closures`` (each ``(cid, payload, retries)``) for ``owner`` (one-way)."""
+        """Queue ``closures`` (each a :class:`Submission`) for ``owner`` (one-way)."""
         co = self._get(name)
         q = co.queue
-        for cid, payload, retries in closures:
-            q.put(cid, owner, payload, retries)
+        for sub in map(Submission._make, closures):
+            q.put(sub.cid, owner, sub.payload, sub.retries)
         co.wake()
 
     async def results(self, name: str, owner: str, ack: int, timeout: float | None = None):
@@ -279,51 +264,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         }
 
     async def raise_error(self, name: str, timeout: float | None = None) -> dict:
-        """Raise the first unraised error: wait for in-flight closures, cancel the queue.
-
-        Dispatch is paused meanwhile, so when this returns nothing is executing.
-        Returns the error (if another caller took it first: ``None``) and the cancelled.
-        """
-        co = self._get(name)
-        if co.queue.error is None:
-            return {"error": None, "cancelled": []}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        # Two raises must not interleave: the second would un-pause while the first
-        # waits, or cancel closures queued after the first took the error.
-        if not await _acquire(co.raise_lock, timeout):
-            return {"timeout": True}
-        try:
-            return await self._raise_locked(co, deadline)
-        finally:
-            co.raise_lock.release()
-
-    async def _raise_locked(self, co: CoordinatorState, deadline: float | None) -> dict:
-        q = co.queue
-        if q.error is None:  # another raise took it while we waited for the lock
-            return {"error": None, "cancelled": []}
-        co.set_paused(True)
-        try:
-            while q.inflight:
-                co.changed.clear()
-                if q.inflight == 0:
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return {"timeout": True}
-                if not await wait_event(co.changed, left):
-                    return {"timeout": True}
-            cancelled = q.cancel_pending()
-            co.deliver(cancelled)
-            for gang in co.gangs.cancel_pending():
-                box = co.outboxes.get(gang.owner)
-                if box is not None:
-                    box.push((gang.cid, CANCELLED, None, None, gang.attempt))
-                cancelled.append(gang)
-            err = q.take_error()
-        finally:
-            co.set_paused(False)
-        error = None if err is None else (err.cid, err.value, err.kind)
-        return {"error": error, "cancelled": [(o.owner, o.cid) for o in cancelled]}
+        """Raise the first unraised error: wait for in-flight closures, cancel the queue
+        (:meth:`CoordinatorState.raise_error`)."""
+        return await self._get(name).raise_error(timeout)
 
     # -- collective groups and gang closures -------------------------------------------------
     async def group_form(self, name: str, backend: str = "auto", timeout: float = 60.0,
@@ -420,32 +363,13 @@ class CoordinatorPlugin(SchedulerPlugin):
         scheduler that has since restarted): later generations are numbered above it.
         """
         self.generations = max(self.generations, generation)
-        co = self._get(name)
-        old = co.members.session_of(address)
-        if old is not None and old != session:
-            co.end_session(old)
-        member, _ = co.members.join(session, address, device, gpu)
-        co.liveness.add(session, time.monotonic())
-        co.queue.add_session(session, slots)
-        co.membership_changed()
-        if self._worker_retiring(address):
-            co.members.drain(address)
-            co.queue.drain_session(session)
-        co.wake()
-        return {
-            "index": member.index,
-            "num_workers": len(co.members),
-            "version": co.members.version,
-        }
+        return self._get(name).start_session(session, address, slots, device, gpu,
+                                             self._worker_retiring, time.monotonic())
 
     def unregister(self, name: str, session: str, results: list | None = None) -> None:
         co = self.coordinators.get(name)
-        if co is None:
-            return
-        if results:
-            co.apply_results(session, results)
-        if session in co.members:
-            co.end_session(session)
+        if co is not None:
+            co.stop_session(session, results)
 
     def report(self, name: str, session: str, results: list) -> dict:
         co = self._get(name)
@@ -533,24 +457,6 @@ class CoordinatorPlugin(SchedulerPlugin):
             "version": co.members.version,
             "hold": co.hold,
         }
-
-
-async def _acquire(lock: asyncio.Lock, timeout: float | None) -> bool:
-    """Acquire ``lock`` within ``timeout`` seconds (``None``: wait); whether it was."""
-    if timeout is None:
-        await lock.acquire()
-        return True
-    task = asyncio.ensure_future(lock.acquire())
-    done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout))
-    if task in done:
-        return True
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        return False
-    lock.release()  # acquired just as it was cancelled
-    return False
 
 
 def dask_setup(scheduler) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,8 @@ from daskdist.plugins.gang import GangBook, GangOutcome
 from daskdist.plugins.leases import LeaseTable
 from daskdist.plugins.liveness import LivenessTable
 from daskdist.plugins.membership import Membership
-from daskdist.plugins.queue import FAILED, READY, UNSTARTED, ClosureQueue, Outcome
+from daskdist.plugins.protocol import CANCELLED, FAILED, READY, UNSTARTED, Delivery, Result
+from daskdist.plugins.queue import ClosureQueue, Outcome
 from daskdist.plugins.stats import CoordinatorStats
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,24 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
     return True
 
 
+async def _acquire(lock: asyncio.Lock, timeout: float | None) -> bool:
+    """Acquire ``lock`` within ``timeout`` seconds (``None``: wait); whether it was."""
+    if timeout is None:
+        await lock.acquire()
+        return True
+    task = asyncio.ensure_future(lock.acquire())
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout))
+    if task in done:
+        return True
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return False
+    lock.release()  # acquired just as it was cancelled
+    return False
+
+
 @dataclass
 class Outbox:
     """Outcomes waiting for one client-side Coordinator; kept until it acknowledges them."""
@@ -56,7 +76,7 @@ class Outbox:
     items: list = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def push(self, item: tuple) -> None:
+    def push(self, item: Delivery) -> None:
         self.items.append(item)
         self.event.set()
 
@@ -109,16 +129,16 @@ class CoordinatorState:
                 continue
             box = self.outboxes.get(o.owner)
             if box is not None:
-                box.push((o.cid, o.state, o.value, o.kind, o.attempt))
+                box.push(Delivery(o.cid, o.state, o.value, o.kind, o.attempt))
         if outcomes and self.queue.error is not None:
             for box in self.outboxes.values():
                 box.event.set()  # tell every owner an error is pending
 
     def deliver_gang(self, g: GangOutcome) -> None:
         if g.ok:
-            item = (g.cid, READY, g.values, None, g.attempt)
+            item = Delivery(g.cid, READY, g.values, None, g.attempt)
         else:
-            item = (g.cid, FAILED, g.error, g.kind, g.attempt)
+            item = Delivery(g.cid, FAILED, g.error, g.kind, g.attempt)
             if self.queue.error is None:
                 self.queue.error = Outcome(g.cid, g.owner, FAILED, g.error, g.kind, g.attempt)
                 self.queue.counters.failed += 1
@@ -146,6 +166,55 @@ class CoordinatorState:
         self.broadcast({"op": "daskdist-membership", "name": self.name,
                         "version": self.members.version})
         self.gangs_changed.set()
+
+    def start_session(self, session: str, address: str, slots: int, device: str, gpu: str,
+                      retiring: Callable[[str], bool], now: float) -> dict[str, int]:
+        """A worker plugin session joins: the lowest free worker index, a lease, ``slots``
+        closure slots. An older session of the same worker ends first; a worker that
+        ``retiring(address)`` says is leaving joins draining. The register reply."""
+        old = self.members.session_of(address)
+        if old is not None and old != session:
+            self.end_session(old)
+        member, _ = self.members.join(session, address, device, gpu)
+        self.liveness.add(session, now)
+        self.queue.add_session(session, slots)
+        self.membership_changed()
+        if retiring(address):
+            self.members.drain(address)
+            self.queue.drain_session(session)
+        self.wake()
+        return {
+            "index": member.index,
+            "num_workers": len(self.members),
+            "version": self.members.version,
+        }
+
+    def stop_session(self, session: str, results: list | None = None) -> None:
+        """A worker plugin session closes (teardown): its last results, then its end (an
+        expected leave: not counted as lost)."""
+        if results:
+            self.apply_results(session, results)
+        if session in self.members:
+            self.end_session(session)
+
+    def worker_status_changed(self, address: str, status: str | None) -> None:
+        """Dask changed a worker's status: a retiring (or memory-paused) worker gets no
+        new work; back to running, it does. A retiring group member leaves the group at
+        the next commit and one back in service joins it (SPEC §4.1); a memory pause
+        does neither."""
+        draining = status in ("closing_gracefully", "closing", "closed", "paused")
+        before = self.members.session_of(address)
+        was = before is not None and self.members.members[before].draining
+        session = self.members.drain(address, draining)
+        if session is None:
+            return
+        self.queue.drain_session(session, draining)
+        if (was != draining and status != "paused"
+                and (session in self.gangs.group.sessions) == draining):
+            self.members.version += 1
+            self.membership_changed()
+        if not draining:
+            self.wake()
 
     def end_session(self, session: str, expected: bool = True) -> None:
         """A worker session is gone: put its closures back, drop its index and leases.
@@ -186,7 +255,7 @@ class CoordinatorState:
         return expired
 
     def apply_results(self, session: str, results: list) -> None:
-        """Apply a worker's results (each ``(cid, ok, value, kind, tokens)``).
+        """Apply a worker's results (each a :class:`Result`, or its wire form).
 
         A closure's result and its lease tokens are applied together: rows are
         acknowledged only when the closure completes, released when it fails, and a
@@ -198,7 +267,7 @@ class CoordinatorState:
         q = self.queue
         backlog = q.backlog
         unstarted = []
-        for cid, ok, value, kind, tokens in results:
+        for cid, ok, value, kind, tokens in map(Result._make, results):
             if kind == UNSTARTED:
                 unstarted.append(cid)
                 continue
@@ -247,6 +316,56 @@ class CoordinatorState:
         await wait_event(event, timeout)
         self.commit_events.pop(key, None)
         return self.commits.outcome(key)
+
+    # -- raising an error to the user (SPEC §2.3) -------------------------------------------
+    async def raise_error(self, timeout: float | None = None) -> dict:
+        """Raise the first unraised error: pause dispatch, wait for in-flight closures,
+        cancel the queue (and pending gangs), take the error.
+
+        Dispatch is paused meanwhile, so when this returns nothing is executing.
+        Returns ``{"error": (cid, payload, kind) or None, "cancelled": [(owner, cid)]}``
+        (``None``: no error, or another caller took it first), or ``{"timeout": True}``
+        when in-flight closures did not finish within ``timeout`` seconds.
+        """
+        if self.queue.error is None:
+            return {"error": None, "cancelled": []}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # Two raises must not interleave: the second would un-pause while the first
+        # waits, or cancel closures queued after the first took the error.
+        if not await _acquire(self.raise_lock, timeout):
+            return {"timeout": True}
+        try:
+            return await self._raise_locked(deadline)
+        finally:
+            self.raise_lock.release()
+
+    async def _raise_locked(self, deadline: float | None) -> dict:
+        q = self.queue
+        if q.error is None:  # another raise took it while we waited for the lock
+            return {"error": None, "cancelled": []}
+        self.set_paused(True)
+        try:
+            while q.inflight:
+                self.changed.clear()
+                if q.inflight == 0:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return {"timeout": True}
+                if not await wait_event(self.changed, left):
+                    return {"timeout": True}
+            cancelled = q.cancel_pending()
+            self.deliver(cancelled)
+            for gang in self.gangs.cancel_pending():
+                box = self.outboxes.get(gang.owner)
+                if box is not None:
+                    box.push(Delivery(gang.cid, CANCELLED, None, None, gang.attempt))
+                cancelled.append(gang)
+            err = q.take_error()
+        finally:
+            self.set_paused(False)
+        error = None if err is None else (err.cid, err.value, err.kind)
+        return {"error": error, "cancelled": [(o.owner, o.cid) for o in cancelled]}
 
     def active_sessions(self) -> tuple[str, ...]:
         """Sessions that may run closures, in worker-index (rank) order."""

@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-LEASE_TOKEN = "lease"  # the first item of a loader's lease token (see data/dynamic.py)
+from daskdist.plugins.protocol import LEASE_TOKEN, LeaseToken
+
 RATE_WINDOW = 5.0  # seconds over which the per-worker rates are measured
 
 
@@ -58,11 +59,13 @@ class Sample:
 
 
 def _rows(tokens: Iterable[Any]) -> dict[str, int]:
-    """Rows per dataset in lease tokens ``("lease", dataset_id, epoch, ranges)``."""
+    """Rows per dataset in lease tokens (:class:`LeaseToken`)."""
     out: dict[str, int] = {}
     for tok in tokens or ():
         if isinstance(tok, (tuple, list)) and len(tok) == 4 and tok[0] == LEASE_TOKEN:
-            out[str(tok[1])] = out.get(str(tok[1]), 0) + sum(int(b) - int(a) for a, b in tok[3])
+            lease = LeaseToken._make(tok)
+            ds = str(lease.dataset_id)
+            out[ds] = out.get(ds, 0) + sum(int(b) - int(a) for a, b in lease.ranges)
     return out
 
 

@@ -38,10 +38,16 @@ from daskdist.context import (
     _set_membership,
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError
-from daskdist.plugins.gang import COLLECTIVE_ERROR, HOSTS_UPDATED
 from daskdist.plugins.malloc import restore_dynamic_thresholds
-from daskdist.plugins.protocol import Dispatch, Result
-from daskdist.plugins.queue import INPUT_ERROR, UNSTARTED, USER_ERROR
+from daskdist.plugins.protocol import (
+    COLLECTIVE_ERROR,
+    HOSTS_UPDATED,
+    INPUT_ERROR,
+    UNSTARTED,
+    USER_ERROR,
+    Dispatch,
+    Result,
+)
 from daskdist.values import PerWorkerValues, dump_error, map_structure
 
 logger = logging.getLogger(__name__)
@@ -108,6 +114,7 @@ def _install_worker_handlers(worker) -> None:
             runner.poke()
 
     def peer_lost(name: str, generation: int) -> None:
+        # through sys.modules, not an import: see _process_group_state
         collective = sys.modules.get("daskdist.collective")
         if collective is not None:  # no group was ever formed in this process otherwise
             collective.mark_peer_lost(generation)
@@ -162,14 +169,22 @@ def _install_worker_handlers(worker) -> None:
     worker.handlers["daskdist_collective"] = collective
 
 
+def _process_group_state() -> Any:
+    """This process's collective-group state (``collective.runtime.PROCESS``), or
+    ``None`` when no collective code ever ran here.
+
+    Read through ``sys.modules``, never imported: importing ``daskdist.collective``
+    imports torch, and this module is also imported (and this plugin unpickled) on the
+    scheduler, which must not import torch (SPEC §1).
+    """
+    runtime = sys.modules.get("daskdist.collective.runtime")
+    return None if runtime is None else runtime.PROCESS
+
+
 def _highest_generation() -> int:
     """The newest collective generation this process has seen (later ones must be higher)."""
-    runtime = sys.modules.get("daskdist.collective.runtime")
-    if runtime is None:
-        return 0
-    member = runtime.current()
-    return max(runtime.lost_upto, member.generation if member else 0,
-               max(runtime.stores, default=0))
+    state = _process_group_state()
+    return 0 if state is None else state.highest_generation()
 
 
 def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
@@ -458,7 +473,7 @@ class ClosureRunner:
             self._pending.clear()
         self.running -= dropped
 
-    def _on_done(self, session: str, result: tuple, gang: bool) -> None:
+    def _on_done(self, session: str, result: Result, gang: bool) -> None:
         """Runs on the event loop when a closure finished in a thread."""
         if not gang:
             self.running -= 1  # a thread is free, whichever session it ran for
@@ -511,7 +526,7 @@ class ClosureRunner:
     def _run(self, session: str, cid: str, payload: bytes, attempt: int,
              gang: bool = False) -> None:
         if self.hold and not gang:  # an error is being raised: this counts as still queued
-            self._finished(session, (cid, False, None, UNSTARTED, []), gang)
+            self._finished(session, Result(cid, False, None, UNSTARTED, []), gang)
             return
         tokens: list = []
         _set_current(self._worker_context(attempt), tokens.append)
@@ -522,14 +537,14 @@ class ClosureRunner:
             if args or kwargs:
                 args, kwargs = self.resources.resolve((args, kwargs))
             value = fn(*args, **kwargs)
-            result = (cid, True, dumps(value), None, tokens)
+            result = Result(cid, True, dumps(value), None, tokens)
         except BaseException as e:  # noqa: BLE001 - every user error goes back to the client
-            result = (cid, False, dump_error(e), _error_kind(e), tokens)
+            result = Result(cid, False, dump_error(e), _error_kind(e), tokens)
         finally:
             _set_current(None, None)
         self._finished(session, result, gang)
 
-    def _finished(self, session: str, result: tuple, gang: bool = False) -> None:
+    def _finished(self, session: str, result: Result, gang: bool = False) -> None:
         try:
             self.worker.loop.add_callback(self._on_done, session, result, gang)
         except RuntimeError:  # the worker's loop is closed: the worker is going away

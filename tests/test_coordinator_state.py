@@ -1,0 +1,166 @@
+"""CoordinatorState's session start, stop, draining and error raising, without Dask:
+the scheduler plugin's handlers only look the coordinator up and call these."""
+
+from __future__ import annotations
+
+import asyncio
+
+from daskdist.plugins.protocol import CANCELLED, READY, USER_ERROR, Delivery, Result
+from daskdist.plugins.state import CoordinatorState, Outbox
+
+
+def make(sent: list | None = None) -> CoordinatorState:
+    out = [] if sent is None else sent
+    return CoordinatorState("t", send=lambda address, msg: out.append((address, msg)))
+
+
+def not_retiring(address: str) -> bool:
+    return False
+
+
+def start(co: CoordinatorState, session: str, address: str, slots: int = 1,
+          retiring=not_retiring) -> dict:
+    return co.start_session(session, address, slots, "cpu", "", retiring, 0.0)
+
+
+# -- session start and stop ---------------------------------------------------------------
+
+def test_start_session_takes_the_lowest_free_index_and_a_lease():
+    sent: list = []
+    co = make(sent)
+    assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1}
+    reply = start(co, "s2", "w2")
+    assert reply["index"] == 1 and reply["num_workers"] == 2
+    assert co.renew("s1", 1.0) and co.renew("s2", 1.0)
+    co.stop_session("s1")
+    assert start(co, "s3", "w3")["index"] == 0  # a replacement reuses the lost index
+    # members hear of every change on their stream
+    assert any(msg["op"] == "daskdist-membership" for _, msg in sent)
+    co.queue.check_invariants()
+
+
+def test_a_new_session_of_the_same_worker_ends_the_old_one():
+    co = make()
+    start(co, "old", "w1")
+    co.queue.put("o-0", "me", b"")
+    assert [c.cid for c in co.queue.dispatch("old", 1)] == ["o-0"]
+    assert start(co, "new", "w1")["index"] == 0
+    assert "old" not in co.members and not co.renew("old", 1.0)  # fenced
+    assert co.workers_lost == 0  # a restart of the plugin, not a loss
+    assert [c.cid for c in co.queue.dispatch("new", 1)] == ["o-0"]  # put back
+
+
+def test_a_retiring_worker_joins_draining():
+    co = make()
+    start(co, "s1", "w1", retiring=lambda address: address == "w1")
+    co.queue.put("o-0", "me", b"")
+    assert co.queue.dispatch("s1", 1) == []
+    assert co.members.members["s1"].draining
+
+
+def test_stop_session_applies_its_last_results_then_ends_it():
+    co = make()
+    co.outboxes["me"] = Outbox(None)
+    start(co, "s1", "w1")
+    co.queue.put("o-0", "me", b"")
+    co.queue.put("o-1", "me", b"")
+    co.queue.dispatch("s1", 1)
+    co.stop_session("s1", [Result("o-0", True, b"v", None, [])])
+    assert co.outboxes["me"].items == [Delivery("o-0", READY, b"v", None, 1)]
+    assert "s1" not in co.members and co.workers_lost == 0
+    co.stop_session("s1")  # twice: nothing happens
+    assert co.queue.queued == 1
+
+
+# -- draining -------------------------------------------------------------------------------
+
+def test_retiring_worker_gets_no_new_work_and_leaves_the_group_at_its_next_commit():
+    co = make()
+    start(co, "s1", "w1")
+    start(co, "s2", "w2")
+    co.gangs.begin_formation(("s1", "s2"))
+    for i in range(3):
+        co.queue.put(f"o-{i}", "me", b"")
+    version = co.members.version
+    co.worker_status_changed("w1", "closing_gracefully")
+    assert co.members.members["s1"].draining
+    assert co.queue.dispatch("s1", 3) == []
+    assert co.members.version == version + 1  # a group member retires: commits see it
+    co.worker_status_changed("w1", "running")  # Dask gave the retirement up
+    assert not co.members.members["s1"].draining
+    assert co.members.version == version + 1  # still in the group: nothing to rejoin
+    assert len(co.queue.dispatch("s1", 3)) == 3
+    co.gangs.begin_formation(("s2",))  # a group formed without w1 while it retired
+    co.worker_status_changed("w1", "closing_gracefully")
+    assert co.members.version == version + 1  # not a member: leaving changes nothing
+    co.worker_status_changed("w1", "running")
+    assert co.members.version == version + 2  # back in service: joins at the next commit
+
+
+def test_a_memory_pause_drains_without_changing_the_group():
+    co = make()
+    start(co, "s1", "w1")
+    co.gangs.begin_formation(("s1",))
+    co.queue.put("o-0", "me", b"")
+    version = co.members.version
+    co.worker_status_changed("w1", "paused")
+    assert co.queue.dispatch("s1", 1) == [] and co.members.version == version
+    co.worker_status_changed("w1", "running")
+    assert len(co.queue.dispatch("s1", 1)) == 1 and co.members.version == version
+    co.worker_status_changed("unknown-worker", "closing")  # not a member: no-op
+    assert co.members.version == version
+
+
+async def until(cond, seconds: float = 5.0) -> None:
+    """Let the loop run until ``cond()`` holds (at most ``seconds``)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not cond():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+# -- raising an error -------------------------------------------------------------------------
+
+def test_raise_error_waits_for_in_flight_then_cancels_the_queue():
+    async def main():
+        co = make()
+        co.outboxes["me"] = Outbox(None)
+        start(co, "s", "w", slots=2)
+        assert await co.raise_error() == {"error": None, "cancelled": []}
+        for i in range(4):
+            co.queue.put(f"o-{i}", "me", b"")
+        co.queue.dispatch("s", 2)
+        co.apply_results("s", [Result("o-0", False, b"boom", USER_ERROR, [])])
+        co.gangs.submit("g-0", "me", b"")
+        task = asyncio.ensure_future(co.raise_error(timeout=5))
+        await until(lambda: co.hold)
+        assert not task.done() and co.hold  # o-1 still runs: workers hold prefetched work
+        co.apply_results("s", [Result("o-1", True, b"ok", None, [])])
+        got = await asyncio.wait_for(task, 5)
+        assert got["error"] == ("o-0", b"boom", USER_ERROR)
+        assert sorted(got["cancelled"]) == [("me", "g-0"), ("me", "o-2"), ("me", "o-3")]
+        assert not co.hold and co.queue.error is None
+        cancelled = {d.cid for d in co.outboxes["me"].items if d.state == CANCELLED}
+        assert cancelled == {"o-2", "o-3", "g-0"}
+        assert await co.raise_error() == {"error": None, "cancelled": []}
+
+    asyncio.run(main())
+
+
+def test_raise_error_times_out_and_unpauses():
+    async def main():
+        co = make()
+        co.outboxes["me"] = Outbox(None)
+        start(co, "s", "w", slots=2)
+        co.queue.put("o-0", "me", b"")
+        co.queue.put("o-1", "me", b"")
+        co.queue.dispatch("s", 2)
+        co.apply_results("s", [Result("o-0", False, b"boom", USER_ERROR, [])])
+        assert await co.raise_error(timeout=0.05) == {"timeout": True}
+        assert not co.hold and co.queue.error is not None  # still there for the next raise
+        co.apply_results("s", [Result("o-1", True, b"ok", None, [])])
+        got = await co.raise_error(timeout=5)
+        assert got["error"][0] == "o-0" and got["cancelled"] == []
+
+    asyncio.run(main())

@@ -1,0 +1,101 @@
+"""The wire's named types (plugins/protocol.py): msgpack and pickle round trips, lease
+tokens parsed or refused, and the module's purity."""
+
+from __future__ import annotations
+
+import ast
+import pickle
+from pathlib import Path
+
+import pytest
+from distributed.protocol import dumps, loads
+
+from daskdist.plugins import protocol
+from daskdist.plugins.protocol import (
+    CANCELLED,
+    FAILED,
+    LEASE_TOKEN,
+    READY,
+    USER_ERROR,
+    Delivery,
+    Dispatch,
+    LeaseToken,
+    Result,
+    Submission,
+)
+from daskdist.values import RemoteValueStatus
+
+SAMPLES = [
+    Submission("o-1", [b"fn", b"args"], 2),
+    Dispatch("o-1", [b"fn", None], 1, True),
+    Result("o-1", True, b"value", None, [LeaseToken.of("ds", 3, [(0, 4), (8, 9)])]),
+    Delivery("o-1", FAILED, b"err", USER_ERROR, 2),
+    Delivery("g-1", READY, [b"r0", b"r1"], None, 1),
+    LeaseToken.of("ds", 0, [(0, 1)]),
+]
+
+
+def _plain(x):
+    """Tuples as lists, recursively: what msgpack makes of them."""
+    if isinstance(x, (tuple, list)):
+        return [_plain(v) for v in x]
+    return x
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_msgpack_round_trip_as_the_rpc_does(msg):
+    back = loads(dumps({"op": "x", "items": [msg]}))["items"][0]
+    assert type(back) in (list, tuple)  # plain on the wire, as the old tuples were
+    rebuilt = type(msg)._make(back)
+    assert _plain(rebuilt) == _plain(msg)
+    assert rebuilt._fields == msg._fields
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_pickle_round_trip_keeps_the_type(msg):
+    back = pickle.loads(pickle.dumps(msg))
+    assert type(back) is type(msg) and back == msg
+
+
+def test_named_types_equal_their_positional_tuples():
+    assert Delivery("c", CANCELLED, None, None, 0) == ("c", "CANCELLED", None, None, 0)
+    assert LeaseToken.of("ds", "2", [(0, 3)]) == ("lease", "ds", 2, [(0, 3)])
+    cid, state, payload, kind, attempt = Delivery("c", READY, b"v", None, 1)
+    assert (cid, state, attempt) == ("c", READY, 1)
+
+
+def test_lease_token_parse_after_the_wire():
+    tok = LeaseToken.of("ds", 1, [(0, 4), (6, 7)])
+    back = loads(dumps({"t": tok}))["t"]
+    assert LeaseToken.parse(back) == LeaseToken(LEASE_TOKEN, "ds", 1, [(0, 4), (6, 7)])
+    assert LeaseToken.parse(back).ranges == [(0, 4), (6, 7)]  # pairs again
+
+
+@pytest.mark.parametrize("other", ["not a token", ("other", 1), [], None, 5, ("x", "ds", 0, [])])
+def test_lease_token_parse_ignores_other_tokens(other):
+    assert LeaseToken.parse(other) is None
+
+
+@pytest.mark.parametrize("bad", [("lease", "ds", 0), ("lease", "ds", "x", [(0, 1)]),
+                                 ("lease", "ds", 0, [(0,)]), ("lease", "ds", 0, 5)])
+def test_malformed_lease_token_raises_naming_it(bad):
+    with pytest.raises(ValueError, match="malformed lease token"):
+        LeaseToken.parse(bad)
+
+
+def test_remote_value_status_equals_the_closure_states():
+    for state in ("PENDING", "RUNNING", "READY", "FAILED", "CANCELLED"):
+        assert RemoteValueStatus(getattr(protocol, state)).value == state
+        assert RemoteValueStatus[state] == getattr(protocol, state)
+    assert protocol.FINAL_STATES == {READY, FAILED, CANCELLED}
+
+
+def test_protocol_imports_only_the_standard_library():
+    """Pure: importable anywhere (scheduler, worker, data/) without Dask, torch or the
+    rest of the package (importing the package itself would import Dask)."""
+    tree = ast.parse(Path(protocol.__file__).read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+             for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and n.module}
+    assert names <= {"__future__", "typing", "collections", "dataclasses", "enum"}, names
