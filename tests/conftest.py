@@ -29,6 +29,17 @@ def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "c
         time.sleep(interval)
 
 
+def take_rows(it, seconds: float = 0.0) -> list[int]:
+    """A closure: one batch's ``rid`` column (row ids); ``[]`` when no unleased rows
+    remain right now. ``seconds`` of work after taking it, so closures overlap."""
+    try:
+        batch = next(it)
+    except StopIteration:
+        return []
+    time.sleep(seconds)
+    return batch["rid"].tolist()
+
+
 def make_cluster(n_workers: int = 2, threads: int = 1, **kwargs):
     from distributed import LocalCluster
 

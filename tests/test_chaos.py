@@ -24,7 +24,14 @@ import pytest
 from distributed import Client
 
 import daskdist as dd
-from tests.conftest import THREADS, make_cluster, wait_for_workers, wait_until, worker_pids
+from tests.conftest import (
+    THREADS,
+    make_cluster,
+    take_rows,
+    wait_for_workers,
+    wait_until,
+    worker_pids,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(90),
               pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")]
@@ -76,15 +83,6 @@ class Killer:
 def work(i, seconds):
     time.sleep(seconds)
     return i
-
-
-def take_rows(it, seconds=0.0):
-    try:
-        batch = next(it)
-    except StopIteration:
-        return []
-    time.sleep(seconds)
-    return batch["rid"].tolist()
 
 
 def drain_epoch(coord, ds, it, seconds=0.0, during=None, max_rounds=600):

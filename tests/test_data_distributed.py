@@ -8,7 +8,6 @@ dataset, every row once.
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 
 import numpy as np
@@ -16,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import kill_and_replace, wait_until
+from tests.conftest import kill_and_replace, take_rows, wait_until
 
 N_FILES, GROUPS, ROWS = 6, 3, 200  # 3600 rows in 18 row groups
 
@@ -35,16 +34,6 @@ def shards_dir(tmp_path_factory):
         pq.write_table(table, root / f"part-{f:02d}.parquet", row_group_size=ROWS)
         rid += n
     return root
-
-
-def take_rows(it, seconds=0.0):
-    """One batch's row ids; [] when no unleased rows remain right now."""
-    try:
-        batch = next(it)
-    except StopIteration:
-        return []
-    time.sleep(seconds)
-    return batch["rid"].tolist()
 
 
 def drain_epoch(coord, ds, it, seconds=0.0, on_round=None, max_rounds=400):
