@@ -255,10 +255,10 @@ def test_stats_counts_rows_rates_and_group_events():
                          gangs=SimpleNamespace(group=group))
     base = dict(done=0, failed=0, retried=0, recovered=0, queued=5, running=1)
     stats.sample(base)
-    token = ("lease", "ds", 0, [(0, 100), (200, 250)])
-    stats.on_results(co, "s0", True, True, [token])
-    stats.on_results(co, "s0", True, False, [token])  # failed: no rows
-    stats.on_results(co, "s0", False, True, [token])  # fenced duplicate: nothing
+    stats.on_results(co, "s0", True, True)
+    stats.on_rows(co, "s0", "ds", 150)  # what the lease table acknowledged for it
+    stats.on_results(co, "s0", True, False)  # failed
+    stats.on_results(co, "s0", False, True)  # fenced duplicate: nothing
     now[0] = 102.0
     stats.sample({**base, "done": 4, "queued": 1})
     assert stats.workers["tcp://w0"].closures == 1 and stats.workers["tcp://w0"].rows == 150

@@ -10,7 +10,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.plugins.commits import CommitBook, RankLedger, ack_all, commit_key
+from daskdist.plugins.commits import CommitBook, RankLedger, commit_key
 from daskdist.plugins.leases import LeaseTable
 
 DS, EPOCH = "ds", 0
@@ -188,14 +188,14 @@ def test_parts_apply_once_all_came_and_a_loss_refuses_open_commits():
     assert sim.book.add_part(sim.table, "1:3", 0, 3, [], None, sim.live) is False
 
 
-def test_ack_all_is_all_or_nothing():
+def test_a_commit_acknowledges_every_session_or_none():
     table = LeaseTable()
     table.define(DS, EPOCH, UNITS)
     a = table.acquire("a", DS, EPOCH, UNITS)
     b = table.acquire("b", DS, EPOCH, UNITS)
     tok_a = [("lease", DS, EPOCH, a[1])]
     tok_b = [("lease", DS, EPOCH, b[1])]
-    assert not ack_all(table, {"a": tok_a, "b": tok_a})  # b does not hold a's rows
+    assert not table.ack_sessions({"a": tok_a, "b": tok_a})  # b does not hold a's rows
     assert table.progress(DS, EPOCH)["acknowledged"] == 0
-    assert ack_all(table, {"a": tok_a, "b": tok_b})
+    assert table.ack_sessions({"a": tok_a, "b": tok_b})
     assert table.progress(DS, EPOCH)["acknowledged"] == UNITS[0] + UNITS[1]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,16 +13,11 @@ from daskdist.intervals import (
     subtract,
     union,
 )
+from tests.conftest import imported_modules
 
 
 def test_module_is_pure():
-    src = Path(__file__).parent.parent / "daskdist" / "intervals.py"
-    imported = set()
-    for node in ast.walk(ast.parse(src.read_text())):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported.add((node.module or "").split(".")[0])
+    imported = {m.split(".")[0] for m in imported_modules("daskdist/intervals.py")}
     assert not imported & {"dask", "distributed", "torch", "pyarrow", "numpy", "daskdist"}
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ast
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -21,18 +19,13 @@ from hypothesis.stateful import (
 
 from daskdist.intervals import intervals_from_ids, normalize, subtract, union
 from daskdist.plugins.leases import LeaseTable, SessionExpired
+from tests.conftest import imported_modules
 
 DS = "ds"
 
 
 def test_module_is_pure():
-    src = Path(__file__).parent.parent / "daskdist" / "plugins" / "leases.py"
-    imported = set()
-    for node in ast.walk(ast.parse(src.read_text())):
-        if isinstance(node, ast.Import):
-            imported |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported.add(node.module or "")
+    imported = imported_modules("daskdist/plugins/leases.py")
     imported.discard("daskdist.intervals")  # pure as well (tests/test_intervals.py)
     imported.discard("daskdist.plugins.protocol")  # pure as well (tests/test_protocol.py)
     roots = {m.split(".")[0] for m in imported}
@@ -289,3 +282,19 @@ def test_newest_epochs_include_completed_ones_whose_tables_are_dropped():
     assert t.acquire(s, "other", 3, [2]) is not None  # live, not complete
     assert t.newest_epochs() == {"ds": 1, "other": 3}
     assert t.progress("ds", 1)["complete"] and not t.progress("other", 3)["complete"]
+
+
+def test_acknowledging_several_sessions_at_once_completes_and_drops_the_epoch():
+    """A gang commit acknowledges every rank's rows in one call; the epoch it completes
+    drops its table like any other (memory stays bounded)."""
+    told = []
+    t = LeaseTable(on_ack=lambda *a: told.append(a))
+    a = t.acquire("a", "ds", 0, [3, 4])
+    b = t.acquire("b", "ds", 0, [3, 4])
+    tok = {"a": [("lease", "ds", 0, a[1])], "b": [("lease", "ds", 0, b[1])]}
+    assert not t.ack_sessions({"a": tok["b"], "b": tok["a"]})  # crossed: refused whole
+    assert not t.is_complete("ds", 0) and t.progress("ds", 0)["acknowledged"] == 0
+    assert not told  # a refused acknowledgement is not counted
+    assert t.ack_sessions(tok)
+    assert t.is_complete("ds", 0) and t.newest_epochs() == {"ds": 0}
+    assert sorted(told) == [("a", "ds", 3), ("b", "ds", 4)]  # the dashboard's counters

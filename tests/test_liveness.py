@@ -3,12 +3,10 @@ for a GIL-holding closure, and no head-of-line blocking behind a long closure.""
 
 from __future__ import annotations
 
-import ast
 import os
 import signal
 import time
 from collections import Counter
-from pathlib import Path
 
 import dask
 import pytest
@@ -16,19 +14,13 @@ from distributed import Client
 
 import daskdist as dd
 from daskdist.plugins.liveness import LivenessTable
-from tests.conftest import make_cluster, wait_for_workers, wait_until, worker_pids
+from tests.conftest import imported_modules, make_cluster, wait_for_workers, wait_until, worker_pids
 
 # -- the pure table --------------------------------------------------------------------
 
 
 def test_module_is_pure():
-    src = Path(__file__).parent.parent / "daskdist" / "plugins" / "liveness.py"
-    imported = set()
-    for node in ast.walk(ast.parse(src.read_text())):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported.add((node.module or "").split(".")[0])
+    imported = {m.split(".")[0] for m in imported_modules("daskdist/plugins/liveness.py")}
     assert imported <= {"__future__", "dataclasses"}
 
 

@@ -3,9 +3,7 @@ tokens parsed or refused, and the module's purity."""
 
 from __future__ import annotations
 
-import ast
 import pickle
-from pathlib import Path
 
 import pytest
 from distributed.protocol import dumps, loads
@@ -24,6 +22,7 @@ from daskdist.plugins.protocol import (
     Submission,
 )
 from daskdist.values import RemoteValueStatus
+from tests.conftest import imported_modules
 
 SAMPLES = [
     Submission("o-1", [b"fn", b"args"], 2),
@@ -93,9 +92,5 @@ def test_remote_value_status_equals_the_closure_states():
 def test_protocol_imports_only_the_standard_library():
     """Pure: importable anywhere (scheduler, worker, data/) without Dask, torch or the
     rest of the package (importing the package itself would import Dask)."""
-    tree = ast.parse(Path(protocol.__file__).read_text())
-    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-             for a in n.names}
-    names |= {n.module.split(".")[0] for n in ast.walk(tree)
-              if isinstance(n, ast.ImportFrom) and n.module}
+    names = {m.split(".")[0] for m in imported_modules("daskdist/plugins/protocol.py")}
     assert names <= {"__future__", "typing", "collections", "dataclasses", "enum"}, names

@@ -35,30 +35,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from daskdist.plugins.leases import LeaseTable, _group_tokens
+from daskdist.plugins.leases import LeaseTable
 
-__all__ = ["CommitBook", "RankLedger", "ack_all", "commit_key"]
+__all__ = ["CommitBook", "RankLedger", "commit_key"]
 
 
 def commit_key(generation: int, number: int) -> str:
     """The key of commit ``number`` of a state trained on group ``generation``."""
     return f"{int(generation)}:{int(number)}"
-
-
-def ack_all(table: LeaseTable, per_session: Mapping[str, Iterable[Any]]) -> bool:
-    """Acknowledge every session's lease tokens, all or nothing (``False``: no change)."""
-    found = []
-    for session, tokens in per_session.items():
-        if table.is_expired(session):
-            return False
-        for (dataset_id, epoch), ranges in _group_tokens(tokens).items():
-            pieces = table._leased_pieces(session, dataset_id, epoch, ranges)
-            if pieces is None:
-                return False
-            found.append((session, pieces))
-    for session, (ep, per_unit) in found:
-        table._acknowledge(session, ep, per_unit)
-    return True
 
 
 @dataclass
@@ -80,7 +64,7 @@ class CommitBook:
             return self.recorded[key]
         ok = (all(s is not None and s in live for s in sessions.values())
               and all(r in sessions for r in tokens)
-              and ack_all(table, {sessions[r]: list(t) for r, t in tokens.items() if t}))
+              and table.ack_sessions({sessions[r]: list(t) for r, t in tokens.items() if t}))
         self._record(key, ok)
         return ok
 

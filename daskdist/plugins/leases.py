@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from daskdist.intervals import (
@@ -122,7 +122,11 @@ class LeaseTable:
     scheduler fences older ones by membership: sessions are never reused).
     """
 
-    def __init__(self, max_expired: int = 4096) -> None:
+    def __init__(self, max_expired: int = 4096,
+                 on_ack: Callable[[str, str, int], None] | None = None) -> None:
+        # told (session, dataset_id, rows) of every acknowledgement, whichever path made
+        # it (a closure's result, a gang commit): counters for the dashboard and metrics
+        self._on_ack = on_ack
         self._epochs: dict[tuple[str, int], _Epoch] = {}
         self._expired: dict[str, None] = {}  # insertion-ordered: the oldest go first
         self._max_expired = max_expired
@@ -262,8 +266,9 @@ class LeaseTable:
                 return None
         return ep, per_unit
 
-    @staticmethod
-    def _acknowledge(session: str, ep: _Epoch, per_unit: dict[int, list[Interval]]) -> None:
+    def _acknowledge(self, session: str, dataset_id: str, ep: _Epoch,
+                     per_unit: dict[int, list[Interval]]) -> None:
+        rows = 0
         for u, pieces in per_unit.items():
             unit = ep.units[u]
             _unlease(unit, session, pieces)
@@ -271,6 +276,9 @@ class LeaseTable:
             n = _size(pieces)
             ep.n_leased -= n
             ep.n_acked += n
+            rows += n
+        if self._on_ack is not None and rows:
+            self._on_ack(session, dataset_id, rows)
 
     def ack(
         self, session: str, dataset_id: str, epoch: int, ranges: Iterable[Sequence[int]]
@@ -283,27 +291,40 @@ class LeaseTable:
         found = self._leased_pieces(session, dataset_id, epoch, ranges)
         if found is None:
             return False
-        self._acknowledge(session, *found)
+        self._acknowledge(session, dataset_id, *found)
         self._drop_completed([(dataset_id, epoch)])
         return True
 
     def ack_tokens(self, session: str, tokens: Iterable[object]) -> bool:
-        """Acknowledge every lease token (``LeaseToken``) of one
-        completed closure, atomically: all tokens are checked first and, if any is
-        refused, nothing changes and ``False`` is returned. Other tokens are ignored."""
-        try:
-            groups = _group_tokens(tokens)
-        except ValueError:
-            return False  # refused: nothing acknowledged
-        if session in self._expired:
-            return not groups
-        found = [self._leased_pieces(session, dataset_id, epoch, ranges)
-                 for (dataset_id, epoch), ranges in groups.items()]
-        if any(f is None for f in found):
-            return False
-        for ep, per_unit in found:
-            self._acknowledge(session, ep, per_unit)
-        self._drop_completed(groups)
+        """Acknowledge every lease token (``LeaseToken``) of one completed closure,
+        atomically (see :meth:`ack_sessions`)."""
+        return self.ack_sessions({session: tokens})
+
+    def ack_sessions(self, per_session: Mapping[str, Iterable[object]]) -> bool:
+        """Acknowledge the lease tokens of several sessions at once (a gang commit), or
+        of one (a closure): all tokens are checked first and, if any is refused (a
+        malformed token, an expired session, a row not leased to its session), nothing
+        changes and ``False`` is returned. Other tokens are ignored."""
+        found = []
+        keys: set[tuple[str, int]] = set()
+        for session, tokens in per_session.items():
+            try:
+                groups = _group_tokens(tokens)
+            except ValueError:
+                return False  # refused: nothing acknowledged
+            if not groups:
+                continue
+            if session in self._expired:
+                return False
+            for (dataset_id, epoch), ranges in groups.items():
+                pieces = self._leased_pieces(session, dataset_id, epoch, ranges)
+                if pieces is None:
+                    return False
+                found.append((session, dataset_id, pieces))
+            keys |= set(groups)
+        for session, dataset_id, (ep, per_unit) in found:
+            self._acknowledge(session, dataset_id, ep, per_unit)
+        self._drop_completed(keys)
         return True
 
     def _drop_completed(self, keys: Iterable[tuple[str, int]]) -> None:

@@ -100,7 +100,9 @@ class CoordinatorState:
         self.liveness = LivenessTable(lease_timeout)  # session leases (SPEC §2.4)
         self.queue = ClosureQueue(max_worker_failures=max_worker_failures)
         self.members = Membership()
-        self.leases = LeaseTable()
+        self.leases = LeaseTable(  # every acknowledgement is counted for the dashboard
+            on_ack=lambda session, dataset_id, rows: self.stats.on_rows(
+                self, session, dataset_id, rows))
         self.gangs = GangBook(max_losses=max_worker_failures)
         self.commits = CommitBook()  # commits that acknowledged gang members' rows
         self.commit_events: dict[str, asyncio.Event] = {}  # open commits' waiters
@@ -275,7 +277,7 @@ class CoordinatorState:
             c = q.closures.get(cid)
             gang = c is not None and c.owner == GANG_OWNER
             o = q.finish(session, cid, ok, value, kind)
-            self.stats.on_results(self, session, accepted, ok, tokens)
+            self.stats.on_results(self, session, accepted, ok)
             if tokens:
                 if accepted and ok and not gang:
                     if not self.leases.ack_tokens(session, tokens):

@@ -2,7 +2,8 @@
 
 Pure bookkeeping (no Dask, Bokeh or torch import). :class:`CoordinatorState` owns one
 :class:`CoordinatorStats` and calls it, on the scheduler's event loop, where results are
-applied (``on_results``) and sessions end (``on_session_end``); the group driver calls
+applied (``on_results``), the lease table acknowledges rows (``on_rows``) and sessions
+end (``on_session_end``); the group driver calls
 ``on_formation``. ``sample`` appends one point of history (the observe module's sampler
 calls it every ``daskdist.dashboard.sample-interval``); :func:`snapshot` turns a
 coordinator into the JSON-able dict that ``/daskdist/status.json``, the plain page, the
@@ -14,11 +15,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-from daskdist.plugins.protocol import LEASE_TOKEN, LeaseToken
 
 RATE_WINDOW = 5.0  # seconds over which the per-worker rates are measured
 
@@ -58,17 +57,6 @@ class Sample:
     workers: dict[str, tuple[int, int]] = field(default_factory=dict)  # addr: (closures, rows)
 
 
-def _rows(tokens: Iterable[Any]) -> dict[str, int]:
-    """Rows per dataset in lease tokens (:class:`LeaseToken`)."""
-    out: dict[str, int] = {}
-    for tok in tokens or ():
-        if isinstance(tok, (tuple, list)) and len(tok) == 4 and tok[0] == LEASE_TOKEN:
-            lease = LeaseToken._make(tok)
-            ds = str(lease.dataset_id)
-            out[ds] = out.get(ds, 0) + sum(int(b) - int(a) for a, b in lease.ranges)
-    return out
-
-
 class CoordinatorStats:
     """Counters the coordinator's status does not keep, and a bounded history."""
 
@@ -87,18 +75,21 @@ class CoordinatorStats:
         address = member.address if member is not None else session
         return self.workers.setdefault(address, WorkerCounters())
 
-    def on_results(self, co: Any, session: str, accepted: bool, ok: bool, tokens: Any) -> None:
+    def on_results(self, co: Any, session: str, accepted: bool, ok: bool) -> None:
         """A closure's result from ``session`` (not ``accepted``: a fenced duplicate)."""
         if not accepted:
             return
         w = self._worker(co, session)
-        if not ok:
+        if ok:
+            w.closures += 1
+        else:
             w.failed += 1
-            return
-        w.closures += 1
-        for dataset, n in _rows(tokens).items():
-            w.rows += n
-            self.dataset_rows[dataset] = self.dataset_rows.get(dataset, 0) + n
+
+    def on_rows(self, co: Any, session: str, dataset_id: str, rows: int) -> None:
+        """The lease table acknowledged ``rows`` of ``dataset_id`` leased to ``session``
+        (a closure's result or a gang commit: every acknowledgement comes here)."""
+        self._worker(co, session).rows += rows
+        self.dataset_rows[dataset_id] = self.dataset_rows.get(dataset_id, 0) + rows
 
     def on_session_end(self, co: Any, session: str, expected: bool) -> None:
         """Before ``session`` leaves: a loss event when it was a member of the group."""
