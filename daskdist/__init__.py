@@ -1,7 +1,10 @@
 """daskdist: a Dask cluster as a fault-tolerant PyTorch training cluster.
 
-``daskdist.data`` and ``daskdist.collective`` are imported on first use, so that
-importing the package (as the scheduler does for its plugin) never imports torch.
+The public API, imported on first use: ``import daskdist`` loads neither Dask's
+``distributed`` nor tornado nor torch (the scheduler unpickles its plugin through this
+package, and the pure state machines in ``daskdist.core`` are used without Dask).
+``Coordinator`` and the values come from ``daskdist.client``; ``daskdist.data`` and
+``daskdist.collective`` (which import torch) are imported when first named.
 """
 
 from __future__ import annotations
@@ -11,28 +14,44 @@ from typing import Any
 
 from daskdist import config  # noqa: F401 - loads daskdist.yaml into dask.config
 from daskdist.context import InputContext, WorkerContext, get_worker_context
-from daskdist.coordinator import Coordinator, DistributedDataset, PerWorkerDataset
 from daskdist.errors import CancelledError, CollectiveError, InputError, WorkerLostError
-from daskdist.values import PerWorkerValues, RemoteValue, RemoteValueStatus
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("data", "collective")
+_LAZY = {
+    "Coordinator": "daskdist.client.coordinator",
+    "DistributedDataset": "daskdist.client.datasets",
+    "PerWorkerDataset": "daskdist.client.datasets",
+    "PerWorkerValues": "daskdist.client.values",
+    "RemoteValue": "daskdist.client.values",
+    "RemoteValueStatus": "daskdist.client.values",
+    "collective": None,
+    "data": None,
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY_SUBMODULES:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'daskdist' has no attribute {name!r}")
+    module = _LAZY[name]
+    if module is None:
         return importlib.import_module(f"daskdist.{name}")
-    raise AttributeError(f"module 'daskdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [
     "CancelledError",
     "CollectiveError",
     "Coordinator",
+    "DistributedDataset",
     "InputContext",
     "InputError",
-    "DistributedDataset",
     "PerWorkerDataset",
     "PerWorkerValues",
     "RemoteValue",

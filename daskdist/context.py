@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,16 +73,50 @@ class InputContext:
 
 def get_worker_context() -> WorkerContext:
     """The context of the closure running in this thread; ``RuntimeError`` outside one."""
-    ctx = getattr(_local, "context", None)
-    if ctx is None:
+    scope = getattr(_local, "scope", None)
+    if scope is None or scope.context is None:
         raise RuntimeError("get_worker_context() must be called inside a daskdist closure")
-    return ctx
+    return scope.context
 
 
-def _set_current(ctx: WorkerContext | None, on_consume: Callable[[Any], None] | None) -> None:
-    """Bind (or clear) the running closure's context in this thread (worker plugin only)."""
-    _local.context = ctx
-    _local.on_consume = on_consume
+@dataclass
+class ClosureScope:
+    """What the closure running in a thread is bound to (TensorFlow's
+    ``coordinator_context``): its context, the scheduler services of the worker session
+    it was dispatched under, and the lease tokens it consumed.
+
+    The worker runner enters one per closure (:func:`closure_scope`); data and collective
+    code reach the services through :func:`session_services`, never through the worker
+    plugin, so a closure of an ended session can only make calls the scheduler refuses.
+    """
+
+    context: WorkerContext | None = None
+    services: Any = None  # plugins.worker.services.SessionServices (duck-typed here)
+    tokens: list = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def closure_scope(scope: ClosureScope) -> Iterator[ClosureScope]:
+    """Bind ``scope`` to this thread while the block runs (the runner, and tests)."""
+    prev = getattr(_local, "scope", None)
+    _local.scope = scope
+    try:
+        yield scope
+    finally:
+        _local.scope = prev
+
+
+def _scope() -> ClosureScope | None:
+    return getattr(_local, "scope", None)
+
+
+def session_services() -> Any:
+    """The scheduler services of the running closure's session (lease release, commit
+    parts, commit outcomes); ``RuntimeError`` outside a closure run by a worker plugin."""
+    scope = _scope()
+    if scope is None or scope.services is None:
+        raise RuntimeError("no daskdist session: call this inside a closure on a worker")
+    return scope.services
 
 
 def record_consumed(token: Any) -> None:
@@ -91,21 +126,15 @@ def record_consumed(token: Any) -> None:
     message, so the scheduler acknowledges them only if the closure completes. Outside
     a closure this does nothing.
     """
-    cb = getattr(_local, "on_consume", None)
-    if cb is not None:
-        cb(token)
-
-
-def _consumed_list() -> list | None:
-    """The running closure's token list (the worker plugin records into a list)."""
-    tokens = getattr(getattr(_local, "on_consume", None), "__self__", None)
-    return tokens if isinstance(tokens, list) else None
+    scope = _scope()
+    if scope is not None:
+        scope.tokens.append(token)
 
 
 def consumed_mark() -> int:
     """How many tokens the closure in this thread has recorded so far (0 outside one)."""
-    tokens = _consumed_list()
-    return 0 if tokens is None else len(tokens)
+    scope = _scope()
+    return 0 if scope is None else len(scope.tokens)
 
 
 def take_consumed(since: int = 0) -> list:
@@ -115,11 +144,11 @@ def take_consumed(since: int = 0) -> list:
     the closure's end) and ``synced`` takes a batch it gives back. ``[]`` outside a
     closure.
     """
-    tokens = _consumed_list()
-    if tokens is None:
+    scope = _scope()
+    if scope is None:
         return []
-    out = tokens[since:]
-    del tokens[since:]
+    out = scope.tokens[since:]
+    del scope.tokens[since:]
     return out
 
 
@@ -132,7 +161,8 @@ _membership: dict[str, int] = {}
 
 def _current_name() -> str:
     """The coordinator name of the closure running in this thread (else "default")."""
-    ctx = getattr(_local, "context", None)
+    scope = _scope()
+    ctx = scope.context if scope is not None else None
     return ctx.name if ctx is not None else "default"
 
 
@@ -142,7 +172,7 @@ def membership_version(name: str | None = None) -> int:
     return _membership.get(_current_name() if name is None else name, 0)
 
 
-def _set_membership(version: int, workers: tuple = (), name: str | None = None) -> None:
+def _set_membership(version: int, name: str | None = None) -> None:
     key = _current_name() if name is None else name
     if version > _membership.get(key, 0):
         _membership[key] = version

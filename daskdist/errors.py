@@ -1,8 +1,15 @@
-"""The exception types users catch (SPEC §2.5)."""
+"""The exception types users catch (SPEC §2.5), and how errors travel between processes."""
 
 from __future__ import annotations
 
+import pickle
+import traceback
 from concurrent.futures import CancelledError as _FuturesCancelledError
+from typing import Any
+
+import cloudpickle
+
+from daskdist.core.protocol import INPUT_ERROR, WORKER_LOST
 
 
 class CancelledError(_FuturesCancelledError):
@@ -48,3 +55,29 @@ class HostsUpdatedInterrupt(RuntimeError):
     Raised by ``State.commit()`` on every rank at the same commit; the gang closure
     then runs again on a group re-formed from the current workers.
     """
+
+
+def dump_error(exc: BaseException) -> bytes:
+    """Pickle an exception with its traceback text; unpicklable ones become RuntimeError."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        return cloudpickle.dumps((exc, tb))
+    except Exception:
+        return cloudpickle.dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
+
+
+def load_error(payload: Any, kind: str | None) -> BaseException:
+    """Rebuild a remote exception, its remote traceback chained as ``__cause__``."""
+    if kind == WORKER_LOST:
+        return WorkerLostError(
+            payload or "the closure's workers died too many times while running it"
+        )
+    try:
+        exc, tb = pickle.loads(payload)
+    except Exception as e:  # an exception class missing on the client, say
+        return RuntimeError(f"remote error could not be unpickled: {e!r}")
+    if kind == INPUT_ERROR and not isinstance(exc, InputError):
+        exc = InputError(str(exc), exc)
+    if exc.__cause__ is None:
+        exc.__cause__ = RemoteTraceback(tb)
+    return exc

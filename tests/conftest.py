@@ -16,22 +16,6 @@ import pytest
 dask.config.set({"distributed.deploy.lost-worker-timeout": "600s"})
 
 
-def imported_modules(relpath: str) -> set[str]:
-    """Full names of the modules that the package file ``relpath`` (from the repo root)
-    imports, read from its source: pure modules are checked with it."""
-    import ast
-    from pathlib import Path
-
-    src = Path(__file__).resolve().parent.parent / relpath
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(src.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
-
-
 def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "condition",
                interval: float = 0.02):
     """Poll ``pred`` until it is truthy; fail the test after ``timeout`` seconds."""

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daskdist.plugins.backends import (
+from daskdist.core.backends import (
     BackendError,
     MemberDevice,
     choose_backend,

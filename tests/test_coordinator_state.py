@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from daskdist.plugins.protocol import CANCELLED, READY, USER_ERROR, Delivery, Result
-from daskdist.plugins.state import CoordinatorState, Outbox
+from daskdist.core.protocol import CANCELLED, FAILED, READY, USER_ERROR, Outcome
+from daskdist.plugins.scheduler.state import CoordinatorState, Outbox
 
 
 def make(sent: list | None = None) -> CoordinatorState:
@@ -65,8 +65,8 @@ def test_stop_session_applies_its_last_results_then_ends_it():
     co.queue.put("o-0", "me", b"")
     co.queue.put("o-1", "me", b"")
     co.queue.dispatch("s1", 1)
-    co.stop_session("s1", [Result("o-0", True, b"v", None, [])])
-    assert co.outboxes["me"].items == [Delivery("o-0", READY, b"v", None, 1)]
+    co.stop_session("s1", [Outcome("o-0", READY, b"v", None, 1)])
+    assert co.outboxes["me"].items == [Outcome("o-0", READY, b"v", None, 1, "me")]
     assert "s1" not in co.members and co.workers_lost == 0
     co.stop_session("s1")  # twice: nothing happens
     assert co.queue.queued == 1
@@ -131,12 +131,12 @@ def test_raise_error_waits_for_in_flight_then_cancels_the_queue():
         for i in range(4):
             co.queue.put(f"o-{i}", "me", b"")
         co.queue.dispatch("s", 2)
-        co.apply_results("s", [Result("o-0", False, b"boom", USER_ERROR, [])])
+        co.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
         co.gangs.submit("g-0", "me", b"")
         task = asyncio.ensure_future(co.raise_error(timeout=5))
         await until(lambda: co.hold)
         assert not task.done() and co.hold  # o-1 still runs: workers hold prefetched work
-        co.apply_results("s", [Result("o-1", True, b"ok", None, [])])
+        co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
         got = await asyncio.wait_for(task, 5)
         assert got["error"] == ("o-0", b"boom", USER_ERROR)
         assert sorted(got["cancelled"]) == [("me", "g-0"), ("me", "o-2"), ("me", "o-3")]
@@ -156,10 +156,10 @@ def test_raise_error_times_out_and_unpauses():
         co.queue.put("o-0", "me", b"")
         co.queue.put("o-1", "me", b"")
         co.queue.dispatch("s", 2)
-        co.apply_results("s", [Result("o-0", False, b"boom", USER_ERROR, [])])
+        co.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
         assert await co.raise_error(timeout=0.05) == {"timeout": True}
         assert not co.hold and co.queue.error is not None  # still there for the next raise
-        co.apply_results("s", [Result("o-1", True, b"ok", None, [])])
+        co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
         got = await co.raise_error(timeout=5)
         assert got["error"][0] == "o-0" and got["cancelled"] == []
 

@@ -245,7 +245,7 @@ def test_browser_renders_live_plots(live, tmp_path):
 def test_stats_counts_rows_rates_and_group_events():
     from types import SimpleNamespace
 
-    from daskdist.plugins.stats import CoordinatorStats
+    from daskdist.plugins.scheduler.stats import CoordinatorStats
 
     now = [100.0]
     stats = CoordinatorStats(history=10, clock=lambda: now[0])

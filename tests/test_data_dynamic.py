@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from daskdist.context import _set_current
+from daskdist.context import ClosureScope, closure_scope
+from daskdist.core.leases import LeaseTable
 from daskdist.data import ArrowLoader, ArrowShards, InputContext, LocalLeaseService
-from daskdist.plugins.leases import LeaseTable
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
@@ -32,13 +32,9 @@ def shards(tmp_path):
 
 def closure(it):
     """Run ``next(it)`` as a closure would: tokens recorded in this thread come back."""
-    tokens = []
-    _set_current(None, tokens.append)
-    try:
+    with closure_scope(ClosureScope()) as scope:
         batch = next(it, None)
-    finally:
-        _set_current(None, None)
-    return batch, tokens
+    return batch, scope.tokens
 
 
 def rows_of(tokens):

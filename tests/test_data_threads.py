@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from daskdist.context import _set_current
+from daskdist.context import ClosureScope, closure_scope
 from daskdist.data import ArrowLoader, ArrowShards, InputContext, LocalLeaseService
 
 pytestmark = [
@@ -85,11 +85,8 @@ def test_static_policy_each_row_once_across_threads(shards, n_threads, shuffle, 
 
 def closure(it, tokens):
     """``next(it)`` as a closure runs it: tokens recorded in this thread go to ``tokens``."""
-    _set_current(None, tokens.append)
-    try:
+    with closure_scope(ClosureScope(tokens=tokens)):
         return next(it)
-    finally:
-        _set_current(None, None)
 
 
 def rows_of(tokens):

@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.plugins.gang import GangBook
+from daskdist.core.gang import GangBook
+from daskdist.core.protocol import FAILED, READY
 
 
 def _formed(book: GangBook, sessions: tuple[str, ...]) -> None:
@@ -43,7 +44,7 @@ def test_a_gang_of_8_survives_8_members_dying_once():
     _formed(book, sessions)
     book.submit("g", "owner", b"")
     out = _run_until_final(book, list(range(8)), sessions)
-    assert out.ok and out.values == list(range(8)) and out.attempt == 9
+    assert out.state == READY and out.value == list(range(8)) and out.attempt == 9
 
 
 def test_the_same_rank_lost_max_times_fails_the_gang():
@@ -52,7 +53,7 @@ def test_the_same_rank_lost_max_times_fails_the_gang():
     _formed(book, sessions)
     book.submit("g", "owner", b"")
     out = _run_until_final(book, [1, 1, 1], sessions)
-    assert not out.ok and out.kind == "worker-lost" and "rank 1" in out.error
+    assert out.state == FAILED and out.kind == "worker-lost" and "rank 1" in out.value
 
 
 @settings(max_examples=60, deadline=None)
@@ -71,9 +72,9 @@ def test_fails_exactly_when_one_rank_reaches_the_budget(losses, budget):
             first_fail = i
             break
     if first_fail is None:
-        assert out.ok and out.values == [0, 1, 2, 3]
+        assert out.state == READY and out.value == [0, 1, 2, 3]
     else:
-        assert not out.ok and out.attempt == first_fail + 1
+        assert out.state == FAILED and out.attempt == first_fail + 1
 
 
 def test_a_retired_member_costs_no_loss():
@@ -91,7 +92,7 @@ def test_a_retired_member_costs_no_loss():
     out = None
     for cid, _s, rank in members:
         out = book.member_finished(cid, True, rank, None)
-    assert out.ok and out.values == [0, 1]  # the completing generation's ranks only
+    assert out.state == READY and out.value == [0, 1]  # the completing generation's ranks only
 
 
 def test_fail_pending():
@@ -99,5 +100,5 @@ def test_fail_pending():
     book.submit("g1", "o", b"")
     book.submit("g2", "o", b"")
     outs = book.fail_pending(b"err", "collective")
-    assert [o.cid for o in outs] == ["g1", "g2"] and not any(o.ok for o in outs)
+    assert [o.cid for o in outs] == ["g1", "g2"] and all(o.state == FAILED for o in outs)
     assert not book.pending

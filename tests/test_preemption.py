@@ -11,7 +11,8 @@ import pytest
 from distributed import Client
 
 import daskdist as dd
-from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
+from daskdist.core.protocol import worker_plugin_name
+from daskdist.plugins.worker.plugin import CoordinatorWorkerPlugin
 from tests.conftest import (
     kill_and_replace,
     make_cluster,
@@ -147,7 +148,7 @@ def test_cancelled_long_poll_does_not_strand_closures(coord, client):
     def cancel_loop(dask_worker, name=coord.name):
         runner = dask_worker.plugins[worker_plugin_name(name)].runner
         runner.task.cancel()
-        return runner.session
+        return runner.session_id
 
     def restart_loop(dask_worker, name=coord.name):
         import asyncio

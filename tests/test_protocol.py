@@ -8,28 +8,32 @@ import pickle
 import pytest
 from distributed.protocol import dumps, loads
 
-from daskdist.plugins import protocol
-from daskdist.plugins.protocol import (
+from daskdist.client.values import RemoteValueStatus
+from daskdist.core import protocol
+from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
     LEASE_TOKEN,
+    PENDING,
     READY,
+    UNSTARTED,
     USER_ERROR,
-    Delivery,
     Dispatch,
     LeaseToken,
-    Result,
+    Outcome,
+    ResourceRef,
     Submission,
 )
-from daskdist.values import RemoteValueStatus
-from tests.conftest import imported_modules
 
 SAMPLES = [
     Submission("o-1", [b"fn", b"args"], 2),
     Dispatch("o-1", [b"fn", None], 1, True),
-    Result("o-1", True, b"value", None, [LeaseToken.of("ds", 3, [(0, 4), (8, 9)])]),
-    Delivery("o-1", FAILED, b"err", USER_ERROR, 2),
-    Delivery("g-1", READY, [b"r0", b"r1"], None, 1),
+    Outcome("o-1", READY, b"value", None, 1,
+            tokens=[LeaseToken.of("ds", 3, [(0, 4), (8, 9)])]),
+    Outcome("o-1", FAILED, b"err", USER_ERROR, 2, "owner-a"),
+    Outcome("g-1", READY, [b"r0", b"r1"], None, 1, "owner-b"),
+    Outcome("o-2", PENDING, None, UNSTARTED, 1),
+    ResourceRef("resource-abc", "resource"),
     LeaseToken.of("ds", 0, [(0, 1)]),
 ]
 
@@ -57,10 +61,20 @@ def test_pickle_round_trip_keeps_the_type(msg):
 
 
 def test_named_types_equal_their_positional_tuples():
-    assert Delivery("c", CANCELLED, None, None, 0) == ("c", "CANCELLED", None, None, 0)
+    assert Outcome("c", CANCELLED) == ("c", "CANCELLED", None, None, 0, "", ())
     assert LeaseToken.of("ds", "2", [(0, 3)]) == ("lease", "ds", 2, [(0, 3)])
-    cid, state, payload, kind, attempt = Delivery("c", READY, b"v", None, 1)
+    cid, state, payload, kind, attempt = Outcome("c", READY, b"v", None, 1)[:5]
     assert (cid, state, attempt) == ("c", READY, 1)
+
+
+def test_a_per_worker_value_travels_as_a_resource_ref():
+    """What a worker unpickles from a closure's arguments: a named reference, never the
+    client's class (a worker resolves it to its own component)."""
+    from daskdist.client.values import PerWorkerValues
+
+    back = pickle.loads(pickle.dumps(([PerWorkerValues("resource-1", "dataset")], {})))
+    assert back == ([ResourceRef("resource-1", "dataset")], {})
+    assert type(back[0][0]) is ResourceRef
 
 
 def test_lease_token_parse_after_the_wire():
@@ -87,10 +101,3 @@ def test_remote_value_status_equals_the_closure_states():
         assert RemoteValueStatus(getattr(protocol, state)).value == state
         assert RemoteValueStatus[state] == getattr(protocol, state)
     assert protocol.FINAL_STATES == {READY, FAILED, CANCELLED}
-
-
-def test_protocol_imports_only_the_standard_library():
-    """Pure: importable anywhere (scheduler, worker, data/) without Dask, torch or the
-    rest of the package (importing the package itself would import Dask)."""
-    names = {m.split(".")[0] for m in imported_modules("daskdist/plugins/protocol.py")}
-    assert names <= {"__future__", "typing", "collections", "dataclasses", "enum"}, names

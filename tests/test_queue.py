@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from daskdist.plugins.membership import Membership
-from daskdist.plugins.queue import (
+from daskdist.core.membership import Membership
+from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
     INPUT_ERROR,
@@ -16,8 +16,8 @@ from daskdist.plugins.queue import (
     RUNNING,
     USER_ERROR,
     WORKER_LOST,
-    ClosureQueue,
 )
+from daskdist.core.queue import ClosureQueue
 
 
 def make(n: int, q: ClosureQueue | None = None, owner: str = "o") -> ClosureQueue:
@@ -330,7 +330,7 @@ def test_wait_event_reports_set_or_timeout():
     """The long-polls' wait: True as soon as the event is set, False after the timeout."""
     import asyncio
 
-    from daskdist.plugins.state import wait_event
+    from daskdist.plugins.scheduler.state import wait_event
 
     async def scenario():
         ev = asyncio.Event()
@@ -380,13 +380,14 @@ def test_protocol_types_travel_as_plain_lists():
     """Named message types are wire-compatible with the positional tuples they replace."""
     from distributed.protocol import dumps, loads
 
-    from daskdist.plugins.protocol import Dispatch, Result
+    from daskdist.core.protocol import FAILED, Dispatch, Outcome
 
     msg = {"closures": [Dispatch("o-1", [b"fn", None], 2, False)],
-           "results": [Result("o-0", False, b"err", USER_ERROR, [("lease", "d", 0, [(0, 4)])])]}
+           "results": [Outcome("o-0", FAILED, b"err", USER_ERROR, 1,
+                               tokens=[("lease", "d", 0, [(0, 4)])])]}
     back = loads(dumps(msg))
     d = Dispatch._make(back["closures"][0])
     assert (d.cid, list(d.payload), d.attempt, d.gang) == ("o-1", [b"fn", None], 2, False)
-    cid, ok, value, kind, tokens = back["results"][0]  # positional unpacking still works
-    assert (cid, ok, value, kind) == ("o-0", False, b"err", USER_ERROR)
-    assert Result._make(back["results"][0]).tokens[0][0] == "lease"
+    cid, state, value, kind = back["results"][0][:4]  # positional unpacking still works
+    assert (cid, state, value, kind) == ("o-0", FAILED, b"err", USER_ERROR)
+    assert Outcome._make(back["results"][0]).tokens[0][0] == "lease"

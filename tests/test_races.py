@@ -7,14 +7,15 @@ import asyncio
 import threading
 
 from daskdist.context import (
+    ClosureScope,
     WorkerContext,
-    _set_current,
     _set_membership,
+    closure_scope,
     membership_version,
 )
-from daskdist.plugins.queue import USER_ERROR
+from daskdist.core.protocol import READY, USER_ERROR, Outcome
 from daskdist.plugins.scheduler import CoordinatorPlugin
-from daskdist.plugins.state import CoordinatorState
+from daskdist.plugins.scheduler.state import CoordinatorState
 
 
 def test_membership_counter_is_per_coordinator_name():
@@ -26,11 +27,8 @@ def test_membership_counter_is_per_coordinator_name():
 
     def closure_thread(name):
         # what elastic State.commit() calls: the version of the closure's coordinator
-        _set_current(WorkerContext(0, 1, "cpu", "tcp://w", 1, name), None)
-        try:
+        with closure_scope(ClosureScope(WorkerContext(0, 1, "cpu", "tcp://w", 1, name))):
             seen[name] = membership_version()
-        finally:
-            _set_current(None, None)
 
     for name in ("race-a", "race-b"):
         t = threading.Thread(target=closure_thread, args=(name,))
@@ -58,7 +56,7 @@ def test_two_error_raises_do_not_interleave():
         assert q.paused  # the waiting raise still holds dispatch
         q.put("o-2", "o", b"")
         assert q.dispatch("s", 5) == []
-        co.apply_results("s", [("o-1", True, b"ok", None, [])])
+        co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
         got = await asyncio.wait_for(second, 5)
         assert got["error"] is not None and got["error"][0] == "o-0"
         assert ("o", "o-2") in got["cancelled"]

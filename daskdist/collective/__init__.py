@@ -10,6 +10,7 @@ Inside a closure: ``get_group()`` for collectives, ``broadcast_parameters`` /
 ``State`` for elastic training, ``synced(iterator)`` for the end of an epoch.
 """
 
+from daskdist.client.group import CollectiveGroup
 from daskdist.collective.bootstrap import (
     create_store,
     destroy_member,
@@ -19,7 +20,6 @@ from daskdist.collective.bootstrap import (
 from daskdist.collective.device import backend_for, bind_device
 from daskdist.collective.elastic import HostsUpdatedInterrupt, State
 from daskdist.collective.group import Group, get_group
-from daskdist.collective.handle import CollectiveGroup
 from daskdist.collective.replicas import allreduce_gradients, broadcast_parameters
 from daskdist.collective.synced import synced
 

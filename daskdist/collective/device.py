@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from daskdist.plugins.backends import backend_for_devices
+from daskdist.core.backends import backend_for_devices
 
 
 def bind_device() -> Any:
@@ -32,7 +32,7 @@ def backend_for(devices: Iterable[Any], backend: str = "auto") -> str:
     ``"cuda:0"`` or ``"cpu"``). ``"auto"`` is NCCL only when every member has CUDA,
     else gloo. An explicit ``"nccl"`` with a CPU member raises ``ValueError``. Whether
     members *share* a GPU is decided before formation, from their GPU UUIDs
-    (:func:`daskdist.plugins.backends.choose_backend`).
+    (:func:`daskdist.core.backends.choose_backend`).
     """
     return backend_for_devices(devices, backend)
 

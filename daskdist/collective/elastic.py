@@ -9,7 +9,7 @@
   ``HostsUpdatedInterrupt`` is raised on **all** ranks at the same commit, never on
   some ranks only (which would deadlock the next collective).
 - With a ``"dynamic"`` dataset inside the gang, the same commit acknowledges the rows
-  each rank consumed since its last commit (see ``daskdist.plugins.commits``): once
+  each rank consumed since its last commit (see ``daskdist.core.commits``): once
   the allgather shows every rank reached the commit, each rank sends its lease tokens
   without waiting; the scheduler applies the commit when every part came, all or
   nothing. The outcome travels in the next commit's allgather (so every rank takes
@@ -33,15 +33,20 @@ from typing import Any
 
 import torch
 
-from daskdist.collective import rows
 from daskdist.collective.group import Group, get_group
-from daskdist.collective.replicas import broadcast_parameters
-from daskdist.context import formation_version, membership_version, record_consumed, take_consumed
+from daskdist.collective.replicas import broadcast_parameters, to_cpu
+from daskdist.context import (
+    formation_version,
+    membership_version,
+    record_consumed,
+    session_services,
+    take_consumed,
+)
+from daskdist.core.commits import RankLedger, commit_key
 from daskdist.errors import (  # defined there: the worker plugin knows them
     CollectiveError,
     HostsUpdatedInterrupt,
 )
-from daskdist.plugins.commits import RankLedger, commit_key
 
 _OWN = ("model", "optimizer", "_objects", "_saved", "_last_version", "_commits", "_synced",
         "_ledger")
@@ -135,8 +140,8 @@ class State:
             # the next commit (or by sync()), so the step does not wait for it
             key = commit_key(g.generation, self._commits + 1)
             try:
-                reply = rows.send_part(g.generation, key, g.rank, g.world_size, tokens,
-                                       g.timeout)
+                reply = session_services().send_commit_part(
+                    g.generation, key, g.rank, g.world_size, tokens, g.timeout)
             except BaseException:
                 _give_back(tokens)
                 raise
@@ -159,13 +164,6 @@ class State:
                 f"workers joined or left (membership version {version}); re-form and sync()"
             )
 
-    def check_host_updates(self) -> None:
-        """One broadcast of rank 0's decision; raises on every rank alike."""
-        g = get_group()
-        v = torch.tensor([membership_version()], dtype=torch.int64, device=g._wire_device())
-        g.broadcast(v, src=0)
-        self._check(int(v.item()))
-
     def restore(self) -> None:
         """Return model, optimizer and objects to the last commit (no collective call);
         rows consumed since the last commit go back to the pool."""
@@ -173,7 +171,7 @@ class State:
         self._load(self._saved)
         back = take_consumed()
         if back:
-            rows.release(back)
+            session_services().release_tokens(back)
 
     def _load(self, saved: tuple) -> None:
         model_sd, opt_sd, objects = saved
@@ -192,12 +190,12 @@ class State:
             return
         outcome = _outcome(ledger.reply, 60.0)
         if outcome != _OK:
-            outcome = _OK if rows.recorded(ledger.key) else _REFUSED
+            outcome = _OK if session_services().commit_outcome(ledger.key) else _REFUSED
         state, back = ledger.settle(outcome == _OK)
         if state is not None:
             self._promote(state)
         elif back:
-            rows.release(back)
+            session_services().release_tokens(back)
 
     def sync(self, group: Group | None = None) -> None:
         """Make every rank equal to the newest commit among them, and record that as the
@@ -219,7 +217,7 @@ class State:
         if g.rank == src:
             opt_sd = None
             if self.optimizer is not None:
-                opt_sd = _to_cpu(self.optimizer.state_dict())
+                opt_sd = to_cpu(self.optimizer.state_dict())
             payload = (opt_sd, self._objects)
         opt_sd, objects = g.broadcast_object(payload, src=src)
         if g.rank != src:
@@ -257,14 +255,3 @@ def _copy_state_dict(obj: Any) -> Any:
     if obj is None:
         return None
     return copy.deepcopy(obj.state_dict())
-
-
-def _to_cpu(value: Any) -> Any:
-    """``value`` with every tensor moved to the CPU (for pickling across devices)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value

@@ -1,17 +1,21 @@
-"""Replica helpers: make parameters equal, average gradients (SPEC §4).
+"""Replica helpers: make parameters equal, average gradients (SPEC §4); tensors in
+nested structures moved to the CPU (``to_cpu``).
 
-Both flatten many small tensors into a few large buffers (one per dtype, split at
-``bucket_mb``) so a model costs a handful of collective calls, not one per tensor.
+``broadcast_parameters`` and ``allreduce_gradients`` flatten many small tensors into a
+few large buffers (one per dtype, split at ``bucket_mb``) so a model costs a handful of
+collective calls, not one per tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from daskdist.collective.group import Group, get_group
+from daskdist.core.nest import map_instances
 
 _BUCKET_MB = 32.0
 
@@ -76,3 +80,8 @@ def _buckets(tensors: Iterable[torch.Tensor], bucket_mb: float) -> Iterator[list
             size += nbytes
         if bucket:
             yield bucket
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor detached and on the CPU (for pickling across devices)."""
+    return map_instances(lambda t: t.detach().cpu(), obj, torch.Tensor)

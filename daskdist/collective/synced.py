@@ -30,9 +30,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from daskdist.collective import rows
 from daskdist.collective.group import get_group
-from daskdist.context import consumed_mark, take_consumed
+from daskdist.collective.replicas import to_cpu
+from daskdist.context import consumed_mark, session_services, take_consumed
+from daskdist.core.nest import map_instances
 
 T = TypeVar("T")
 
@@ -55,7 +56,7 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
         if not anyone:
             return
         if not every:
-            pooled = g.allgather_object(None if item is _END else _to_cpu(item))
+            pooled = g.allgather_object(None if item is _END else to_cpu(item))
             item = _share([b for b in pooled if b is not None], g.rank, g.world_size,
                           g.device)
         trained = False
@@ -66,23 +67,9 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
             if not trained and have:
                 back = take_consumed(mark)  # taken, not trained: back to the pool
                 if back:
-                    rows.release(back)
+                    session_services().release_tokens(back)
         if not every:
             return
-
-
-def _map(fn, batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, _map(fn, v)) for k, v in batch.items())
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_map(fn, v) for v in batch)
-    return batch
-
-
-def _to_cpu(batch: Any) -> Any:
-    return _map(lambda t: t.detach().cpu(), batch)
 
 
 def _cat(batches: list) -> Any:
@@ -109,4 +96,4 @@ def _share(batches: list, rank: int, world: int, device: torch.device) -> Any:
     whole = _cat(batches)
     n = _rows(whole)
     lo, hi = rank * n // world, (rank + 1) * n // world
-    return _map(lambda t: t[lo:hi].to(device), whole)
+    return map_instances(lambda t: t[lo:hi].to(device), whole, torch.Tensor)

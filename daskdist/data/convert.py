@@ -23,6 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from daskdist.core.nest import map_instances
+
 __all__ = [
     "Chunk",
     "Columns",
@@ -169,7 +171,7 @@ class Chunk:
 
     def map_tensors(self, fn: Any) -> Chunk:
         """The same chunk with ``fn`` applied to every tensor (e.g. pinning)."""
-        return Chunk(self.names, _map_tensors(self.rest, fn),
+        return Chunk(self.names, map_instances(fn, self.rest, torch.Tensor),
                      [(keys, fn(m)) for keys, m in self.stacks], self.rows)
 
 
@@ -248,24 +250,15 @@ def concat_cols(parts: Sequence[Columns | pa.Table]) -> Columns | pa.Table:
     return out
 
 
-def _map_tensors(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in obj):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
-
-
 def pin(obj: Any) -> Any:
     """Page-locked copies of every tensor in ``obj`` (for asynchronous CUDA copies)."""
     if isinstance(obj, Chunk):
         return obj.map_tensors(lambda t: t.pin_memory())
-    return _map_tensors(obj, lambda t: t.pin_memory())
+    return map_instances(lambda t: t.pin_memory(), obj, torch.Tensor)
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor in ``obj`` to ``device`` (``non_blocking`` for CUDA)."""
     non_blocking = device.type == "cuda"
-    return _map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
+    return map_instances(lambda t: t.to(device, non_blocking=non_blocking), obj,
+                         torch.Tensor)

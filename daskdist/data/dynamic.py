@@ -1,10 +1,10 @@
 """The lease service a loader talks to under ``policy="dynamic"``.
 
 :class:`LeaseService` is the protocol: inside a coordinator the worker plugin provides
-it (RPCs to the scheduler plugin, which holds a :class:`~daskdist.plugins.leases.LeaseTable`);
+it (RPCs to the scheduler plugin, which holds a :class:`~daskdist.core.leases.LeaseTable`);
 :class:`LocalLeaseService` implements it in-process on a local table, for tests and
 single-process use. Acknowledgements do not go through this protocol: the loader
-records a :class:`~daskdist.plugins.protocol.LeaseToken` per batch with
+records a :class:`~daskdist.core.protocol.LeaseToken` per batch with
 :func:`daskdist.context.record_consumed`, and whoever ran the closure acks or releases
 those rows (the worker/scheduler plugins; :meth:`LocalLeaseService.ack` here).
 """
@@ -15,8 +15,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from daskdist.plugins.leases import LeaseTable
-from daskdist.plugins.protocol import LEASE_TOKEN, LeaseToken
+from daskdist.core.leases import LeaseTable
+from daskdist.core.protocol import LEASE_TOKEN, LeaseToken
 
 __all__ = ["LEASE_TOKEN", "LeaseService", "LocalLeaseService", "lease_token"]
 

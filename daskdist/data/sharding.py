@@ -12,7 +12,7 @@ TensorFlow's auto-sharding semantics (``tf.data.experimental.AutoShardPolicy``):
 - ``"off"``: every pipeline reads every row.
 
 ``"dynamic"`` is not a static plan: units are leased on demand (see
-``daskdist.plugins.leases``). This module only sees row counts, so it is unit-tested
+``daskdist.core.leases``). This module only sees row counts, so it is unit-tested
 without files; each policy partitions the rows exactly across pipelines.
 """
 

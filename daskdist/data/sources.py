@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
+from daskdist.core.intervals import Interval, normalize, subtract, union
 from daskdist.data import batching
 from daskdist.data.convert import convert_chunk, num_rows
 from daskdist.data.shards import UnitReader
-from daskdist.intervals import Interval, normalize, subtract, union
 
 if TYPE_CHECKING:
     from daskdist.data.loader import ArrowLoader

@@ -25,16 +25,14 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from daskdist import config
-from daskdist.plugins import observe
-from daskdist.plugins.groups import GroupDriver
-from daskdist.plugins.leases import SessionExpired
-from daskdist.plugins.protocol import Dispatch, Submission
-from daskdist.plugins.state import CoordinatorState, Outbox, wait_event
-from daskdist.plugins.worker import CoordinatorWorkerPlugin, worker_plugin_name
+from daskdist.core.leases import SessionExpired
+from daskdist.core.protocol import PLUGIN_NAME, Dispatch, Submission, worker_plugin_name
+from daskdist.plugins import WORKER_PLUGIN, PluginRef
+from daskdist.plugins.scheduler import observe
+from daskdist.plugins.scheduler.groups import GroupDriver
+from daskdist.plugins.scheduler.state import CoordinatorState, Outbox, wait_event
 
 logger = logging.getLogger(__name__)
-
-PLUGIN_NAME = "daskdist-coordinator"
 
 
 class CoordinatorPlugin(SchedulerPlugin):
@@ -209,7 +207,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         if plugin_name not in self.scheduler.worker_plugins:
             replies = await self.scheduler.register_worker_plugin(
                 comm=None,
-                plugin=dumps(CoordinatorWorkerPlugin(name, torch_threads=torch_threads)),
+                plugin=dumps(PluginRef(WORKER_PLUGIN, name=name, torch_threads=torch_threads)),
                 name=plugin_name,
                 idempotent=True,
             )
@@ -313,19 +311,28 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     def lease_release(self, name: str, session: str, dataset_id: str, epoch: int,
                       ranges: list) -> int:
-        return self._get(name).leases.release(session, dataset_id, epoch, ranges)
+        """Rows a session gives back; refused (0) from a session that ended."""
+        co = self._get(name)
+        if session not in co.members:
+            return 0
+        return co.leases.release(session, dataset_id, epoch, ranges)
 
     # -- elastic commits: rows acknowledged at State.commit() (SPEC §4.2) -------------------
-    async def gang_commit_part(self, name: str, generation: int, key: str, rank: int,
-                               world: int, tokens: list, timeout: float = 60.0) -> bool:
-        """A gang rank's part of a commit; the commit is applied (all or nothing) once
-        every rank's part came. Replies with the outcome."""
-        return await self._get(name).gang_commit_part(int(generation), str(key), int(rank),
-                                                      int(world), tokens, float(timeout))
+    async def gang_commit_part(self, name: str, session: str, generation: int, key: str,
+                               rank: int, world: int, tokens: list,
+                               timeout: float = 60.0) -> bool:
+        """A gang rank's part of a commit, sent by ``session``; the commit is applied (all
+        or nothing) once every rank's part came. Replies with the outcome."""
+        return await self._get(name).gang_commit_part(str(session), int(generation), str(key),
+                                                      int(rank), int(world), tokens,
+                                                      float(timeout))
 
-    def commit_outcome(self, name: str, key: str) -> bool:
+    def commit_outcome(self, name: str, session: str, key: str) -> bool:
         """Whether commit ``key`` was applied (a rank that missed the outcome asks)."""
-        return self._get(name).commits.outcome(str(key))
+        co = self._get(name)
+        if session not in co.members:
+            raise ValueError(f"session {session!r} of coordinator {name!r} ended")
+        return co.commits.outcome(str(key))
 
     def add_resource(self, name: str, rid: str, payload: bytes) -> None:
         self._get(name).resources[rid] = payload

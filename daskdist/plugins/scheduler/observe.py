@@ -1,7 +1,7 @@
 """Observability on the scheduler: ``/daskdist`` (plain HTML), ``/daskdist/status.json``,
-the Bokeh pages of :mod:`daskdist.plugins.dashboard` and Prometheus metrics.
+the Bokeh pages of :mod:`daskdist.plugins.scheduler.dashboard` and Prometheus metrics.
 
-All of them read :func:`daskdist.plugins.stats.snapshot` of each coordinator; nothing here
+All of them read :func:`daskdist.plugins.scheduler.stats.snapshot` of each coordinator; nothing here
 changes state. :func:`install` is called by the scheduler plugin's ``start``: it adds the
 routes to the scheduler's HTTP server (when it serves one), the Bokeh pages to its
 dashboard (when Bokeh is installed), starts the history sampler (a periodic callback on
@@ -20,7 +20,7 @@ from tornado.ioloop import PeriodicCallback
 from tornado.web import RequestHandler
 
 from daskdist import config
-from daskdist.plugins.stats import CoordinatorStats, snapshot
+from daskdist.plugins.scheduler.stats import CoordinatorStats, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def install(plugin: Any, scheduler: Any) -> None:
         app.add_handlers(r".*", [(r"/daskdist", StatusPage, {"plugin": plugin}),
                                  (r"/daskdist/status\.json", StatusJSON, {"plugin": plugin})])
         try:
-            from daskdist.plugins import dashboard
+            from daskdist.plugins.scheduler import dashboard
         except ImportError as e:  # Bokeh missing: Dask has no dashboard either
             logger.info("daskdist: no Bokeh pages (%s)", e)
         else:

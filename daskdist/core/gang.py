@@ -16,7 +16,7 @@ that generation's size): a member that left is not an error.
 
 No Dask, no I/O: the scheduler plugin asks :meth:`GangBook.next_step` what to do
 (form a group, dispatch a gang) and feeds back what happened. Member closures live
-in the :class:`~daskdist.plugins.queue.ClosureQueue` pinned to their sessions.
+in the :class:`~daskdist.core.queue.ClosureQueue` pinned to their sessions.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from daskdist.plugins.protocol import (  # noqa: F401  (kinds, re-exported)
+from daskdist.core.protocol import (
     COLLECTIVE_ERROR,
+    FAILED,
     HOSTS_UPDATED,
+    READY,
     USER_ERROR,
     WORKER_LOST,
+    Outcome,
 )
 
 INTERRUPTING = frozenset({COLLECTIVE_ERROR, HOSTS_UPDATED, WORKER_LOST})
@@ -48,19 +51,6 @@ class Gang:
     results: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, tuple[Any, str]] = field(default_factory=dict)
     interrupted: bool = False
-
-
-@dataclass
-class GangOutcome:
-    """A gang reached a final state: per-rank result payloads, or one error."""
-
-    cid: str
-    owner: str
-    ok: bool
-    values: list | None = None
-    error: Any = None
-    kind: str | None = None
-    attempt: int = 0
 
 
 @dataclass
@@ -131,7 +121,7 @@ class GangBook:
 
     # -- what happened -------------------------------------------------------------------
     def member_finished(self, member_cid: str, ok: bool, value: Any,
-                        kind: str | None) -> GangOutcome | None:
+                        kind: str | None) -> Outcome | None:
         """A member closure ended; returns the gang's outcome once it is final."""
         gang = self.running
         if gang is None or member_cid not in gang.members:
@@ -166,14 +156,13 @@ class GangBook:
         """The most worker losses charged to one rank's work of ``gang``."""
         return max(gang.losses.values(), default=0)
 
-    def fail_pending(self, error: Any, kind: str) -> list[GangOutcome]:
+    def fail_pending(self, error: Any, kind: str) -> list[Outcome]:
         """Fail every gang not yet dispatched with ``error`` (the group cannot form)."""
-        out = [GangOutcome(g.cid, g.owner, False, error=error, kind=kind, attempt=g.attempt)
-               for g in self.pending]
+        out = [Outcome(g.cid, FAILED, error, kind, g.attempt, g.owner) for g in self.pending]
         self.pending.clear()
         return out
 
-    def _maybe_final(self, gang: Gang) -> GangOutcome | None:
+    def _maybe_final(self, gang: Gang) -> Outcome | None:
         if gang.members:
             return None  # members still running
         self.running = None
@@ -181,18 +170,16 @@ class GangBook:
             worst = self.worst_losses(gang)
             if worst >= self.max_losses:
                 rank = min(r for r, n in gang.losses.items() if n == worst)
-                return GangOutcome(gang.cid, gang.owner, False,
-                                   error=f"the workers running rank {rank} of the gang "
-                                         f"were lost {worst} times", kind=WORKER_LOST,
-                                   attempt=gang.attempt)
+                return Outcome(gang.cid, FAILED, f"the workers running rank {rank} of the "
+                               f"gang were lost {worst} times", WORKER_LOST, gang.attempt,
+                               gang.owner)
             self.pending.appendleft(gang)  # runs again on the re-formed group
             return None
         if gang.errors:
             value, kind = gang.errors[min(gang.errors)]
-            return GangOutcome(gang.cid, gang.owner, False, error=value, kind=kind,
-                               attempt=gang.attempt)
+            return Outcome(gang.cid, FAILED, value, kind, gang.attempt, gang.owner)
         values = [gang.results[r] for r in sorted(gang.results)]
-        return GangOutcome(gang.cid, gang.owner, True, values=values, attempt=gang.attempt)
+        return Outcome(gang.cid, READY, values, None, gang.attempt, gang.owner)
 
     def cancel_pending(self, owner: str | None = None) -> list[Gang]:
         """Drop gangs not yet dispatched (of ``owner``, or all)."""

@@ -31,35 +31,18 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from daskdist.intervals import (
-    Interval,
-    _intersect,
-    _size,
-    intervals_from_ids,
-    normalize,
-    subtract,
-    union,
-)
-from daskdist.plugins.protocol import LEASE_TOKEN, LeaseToken
+from daskdist.core.intervals import Interval, _intersect, _size, normalize, subtract, union
+from daskdist.core.protocol import LeaseToken
 
-__all__ = [
-    "LEASE_TOKEN",
-    "Interval",
-    "LeaseTable",
-    "SessionExpired",
-    "intervals_from_ids",
-    "normalize",
-    "subtract",
-    "union",
-]
+__all__ = ["LeaseTable", "SessionExpired", "group_tokens"]
 
 
 class SessionExpired(RuntimeError):
     """A session that was dropped (its worker was lost) asked for a new lease."""
 
 
-def _group_tokens(tokens: Iterable[object]) -> dict[tuple[str, int], list[Interval]]:
-    """Lease tokens (:class:`~daskdist.plugins.protocol.LeaseToken`) grouped by epoch table.
+def group_tokens(tokens: Iterable[object]) -> dict[tuple[str, int], list[Interval]]:
+    """Lease tokens (:class:`~daskdist.core.protocol.LeaseToken`) grouped by epoch table.
 
     Tokens of other kinds are ignored; a lease token of the wrong shape raises
     ``ValueError`` (it must not be skipped while the acknowledgement reports success).
@@ -309,7 +292,7 @@ class LeaseTable:
         keys: set[tuple[str, int]] = set()
         for session, tokens in per_session.items():
             try:
-                groups = _group_tokens(tokens)
+                groups = group_tokens(tokens)
             except ValueError:
                 return False  # refused: nothing acknowledged
             if not groups:
@@ -338,7 +321,7 @@ class LeaseTable:
         """Release the rows of every lease token of one failed closure; rows freed (0
         for a malformed token: nothing can be said of its rows)."""
         try:
-            groups = _group_tokens(tokens)
+            groups = group_tokens(tokens)
         except ValueError:
             return 0
         return sum(

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from daskdist.plugins.leases import LeaseTable
+from daskdist.core.leases import LeaseTable
 
 __all__ = ["CommitBook", "RankLedger", "commit_key"]
 

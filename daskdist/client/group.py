@@ -36,6 +36,6 @@ class CollectiveGroup:
         )
 
     def _repr_html_(self) -> str:
-        from daskdist.reprs import group_html
+        from daskdist.client.reprs import group_html
 
         return group_html(self)

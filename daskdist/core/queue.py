@@ -25,17 +25,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daskdist.plugins.protocol import (  # noqa: F401  (states and kinds, re-exported)
+from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
-    FINAL_STATES,
-    INPUT_ERROR,
     PENDING,
     READY,
     RUNNING,
-    UNSTARTED,
     USER_ERROR,
     WORKER_LOST,
+    Outcome,
 )
 
 
@@ -52,18 +50,6 @@ class Closure:
     worker_failures: int = 0
     session: str | None = None
     pinned: str | None = None  # only this session may run it (gang members)
-
-
-@dataclass(slots=True)
-class Outcome:
-    """A closure that reached a final state: what the owner must be told."""
-
-    cid: str
-    owner: str
-    state: str
-    value: Any = None  # result payload (READY) or error payload (FAILED)
-    kind: str | None = None  # USER_ERROR / INPUT_ERROR / WORKER_LOST for FAILED
-    attempt: int = 0
 
 
 @dataclass
@@ -294,7 +280,7 @@ class ClosureQueue:
 
     def _finish(self, c: Closure, state: str, value: Any, kind: str | None) -> Outcome:
         c.state = state
-        out = Outcome(c.cid, c.owner, state, value, kind, c.attempt)
+        out = Outcome(c.cid, state, value, kind, c.attempt, c.owner)
         if state == READY:
             self.counters.done += 1
         elif state == FAILED:

@@ -2,7 +2,7 @@
 
 Each page is a Bokeh server document on the scheduler's dashboard (the scheduler's own
 ``BokehTornado``), refreshed by a periodic callback on the scheduler's event loop that
-reads :func:`daskdist.plugins.stats.snapshot` (never imports torch or pyarrow):
+reads :func:`daskdist.plugins.scheduler.stats.snapshot` (never imports torch or pyarrow):
 
 - ``/daskdist-dashboard``: every plot below, in Dask's page template, listed in the
   dashboard's navigation bar;
@@ -38,7 +38,7 @@ from bokeh.models import (
 from bokeh.plotting import figure
 
 from daskdist import config
-from daskdist.plugins.observe import snapshots
+from daskdist.plugins.scheduler.observe import snapshots
 
 logger = logging.getLogger(__name__)
 

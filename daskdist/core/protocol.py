@@ -28,6 +28,14 @@ HOSTS_UPDATED = "hosts-updated"  # elastic State.commit saw membership change
 UNSTARTED = "unstarted"
 
 
+PLUGIN_NAME = "daskdist-coordinator"  # the scheduler plugin's name (and extension key)
+
+
+def worker_plugin_name(name: str) -> str:
+    """The name the worker plugin of coordinator ``name`` is registered under."""
+    return f"daskdist-worker-{name}"
+
+
 class Submission(NamedTuple):
     """A closure a client queues (``daskdist_put``)."""
 
@@ -45,24 +53,41 @@ class Dispatch(NamedTuple):
     gang: bool  # a gang member: runs on the gang slot, never stolen
 
 
-class Result(NamedTuple):
-    """A worker's report of one closure (``exchange`` / ``report`` / ``unregister``)."""
+class Outcome(NamedTuple):
+    """A closure's end: the one shape a finished closure has, from the worker that ran
+    it (``exchange`` / ``report`` / ``unregister``: with its lease ``tokens``), through
+    the queue and the gang book, to the client that owns it (``daskdist_results``).
+
+    ``state`` is READY, FAILED or CANCELLED; a worker reports PENDING (kind UNSTARTED)
+    for a closure it hands back without starting it.
+    """
 
     cid: str
-    ok: bool
-    value: Any  # pickled result (ok) or error payload
-    kind: str | None  # the error kind (USER_ERROR, ...) or UNSTARTED; None if ok
-    tokens: list  # consumed lease tokens, acknowledged only if the closure completed
+    state: str
+    value: Any = None  # pickled result (READY; a gang: the per-rank list) or error payload
+    kind: str | None = None  # the error kind when FAILED (USER_ERROR, ...), else None
+    attempt: int = 0
+    owner: str = ""  # the client-side Coordinator it belongs to (scheduler-side routing)
+    tokens: tuple | list = ()  # consumed lease tokens: acknowledged only if it completed
 
 
-class Delivery(NamedTuple):
-    """A closure's final outcome, pushed to its owning client (``daskdist_results``)."""
+class ResourceSpec(NamedTuple):
+    """How a worker builds a per-worker resource (``daskdist_add_resource``; pickled by
+    the client, opaque to the scheduler): ``factory(ctx)`` for a ``"resource"`` or a
+    ``"dataset"``; for an ``"iterator"``, ``factory(parent's component)`` (``iter`` when
+    ``None``)."""
 
-    cid: str
-    state: str  # READY, FAILED or CANCELLED
-    payload: Any  # pickled result (READY; a gang: the per-rank list) or error payload
-    kind: str | None  # the error kind when FAILED, else None
-    attempt: int
+    kind: str  # "resource", "dataset" or "iterator"
+    factory: Any
+    parent: str | None  # an iterator's dataset rid
+
+
+class ResourceRef(NamedTuple):
+    """A per-worker resource (``PerWorkerValues``) as a closure argument on the wire: each
+    worker resolves it to its own component."""
+
+    rid: str
+    kind: str
 
 
 LEASE_TOKEN = "lease"  # the tag of a lease token (other tokens are ignored)

@@ -16,32 +16,37 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 from distributed import Client, get_client
 from distributed.comm.core import CommClosedError
+from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.worker import dumps_function
 
-from daskdist import config, reprs
-from daskdist.errors import CollectiveError
-from daskdist.plugins.protocol import (
+from daskdist import config
+from daskdist.client import reprs
+from daskdist.client.datasets import (
+    DistributedDataset,
+    PerWorkerDataset,
+    _LoaderFactory,
+    _ResourceHandle,
+)
+from daskdist.client.values import PerWorkerValues, RemoteValue
+from daskdist.core.nest import map_structure
+from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
+    PLUGIN_NAME,
     READY,
     USER_ERROR,
-    Delivery,
+    Outcome,
+    ResourceSpec,
     Submission,
 )
-from daskdist.plugins.scheduler import PLUGIN_NAME, CoordinatorPlugin
-from daskdist.values import (
-    PerWorkerValues,
-    RemoteValue,
-    dump_error,
-    load_error,
-    map_structure,
-)
+from daskdist.errors import CollectiveError, dump_error, load_error
+from daskdist.plugins import SCHEDULER_PLUGIN, instantiate
 
 
 class GangValues(PerWorkerValues):
@@ -63,99 +68,12 @@ def _has_plugin(dask_scheduler) -> bool:
     return PLUGIN_NAME in dask_scheduler.plugins
 
 
-class _ResourceHandle(PerWorkerValues):
-    """The client's reference to a registered per-worker resource: when it is garbage
-    collected, the resource is released on the scheduler and the workers (once every
-    closure scheduled before has finished). Travels as a plain ``PerWorkerValues``."""
+class _SchedulerPluginRef(SchedulerPlugin):
+    """The scheduler plugin by reference: unpickled on the scheduler it is a
+    ``CoordinatorPlugin``; the client never imports the scheduler side."""
 
-    __slots__ = ("__weakref__", "parent")
-
-    def __init__(self, rid: str, kind: str, parent: PerWorkerValues | None = None):
-        super().__init__(rid=rid, kind=kind)
-        self.parent = parent  # an iterator keeps its dataset alive
-
-    def __reduce__(self):
-        return (PerWorkerValues, (self.rid, self.kind))
-
-
-class PerWorkerDataset:
-    """A dataset built on every worker by a factory (``create_per_worker_dataset``).
-
-    ``iter()`` gives a ``PerWorkerValues`` of iterators, one per worker.
-    """
-
-    def __init__(self, coordinator: Coordinator, values: PerWorkerValues):
-        self._coordinator = coordinator
-        self.values = values
-
-    def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
-        return self._coordinator._register_resource("iterator", None, parent=self.values)
-
-    def __repr__(self) -> str:
-        return f"PerWorkerDataset({self.values.rid})"
-
-
-class _LoaderFactory:
-    """Builds a worker's ArrowLoader with the per-replica share of the global batch."""
-
-    def __init__(self, shards: Any, global_batch_size: int, options: dict):
-        self.shards = shards
-        self.global_batch_size = global_batch_size
-        self.options = options
-
-    def __call__(self, ctx: Any) -> Any:
-        from daskdist.data import ArrowLoader
-
-        batch = ctx.get_per_replica_batch_size(self.global_batch_size)
-        return ArrowLoader(self.shards, ctx, batch_size=batch, **self.options)
-
-
-class _EpochIterator:
-    """Starts a worker's loader on ``epoch`` and iterates it."""
-
-    def __init__(self, epoch: int):
-        self.epoch = epoch
-
-    def __call__(self, loader: Any) -> Iterator:
-        loader.set_epoch(self.epoch)
-        return iter(loader)
-
-
-class DistributedDataset(PerWorkerDataset):
-    """Per-worker ArrowLoaders over shared shards (``Coordinator.distribute_dataset``).
-
-    ``iter()`` gives iterators for the current epoch (``set_epoch`` changes it).
-    Under ``policy="dynamic"``, ``progress()`` reports the epoch's acknowledged rows:
-    loop over closures until ``progress()["complete"]``.
-    """
-
-    def __init__(self, coordinator: Coordinator, values: PerWorkerValues, shards: Any,
-                 dataset_id: str):
-        super().__init__(coordinator, values)
-        self.shards = shards
-        self.dataset_id = dataset_id
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
-        return self._coordinator._register_resource(
-            "iterator", _EpochIterator(self.epoch), parent=self.values)
-
-    def progress(self, epoch: int | None = None, bar: bool = False) -> dict:
-        """The dynamic policy's counts for ``epoch``: total, acknowledged, leased, free,
-        complete. ``bar=True`` also shows them on a ``tqdm.auto`` bar (one per dataset)."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        unit_rows = [u.num_rows for u in self.shards.units]
-        p = self._coordinator._call("daskdist_lease_progress", dataset_id=self.dataset_id,
-                                    epoch=epoch, unit_rows=unit_rows)
-        if bar:
-            reprs.update_epoch_bar(self, p)
-        return p
-
-    def _repr_html_(self) -> str:
-        return reprs.dataset_html(self)
+    def __reduce__(self) -> tuple:
+        return (instantiate, (SCHEDULER_PLUGIN, {}))
 
 
 class Coordinator:
@@ -199,7 +117,7 @@ class Coordinator:
         # With `--preload daskdist.plugins.scheduler` the plugin is there and we register
         # nothing (such clusters may refuse client plugins); else register it once.
         if not self._plugin_loaded():
-            self.client.register_plugin(CoordinatorPlugin(), name=PLUGIN_NAME)
+            self.client.register_plugin(_SchedulerPluginRef(), name=PLUGIN_NAME)
         if lease_timeout is not None and not lease_timeout > 0:
             raise ValueError(f"lease_timeout must be positive, got {lease_timeout!r}")
         info = self._call("daskdist_create", max_worker_failures=max_worker_failures,
@@ -256,7 +174,7 @@ class Coordinator:
                 err = RuntimeError(f"could not send closures to the scheduler: {e!r}")
                 payload = dump_error(err)
                 for sub in batch:
-                    self._resolve(Delivery(sub.cid, FAILED, payload, USER_ERROR, 0))
+                    self._resolve(Outcome(sub.cid, FAILED, payload, USER_ERROR))
 
     async def _results_loop(self) -> None:
         """Receive outcomes in batches until closed (runs on the client's event loop)."""
@@ -277,7 +195,7 @@ class Coordinator:
             items = reply["items"]
             for i, item in enumerate(items):
                 if first + i >= ack:
-                    self._resolve(Delivery._make(item))
+                    self._resolve(Outcome._make(item))
             ack = max(ack, first + len(items))
             with self._cv:
                 self._error_pending = reply["error"]
@@ -304,8 +222,8 @@ class Coordinator:
             except Exception:  # the scheduler is gone: so are its resources
                 pass
 
-    def _resolve(self, item: Delivery) -> None:
-        cid, state, payload, kind, attempt = item
+    def _resolve(self, item: Outcome) -> None:
+        cid, state, payload, kind, attempt = item[:5]
         with self._cv:
             rv = self._pending.pop(cid, None)
             if rv is not None and state == FAILED:
@@ -346,7 +264,7 @@ class Coordinator:
             raise TimeoutError(f"in-flight closures did not finish within {timeout} s")
         for owner, cid in reply["cancelled"]:
             if owner == self._owner:
-                self._resolve(Delivery(cid, CANCELLED, None, None, 0))
+                self._resolve(Outcome(cid, CANCELLED))
         with self._cv:
             self._error_pending = False
         if reply["error"] is not None:
@@ -479,7 +397,7 @@ class Coordinator:
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
-        from daskdist.collective.handle import CollectiveGroup  # imports torch: only here
+        from daskdist.client.group import CollectiveGroup  # imports torch: only here
 
         info = self._call("daskdist_group_form", backend=backend, timeout=float(timeout),
                           rejoin_grace=None if rejoin_grace is None else float(rejoin_grace))
@@ -577,7 +495,8 @@ class Coordinator:
         if kind != "iterator" and not callable(fn):
             raise TypeError(f"the per-worker {kind} factory must be callable, got {fn!r}")
         try:
-            payload = cloudpickle.dumps((kind, fn, None if parent is None else parent.rid))
+            payload = cloudpickle.dumps(
+                ResourceSpec(kind, fn, None if parent is None else parent.rid))
         except Exception as e:
             raise TypeError(f"the per-worker {kind} factory cannot be pickled: {e}") from e
         rid = f"{kind}-{uuid.uuid4().hex[:12]}"

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import html
+import pickle
 import threading
-import traceback
-from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from distributed.protocol.pickle import dumps, loads
-
-from daskdist.errors import CancelledError, InputError, RemoteTraceback, WorkerLostError
-from daskdist.plugins import protocol
+from daskdist.core import protocol
+from daskdist.errors import CancelledError, load_error
 
 
 class RemoteValueStatus(str, Enum):
@@ -23,44 +20,6 @@ class RemoteValueStatus(str, Enum):
     READY = protocol.READY
     FAILED = protocol.FAILED
     CANCELLED = protocol.CANCELLED
-
-
-def map_structure(fn: Callable[[Any], Any], structure: Any) -> Any:
-    """Apply ``fn`` to every leaf of nested lists, tuples and dicts (types kept)."""
-    if isinstance(structure, list):
-        return [map_structure(fn, s) for s in structure]
-    if isinstance(structure, tuple):
-        items = [map_structure(fn, s) for s in structure]
-        return type(structure)(*items) if hasattr(structure, "_fields") else tuple(items)
-    if isinstance(structure, dict):
-        return type(structure)((k, map_structure(fn, v)) for k, v in structure.items())
-    return fn(structure)
-
-
-def dump_error(exc: BaseException) -> bytes:
-    """Pickle an exception with its traceback text; unpicklable ones become RuntimeError."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        return dumps((exc, tb))
-    except Exception:
-        return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
-
-
-def load_error(payload: bytes | None, kind: str | None) -> BaseException:
-    """Rebuild a remote exception, its remote traceback chained as ``__cause__``."""
-    if kind == protocol.WORKER_LOST:
-        return WorkerLostError(
-            payload or "the closure's workers died too many times while running it"
-        )
-    try:
-        exc, tb = loads(payload)
-    except Exception as e:  # an exception class missing on the client, say
-        return RuntimeError(f"remote error could not be unpickled: {e!r}")
-    if kind == protocol.INPUT_ERROR and not isinstance(exc, InputError):
-        exc = InputError(str(exc), exc)
-    if exc.__cause__ is None:
-        exc.__cause__ = RemoteTraceback(tb)
-    return exc
 
 
 class RemoteValue:
@@ -93,7 +52,7 @@ class RemoteValue:
     def _load(self) -> Any:
         if not self._loaded:
             if self._status is RemoteValueStatus.READY:
-                self._value = loads(self._payload)
+                self._value = pickle.loads(self._payload)
             elif self._status is RemoteValueStatus.FAILED:
                 self._value = load_error(self._payload, self._kind)
             else:
@@ -201,14 +160,12 @@ class PerWorkerValues:
             raise TypeError("a per-worker resource has no client-side components")
         return self.values[i]
 
-    def __getstate__(self):
+    def __reduce__(self):
+        """A closure argument travels as a :class:`~daskdist.core.protocol.ResourceRef`,
+        which each worker resolves to its own component."""
         if self.values is not None:
             raise TypeError("client-side PerWorkerValues of RemoteValues cannot be pickled")
-        return (self.rid, self.kind)
-
-    def __setstate__(self, state):
-        self.rid, self.kind = state
-        self.values = None
+        return (protocol.ResourceRef, (self.rid, self.kind))
 
     def __repr__(self) -> str:
         if self.values is not None:

@@ -24,8 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daskdist import config
-from daskdist.errors import CollectiveError
-from daskdist.plugins.backends import (
+from daskdist.core.backends import (
     HOW_TO_SPLIT,
     BackendError,
     MemberDevice,
@@ -33,9 +32,9 @@ from daskdist.plugins.backends import (
     describe_sharing,
     shared_gpus,
 )
-from daskdist.plugins.protocol import COLLECTIVE_ERROR
-from daskdist.plugins.state import GANG_OWNER, CoordinatorState
-from daskdist.values import dump_error
+from daskdist.core.protocol import COLLECTIVE_ERROR
+from daskdist.errors import CollectiveError, dump_error
+from daskdist.plugins.scheduler.state import GANG_OWNER, CoordinatorState
 
 logger = logging.getLogger(__name__)
 

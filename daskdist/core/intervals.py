@@ -1,6 +1,6 @@
 """Sets of row ids as sorted, disjoint, non-adjacent half-open intervals ``(start, stop)``.
 
-Pure helpers shared by the lease table (:mod:`daskdist.plugins.leases`, the scheduler
+Pure helpers shared by the lease table (:mod:`daskdist.core.leases`, the scheduler
 side of the ``"dynamic"`` policy) and the loader (:mod:`daskdist.data`, the worker
 side), so neither imports the other. Imports nothing from Dask, torch, pyarrow or the
 rest of the package.

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daskdist.plugins.commits import CommitBook
-from daskdist.plugins.gang import GangBook, GangOutcome
-from daskdist.plugins.leases import LeaseTable
-from daskdist.plugins.liveness import LivenessTable
-from daskdist.plugins.membership import Membership
-from daskdist.plugins.protocol import CANCELLED, FAILED, READY, UNSTARTED, Delivery, Result
-from daskdist.plugins.queue import ClosureQueue, Outcome
-from daskdist.plugins.stats import CoordinatorStats
+from daskdist.core.commits import CommitBook
+from daskdist.core.gang import GangBook
+from daskdist.core.leases import LeaseTable
+from daskdist.core.liveness import LivenessTable
+from daskdist.core.membership import Membership
+from daskdist.core.protocol import CANCELLED, READY, UNSTARTED, Outcome
+from daskdist.core.queue import ClosureQueue
+from daskdist.plugins.scheduler.stats import CoordinatorStats
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Outbox:
     items: list = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def push(self, item: Delivery) -> None:
+    def push(self, item: Outcome) -> None:
         self.items.append(item)
         self.event.set()
 
@@ -131,23 +131,20 @@ class CoordinatorState:
                 continue
             box = self.outboxes.get(o.owner)
             if box is not None:
-                box.push(Delivery(o.cid, o.state, o.value, o.kind, o.attempt))
+                box.push(o)
         if outcomes and self.queue.error is not None:
             for box in self.outboxes.values():
                 box.event.set()  # tell every owner an error is pending
 
-    def deliver_gang(self, g: GangOutcome) -> None:
-        if g.ok:
-            item = Delivery(g.cid, READY, g.values, None, g.attempt)
-        else:
-            item = Delivery(g.cid, FAILED, g.error, g.kind, g.attempt)
-            if self.queue.error is None:
-                self.queue.error = Outcome(g.cid, g.owner, FAILED, g.error, g.kind, g.attempt)
-                self.queue.counters.failed += 1
+    def deliver_gang(self, g: Outcome) -> None:
+        ok = g.state == READY
+        if not ok and self.queue.error is None:
+            self.queue.error = g
+            self.queue.counters.failed += 1
         box = self.outboxes.get(g.owner)
         if box is not None:
-            box.push(item)
-        if not g.ok:
+            box.push(g)
+        if not ok:
             for other in self.outboxes.values():
                 other.event.set()
 
@@ -257,7 +254,7 @@ class CoordinatorState:
         return expired
 
     def apply_results(self, session: str, results: list) -> None:
-        """Apply a worker's results (each a :class:`Result`, or its wire form).
+        """Apply a worker's results (each an :class:`Outcome`, or its wire form).
 
         A closure's result and its lease tokens are applied together: rows are
         acknowledged only when the closure completes, released when it fails, and a
@@ -269,10 +266,12 @@ class CoordinatorState:
         q = self.queue
         backlog = q.backlog
         unstarted = []
-        for cid, ok, value, kind, tokens in map(Result._make, results):
+        for r in map(Outcome._make, results):
+            cid, value, kind, tokens = r.cid, r.value, r.kind, r.tokens
             if kind == UNSTARTED:
                 unstarted.append(cid)
                 continue
+            ok = r.state == READY
             accepted = q.holds(session, cid)
             c = q.closures.get(cid)
             gang = c is not None and c.owner == GANG_OWNER
@@ -300,13 +299,16 @@ class CoordinatorState:
             if q.backlog > backlog:
                 self.wake()  # retried or unstarted closures went back to the queue
 
-    async def gang_commit_part(self, generation: int, key: str, rank: int, world: int,
-                               tokens: list, timeout: float) -> bool:
-        """Rank ``rank``'s part of a gang commit; the commit's outcome once every rank's
-        part came (all or nothing: refused unless ``generation`` is the current group and
-        every member's session is live), or ``False`` after ``timeout`` seconds."""
+    async def gang_commit_part(self, session: str, generation: int, key: str, rank: int,
+                               world: int, tokens: list, timeout: float) -> bool:
+        """Rank ``rank``'s part of a gang commit, sent by ``session``; the commit's outcome
+        once every rank's part came (all or nothing: refused unless ``generation`` is the
+        current group, ``session`` is its rank ``rank`` and every member's session is
+        live), or ``False`` after ``timeout`` seconds."""
         group = self.gangs.group
         sessions = dict(enumerate(group.sessions)) if generation == group.generation else None
+        if sessions is not None and sessions.get(rank) != session:
+            sessions = None  # a part from an ended session, or another rank's: refused
         ok = self.commits.add_part(self.leases, key, rank, world, tokens, sessions,
                                    set(self.members.members))
         if ok is not None:
@@ -361,7 +363,7 @@ class CoordinatorState:
             for gang in self.gangs.cancel_pending():
                 box = self.outboxes.get(gang.owner)
                 if box is not None:
-                    box.push(Delivery(gang.cid, CANCELLED, None, None, gang.attempt))
+                    box.push(Outcome(gang.cid, CANCELLED, None, None, gang.attempt, gang.owner))
                 cancelled.append(gang)
             err = q.take_error()
         finally:

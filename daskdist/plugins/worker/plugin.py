@@ -1,0 +1,116 @@
+"""CoordinatorWorkerPlugin: the worker side of one named coordinator.
+
+The scheduler plugin registers one on every present and future worker (by reference,
+:class:`daskdist.plugins.PluginRef`). Its setup starts a :class:`ClosureRunner` and
+installs the stream and RPC handlers the scheduler side calls: wake, steal, hold and
+release for the runner; peer-lost, membership and the collective actions (store, init,
+destroy) for this process's collective group. torch is imported only by those actions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+from distributed.comm.addressing import get_address_host
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from daskdist.context import _set_formation_version, _set_membership
+from daskdist.core.protocol import worker_plugin_name
+from daskdist.plugins.worker.runner import ClosureRunner
+
+
+def _runner(worker, name: str) -> ClosureRunner | None:
+    plugin = worker.plugins.get(worker_plugin_name(name))
+    return getattr(plugin, "runner", None)
+
+
+def install_handlers(worker) -> None:
+    """Stream and RPC handlers shared by every coordinator's plugin on this worker."""
+    def wake(name: str) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.poke()
+
+    def peer_lost(name: str, generation: int) -> None:
+        # through sys.modules: no group was ever formed in this process otherwise
+        collective = sys.modules.get("daskdist.collective")
+        if collective is not None:
+            collective.mark_peer_lost(generation)
+
+    def membership(name: str, version: int) -> None:
+        _set_membership(version, name=name)
+
+    def hold(name: str, hold: bool) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.hold = hold
+
+    def release(name: str, rids: list) -> None:
+        runner = _runner(worker, name)
+        if runner is not None and runner.resources is not None:
+            runner.resources.drop(rids)
+
+    def steal(name: str, n: int) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.give_back(n)
+
+    async def collective(action: str, name: str, **kw: Any) -> Any:
+        from daskdist import collective as coll
+
+        runner = _runner(worker, name)
+        if action == "store":
+            host = get_address_host(worker.address)
+            return list(await asyncio.to_thread(coll.create_store, kw["generation"], host,
+                                                kw["timeout"]))
+        if action == "init":
+            _set_formation_version(kw["generation"], kw.get("version"))
+            await asyncio.to_thread(
+                coll.init_member, kw["rank"], kw["world_size"], kw["host"], kw["port"],
+                kw["backend"], kw["generation"], kw["timeout"],
+                runner.device if runner is not None else None,
+            )
+            return {"rank": kw["rank"]}
+        if action == "destroy":
+            await asyncio.to_thread(coll.destroy_member)
+            return None
+        raise ValueError(f"unknown collective action {action!r}")
+
+    worker.stream_handlers.update({
+        "daskdist-wake": wake,
+        "daskdist-peer-lost": peer_lost,
+        "daskdist-membership": membership,
+        "daskdist-hold": hold,
+        "daskdist-steal": steal,
+        "daskdist-release": release,
+    })
+    worker.handlers["daskdist_collective"] = collective
+
+
+class CoordinatorWorkerPlugin(WorkerPlugin):
+    """Registered on every worker (present and future) by the scheduler plugin."""
+
+    idempotent = True
+
+    def __init__(self, name: str = "default", prefetch: int | None = None,
+                 torch_threads: int | None = None):
+        self.name = name
+        self.prefetch = prefetch
+        self.torch_threads = torch_threads
+        self.runner: ClosureRunner | None = None
+
+    async def setup(self, worker) -> None:
+        install_handlers(worker)
+        self.runner = ClosureRunner(worker, self.name, self.prefetch)
+        await self.runner.start(self.torch_threads)
+
+    async def teardown(self, worker) -> None:
+        if self.runner is not None:
+            await self.runner.stop()
+            self.runner = None
+
+    def __getstate__(self):
+        return {"name": self.name, "prefetch": self.prefetch,
+                "torch_threads": self.torch_threads, "runner": None}

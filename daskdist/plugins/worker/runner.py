@@ -1,0 +1,448 @@
+"""ClosureRunner: one coordinator's pull loop on one worker, and the sessions it runs under.
+
+The loop pulls closures from the scheduler plugin (reporting finished ones in the same
+call), keeps a small prefetch so RPC latency is hidden, and runs closures in its own
+threads (never on the worker's event loop). Everything it runs belongs to a *session*
+(:class:`Session`): a new one each time the plugin registers with the scheduler (at
+setup, and after the scheduler fenced the old one). A session owns its scheduler
+services and its per-worker resources; each closure runs bound to the session it was
+dispatched under (:func:`daskdist.context.closure_scope`), so a closure that outlives
+its session can only make calls the scheduler refuses, and its result is dropped.
+
+Threads: the event loop owns the loop state (``held``, ``done``, ``running``, the
+current session); closure threads run ``_run`` and hand results back with
+``add_callback``; ``_pending`` (received, not started) is shared under ``_lock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import sys
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+from distributed.comm.core import CommClosedError
+from distributed.protocol.pickle import dumps, loads
+from distributed.utils import sync
+
+from daskdist import config
+from daskdist.context import (
+    ClosureScope,
+    InputContext,
+    WorkerContext,
+    _set_membership,
+    closure_scope,
+)
+from daskdist.core.protocol import (
+    COLLECTIVE_ERROR,
+    FAILED,
+    HOSTS_UPDATED,
+    INPUT_ERROR,
+    PENDING,
+    READY,
+    UNSTARTED,
+    USER_ERROR,
+    Dispatch,
+    Outcome,
+)
+from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
+from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
+from daskdist.plugins.worker.resources import ResourceRegistry
+from daskdist.plugins.worker.services import SessionServices
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=100)
+def _load_function(fn_bytes: bytes) -> Callable:
+    """Unpickle a closure's function once per distinct payload (clients cache dumps)."""
+    return loads(fn_bytes)
+
+
+def _error_kind(e: BaseException) -> str:
+    if isinstance(e, InputError):
+        return INPUT_ERROR
+    if isinstance(e, HostsUpdatedInterrupt):
+        return HOSTS_UPDATED
+    if isinstance(e, CollectiveError):
+        return COLLECTIVE_ERROR
+    return USER_ERROR
+
+
+def highest_generation() -> int:
+    """The newest collective generation this process has seen (later ones must be
+    higher), read through ``sys.modules``: importing ``daskdist.collective`` imports
+    torch, and no collective code ran here if it is not imported."""
+    runtime = sys.modules.get("daskdist.collective.runtime")
+    return 0 if runtime is None else runtime.PROCESS.highest_generation()
+
+
+def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
+    """This worker's device and its GPU's UUID (``""`` without CUDA)."""
+    import torch
+
+    from daskdist.collective.device import bind_device, gpu_uuid
+
+    restore_dynamic_thresholds()  # before torch allocates: see plugins/worker/malloc.py
+    if torch_threads:  # Dask starts workers with OMP_NUM_THREADS=1
+        torch.set_num_threads(torch_threads)
+    device = bind_device()
+    return device, gpu_uuid(device)
+
+
+class Session:
+    """One registration of the runner with the scheduler: the session id, the scheduler
+    services bound to it and the per-worker resources built for it."""
+
+    def __init__(self, sid: str, services: SessionServices, resources: ResourceRegistry):
+        self.id = sid
+        self.services = services
+        self.resources = resources
+
+    @property
+    def ended(self) -> bool:
+        return self.services.ended
+
+    def end(self) -> threading.Thread:
+        """Refuse the session's calls from now on, and close its resources in a thread
+        of their own (a loader's producer may be in the middle of a read); the thread."""
+        self.services.end()
+        closer = threading.Thread(target=self.resources.close, daemon=True,
+                                  name=f"daskdist-close-{self.id[:8]}")
+        closer.start()
+        return closer
+
+
+class Work(NamedTuple):
+    """A received closure, and the session it was dispatched under."""
+
+    session: Session
+    cid: str
+    payload: Any
+    attempt: int
+    gang: bool
+
+
+class ClosureRunner:
+    """The pull loop of one coordinator on one worker: exchange, run closures in threads."""
+
+    def __init__(self, worker, name: str, prefetch: int | None = None):
+        self.worker = worker
+        self.name = name
+        self.nthreads = max(1, worker.state.nthreads)
+        if prefetch is None:
+            prefetch = int(config.get("worker.prefetch"))
+        self.capacity = self.nthreads + max(0, prefetch)
+        self.executor = ThreadPoolExecutor(self.nthreads, thread_name_prefix=f"daskdist-{name}")
+        # a slot of its own for gang members, so they start even when all threads are busy
+        self.gang_executor = ThreadPoolExecutor(1, thread_name_prefix=f"daskdist-gang-{name}")
+        self.session: Session | None = None
+        self.index = -1
+        self.num_workers = 0
+        self.device: Any = None
+        self.gpu = ""  # the device's GPU UUID: the scheduler tells shared GPUs apart by it
+        self.held: set[str] = set()  # received, not yet acknowledged by the scheduler
+        self.running = 0  # received, not yet finished here
+        # Received closures not yet started, oldest first: ``nthreads`` drain loops in
+        # the executor take them in order; ``give_back`` (event loop) takes from the
+        # tail. Guarded by ``_lock`` (both sides).
+        self._pending: deque[Work] = deque()
+        self._drains = 0  # drain loops running in the executor
+        self._lock = threading.Lock()
+        self.renewer: asyncio.Task | None = None
+        self.done: list[Outcome] = []  # finished, not yet sent
+        self.wakeup = asyncio.Event()
+        self.polling = False  # a blocking exchange is outstanding
+        self.reporting = False
+        self.stopping = False
+        self.hold = False  # the scheduler is raising an error: give prefetched closures back
+        self.poked = False  # the scheduler has pinned work for us: exchange now
+        self.task: asyncio.Task | None = None
+        self.closers: list[threading.Thread] = []  # closing ended sessions' resources
+
+    @property
+    def session_id(self) -> str:
+        return self.session.id if self.session is not None else ""
+
+    @property
+    def resources(self) -> ResourceRegistry | None:
+        return self.session.resources if self.session is not None else None
+
+    # -- life -----------------------------------------------------------------------
+    async def start(self, torch_threads: int | None = None) -> None:
+        self.device, self.gpu = await asyncio.to_thread(_bind_device, torch_threads)
+        await self._register()
+        self.task = asyncio.create_task(self._loop())
+        self.renewer = asyncio.create_task(self._renew_loop())
+
+    async def _register(self) -> None:
+        """Register a new session; the old one (if any) ends and its resources close."""
+        sid = uuid.uuid4().hex
+        reply = await self.worker.scheduler.daskdist_register(
+            name=self.name, session=sid, address=self.worker.address,
+            slots=self.nthreads, device=str(self.device), gpu=self.gpu,
+            generation=highest_generation(),
+        )
+        if reply is None:
+            raise RuntimeError("the daskdist scheduler plugin is not registered")
+        self.index = reply["index"]
+        self.num_workers = reply["num_workers"]
+        _set_membership(reply["version"], name=self.name)
+        self._end_session()
+        services = SessionServices(self.worker, self.name, sid)
+        self.session = Session(sid, services,
+                               ResourceRegistry(self._fetch_spec, self._contexts_for(services)))
+
+    def _end_session(self) -> None:
+        """The current session is over (fenced, or the plugin is stopping)."""
+        old, self.session = self.session, None
+        if old is not None:
+            self.closers = [t for t in self.closers if t.is_alive()]
+            self.closers.append(old.end())
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self.renewer is not None:
+            self.renewer.cancel()
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._drop_pending()  # received, never started: the scheduler puts them back
+        results, self.done = self.done, []
+        try:
+            await self.worker.scheduler.daskdist_unregister(
+                name=self.name, session=self.session_id, results=results
+            )
+        except Exception as e:  # the scheduler is gone too: it will see the worker leave
+            logger.debug("daskdist: unregister failed: %r", e)
+        self._end_session()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.gang_executor.shutdown(wait=False, cancel_futures=True)
+
+    def poke(self) -> None:
+        self.poked = True
+        self.wakeup.set()
+
+    def call(self, op: str, **kwargs: Any) -> Any:
+        """Call a scheduler handler from a worker thread (not the event loop)."""
+        return sync(self.worker.loop, getattr(self.worker.scheduler, op), name=self.name,
+                    **kwargs)
+
+    async def _renew_loop(self) -> None:
+        """Renew this session's lease every ``liveness.renew-interval`` (SPEC §2.4).
+
+        Runs on the worker's event loop, not in a closure thread: closures release the
+        GIL often enough for it to run (see ``tests/test_liveness.py``), so only a hung
+        process or event loop lets the lease lapse. A refused renewal (the scheduler
+        ended the session) wakes the exchange loop, which registers a new session.
+        Each call is bounded so a dead connection cannot stall renewals for good.
+        """
+        interval = config.seconds("liveness.renew-interval")
+        while not self.stopping:
+            await asyncio.sleep(interval)
+            try:
+                reply = await asyncio.wait_for(
+                    self.worker.scheduler.daskdist_renew(name=self.name,
+                                                         session=self.session_id),
+                    max(5.0, 5 * interval))
+            except (OSError, CommClosedError, asyncio.TimeoutError) as e:
+                logger.info("daskdist: lease renewal failed (%r); retrying", e)
+                continue
+            if isinstance(reply, dict) and not reply.get("ok", True):
+                self.poke()  # the next exchange learns the session is gone
+
+    # -- the loop -----------------------------------------------------------------------
+    def _retiring(self) -> bool:
+        return self.worker.status.name in ("closing_gracefully", "closing", "closed")
+
+    async def _loop(self) -> None:
+        backoff = 0.05
+        while not self.stopping:
+            want = 0 if self._retiring() else self.capacity - self.running
+            # Report results as soon as there are any (asking for more in the same call);
+            # long-poll only when a thread is idle; otherwise wait for a result, so the
+            # loop does not compete with running closures for the GIL.
+            if not self.done and not self.poked and (want <= 0 or self.running >= self.nthreads):
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            results, self.done = self.done, []
+            # With a thread idle, wait at the scheduler for work (results are applied
+            # first, so reporting and asking again take one round trip); busy, do not.
+            block = self.running < self.nthreads and want > 0 and not self.poked
+            self.poked = False
+            self.polling = block
+            try:
+                reply = await self.worker.scheduler.daskdist_exchange(
+                    name=self.name, session=self.session_id, results=results,
+                    held=list(self.held), want=want, block=block,
+                )
+            except (OSError, CommClosedError) as e:
+                self.done[:0] = results  # not acknowledged: send again
+                logger.info("daskdist: exchange with scheduler failed (%r); retrying", e)
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+                continue
+            finally:
+                self.polling = False
+            backoff = 0.05
+            if reply.get("unknown_session"):
+                # The scheduler ended this session (it put our closures back): start anew.
+                self.held.clear()
+                self.done.clear()
+                self._drop_pending()
+                await self._register()
+                continue
+            for r in results:
+                self.held.discard(r.cid)
+            self.num_workers = reply["num_workers"]
+            self.hold = reply["hold"]
+            _set_membership(reply["version"], name=self.name)
+            session = self.session
+            work = []
+            for cid, payload, attempt, gang in map(Dispatch._make, reply["closures"]):
+                self.held.add(cid)
+                item = Work(session, cid, payload, attempt, gang)
+                if gang:
+                    self.gang_executor.submit(self._run, item)
+                else:
+                    work.append(item)
+            if work:
+                self.running += len(work)
+                self._enqueue(work)
+
+    def _enqueue(self, work: list[Work]) -> None:
+        """Queue received closures and start drain loops for idle threads (event loop)."""
+        with self._lock:
+            self._pending.extend(work)
+            start = min(len(self._pending), self.nthreads - self._drains)
+            self._drains += start
+        for _ in range(start):
+            self.executor.submit(self._drain)
+
+    def _drain(self) -> None:
+        """A closure thread: run pending closures in order until there are none."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._drains -= 1
+                    return
+                item = self._pending.popleft()
+            self._run(item)
+
+    def give_back(self, n: int) -> int:
+        """The scheduler asks for up to ``n`` unstarted closures back (an idle worker
+        waits): the newest pending ones return as unstarted. Event loop."""
+        with self._lock:
+            take = [self._pending.pop() for _ in range(min(max(0, n), len(self._pending)))]
+        if not take:
+            return 0
+        self.running -= len(take)
+        self.done.extend(_unstarted(w) for w in take if w.session is self.session)
+        self.wakeup.set()
+        if self.polling and not self.reporting:
+            asyncio.ensure_future(self._report())
+        return len(take)
+
+    def _drop_pending(self) -> None:
+        """The session ended: closures it received and did not start are not ours to run."""
+        with self._lock:
+            dropped = len(self._pending)
+            self._pending.clear()
+        self.running -= dropped
+
+    def _on_done(self, item: Work, result: Outcome) -> None:
+        """Runs on the event loop when a closure finished in a thread."""
+        if not item.gang:
+            self.running -= 1  # a thread is free, whichever session it ran for
+        if item.session is not self.session:
+            self.wakeup.set()
+            return  # the session ended meanwhile; the scheduler would refuse the result
+        self.done.append(result)
+        self.wakeup.set()
+        if self.polling and not self.reporting:
+            asyncio.ensure_future(self._report())
+
+    async def _report(self) -> None:
+        """Send results while the loop is blocked waiting for work."""
+        self.reporting = True
+        try:
+            while self.polling and self.done:
+                results, self.done = self.done, []
+                try:
+                    reply = await self.worker.scheduler.daskdist_report(
+                        name=self.name, session=self.session_id, results=results
+                    )
+                except (OSError, CommClosedError):
+                    self.done[:0] = results
+                    return
+                if reply.get("unknown_session"):
+                    self.poke()  # fenced: the loop's next exchange registers anew
+                    return
+                for r in results:
+                    self.held.discard(r.cid)
+                self.hold = reply["hold"]
+        finally:
+            self.reporting = False
+
+    # -- running a closure (worker thread) ------------------------------------------------
+    def _worker_context(self, attempt: int = 1) -> WorkerContext:
+        return WorkerContext(self.index, self.num_workers, self.device,
+                             self.worker.address, attempt, self.name)
+
+    def _contexts_for(self, services: SessionServices
+                      ) -> Callable[[], tuple[WorkerContext, InputContext]]:
+        """What a session's per-worker factories receive (built when a resource is)."""
+        def contexts() -> tuple[WorkerContext, InputContext]:
+            wctx = self._worker_context()
+            n = max(1, self.num_workers)
+            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, leases=services)
+            return wctx, ictx
+
+        return contexts
+
+    def _fetch_spec(self, rid: str) -> bytes | None:
+        return self.call("daskdist_get_resource", rid=rid)
+
+    def _run(self, item: Work) -> None:
+        session = item.session
+        if session.ended:  # not ours to run any more: the scheduler put it back
+            return
+        if self.hold and not item.gang:  # an error is being raised: still queued
+            self._finished(item, _unstarted(item))
+            return
+        scope = ClosureScope(self._worker_context(item.attempt), session.services)
+        with closure_scope(scope):
+            try:
+                fn_bytes, arg_bytes = item.payload
+                fn = _load_function(fn_bytes)
+                args, kwargs = ((), {}) if arg_bytes is None else loads(arg_bytes)
+                if args or kwargs:
+                    args, kwargs = session.resources.resolve((args, kwargs))
+                value = fn(*args, **kwargs)
+                result = Outcome(item.cid, READY, dumps(value), None, item.attempt,
+                                 tokens=scope.tokens)
+            except BaseException as e:  # noqa: BLE001 - every user error goes to the client
+                result = Outcome(item.cid, FAILED, dump_error(e), _error_kind(e),
+                                 item.attempt, tokens=scope.tokens)
+        self._finished(item, result)
+
+    def _finished(self, item: Work, result: Outcome) -> None:
+        try:
+            self.worker.loop.add_callback(self._on_done, item, result)
+        except RuntimeError:  # the worker's loop is closed: the worker is going away
+            pass
+
+
+def _unstarted(item: Work) -> Outcome:
+    """A closure handed back without being started (not an error)."""
+    return Outcome(item.cid, PENDING, None, UNSTARTED, item.attempt)
