@@ -205,6 +205,65 @@ def run_recovery() -> tuple[float, float]:
     return detect, reform
 
 
+def _notice_member(rank: int, addr_q, out_q) -> None:
+    """2 members; rank 1 never joins the allreduce. Rank 0 waits in it until the lost-peer
+    notice (what the scheduler plugin sends when a member leaves) ends it; rank 0 puts
+    the seconds from the notice to CollectiveError, measured over several rounds."""
+    import threading
+
+    from daskdist.collective import create_store, get_group, init_member, mark_peer_lost, runtime
+    from daskdist.errors import CollectiveError
+
+    torch.set_num_threads(1)
+    out = []
+    for gen in range(1, 6):
+        if rank == 0:
+            host, port = create_store(gen, "127.0.0.1")
+            addr_q.put((host, port))
+        else:
+            host, port = addr_q.get()
+        init_member(rank, 2, host, port, "gloo", gen, 60.0)
+        if rank == 1:
+            addr_q.get()  # rank 0 is done with this generation
+            continue
+        g = get_group()
+        before = set(runtime.PROCESS.waiters)
+        box: dict = {}
+
+        def call(g=g, box=box):
+            try:
+                g.allreduce(torch.ones(1000))
+            except CollectiveError:
+                box["at"] = time.perf_counter()
+
+        th = threading.Thread(target=call)
+        th.start()
+        while not set(runtime.PROCESS.waiters) - before:
+            time.sleep(0.001)
+        time.sleep(0.05)  # well inside torch's wait
+        t0 = time.perf_counter()
+        mark_peer_lost(gen, "benchmark notice")
+        th.join(30)
+        out.append(box["at"] - t0)
+        addr_q.put("next")
+    if rank == 0:
+        out_q.put(out)
+
+
+def run_lost_notice() -> list[float]:
+    """Seconds from a lost-peer notice to the waiting allreduce's CollectiveError (the
+    figure tests only check is well below the group's timeout)."""
+    ctx = mp.get_context("spawn")
+    addr_q, out_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_notice_member, args=(r, addr_q, out_q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = out_q.get(timeout=120)
+    for p in procs:
+        p.join(30)
+    return out
+
+
 def _gang_round(sizes):
     import daskdist as dd
 
@@ -515,6 +574,10 @@ def main(argv: list[str] | None = None) -> None:
         f"\nrecovery, worker side (3 -> 2 members, no Dask): SIGKILL -> CollectiveError on "
         f"survivors {detect * 1e3:.1f} ms; -> first step on generation 2 {reform * 1e3:.1f} ms"
     )
+    notice = sorted(run_lost_notice())
+    print(f"lost-peer notice -> the waiting allreduce raises CollectiveError: median "
+          f"{notice[len(notice) // 2] * 1e3:.1f} ms, worst {notice[-1] * 1e3:.1f} ms of "
+          f"{len(notice)} (the group timeout is 60 s)")
     if not a.skip_elastic:
         run_elastic()
 

@@ -152,7 +152,6 @@ def test_sigkill_member_during_gang_loop(coord, client):
     group = coord.collective_group(timeout=30)
     results = []
     victim = None
-    t_start = time.monotonic()
     for i in range(6):
         rvs = coord.schedule_on_all(slow_gang_step, args=(i, 0.3))
         if i == 2:
@@ -161,7 +160,6 @@ def test_sigkill_member_during_gang_loop(coord, client):
             wait_until(lambda: coord.status()["running"] >= 2, 10, "the gang to start")
             sigkill(victim)
         results.append(coord.fetch(rvs))
-    assert time.monotonic() - t_start < 60
     for i, ranks in enumerate(results):
         assert [r[0] for r in ranks] == [i] * len(ranks)
         assert all(r[3] == r[2] for r in ranks)  # allreduce saw every member
@@ -176,7 +174,7 @@ def test_sigkill_member_during_gang_loop(coord, client):
 def test_dead_peer_raises_collective_error(coord, client):
     """Rank 1 dies mid-gang: rank 0's allreduce raises CollectiveError (no hang); the
     gang then re-runs on the group re-formed with the replacement worker."""
-    coord.collective_group(timeout=20)
+    coord.collective_group(timeout=60)
     seen = coord.create_per_worker_resource(lambda ctx: [])
 
     def probe(log):
@@ -196,7 +194,7 @@ def test_dead_peer_raises_collective_error(coord, client):
     out = coord.fetch(coord.schedule_on_all(probe, args=(seen,)))
     logs = [entry for log in out for entry in log]
     errors = [e for e in logs if e[0] == "collective-error"]
-    assert errors and all(seconds < 15 for _, seconds in errors)  # well before a hang
+    assert errors and all(seconds < 20 for _, seconds in errors)  # not the 60 s timeout
     # the re-run succeeded on every rank of the generation that completed it: the
     # survivor alone (the group shrinks at once), or with the replacement if it was quick
     assert 1 <= len(out) <= 2 and all(log[-1][0] == "ok" for log in out)

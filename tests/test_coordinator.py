@@ -168,10 +168,9 @@ def test_timeouts(coord):
     rv = coord.schedule(sleep_and_return, args=(1.5, "late"))
     with pytest.raises(TimeoutError):
         rv.fetch(timeout=0.05)
-    t = time.monotonic()
     with pytest.raises(TimeoutError):
         coord.join(timeout=0.2)
-    assert time.monotonic() - t < 1.0
+    assert not rv.done()  # join gave up before the 1.5 s closure ended
     assert rv.fetch(timeout=30) == "late"
     coord.join(timeout=30)
 

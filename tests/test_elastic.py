@@ -273,11 +273,9 @@ def test_formation_that_always_fails_fails_the_gang(tmp_path):
             wait_for_workers(client, coord, 2)
             with pytest.raises(dd.CollectiveError):
                 coord.collective_group(backend="nccl", timeout=5)  # no CUDA here
-            t0 = time.monotonic()
             gang = coord.schedule_on_all(lambda: 1)
             with pytest.raises(dd.CollectiveError, match="could not be formed"):
                 coord.fetch(gang)
-            assert time.monotonic() - t0 < 60
             coord.close()
 
 
