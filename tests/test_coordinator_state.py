@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
-from daskdist.core.protocol import CANCELLED, FAILED, READY, USER_ERROR, CommitKey, Outcome
+from daskdist.core.protocol import (
+    CANCELLED,
+    FAILED,
+    HOSTS_UPDATED,
+    READY,
+    USER_ERROR,
+    CommitKey,
+    Outcome,
+)
 from daskdist.plugins.scheduler.state import GANG_OWNER, CoordinatorState, Outbox
 
 
@@ -173,8 +181,7 @@ def _formed_group(co: CoordinatorState, sessions: tuple[str, ...]) -> None:
     co.gangs.formation_done(generation, True)
 
 
-def test_a_members_user_error_tells_the_peers_at_once_why():
-    sent: list = []
+def _running_gang(sent: list) -> tuple[CoordinatorState, object, list]:
     co = make(sent)
     for s, w in (("s1", "w1"), ("s2", "w2"), ("s3", "w3")):
         start(co, s, w)
@@ -185,12 +192,29 @@ def test_a_members_user_error_tells_the_peers_at_once_why():
         co.queue.put(cid, GANG_OWNER, b"", pinned=session)
         co.queue.dispatch(session, 1)
     sent.clear()
+    return co, gang, members
+
+
+def test_a_members_user_error_tells_the_peers_at_once_why():
+    sent: list = []
+    co, gang, members = _running_gang(sent)
     cid, session, _ = members[1]
     co.apply_results(session, [Outcome(cid, FAILED, b"err", USER_ERROR, 1)])
     told = [(a, m) for a, m in sent if m["op"] == "daskdist-peer-lost"]
     assert sorted(a for a, _ in told) == ["w1", "w2", "w3"]
     assert all(m["generation"] == gang.generation and "rank 1" in m["reason"]
                for _, m in told)
+
+
+def test_an_interruption_every_rank_raises_tells_no_one():
+    """HostsUpdatedInterrupt comes from every rank at the same commit: a word to the
+    peers could only turn a rank's interrupt still in its allgather into an error."""
+    sent: list = []
+    co, _gang, members = _running_gang(sent)
+    cid, session, _ = members[0]
+    co.apply_results(session, [Outcome(cid, FAILED, b"err", HOSTS_UPDATED, 1)])
+    assert co.gangs.group.broken
+    assert not [m for _, m in sent if m["op"] == "daskdist-peer-lost"]
 
 
 def test_a_commit_whose_parts_do_not_all_come_expires_refused():

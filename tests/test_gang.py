@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.core.gang import GangBook
+from daskdist.core.gang import GangBook, member_cid, origin_of
 from daskdist.core.protocol import FAILED, READY
 
 
@@ -152,3 +152,9 @@ def test_a_user_error_on_a_group_already_broken_interrupts():
     for cid, kind in ((m0, "user-error"), (m1, "worker-lost"), (m2, "collective")):
         assert book.member_finished(cid, False, b"x", kind) is None
     assert book.pending and book.pending[0].losses == {}  # retired: no loss charged
+
+
+def test_every_rank_and_attempt_of_a_gang_has_the_same_origin():
+    assert origin_of(member_cid("owner-g3", 7, 2)) == origin_of(member_cid("owner-g3", 8, 0))
+    assert origin_of(member_cid("owner-g3", 7, 2)) == "owner-g3"
+    assert origin_of("owner-12") == "owner-12"  # any other closure: its own id

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daskdist.core.commits import CommitBook
-from daskdist.core.gang import GangBook
+from daskdist.core.gang import INTERRUPTING, GangBook
 from daskdist.core.leases import LeaseTable
 from daskdist.core.liveness import LivenessTable
 from daskdist.core.membership import Membership
@@ -126,8 +126,11 @@ class CoordinatorState:
             if o.owner == GANG_OWNER:
                 healthy = not self.gangs.group.broken
                 g = self.gangs.member_finished(o.cid, o.state == READY, o.value, o.kind)
-                if healthy and self.gangs.group.broken:
-                    self.tell_members()  # e.g. a user error: the peers stop waiting for it
+                if healthy and self.gangs.group.broken and o.kind not in INTERRUPTING:
+                    # a user error failed the gang: the peers stop waiting for that rank
+                    # (an interruption needs no word: every rank raises it, or the
+                    # scheduler told them of the loss)
+                    self.tell_members()
                 if g is not None:
                     self.deliver_gang(g)
                 self.gangs_changed.set()
