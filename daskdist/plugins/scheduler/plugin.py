@@ -334,7 +334,9 @@ class CoordinatorPlugin(SchedulerPlugin):
                                                       float(timeout))
 
     def commit_outcome(self, name: str, session: str, key: list) -> bool:
-        """Whether commit ``key`` was applied (a rank that missed the outcome asks)."""
+        """Whether commit ``key`` was applied (a rank that missed the outcome asks). Not
+        read-only by design: a commit still open is refused now, so every rank, and any
+        part still on its way, gets the same definite answer."""
         co = self._get(name)
         if session not in co.members:
             raise ValueError(f"session {session!r} of coordinator {name!r} ended")
