@@ -19,7 +19,8 @@ seconds from a member's loss to the next committed step on the survivors (SIGKIL
 the Nanny's replacement, SIGKILL with none, ``client.retire_workers``; target <= 1 s),
 seconds from ``cluster.scale(n + 1)`` to the newcomer training in the group, and the
 cost of a commit that acknowledges rows (dynamic dataset) vs a plain ``commit()``
-(target <= 5% of a 20 ms step). Run:
+(target <= 5% of a 20 ms step), and seconds from a user error on one rank to
+``fetch`` raising it beside a hung rank's peers waiting for the group's timeout. Run:
 
     python benchmarks/bench_collective.py [--world 2] [--sizes 1 16 64] [--rounds 6]
     python benchmarks/bench_collective.py --elastic-only
@@ -469,6 +470,68 @@ def _ack_overhead(rounds: int = 3, steps: int = 60) -> tuple[float, float]:
     return min(plain), min(acked)
 
 
+def _fail_or_hang(first_generation, mode, log):
+    """Steps of one allreduce; on ``first_generation`` rank 1 raises a user error at step
+    10 (``mode="raise"``) or stops calling collectives for longer than the group's
+    timeout (``"hang"``: the peers are told nothing, their calls time out)."""
+    import daskdist as dd
+
+    g = dd.collective.get_group()
+    for i in range(200):
+        if g.rank == 1 and i == 10 and g.generation == first_generation:
+            log.append(time.time())
+            if mode == "raise":
+                raise KeyError("a user bug")
+            time.sleep(3 * g.timeout)
+        try:
+            g.allreduce(torch.ones(1))
+        except dd.CollectiveError:
+            log.append(time.time())
+            raise
+        time.sleep(0.005)
+    return g.rank
+
+
+def _user_error_latency(timeout: float = 5.0) -> tuple[float, float]:
+    """(user error on rank 1 -> ``fetch`` raising it, s; the anchor: a rank that stops
+    calling -> its peers' ``CollectiveError`` by the group's timeout, s), 3 workers."""
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    import daskdist as dd
+
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
+            Client(cluster) as client:
+        coord = dd.Coordinator(client, name="user-error", torch_threads=1)
+        coord.wait_for_workers(3, timeout=120)
+        group = coord.collective_group(backend="gloo", timeout=timeout)
+        log = coord.create_per_worker_resource(lambda ctx: [])
+        gang = coord.schedule_on_all(_fail_or_hang, args=(group.generation, "raise", log))
+        try:
+            coord.fetch(gang)
+        except KeyError:
+            t_fetch = time.time()
+        else:
+            raise RuntimeError("the user error did not reach fetch")
+        try:
+            coord.join()  # raised once more (TensorFlow's semantics)
+        except KeyError:
+            pass
+        t_raise = min(t for per in coord.fetch(coord.schedule_on_all(list, args=(log,)))
+                      for t in per)
+        ours = t_fetch - t_raise
+        generation = coord.status()["group_generation"]
+        log2 = coord.create_per_worker_resource(lambda ctx: [])
+        coord.fetch(coord.schedule_on_all(_fail_or_hang, args=(generation, "hang", log2)))
+        per_rank = coord.fetch(coord.schedule_on_all(list, args=(log2,)))
+        stopped = min(t for per in per_rank for t in per)
+        anchor = max(t for per in per_rank for t in per[:1]) - stopped
+        coord.close()
+    return ours, anchor
+
+
 def run_elastic() -> None:
     print("\nelastic, 3 workers, gloo, a gang loop committing every 20 ms step:")
     for kind, what in (("nanny", "SIGKILL, Nanny replacement"),
@@ -481,6 +544,10 @@ def run_elastic() -> None:
     print(f"  {'cluster.scale(4)':<28} scale -> the newcomer's first committed step "
           f"{took:6.2f} s (process start and imports included; {after:.2f} s of it after "
           f"the newcomer registered)")
+    ours, anchor = _user_error_latency()
+    print(f"  user error on rank 1 -> fetch raises it {ours:6.3f} s; anchor: a rank that "
+          f"stops calling -> its peers' CollectiveError (group timeout 5 s) {anchor:.2f} s: "
+          f"{anchor / ours:.0f}x sooner (the gang fails once, never re-runs)")
     plain, acked = _ack_overhead()
     over = acked - plain
     print(f"  commit() plain {plain * 1e3:.2f} ms; acknowledging rows {acked * 1e3:.2f} ms; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,8 @@ class ClosureScope:
     context: WorkerContext | None = None
     services: Any = None  # plugins.worker.services.SessionServices (duck-typed here)
     tokens: list = field(default_factory=list)
+    origin: str = ""  # what States made here are named after (see mint_state_id)
+    minted: int = 0  # States made here so far
 
 
 @contextlib.contextmanager
@@ -108,6 +111,35 @@ def closure_scope(scope: ClosureScope) -> Iterator[ClosureScope]:
 
 def _scope() -> ClosureScope | None:
     return getattr(_local, "scope", None)
+
+
+@contextlib.contextmanager
+def minting(origin: str) -> Iterator[None]:
+    """States made in this thread while the block runs are named after ``origin`` (the
+    worker's resource registry, while it builds per-worker resource ``origin``)."""
+    prev = getattr(_local, "mint", None)
+    _local.mint = [origin, 0]
+    try:
+        yield
+    finally:
+        _local.mint = prev
+
+
+def mint_state_id() -> str:
+    """An id for a new elastic ``State``, the same on every rank and on a replacement
+    worker: the per-worker resource being built, or else the gang closure running (its
+    id without the attempt: every rank runs the same one), and how many States it made
+    before this one. Outside both, a local id (no scheduler ever sees it)."""
+    mint = getattr(_local, "mint", None)
+    if mint is not None:
+        origin, n = mint
+        mint[1] += 1
+        return f"{origin}/{n}"
+    scope = _scope()
+    if scope is not None and scope.origin:
+        scope.minted += 1
+        return f"{scope.origin}/{scope.minted - 1}"
+    return f"local-{uuid.uuid4().hex}"
 
 
 def session_services() -> Any:

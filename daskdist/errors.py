@@ -37,6 +37,11 @@ class InputError(RuntimeError):
 class CollectiveError(RuntimeError):
     """A collective call failed because a member of the group was lost or timed out."""
 
+    #: Whether running the gang again on a re-formed group may succeed (a lost member,
+    #: a timeout). ``False`` on an error that a re-run would meet again (no member holds
+    #: the committed state): the gang fails with it.
+    transient: bool = True
+
 
 class RemoteTraceback(Exception):
     """Carries a remote traceback's text; chained as ``__cause__`` of a re-raised error."""

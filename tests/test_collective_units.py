@@ -146,3 +146,21 @@ def test_rendezvous_store_listens_on_the_given_interface_only_and_only_while_nee
     assert _listening(port) == ["0100007F"]
     destroy_member()
     assert _listening(port) == []
+
+
+def test_state_ids_are_minted_alike_where_states_are_made():
+    """Every worker builds a per-worker resource, and every rank runs a gang closure,
+    the same way: States made there get the same ids everywhere (their commit keys, and
+    the scheduler's record that they committed). Elsewhere an id is local and unique."""
+    from daskdist.context import ClosureScope, closure_scope, minting
+
+    with minting("resource-abc"):
+        a, b = State(step=0), State(step=1)
+    assert (a._id, b._id) == ("resource-abc/0", "resource-abc/1")
+    with closure_scope(ClosureScope(origin="owner-g3")):
+        with minting("resource-x"):  # a resource built lazily inside a closure
+            c = State()
+        d, e = State(), State()
+    assert (c._id, d._id, e._id) == ("resource-x/0", "owner-g3/0", "owner-g3/1")
+    f, g = State(), State()
+    assert f._id != g._id and f._id.startswith("local-")

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
-from daskdist.core.protocol import CANCELLED, FAILED, READY, USER_ERROR, Outcome
-from daskdist.plugins.scheduler.state import CoordinatorState, Outbox
+from daskdist.core.protocol import (
+    CANCELLED,
+    FAILED,
+    HOSTS_UPDATED,
+    READY,
+    USER_ERROR,
+    CommitKey,
+    Outcome,
+)
+from daskdist.plugins.scheduler.state import GANG_OWNER, CoordinatorState, Outbox
 
 
 def make(sent: list | None = None) -> CoordinatorState:
@@ -164,3 +172,82 @@ def test_raise_error_times_out_and_unpauses():
         assert got["error"][0] == "o-0" and got["cancelled"] == []
 
     asyncio.run(main())
+
+
+# -- gangs and commits ----------------------------------------------------------------------
+
+def _formed_group(co: CoordinatorState, sessions: tuple[str, ...]) -> None:
+    generation = co.gangs.begin_formation(sessions)
+    co.gangs.formation_done(generation, True)
+
+
+def _running_gang(sent: list) -> tuple[CoordinatorState, object, list]:
+    co = make(sent)
+    for s, w in (("s1", "w1"), ("s2", "w2"), ("s3", "w3")):
+        start(co, s, w)
+    _formed_group(co, ("s1", "s2", "s3"))
+    co.gangs.submit("g", "me", b"")
+    gang, members = co.gangs.start_next()
+    for cid, session, _ in members:
+        co.queue.put(cid, GANG_OWNER, b"", pinned=session)
+        co.queue.dispatch(session, 1)
+    sent.clear()
+    return co, gang, members
+
+
+def test_a_members_user_error_tells_the_peers_at_once_why():
+    sent: list = []
+    co, gang, members = _running_gang(sent)
+    cid, session, _ = members[1]
+    co.apply_results(session, [Outcome(cid, FAILED, b"err", USER_ERROR, 1)])
+    told = [(a, m) for a, m in sent if m["op"] == "daskdist-peer-lost"]
+    assert sorted(a for a, _ in told) == ["w1", "w2", "w3"]
+    assert all(m["generation"] == gang.generation and "rank 1" in m["reason"]
+               for _, m in told)
+
+
+def test_an_interruption_every_rank_raises_tells_no_one():
+    """HostsUpdatedInterrupt comes from every rank at the same commit: a word to the
+    peers could only turn a rank's interrupt still in its allgather into an error."""
+    sent: list = []
+    co, _gang, members = _running_gang(sent)
+    cid, session, _ = members[0]
+    co.apply_results(session, [Outcome(cid, FAILED, b"err", HOSTS_UPDATED, 1)])
+    assert co.gangs.group.broken
+    assert not [m for _, m in sent if m["op"] == "daskdist-peer-lost"]
+
+
+def test_a_commit_whose_parts_do_not_all_come_expires_refused():
+    co = make()
+    for s, w in (("s1", "w1"), ("s2", "w2")):
+        start(co, s, w)
+    _formed_group(co, ("s1", "s2"))
+    key = CommitKey("state", co.gangs.group.generation, 1)
+
+    async def run():
+        ok = await co.gang_commit_part("s1", key, 0, 2, [], 0.05)  # s2's part never came
+        late = await co.gang_commit_part("s2", key, 1, 2, [], 5.0)
+        return ok, late
+
+    assert asyncio.run(run()) == (False, False)
+    assert co.commit_outcome(key) is False and not co.commit_events
+
+
+def test_a_non_member_leaving_refuses_no_open_commit():
+    co = make()
+    for s, w in (("s1", "w1"), ("s2", "w2"), ("s3", "w3")):
+        start(co, s, w)
+    _formed_group(co, ("s1", "s2"))
+    key = CommitKey("state", co.gangs.group.generation, 1)
+
+    async def run():
+        part = asyncio.ensure_future(co.gang_commit_part("s1", key, 0, 2, [], 5.0))
+        while key not in co.commit_events:  # s1's part is in, waiting for s2's
+            await asyncio.sleep(0)
+        co.end_session("s3", expected=False)  # not in the group
+        assert not part.done()
+        return await co.gang_commit_part("s2", key, 1, 2, [], 5.0), await part
+
+    assert asyncio.run(run()) == (True, True)
+    assert co.state_commits("state") == 1  # the book knows this State committed
+

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.core.gang import GangBook
+from daskdist.core.gang import GangBook, member_cid, origin_of
 from daskdist.core.protocol import FAILED, READY
 
 
@@ -102,3 +102,59 @@ def test_fail_pending():
     outs = book.fail_pending(b"err", "collective")
     assert [o.cid for o in outs] == ["g1", "g2"] and all(o.state == FAILED for o in outs)
     assert not book.pending
+
+
+# -- a user error on one rank (SPEC §4.2) ------------------------------------------------
+
+
+def _started(sessions=("a", "b", "c")):
+    book = GangBook(max_losses=3)
+    _formed(book, sessions)
+    book.submit("g", "owner", b"")
+    gang, members = book.start_next()
+    return book, members
+
+
+def test_a_user_error_on_a_healthy_group_fails_the_gang_once_every_member_ended():
+    book, members = _started()
+    (m0, _, _), (m1, _, _), (m2, _, _) = members
+    assert book.member_finished(m1, False, b"KeyError", "user-error") is None
+    assert book.group.broken and "rank 1" in book.group.why  # peers are told this
+    # the peers' calls then raise: no interruption, no re-run
+    assert book.member_finished(m0, False, b"peer", "collective") is None
+    out = book.member_finished(m2, False, b"peer", "collective")
+    assert out.state == FAILED and out.value == b"KeyError" and out.kind == "user-error"
+    assert out.attempt == 1 and not book.pending and book.running is None
+    # the next gang waits for a re-formed group, then runs
+    book.submit("g2", "owner", b"")
+    assert book.start_next() is None
+    _formed(book, ("a", "b", "c"))
+    assert book.start_next() is not None
+
+
+def test_a_member_lost_meanwhile_turns_a_user_error_into_an_interruption():
+    """A peer's death surfaces as whatever the transport raised (DDP: RuntimeError):
+    the gang runs again rather than fail with it."""
+    book, members = _started()
+    (m0, _, _), (m1, s1, _), (m2, _, _) = members
+    assert book.member_finished(m0, False, b"RuntimeError: gloo", "user-error") is None
+    assert book.session_lost(s1)
+    assert book.member_finished(m1, False, None, "worker-lost") is None
+    assert book.member_finished(m2, False, b"peer", "collective") is None
+    assert book.pending and book.pending[0].cid == "g"  # runs again
+    assert book.pending[0].losses == {1: 1}
+
+
+def test_a_user_error_on_a_group_already_broken_interrupts():
+    book, members = _started()
+    (m0, _, _), (m1, s1, _), (m2, _, _) = members
+    assert book.session_lost(s1, expected=True)
+    for cid, kind in ((m0, "user-error"), (m1, "worker-lost"), (m2, "collective")):
+        assert book.member_finished(cid, False, b"x", kind) is None
+    assert book.pending and book.pending[0].losses == {}  # retired: no loss charged
+
+
+def test_every_rank_and_attempt_of_a_gang_has_the_same_origin():
+    assert origin_of(member_cid("owner-g3", 7, 2)) == origin_of(member_cid("owner-g3", 8, 0))
+    assert origin_of(member_cid("owner-g3", 7, 2)) == "owner-g3"
+    assert origin_of("owner-12") == "owner-12"  # any other closure: its own id

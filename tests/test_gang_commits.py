@@ -1,6 +1,7 @@
 """Rows acknowledged at commit granularity (pure): the commit protocol of elastic State
-(plugins/commits.py) simulated over a real LeaseTable with random steps, commits, member
-losses at every point of a commit, and restores. The committed "model" (a count per row)
+(core/commits.py) simulated over a real LeaseTable with random steps, commits, member
+losses at every point of a commit, commits whose part came late (expired, then caught
+and restored: Horovod's pattern), and restores. The committed "model" (a count per row)
 must hold exactly the acknowledged rows, each once; after draining, every row once."""
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.core.commits import CommitBook, RankLedger, commit_key
+from daskdist.core.commits import CommitBook, RankLedger
 from daskdist.core.leases import LeaseTable
+from daskdist.core.protocol import CommitKey
 
 DS, EPOCH = "ds", 0
 UNITS = [7, 5, 9, 4, 6, 8]  # rows per unit
@@ -34,6 +36,7 @@ class Sim:
         self.live = set(self.sessions)
         self.generation = 1
         self.commits = 0
+        self.seq = 0  # the commit counter every rank agrees on: never reused
         self.committed: Counter = Counter()  # the committed model: rows trained on
         self.lists = [[] for _ in self.sessions]  # each rank's closure token list
         self.ledgers = [RankLedger() for _ in self.sessions]
@@ -57,8 +60,11 @@ class Sim:
         """One ``State.commit()``: every rank sends its part; the outcome is settled at
         once here (the next commit's allgather in State). With ``die``, rank ``victim``
         dies ``"before"`` sending its part or ``"after"`` the commit was applied but
-        before the outcome reached the ranks."""
-        key = commit_key(self.generation, self.commits + 1)
+        before the outcome reached the ranks; with ``"late"`` its part comes after the
+        group timeout expired the commit, and every rank catches the error and
+        ``restore()``s (Horovod's pattern) in the same generation."""
+        self.seq += 1
+        key = CommitKey("state", self.generation, self.seq)
         model = self.working()
         taken = [lst[:] for lst in self.lists]
         for r, lst in enumerate(self.lists):
@@ -67,10 +73,18 @@ class Sim:
         sessions = dict(enumerate(self.sessions))
         ok = None
         for r in range(len(self.sessions)):
-            if die == "before" and r == victim:
+            if die in ("before", "late") and r == victim:
                 continue
             ok = self.book.add_part(self.table, key, r, len(self.sessions), taken[r],
                                     sessions, self.live)
+        if die == "late":
+            assert self.book.expire(key) is False  # the group timeout passed
+            assert self.book.add_part(self.table, key, victim, len(self.sessions),
+                                      taken[victim], sessions, self.live) is False
+            for r, ledger in enumerate(self.ledgers):  # restore(): the rows go back
+                _state, back = ledger.settle(self.book.expire(key))
+                self.table.release_tokens(self.sessions[r], back)
+            return
         if die is not None:
             self._lose(victim, taken)
             return
@@ -98,7 +112,7 @@ class Sim:
         newest = None
         for r, ledger in enumerate(self.ledgers):
             if r != victim and ledger.in_flight:
-                state, _ = ledger.settle(self.book.outcome(ledger.key))
+                state, _ = ledger.settle(self.book.expire(ledger.key))
                 if state is not None:
                     newest = state
         if newest is not None:
@@ -127,7 +141,7 @@ OPS = st.one_of(
     st.just(("step",)),
     st.just(("commit",)),
     st.just(("restore",)),
-    st.tuples(st.just("die"), st.sampled_from(["before", "after"]), st.integers(0, 2)),
+    st.tuples(st.just("die"), st.sampled_from(["before", "after", "late"]), st.integers(0, 2)),
 )
 
 
@@ -156,36 +170,80 @@ def test_committed_model_holds_each_acknowledged_row_once(ops):
     assert sim.committed == Counter(range(TOTAL))  # every row exactly once
 
 
+def _parts(sim, key, ranks=None):
+    """Every rank's (or ``ranks``') part of ``key``: the last one's outcome."""
+    sessions = dict(enumerate(sim.sessions))
+    out = None
+    for r in (range(len(sim.sessions)) if ranks is None else ranks):
+        out = sim.book.add_part(sim.table, key, r, len(sim.sessions), list(sim.lists[r]),
+                                sessions, sim.live)
+    return out
+
+
 def test_a_commit_with_a_dead_member_is_refused_and_changes_nothing():
     sim = Sim()
     sim.step()
     sim.table.drop_session(sim.sessions[2])
     sim.live.discard(sim.sessions[2])
     before = sim.table.progress(DS, EPOCH)
-    key = commit_key(1, 1)
-    ok = sim.book.apply(sim.table, key, dict(enumerate(sim.sessions)),
-                        dict(enumerate(sim.lists)), sim.live)
-    assert not ok and not sim.book.outcome(key)
+    key = CommitKey("s", 1, 1)
+    assert _parts(sim, key) is False and sim.book.expire(key) is False
     assert sim.table.progress(DS, EPOCH) == before
 
 
 def test_parts_apply_once_all_came_and_a_loss_refuses_open_commits():
     sim = Sim()
     sim.step()
-    sessions = dict(enumerate(sim.sessions))
-    parts = [list(lst) for lst in sim.lists]
-    assert sim.book.add_part(sim.table, "1:1", 0, 3, parts[0], sessions, sim.live) is None
-    assert sim.book.add_part(sim.table, "1:1", 1, 3, parts[1], sessions, sim.live) is None
-    assert sim.book.add_part(sim.table, "1:1", 2, 3, parts[2], sessions, sim.live) is True
-    assert sim.book.outcome("1:1")
+    k1, k2, k3 = (CommitKey("s", 1, n) for n in (1, 2, 3))
+    assert _parts(sim, k1, [0, 1]) is None
+    assert _parts(sim, k1, [2]) is True and sim.book.expire(k1) is True
     sim.step()
-    parts = [list(lst) for lst in sim.lists]
-    assert sim.book.add_part(sim.table, "1:2", 0, 3, parts[0], sessions, sim.live) is None
-    assert sim.book.abort_open() == ["1:2"]
-    assert sim.book.add_part(sim.table, "1:2", 1, 3, parts[1], sessions, sim.live) is False
-    assert not sim.book.outcome("1:2")
+    assert _parts(sim, k2, [0]) is None
+    assert sim.book.abort_open() == [k2]
+    assert _parts(sim, k2, [1]) is False and sim.book.expire(k2) is False
     # a part of a generation that is no longer current is refused
-    assert sim.book.add_part(sim.table, "1:3", 0, 3, [], None, sim.live) is False
+    assert sim.book.add_part(sim.table, k3, 0, 3, [], None, sim.live) is False
+
+
+def test_an_open_commit_expires_refused_and_a_late_part_changes_nothing():
+    sim = Sim()
+    sim.step()
+    key = CommitKey("s", 1, 1)
+    assert _parts(sim, key, [0, 1]) is None
+    leased = sim.table.progress(DS, EPOCH)["leased"]
+    assert sim.book.expire(key) is False  # the group timeout passed, or a rank asked
+    assert _parts(sim, key, [2]) is False  # the late part: refused, nothing acknowledged
+    assert sim.table.progress(DS, EPOCH)["acknowledged"] == 0
+    assert sim.table.progress(DS, EPOCH)["leased"] == leased
+    # a key no part ever reached is refused too, so a part on the way cannot apply it
+    lost = CommitKey("s", 1, 2)
+    assert sim.book.expire(lost) is False and _parts(sim, lost) is False
+
+
+def test_two_states_commit_on_one_generation_under_their_own_keys():
+    """A second State's first commit never meets the first State's recorded outcome."""
+    sim = Sim()
+    sim.step()
+    assert _parts(sim, CommitKey("state-a", 1, 1)) is True
+    for lst in sim.lists:
+        lst.clear()  # acknowledged
+    sim.step()
+    assert _parts(sim, CommitKey("state-b", 1, 1)) is True
+    acked = sim.table.progress(DS, EPOCH)["acknowledged"]
+    assert acked == sum(len(rows(lst)) for lst in sim.lists) + UNITS[0] + UNITS[1] + UNITS[2]
+    assert sim.book.committed("state-a") == sim.book.committed("state-b") == 1
+    assert sim.book.committed("state-c") == 0
+    sim.book.note_committed("state-c")  # a plain commit a rank reported
+    assert sim.book.committed("state-c") == 1
+
+
+def test_the_book_stays_bounded():
+    book = CommitBook(keep=8)
+    for n in range(50):
+        book.expire(CommitKey("s", 1, n))
+        book.note_committed(f"state-{n}")
+    assert len(book.recorded) == 8 and len(book.states) == 8
+    assert book.committed("state-49") == 1 and book.committed("state-0") == 0
 
 
 def test_a_commit_acknowledges_every_session_or_none():

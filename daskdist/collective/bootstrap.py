@@ -102,17 +102,9 @@ def init_member(
         return _init_locked(rank, world_size, host, port, backend, generation, timeout, dev)
 
 
-def destroy_member(generation: int | None = None) -> None:
-    """Leave the group (of ``generation`` only, when given) and free its store.
-
-    Safe to call at any time, from any thread, any number of times; a call naming a
-    generation older than the current one does nothing (it cannot tear down a newer
-    group).
-    """
-    with PROCESS.lock:
-        m = PROCESS.current()
-        if generation is not None and m is not None and m.generation > generation:
-            return
+def destroy_member() -> None:
+    """Leave the group and free its store. Safe to call at any time, from any thread,
+    any number of times."""
     _teardown(keep_store=None)
 
 

@@ -3,7 +3,8 @@
 ``State(model, optimizer, **objects)`` keeps a committed copy of the training state:
 
 - ``commit()`` saves a copy, then checks for host updates: one allgather of every
-  rank's ``[token bytes, membership counter]`` (the counter is
+  rank's ``[rows to acknowledge?, membership counter, the previous commit's outcome,
+  commit counter]`` (the membership counter is
   ``daskdist.context.membership_version()``, bumped by the scheduler plugin on every
   join, leave or retirement), so every rank takes rank 0's decision and
   ``HostsUpdatedInterrupt`` is raised on **all** ranks at the same commit, never on
@@ -12,15 +13,28 @@
   each rank consumed since its last commit (see ``daskdist.core.commits``): once
   the allgather shows every rank reached the commit, each rank sends its lease tokens
   without waiting; the scheduler applies the commit when every part came, all or
-  nothing. The outcome travels in the next commit's allgather (so every rank takes
-  the same decision) and the state is promoted then; if a member dies meanwhile,
-  ``sync()`` asks the scheduler whether the commit was applied. The allgather is the
+  nothing, or refuses it for good when its parts did not all come within the group's
+  timeout. The outcome travels in the next commit's allgather (so every rank takes
+  the same decision) and the state is promoted then; if a member dies meanwhile, or
+  a rank's reply came late, ``restore()`` or ``sync()`` asks the scheduler for the
+  commit's (definite) outcome. The allgather is the
   plain commit's only collective call, so acknowledging rows adds no collective call.
 - ``restore()`` returns model, optimizer and objects to the last commit and gives back
   the rows consumed since it.
 - ``sync()`` goes back to this rank's last commit, then broadcasts the state of the rank
   holding the *newest* commit (ties: the lowest rank), never a fresh replacement's, and
-  records it as the last commit on every rank.
+  records it as the last commit on every rank. When no rank holds a commit although
+  the scheduler recorded commits of this State (every holder was lost, or the sole
+  holder retired), it raises ``CollectiveError`` on every rank and the gang fails: never
+  a silent fresh start (``State._no_holder`` decides it, in one place).
+
+A State's commits are keyed by its id (minted alike on every rank and replacement: the
+per-worker resource, or the gang closure, that made it, and its place among the States
+made there), the group generation and a counter the ranks agree on in the commit's
+allgather and never reuse, so a second State on the same group (a sweep, a GAN's second
+net) never meets the first's keys, and a State that catches ``CollectiveError``,
+``restore()``s and goes on in the same generation (Horovod's pattern) commits again. The
+first commit of a State on a rank tells the scheduler (once) that it committed.
 
 The state always talks to the group formed *now* (``get_group()`` per call), so one
 ``State`` survives a re-formation: catch the error, re-form, ``sync()``, continue.
@@ -38,18 +52,20 @@ from daskdist.collective.replicas import broadcast_parameters, to_cpu
 from daskdist.context import (
     formation_version,
     membership_version,
+    mint_state_id,
     record_consumed,
     session_services,
     take_consumed,
 )
-from daskdist.core.commits import RankLedger, commit_key
+from daskdist.core.commits import RankLedger
+from daskdist.core.protocol import CommitKey
 from daskdist.errors import (  # defined there: the worker plugin knows them
     CollectiveError,
     HostsUpdatedInterrupt,
 )
 
 _OWN = ("model", "optimizer", "_objects", "_saved", "_last_version", "_commits", "_synced",
-        "_ledger")
+        "_ledger", "_id", "_seq", "_announced")
 
 
 class State:
@@ -72,6 +88,11 @@ class State:
         object.__setattr__(self, "_commits", 0)  # commits behind the saved copy
         object.__setattr__(self, "_synced", False)  # took part in a sync or commit
         object.__setattr__(self, "_ledger", RankLedger())  # a commit in flight
+        # the same on every rank and replacement: commit keys, and the scheduler's record
+        # of whether this State ever committed (sync() on members holding nothing)
+        object.__setattr__(self, "_id", mint_state_id())
+        object.__setattr__(self, "_seq", 0)  # the last commit key's counter (never reused)
+        object.__setattr__(self, "_announced", False)  # told the scheduler it committed
         self.save()
 
     # -- objects as attributes ---------------------------------------------------
@@ -119,7 +140,7 @@ class State:
         ledger = self._ledger
         prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout)
         dev = g._wire_device()
-        head = torch.tensor([int(bool(tokens)), membership_version(), prev],
+        head = torch.tensor([int(bool(tokens)), membership_version(), prev, self._seq],
                             dtype=torch.int64, device=dev)
         try:
             heads = g.allgather(head)  # one small call: commit() runs every step
@@ -127,21 +148,24 @@ class State:
             _give_back(tokens)
             raise
         version = int(heads[0][1])
+        # every rank takes the same counter, above any key this State ever used
+        self._seq = max(int(h[3]) for h in heads) + 1
         if ledger.in_flight:  # the previous commit's outcome, as every rank saw it
             if min(int(h[2]) for h in heads) != _OK:
-                _give_back(tokens)  # the previous commit stays in flight: sync() settles it
+                _give_back(tokens)  # the previous commit stays in flight: settled later
                 raise CollectiveError(
-                    f"commit {ledger.key} was not confirmed on every rank (a member left "
-                    f"or the scheduler was unreachable); re-form and sync()")
+                    f"commit {tuple(ledger.key)} was not confirmed on every rank (a member "
+                    f"left, or its part or the scheduler's reply came late); restore() and "
+                    f"go on, or re-form and sync()")
             state, _ = ledger.settle(True)
             self._promote(state)
         if any(int(h[0]) for h in heads):
             # rows to acknowledge: every rank sends its part; the outcome is taken at
-            # the next commit (or by sync()), so the step does not wait for it
-            key = commit_key(g.generation, self._commits + 1)
+            # the next commit (or by restore() or sync()), so the step does not wait
+            key = CommitKey(self._id, g.generation, self._seq)
             try:
-                reply = session_services().send_commit_part(
-                    g.generation, key, g.rank, g.world_size, tokens, g.timeout)
+                reply = session_services().send_commit_part(key, g.rank, g.world_size,
+                                                            tokens, g.timeout)
             except BaseException:
                 _give_back(tokens)
                 raise
@@ -155,6 +179,11 @@ class State:
         self._saved = snapshot
         self._commits += 1
         self._synced = True
+        if not self._announced:  # once: the scheduler's record that this State committed
+            services = _services()
+            if services is not None:
+                services.state_commits(self._id, committed=True)
+            self._announced = True
 
     def _check(self, version: int) -> None:
         changed = version != self._last_version
@@ -197,19 +226,28 @@ class State:
         elif back:
             session_services().release_tokens(back)
 
-    def sync(self, group: Group | None = None) -> None:
+    def sync(self) -> None:
         """Make every rank equal to the newest commit among them, and record that as the
         last commit. Ranks that took part in a commit go back to it first; the source is
-        the rank with the most commits (ties: the lowest rank)."""
-        g = group or get_group()
+        the rank with the most commits (ties: the lowest rank). When no rank holds a
+        commit although commits of this State happened, raises ``CollectiveError``
+        (never a silent fresh start)."""
+        g = get_group()
         self._settle_pending()
         if self._synced:
             self._load(self._saved)
+        # a rank holding no commit asks whether any happened (all lost, or retired)
+        known = 0
+        if self._commits == 0:
+            services = _services()
+            known = services.state_commits(self._id) if services is not None else 0
         dev = g._wire_device()
-        head = torch.tensor([self._commits, membership_version()], dtype=torch.int64,
-                            device=dev)
+        head = torch.tensor([self._commits, membership_version(), self._seq, known],
+                            dtype=torch.int64, device=dev)
         heads = g.allgather(head)
         counts = [int(h[0]) for h in heads]
+        if max(counts) == 0 and max(int(h[3]) for h in heads) > 0:
+            self._no_holder(g, max(int(h[3]) for h in heads))
         src = counts.index(max(counts))
         if self.model is not None:
             broadcast_parameters(self.model, src=src, group=g)
@@ -230,8 +268,24 @@ class State:
             version = max(int(h[1]) for h in heads)
         self._last_version = version
         self._commits = counts[src]
+        self._seq = max(int(h[2]) for h in heads)
         self._synced = True
         self.save()
+
+    def _no_holder(self, g: Group, known: int) -> None:
+        """No member of ``g`` holds a commit of this State, yet the scheduler recorded
+        ``known`` commits of it: every member that held one was lost, or the sole holder
+        retired. The one place ``sync()`` decides what then happens (on every rank
+        alike): the state is gone, so the gang fails rather than start afresh; its rows
+        acknowledged by those commits would never be trained again."""
+        err = CollectiveError(
+            f"no member holds the committed state of State {self._id!r}: the scheduler "
+            f"recorded {known} commit(s) of it, but every member that held them was lost "
+            f"or retired, and the {g.world_size} members of generation {g.generation} "
+            f"hold none (going on from a fresh state would silently drop what they "
+            f"trained, rows acknowledged included); keep a member alive or checkpoint")
+        err.transient = False  # a re-run on a re-formed group would meet it again
+        raise err
 
 
 _OK, _REFUSED, _UNKNOWN, _NONE = 1, 0, -1, 2  # a commit's outcome as a rank saw it
@@ -243,6 +297,15 @@ def _outcome(reply, timeout: float) -> int:
         return _OK if reply.result(timeout) else _REFUSED
     except Exception:  # noqa: BLE001 - a comm error, a timeout: the outcome is unknown
         return _UNKNOWN
+
+
+def _services():
+    """The running closure's session services; ``None`` outside a closure (a State used
+    without a coordinator commits locally only)."""
+    try:
+        return session_services()
+    except RuntimeError:
+        return None
 
 
 def _give_back(tokens: list) -> None:

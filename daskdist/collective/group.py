@@ -16,12 +16,10 @@ bytes: their size first, then the bytes (Horovod's ``broadcast_object``).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import pickle
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -238,7 +236,7 @@ class Group:
         except Exception:
             if work.is_completed():
                 return  # it failed: the caller's wait raises the outcome
-        with self._waiting():  # registered: teardown and mark_peer_lost see a waiting call
+        with PROCESS.waiting():  # registered: teardown and mark_peer_lost see a waiting call
             deadline = time.monotonic() + self.timeout + _GRACE
             while True:
                 left = self._left(work, pg, gen, what, deadline)
@@ -254,7 +252,7 @@ class Group:
 
         The future's callback sets an event that ``mark_peer_lost`` and teardown set too.
         """
-        with self._waiting() as wake:
+        with PROCESS.waiting() as wake:
             # The future completes a moment before ``work.is_completed()`` turns true:
             # wait on the future, never on the flag.
             fut = work.get_future()
@@ -263,12 +261,6 @@ class Group:
             while not fut.done():
                 wake.wait(self._left(work, pg, gen, what, deadline))
                 wake.clear()
-
-    @contextlib.contextmanager
-    def _waiting(self) -> Iterator[threading.Event]:
-        """An event registered for the call's wait: lost-peer marks and teardown set it."""
-        with PROCESS.waiting() as wake:
-            yield wake
 
     def _left(self, work: Any, pg: Any, gen: int, what: str, deadline: float) -> float:
         """Seconds left to wait for ``work``; ``CollectiveError`` (burying the unfinished

@@ -9,19 +9,29 @@ closure's end:
   token list). At ``commit()``, once every rank reached it (the commit's allgather),
   each rank sends its part of the commit (the commit's key, its rank, the world size
   and its tokens) without waiting for the reply: the step goes on.
+- A commit's key (:class:`~daskdist.core.protocol.CommitKey`) names the State (an id
+  every rank and every replacement mints alike), the group generation and a counter the
+  ranks agree on at each commit and never reuse, a refused commit's included: a second
+  State on the same group, or the same State going on after a refusal, never meets an
+  old key's outcome.
 - :class:`CommitBook` (scheduler side) collects the parts of a key and applies the
   commit when all have come, atomically: every rank's session must be a live member of
-  the generation and every token's rows still leased to it, else nothing changes. The
-  outcome is recorded (applied or refused); a member's loss refuses the open commits.
+  the generation and every token's rows still leased to it, else nothing changes. Every
+  key ends with a definite outcome, recorded (applied or refused): a member's loss
+  refuses the open commits; so does the group timeout passing before every part came,
+  and a rank asking about a key still open (:meth:`CommitBook.expire`). A part that
+  comes after its key was decided gets that outcome and changes nothing.
 - :class:`RankLedger` (rank side) holds the commit in flight: its key, its tokens, the
   state it would commit and the reply to wait for. At the next commit every rank puts
   its view of the outcome in the commit's allgather, so all ranks take the same
   decision: promote the state, or (refused, or unknown on any rank) raise and leave it
-  to ``sync()``, which asks the book whether the key was applied.
+  to ``restore()`` or ``sync()``, which ask the book for the key's outcome.
 - Rows never acknowledged go back to the pool: a gang member's closure releases (never
   acknowledges) the tokens left in its list when it ends; ``restore()`` releases the
   tokens since the last commit at once; a refused commit's tokens are released; a lost
   member's leases are dropped with it.
+- The book also remembers which States committed (:meth:`CommitBook.committed`), so
+  ``sync()`` on members that hold no commit can tell a fresh start from a lost state.
 
 Releasing rows that an applied commit acknowledged changes nothing (only leased rows
 move), so a rank unsure of an outcome may always give its tokens back.
@@ -36,45 +46,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daskdist.core.leases import LeaseTable
+from daskdist.core.protocol import CommitKey
 
-__all__ = ["CommitBook", "RankLedger", "commit_key"]
-
-
-def commit_key(generation: int, number: int) -> str:
-    """The key of commit ``number`` of a state trained on group ``generation``."""
-    return f"{int(generation)}:{int(number)}"
+__all__ = ["CommitBook", "RankLedger"]
 
 
 @dataclass
 class CommitBook:
-    """The scheduler's record of commits: open ones (parts so far) and decided ones
-    (applied or refused; bounded: the newest ``keep`` keys)."""
+    """The scheduler's record of commits: open ones (parts so far), decided ones
+    (applied or refused; bounded: the newest ``keep`` keys) and the States that
+    committed (bounded alike)."""
 
     keep: int = 4096
-    recorded: OrderedDict = field(default_factory=OrderedDict)  # key -> applied?
-    open: dict = field(default_factory=dict)  # key -> {rank: tokens}
+    recorded: OrderedDict = field(default_factory=OrderedDict)  # CommitKey -> applied?
+    open: dict = field(default_factory=dict)  # CommitKey -> {rank: tokens}
+    states: OrderedDict = field(default_factory=OrderedDict)  # state id -> commits known
 
-    def apply(self, table: LeaseTable, key: str, sessions: Mapping[int, str | None],
-              tokens: Mapping[int, Iterable[Any]], live: set[str]) -> bool:
-        """Decide commit ``key``: ``sessions`` maps every rank of its generation to its
-        session (``None``: unknown); ``tokens`` each rank's tokens. Applied only when
-        every session is live and every row leased to it. A decided key keeps its
-        outcome (never applied twice)."""
-        if key in self.recorded:
-            return self.recorded[key]
-        ok = (all(s is not None and s in live for s in sessions.values())
-              and all(r in sessions for r in tokens)
-              and table.ack_sessions({sessions[r]: list(t) for r, t in tokens.items() if t}))
-        self._record(key, ok)
-        return ok
-
-    def add_part(self, table: LeaseTable, key: str, rank: int, world: int,
+    def add_part(self, table: LeaseTable, key: CommitKey, rank: int, world: int,
                  tokens: Iterable[Any], sessions: Mapping[int, str | None] | None,
                  live: set[str]) -> bool | None:
         """Rank ``rank``'s part of commit ``key`` (of ``world`` ranks): the outcome once
         every part came (``None`` until then). ``sessions`` is the generation's rank ->
-        session map, ``None`` when the generation is no longer the current one (the
-        commit is refused)."""
+        session map, ``None`` when the generation is no longer the current one or the
+        part is not from its rank's session (the commit is refused). A decided key keeps
+        its outcome (never applied twice)."""
         if key in self.recorded:
             return self.recorded[key]
         if sessions is None or len(sessions) != world:
@@ -86,9 +81,24 @@ class CommitBook:
         if len(parts) < world:
             return None
         del self.open[key]
-        return self.apply(table, key, sessions, parts, live)
+        ok = (all(s is not None and s in live for s in sessions.values())
+              and all(r in sessions for r in parts)
+              and table.ack_sessions({sessions[r]: t for r, t in parts.items() if t}))
+        self._record(key, ok)
+        if ok:
+            self.note_committed(key.state)
+        return ok
 
-    def abort_open(self) -> list[str]:
+    def expire(self, key: CommitKey) -> bool:
+        """The outcome of ``key``, deciding it now if it is still undecided: a commit
+        whose parts did not all come (within the group timeout, or before a rank needed
+        its outcome) is refused, so a part that comes later changes nothing."""
+        if key not in self.recorded:
+            self.open.pop(key, None)
+            self._record(key, False)
+        return self.recorded[key]
+
+    def abort_open(self) -> list[CommitKey]:
         """A member left: every open commit is refused. Returns their keys."""
         keys = list(self.open)
         self.open.clear()
@@ -96,14 +106,20 @@ class CommitBook:
             self._record(key, False)
         return keys
 
-    def _record(self, key: str, ok: bool) -> None:
+    def note_committed(self, state: str) -> None:
+        """State ``state`` made a commit (applied here, or a plain one it reported)."""
+        self.states[state] = self.states.pop(state, 0) + 1
+        while len(self.states) > self.keep:
+            self.states.popitem(last=False)
+
+    def committed(self, state: str) -> int:
+        """How many commits of State ``state`` this book knows of (0: none happened)."""
+        return self.states.get(state, 0)
+
+    def _record(self, key: CommitKey, ok: bool) -> None:
         self.recorded[key] = ok
         while len(self.recorded) > self.keep:
             self.recorded.popitem(last=False)
-
-    def outcome(self, key: str) -> bool:
-        """Whether commit ``key`` was applied."""
-        return bool(self.recorded.get(key, False))
 
 
 @dataclass
@@ -111,12 +127,13 @@ class RankLedger:
     """One rank's commit in flight: its key, its tokens, the state it would commit, and
     the scheduler's reply to wait for (any object with ``result(timeout)``)."""
 
-    key: str | None = None
+    key: CommitKey | None = None
     tokens: list = field(default_factory=list)
     state: Any = None
     reply: Any = None
 
-    def begin(self, key: str, tokens: Iterable[Any], state: Any, reply: Any = None) -> None:
+    def begin(self, key: CommitKey, tokens: Iterable[Any], state: Any,
+              reply: Any = None) -> None:
         self.key, self.tokens, self.state, self.reply = key, list(tokens), state, reply
 
     def settle(self, recorded: bool) -> tuple[Any, list]:

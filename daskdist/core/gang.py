@@ -5,7 +5,17 @@ once (``Coordinator.schedule_on_all``). Gangs run one at a time, in order. A gan
 member is lost, or whose members report a collective failure or a hosts-updated
 interrupt, is *interrupted*: the group is marked broken, and once every member's
 closure has ended the group is re-formed from the current workers (generation + 1)
-and the gang runs again. A member's plain user error fails the gang.
+and the gang runs again.
+
+A member's user error on a healthy group *fails* the gang (SPEC §4.2): the group is
+marked broken at once, so the scheduler tells the other members (their collective
+calls raise ``CollectiveError`` instead of waiting for the group's timeout, and the
+next gang runs on a re-formed group), and once every member's closure has ended the
+gang fails with that error, never running again. Only a member lost meanwhile turns
+it back into an interruption: a peer's death surfaces in a member as whatever the
+transport raised (DDP's gloo calls raise a plain ``RuntimeError``), and the dead
+member's closure ends only when the scheduler sees the loss, so a gang is never
+final before it.
 
 Loss budget (SPEC §4.1): ``max_losses`` bounds the losses of each *rank's* work, not
 of the whole gang: a gang of 8 survives 8 different members dying once each, and
@@ -38,6 +48,17 @@ from daskdist.core.protocol import (
 INTERRUPTING = frozenset({COLLECTIVE_ERROR, HOSTS_UPDATED, WORKER_LOST})
 
 
+def member_cid(gang_cid: str, generation: int, rank: int) -> str:
+    """The id of rank ``rank``'s member closure of a gang's run on ``generation``."""
+    return f"{gang_cid}@{generation}#{rank}"
+
+
+def origin_of(cid: str) -> str:
+    """The gang a member closure belongs to (the same on every rank and attempt); any
+    other closure's own id."""
+    return cid.split("@", 1)[0]
+
+
 @dataclass
 class Gang:
     cid: str
@@ -51,6 +72,7 @@ class Gang:
     results: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, tuple[Any, str]] = field(default_factory=dict)
     interrupted: bool = False
+    failed: int | None = None  # the rank whose user error fails this attempt
 
 
 @dataclass
@@ -62,6 +84,7 @@ class GroupRecord:
     backend: str = "auto"
     timeout: float = 60.0
     broken: bool = True  # no usable group yet
+    why: str = ""  # why this generation broke (what its members' collective calls say)
 
 
 @dataclass
@@ -100,6 +123,7 @@ class GangBook:
     def formation_done(self, generation: int, ok: bool) -> None:
         if generation == self.group.generation:
             self.group.broken = not ok
+            self.group.why = "" if ok else f"generation {generation} did not form"
         self.forming = False
 
     def start_next(self) -> tuple[Gang, list[tuple[str, str, int]]] | None:
@@ -110,10 +134,11 @@ class GangBook:
         gang.attempt += 1
         gang.generation = self.group.generation
         gang.interrupted = False
+        gang.failed = None
         gang.spared.clear()
         gang.results.clear()
         gang.errors.clear()
-        members = [(f"{gang.cid}@{gang.generation}#{rank}", s, rank)
+        members = [(member_cid(gang.cid, gang.generation, rank), s, rank)
                    for rank, s in enumerate(self.group.sessions)]
         gang.members = {m: rank for m, _, rank in members}
         self.running = gang
@@ -129,13 +154,19 @@ class GangBook:
         rank = gang.members.pop(member_cid)
         if ok:
             gang.results[rank] = value
-        else:
-            gang.errors[rank] = (value, kind or USER_ERROR)
-            if kind in INTERRUPTING or self.group.broken:
-                gang.interrupted = True
-                self.group.broken = True
-                if kind == WORKER_LOST and rank not in gang.spared:
-                    gang.losses[rank] = gang.losses.get(rank, 0) + 1
+            return self._maybe_final(gang)
+        kind = kind or USER_ERROR
+        gang.errors[rank] = (value, kind)
+        if kind == WORKER_LOST or (gang.failed is None and (kind in INTERRUPTING
+                                                             or self.group.broken)):
+            gang.interrupted = True
+            self._break(f"rank {rank} of gang {gang.cid} was interrupted ({kind})")
+            if kind == WORKER_LOST and rank not in gang.spared:
+                gang.losses[rank] = gang.losses.get(rank, 0) + 1
+        elif gang.failed is None and not gang.interrupted:
+            gang.failed = rank  # a user error on a healthy group: the gang fails
+            self._break(f"rank {rank} of gang {gang.cid} raised an error ({kind}): "
+                        "the gang fails")
         return self._maybe_final(gang)
 
     def session_lost(self, session: str, expected: bool = False) -> bool:
@@ -145,16 +176,18 @@ class GangBook:
         """
         if session not in self.group.sessions:
             return False
-        self.group.broken = True
+        rank = self.group.sessions.index(session)
+        self._break(f"the worker of rank {rank} left")
         if self.running is not None:
             self.running.interrupted = True
             if expected and self.running.generation == self.group.generation:
-                self.running.spared.add(self.group.sessions.index(session))
+                self.running.spared.add(rank)
         return True
 
-    def worst_losses(self, gang: Gang) -> int:
-        """The most worker losses charged to one rank's work of ``gang``."""
-        return max(gang.losses.values(), default=0)
+    def _break(self, why: str) -> None:
+        if not self.group.broken:
+            self.group.broken = True
+            self.group.why = why
 
     def fail_pending(self, error: Any, kind: str) -> list[Outcome]:
         """Fail every gang not yet dispatched with ``error`` (the group cannot form)."""
@@ -167,7 +200,7 @@ class GangBook:
             return None  # members still running
         self.running = None
         if gang.interrupted:
-            worst = self.worst_losses(gang)
+            worst = max(gang.losses.values(), default=0)
             if worst >= self.max_losses:
                 rank = min(r for r, n in gang.losses.items() if n == worst)
                 return Outcome(gang.cid, FAILED, f"the workers running rank {rank} of the "
@@ -175,8 +208,8 @@ class GangBook:
                                gang.owner)
             self.pending.appendleft(gang)  # runs again on the re-formed group
             return None
-        if gang.errors:
-            value, kind = gang.errors[min(gang.errors)]
+        if gang.failed is not None:
+            value, kind = gang.errors[gang.failed]
             return Outcome(gang.cid, FAILED, value, kind, gang.attempt, gang.owner)
         values = [gang.results[r] for r in sorted(gang.results)]
         return Outcome(gang.cid, READY, values, None, gang.attempt, gang.owner)

@@ -90,6 +90,32 @@ class ResourceRef(NamedTuple):
     kind: str
 
 
+class CommitKey(NamedTuple):
+    """The identity of one elastic-state commit (``daskdist_gang_commit_part``,
+    ``daskdist_commit_outcome``): every rank of the commit sends the same key.
+
+    ``state`` is the State's id (the same on every rank and on a replacement: minted
+    from the per-worker resource or gang closure that made it), ``generation`` the
+    group generation, ``seq`` a counter of the State's commits that every rank agrees
+    on at the commit and that never repeats, refused commits included.
+    """
+
+    state: str
+    generation: int
+    seq: int
+
+    @classmethod
+    def parse(cls, wire: object) -> CommitKey:
+        """The key ``wire`` is (a list on the wire); ``ValueError`` naming it if malformed."""
+        try:
+            state, generation, seq = wire  # type: ignore[misc]
+            if not isinstance(state, str) or not state:
+                raise TypeError("the state id must be a non-empty string")
+            return cls(state, int(generation), int(seq))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"malformed commit key {wire!r}: {e}") from None
+
+
 LEASE_TOKEN = "lease"  # the tag of a lease token (other tokens are ignored)
 
 

@@ -146,7 +146,8 @@ class GroupDriver:
                 logger.info("daskdist[%s]: forming generation %d failed: %r",
                             co.name, generation, e)
                 co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
-                              "generation": generation}, set(sessions))
+                              "generation": generation, "reason": self.last_error},
+                             set(sessions))
             book.formation_done(generation, ok)
             if ok:
                 self.last_error = ""

@@ -26,7 +26,13 @@ from distributed.protocol.pickle import dumps
 
 from daskdist import config
 from daskdist.core.leases import SessionExpired
-from daskdist.core.protocol import PLUGIN_NAME, Dispatch, Submission, worker_plugin_name
+from daskdist.core.protocol import (
+    PLUGIN_NAME,
+    CommitKey,
+    Dispatch,
+    Submission,
+    worker_plugin_name,
+)
 from daskdist.plugins import WORKER_PLUGIN, PluginRef
 from daskdist.plugins.scheduler import observe
 from daskdist.plugins.scheduler.groups import GroupDriver
@@ -82,6 +88,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                 # elastic commits (SPEC §4.2)
                 "daskdist_gang_commit_part": self.gang_commit_part,
                 "daskdist_commit_outcome": self.commit_outcome,
+                "daskdist_state_commits": self.state_commits,
             }
         )
         scheduler.extensions["daskdist"] = self
@@ -318,21 +325,31 @@ class CoordinatorPlugin(SchedulerPlugin):
         return co.leases.release(session, dataset_id, epoch, ranges)
 
     # -- elastic commits: rows acknowledged at State.commit() (SPEC §4.2) -------------------
-    async def gang_commit_part(self, name: str, session: str, generation: int, key: str,
-                               rank: int, world: int, tokens: list,
-                               timeout: float = 60.0) -> bool:
+    async def gang_commit_part(self, name: str, session: str, key: list, rank: int,
+                               world: int, tokens: list, timeout: float = 60.0) -> bool:
         """A gang rank's part of a commit, sent by ``session``; the commit is applied (all
         or nothing) once every rank's part came. Replies with the outcome."""
-        return await self._get(name).gang_commit_part(str(session), int(generation), str(key),
+        return await self._get(name).gang_commit_part(str(session), CommitKey.parse(key),
                                                       int(rank), int(world), tokens,
                                                       float(timeout))
 
-    def commit_outcome(self, name: str, session: str, key: str) -> bool:
-        """Whether commit ``key`` was applied (a rank that missed the outcome asks)."""
+    def commit_outcome(self, name: str, session: str, key: list) -> bool:
+        """Whether commit ``key`` was applied (a rank that missed the outcome asks). Not
+        read-only by design: a commit still open is refused now, so every rank, and any
+        part still on its way, gets the same definite answer."""
         co = self._get(name)
         if session not in co.members:
             raise ValueError(f"session {session!r} of coordinator {name!r} ended")
-        return co.commits.outcome(str(key))
+        return co.commit_outcome(CommitKey.parse(key))
+
+    def state_commits(self, name: str, session: str, state: str,
+                      committed: bool = False) -> int:
+        """How many commits of elastic State ``state`` happened (``committed``: count one
+        more, a plain commit a rank reports once)."""
+        co = self._get(name)
+        if session not in co.members:
+            raise ValueError(f"session {session!r} of coordinator {name!r} ended")
+        return co.state_commits(str(state), bool(committed))
 
     def add_resource(self, name: str, rid: str, payload: bytes) -> None:
         self._get(name).resources[rid] = payload

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daskdist.core.commits import CommitBook
-from daskdist.core.gang import GangBook
+from daskdist.core.gang import INTERRUPTING, GangBook
 from daskdist.core.leases import LeaseTable
 from daskdist.core.liveness import LivenessTable
 from daskdist.core.membership import Membership
-from daskdist.core.protocol import CANCELLED, READY, UNSTARTED, Outcome
+from daskdist.core.protocol import CANCELLED, READY, UNSTARTED, CommitKey, Outcome
 from daskdist.core.queue import ClosureQueue
 from daskdist.plugins.scheduler.stats import CoordinatorStats
 
@@ -124,7 +124,13 @@ class CoordinatorState:
         """Route final outcomes: gang members to the gang book, the rest to outboxes."""
         for o in outcomes:
             if o.owner == GANG_OWNER:
+                healthy = not self.gangs.group.broken
                 g = self.gangs.member_finished(o.cid, o.state == READY, o.value, o.kind)
+                if healthy and self.gangs.group.broken and o.kind not in INTERRUPTING:
+                    # a user error failed the gang: the peers stop waiting for that rank
+                    # (an interruption needs no word: every rank raises it, or the
+                    # scheduler told them of the loss)
+                    self.tell_members()
                 if g is not None:
                     self.deliver_gang(g)
                 self.gangs_changed.set()
@@ -160,6 +166,15 @@ class CoordinatorState:
         for m in list(self.members.members.values()):
             if sessions is None or m.session in sessions:
                 self.send(m.address, msg)
+
+    def tell_members(self) -> None:
+        """The group broke (a member left, or a member's closure failed): its members'
+        collective calls of this generation raise ``CollectiveError`` at once, saying why
+        (``GroupRecord.why``), instead of waiting for the group's timeout."""
+        group = self.gangs.group
+        self.broadcast({"op": "daskdist-peer-lost", "name": self.name,
+                        "generation": group.generation, "reason": group.why},
+                       set(group.sessions))
 
     def membership_changed(self) -> None:
         self.broadcast({"op": "daskdist-membership", "name": self.name,
@@ -226,15 +241,11 @@ class CoordinatorState:
         self.liveness.forget(session)
         self.workers_lost += not expected
         self.leases.drop_session(session)
-        group = self.gangs.group
-        for key in self.commits.abort_open():  # a member's part may never come
-            event = self.commit_events.pop(key, None)
-            if event is not None:
-                event.set()
         if self.gangs.session_lost(session, expected):
-            # surviving members: collective calls of this generation fail at once
-            self.broadcast({"op": "daskdist-peer-lost", "name": self.name,
-                            "generation": group.generation}, set(group.sessions))
+            # a member's part may never come: its generation's open commits are refused,
+            # and the surviving members' collective calls fail at once
+            self._commits_decided(self.commits.abort_open())
+            self.tell_members()
         self.deliver(self.queue.remove_session(session))
         self.membership_changed()
         self.wake()
@@ -299,27 +310,48 @@ class CoordinatorState:
             if q.backlog > backlog:
                 self.wake()  # retried or unstarted closures went back to the queue
 
-    async def gang_commit_part(self, session: str, generation: int, key: str, rank: int,
-                               world: int, tokens: list, timeout: float) -> bool:
+    async def gang_commit_part(self, session: str, key: CommitKey, rank: int, world: int,
+                               tokens: list, timeout: float) -> bool:
         """Rank ``rank``'s part of a gang commit, sent by ``session``; the commit's outcome
-        once every rank's part came (all or nothing: refused unless ``generation`` is the
-        current group, ``session`` is its rank ``rank`` and every member's session is
-        live), or ``False`` after ``timeout`` seconds."""
+        once every rank's part came (all or nothing: refused unless ``key``'s generation
+        is the current group, ``session`` is its rank ``rank`` and every member's session
+        is live). A commit whose parts did not all come within ``timeout`` seconds (the
+        group's timeout) expires: refused, for good."""
         group = self.gangs.group
-        sessions = dict(enumerate(group.sessions)) if generation == group.generation else None
+        sessions = (dict(enumerate(group.sessions)) if key.generation == group.generation
+                    else None)
         if sessions is not None and sessions.get(rank) != session:
             sessions = None  # a part from an ended session, or another rank's: refused
         ok = self.commits.add_part(self.leases, key, rank, world, tokens, sessions,
                                    set(self.members.members))
         if ok is not None:
-            event = self.commit_events.pop(key, None)
-            if event is not None:
-                event.set()
+            self._commits_decided([key])
             return ok
         event = self.commit_events.setdefault(key, asyncio.Event())
         await wait_event(event, timeout)
-        self.commit_events.pop(key, None)
-        return self.commits.outcome(key)
+        return self.commit_outcome(key)
+
+    def commit_outcome(self, key: CommitKey) -> bool:
+        """Whether commit ``key`` was applied; an undecided one is refused now (a rank
+        asks when its reply was lost or late: every rank must get the same answer)."""
+        ok = self.commits.expire(key)
+        self._commits_decided([key])
+        return ok
+
+    def state_commits(self, state: str, committed: bool = False) -> int:
+        """How many commits of State ``state`` happened (``committed``: one more, a plain
+        commit its rank reports once), so ``sync()`` can tell a lost state from a fresh
+        start."""
+        if committed:
+            self.commits.note_committed(state)
+        return self.commits.committed(state)
+
+    def _commits_decided(self, keys: list[CommitKey]) -> None:
+        """Wake the parts still waiting for these commits' outcomes."""
+        for key in keys:
+            event = self.commit_events.pop(key, None)
+            if event is not None:
+                event.set()
 
     # -- raising an error to the user (SPEC §2.3) -------------------------------------------
     async def raise_error(self, timeout: float | None = None) -> dict:

@@ -33,11 +33,11 @@ def install_handlers(worker) -> None:
         if runner is not None:
             runner.poke()
 
-    def peer_lost(name: str, generation: int) -> None:
+    def peer_lost(name: str, generation: int, reason: str = "a peer left the group") -> None:
         # through sys.modules: no group was ever formed in this process otherwise
         collective = sys.modules.get("daskdist.collective")
         if collective is not None:
-            collective.mark_peer_lost(generation)
+            collective.mark_peer_lost(generation, reason or "a peer left the group")
 
     def membership(name: str, version: int) -> None:
         _set_membership(version, name=name)

@@ -20,7 +20,7 @@ from typing import Any
 
 from distributed.protocol.pickle import loads
 
-from daskdist.context import InputContext, WorkerContext
+from daskdist.context import InputContext, WorkerContext, minting
 from daskdist.core.nest import map_structure
 from daskdist.core.protocol import ResourceRef, ResourceSpec
 from daskdist.errors import InputError
@@ -69,7 +69,8 @@ class ResourceRegistry:
         try:
             if spec.kind == "iterator":
                 return (spec.factory or iter)(self.get(spec.parent))
-            return spec.factory(input_ctx if spec.kind == "dataset" else worker_ctx)
+            with minting(rid):  # elastic States it makes are named alike on every worker
+                return spec.factory(input_ctx if spec.kind == "dataset" else worker_ctx)
         except InputError:
             raise
         except Exception as e:

@@ -39,6 +39,7 @@ from daskdist.context import (
     _set_membership,
     closure_scope,
 )
+from daskdist.core.gang import origin_of
 from daskdist.core.protocol import (
     COLLECTIVE_ERROR,
     FAILED,
@@ -71,7 +72,9 @@ def _error_kind(e: BaseException) -> str:
     if isinstance(e, HostsUpdatedInterrupt):
         return HOSTS_UPDATED
     if isinstance(e, CollectiveError):
-        return COLLECTIVE_ERROR
+        # re-running the gang on a re-formed group cannot help every collective error
+        # (no member holds the committed state): those fail the gang like a user error
+        return COLLECTIVE_ERROR if e.transient else USER_ERROR
     return USER_ERROR
 
 
@@ -420,7 +423,8 @@ class ClosureRunner:
         if self.hold and not item.gang:  # an error is being raised: still queued
             self._finished(item, _unstarted(item))
             return
-        scope = ClosureScope(self._worker_context(item.attempt), session.services)
+        scope = ClosureScope(self._worker_context(item.attempt), session.services,
+                             origin=origin_of(item.cid))
         with closure_scope(scope):
             try:
                 fn_bytes, arg_bytes = item.payload

@@ -22,7 +22,7 @@ from typing import Any
 from distributed.utils import sync
 
 from daskdist.core.leases import group_tokens
-from daskdist.core.protocol import LeaseToken
+from daskdist.core.protocol import CommitKey, LeaseToken
 from daskdist.errors import CollectiveError
 
 Interval = tuple[int, int]
@@ -86,19 +86,26 @@ class SessionServices:
             for (ds, epoch), ranges in groups.items())
 
     # -- elastic commits (collective.elastic) ----------------------------------------
-    def send_commit_part(self, generation: int, key: str, rank: int, world: int,
-                         tokens: list, timeout: float) -> concurrent.futures.Future:
+    def send_commit_part(self, key: CommitKey, rank: int, world: int, tokens: list,
+                         timeout: float) -> concurrent.futures.Future:
         """Send this rank's part of commit ``key`` without waiting: a future of the
         commit's outcome (``True``: applied)."""
         if self.ended:
             raise self._ended_error()
         coro = self.worker.scheduler.daskdist_gang_commit_part(
-            name=self.name, session=self.session, generation=int(generation), key=key,
-            rank=int(rank), world=int(world), tokens=list(tokens), timeout=float(timeout))
+            name=self.name, session=self.session, key=list(key), rank=int(rank),
+            world=int(world), tokens=list(tokens), timeout=float(timeout))
         return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
 
-    def commit_outcome(self, key: str) -> bool:
-        """Whether the scheduler applied commit ``key``."""
+    def commit_outcome(self, key: CommitKey) -> bool:
+        """Whether the scheduler applied commit ``key`` (deciding it, if still open)."""
         if self.ended:
             raise self._ended_error()
-        return bool(self._call("daskdist_commit_outcome", key=key))
+        return bool(self._call("daskdist_commit_outcome", key=list(key)))
+
+    def state_commits(self, state: str, committed: bool = False) -> int:
+        """How many commits of State ``state`` the scheduler knows of; ``committed``
+        reports one more (a State's first plain commit on this rank)."""
+        if self.ended:
+            raise self._ended_error()
+        return int(self._call("daskdist_state_commits", state=state, committed=committed))
