@@ -211,3 +211,69 @@ class CheckpointStore:
             ex, self._executor = self._executor, None
         if ex is not None:
             ex.shutdown(wait=True)
+
+
+class Durable:
+    """What ``State.checkpoint_to(url, every)`` adds to a State: when a commit is
+    written, by whom and with what, and what a resuming ``sync()`` loads.
+
+    Rank 0 of the group writes every ``every``-th commit, in the background, with the
+    ledger of the State's ``"dynamic"`` datasets as the scheduler holds it at that
+    commit (asked for before any later commit can apply), and reports the write to the
+    scheduler (dashboard, metrics). A member that leaves with no other member holding
+    the state writes the commit it leaves at and waits for it (``write(..., wait=True)``).
+    """
+
+    def __init__(self, url: str, every: int) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"checkpoint_to: every must be a positive int, got {every!r}")
+        self.store = CheckpointStore(url)
+        self.every = every
+
+    def due(self, commits: int) -> bool:
+        return commits > 0 and commits % self.every == 0
+
+    def newest(self) -> int:
+        """The commit the newest complete checkpoint holds (0: none)."""
+        info = self.store.latest()
+        return 0 if info is None else info.commits
+
+    def write(self, state_id: str, commits: int, snapshot: tuple, services: Any,
+              wait: bool = False) -> Future | None:
+        """Write ``snapshot`` (a State's committed copy: model and optimizer state dicts,
+        objects) as commit ``commits``, with its datasets' ledger; reported to the
+        scheduler once written. ``wait``: block until written (a leaving last holder)."""
+        if wait:
+            self.store.wait()  # a background write (of this commit, maybe) first
+            if self.newest() >= commits:
+                return None
+        ledger = services.dataset_ledger(state_id) if services is not None else {}
+        model_sd, opt_sd, objects = snapshot
+        fut = self.store.write(commits, model_sd, opt_sd, objects,
+                               {"state": state_id, "ledger": ledger})
+        if fut is None:
+            logger.info("daskdist: checkpoint of commit %d skipped: the previous write "
+                        "still runs", commits)
+            return None
+        if services is not None:
+            fut.add_done_callback(lambda f: _report(services, state_id, f))
+        if wait:
+            fut.result()
+        return fut
+
+    def load(self, commits: int, model_state: dict | None) -> tuple[Any, dict, dict]:
+        """Read checkpoint ``commits`` (the model's tensors into ``model_state``):
+        ``(optimizer state, objects, record)``; the record holds the ledger."""
+        info = CheckpointInfo(self.store._url_of(self.store._dir(commits)), commits)
+        _, extra = self.store.load(info, model_state)
+        return extra["optimizer"], extra["objects"], extra["record"]
+
+
+def _report(services: Any, state_id: str, fut: Future) -> None:
+    """Tell the scheduler a checkpoint was written (writer thread; best effort)."""
+    try:
+        w = fut.result()
+        services.checkpoint_written(state_id, w.info.url, w.info.commits, w.seconds,
+                                    w.nbytes)
+    except Exception as e:  # noqa: BLE001 - a failed write is logged; training goes on
+        logger.warning("daskdist: checkpoint write or report failed: %r", e)

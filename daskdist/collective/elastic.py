@@ -65,7 +65,7 @@ from daskdist.errors import (  # defined there: the worker plugin knows them
 )
 
 _OWN = ("model", "optimizer", "_objects", "_saved", "_last_version", "_commits", "_synced",
-        "_ledger", "_id", "_seq", "_announced")
+        "_ledger", "_id", "_seq", "_announced", "_durable")
 
 
 class State:
@@ -93,7 +93,23 @@ class State:
         object.__setattr__(self, "_id", mint_state_id())
         object.__setattr__(self, "_seq", 0)  # the last commit key's counter (never reused)
         object.__setattr__(self, "_announced", False)  # told the scheduler it committed
+        object.__setattr__(self, "_durable", None)  # checkpoint_to's: collective.checkpoint
         self.save()
+
+    def checkpoint_to(self, url: str, every: int = 100) -> State:
+        """Write every ``every``-th commit durably to ``url`` (any fsspec URL) with
+        ``torch.distributed.checkpoint``, in the background, together with the ledger of
+        the ``"dynamic"`` datasets trained under this State; returns the State.
+
+        A ``sync()`` whose members hold no commit newer than the newest complete
+        checkpoint there (a new cluster, or every holder lost) loads it on every rank,
+        and the datasets' epochs go on from its ledger. Call it alike on every rank
+        (in the factory that makes the State).
+        """
+        from daskdist.collective.checkpoint import Durable  # imports fsspec and DCP
+
+        object.__setattr__(self, "_durable", Durable(url, every))
+        return self
 
     # -- objects as attributes ---------------------------------------------------
 
@@ -140,8 +156,9 @@ class State:
         ledger = self._ledger
         prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout)
         dev = g._wire_device()
-        head = torch.tensor([int(bool(tokens)), membership_version(), prev, self._seq],
-                            dtype=torch.int64, device=dev)
+        leaving = int(self._durable is not None and _leaving())
+        head = torch.tensor([int(bool(tokens)), membership_version(), prev, self._seq,
+                             leaving], dtype=torch.int64, device=dev)
         try:
             heads = g.allgather(head)  # one small call: commit() runs every step
         except BaseException:
@@ -173,12 +190,16 @@ class State:
             self._synced = True
         else:
             self._promote(snapshot)
+        if leaving and min(int(h[4]) for h in heads) and g.rank == 0:
+            self._checkpoint_last(g)  # every member leaves: none would hold the state
         self._check(version)
 
     def _promote(self, snapshot: tuple) -> None:
         self._saved = snapshot
         self._commits += 1
         self._synced = True
+        if self._durable is not None and self._durable.due(self._commits) and _rank() == 0:
+            self._durable.write(self._id, self._commits, snapshot, _services())
         if not self._announced:  # once: the scheduler's record that this State committed
             services = _services()
             if services is not None:
@@ -242,11 +263,18 @@ class State:
             services = _services()
             known = services.state_commits(self._id) if services is not None else 0
         dev = g._wire_device()
-        head = torch.tensor([self._commits, membership_version(), self._seq, known],
+        # rank 0 looks for the newest complete checkpoint (it writes them too)
+        newest = self._durable.newest() if self._durable is not None and g.rank == 0 else 0
+        head = torch.tensor([self._commits, membership_version(), self._seq, known, newest],
                             dtype=torch.int64, device=dev)
         heads = g.allgather(head)
         counts = [int(h[0]) for h in heads]
-        if max(counts) == 0 and max(int(h[3]) for h in heads) > 0:
+        newest = int(heads[0][4])
+        if newest > max(counts):  # no member holds a newer commit: resume from it
+            if g.rank == 0:
+                self._resume(newest)
+            counts[0] = newest  # rank 0 holds it now: the source of the broadcast below
+        elif max(counts) == 0 and max(int(h[3]) for h in heads) > 0:
             self._no_holder(g, max(int(h[3]) for h in heads))
         src = counts.index(max(counts))
         if self.model is not None:
@@ -271,6 +299,32 @@ class State:
         self._seq = max(int(h[2]) for h in heads)
         self._synced = True
         self.save()
+
+    def _resume(self, commits: int) -> None:
+        """Rank 0: load checkpoint ``commits`` into this rank's model, optimizer and
+        objects (``sync()`` then hands it to every rank), and take its datasets' ledger
+        to the scheduler (rows it acknowledged are never delivered again; rows
+        acknowledged by later, lost commits are delivered again)."""
+        model_sd = self.model.state_dict() if self.model is not None else None
+        opt_sd, objects, record = self._durable.load(commits, model_sd)
+        if self.optimizer is not None and opt_sd is not None:
+            self.optimizer.load_state_dict(opt_sd)
+        self._objects.clear()
+        self._objects.update(objects)
+        services = _services()
+        if services is not None:
+            services.restore_ledger(self._id, record.get("ledger") or {})
+            services.state_commits(self._id, committed=True)
+            self._announced = True
+
+    def _checkpoint_last(self, g: Group) -> None:
+        """Rank 0, every member leaving (a preemption notice, a retirement of all): the
+        newest commit, settled, is written now and waited for, so the next job resumes
+        from it and not from an older checkpoint."""
+        self._settle_pending()
+        if self._durable.newest() < self._commits:
+            self._durable.write(self._id, self._commits, self._saved, _services(),
+                                wait=True)
 
     def _no_holder(self, g: Group, known: int) -> None:
         """No member of ``g`` holds a commit of this State, yet the scheduler recorded
@@ -297,6 +351,20 @@ def _outcome(reply, timeout: float) -> int:
         return _OK if reply.result(timeout) else _REFUSED
     except Exception:  # noqa: BLE001 - a comm error, a timeout: the outcome is unknown
         return _UNKNOWN
+
+
+def _rank() -> int:
+    """This member's rank in the formed group (-1 without one)."""
+    try:
+        return get_group().rank
+    except RuntimeError:
+        return -1
+
+
+def _leaving() -> bool:
+    """Whether this worker is leaving (retiring, closing or preempted)."""
+    services = _services()
+    return bool(services is not None and services.leaving)
 
 
 def _services():

@@ -18,6 +18,7 @@ constructor adds each application (routes from ``bokeh.server.urls.per_app_patte
 from __future__ import annotations
 
 import functools
+import html
 import logging
 from typing import Any
 
@@ -59,6 +60,15 @@ def _pick(snaps: dict[str, dict], wanted: str | None) -> dict | None:
 
 def _time_ms(values: list[float]) -> list[float]:
     return [1000.0 * v for v in values]
+
+
+def _checkpoint_text(ck: dict | None) -> str:
+    """The newest complete checkpoint, for the group panel."""
+    if not ck:
+        return "checkpoint: none written"
+    return (f"checkpoint: step {ck['commits']} · {ck['age_seconds']:.0f} s ago · written "
+            f"in {ck['seconds']:.2f} s ({ck['nbytes'] / 2**20:.1f} MiB) · "
+            f"{html.escape(ck['url'])}")
 
 
 class DaskdistDashboard:
@@ -201,7 +211,8 @@ class DaskdistDashboard:
             f"<b>collective group</b>: generation {g.get('generation', 0)} · "
             f"{g.get('backend', '-')} · {'formed' if g.get('formed') else 'not formed'} · "
             f"{g.get('formations', 0)} formations, {g.get('losses', 0)} members lost · "
-            f"last formation {g.get('bootstrap_seconds', 0.0):.2f} s<br>members: {members}")
+            f"last formation {g.get('bootstrap_seconds', 0.0):.2f} s<br>members: {members}"
+            f"<br>{_checkpoint_text(g.get('checkpoint'))}")
         ev = snap["events"]
         self.events.data = {
             "time": [1000.0 * e["time"] for e in ev],

@@ -147,6 +147,20 @@ class MetricsCollector:
         d_epoch = GaugeMetricFamily(
             "daskdist_dataset_epoch_rows", "Rows of the dataset's newest epoch, by state",
             labels=["coordinator", "dataset", "epoch", "state"])
+        ck_total = CounterMetricFamily(
+            "daskdist_checkpoints", "Checkpoints written by State.checkpoint_to",
+            labels=co_label)
+        ck_step = GaugeMetricFamily(
+            "daskdist_checkpoint_step", "Commit held by the newest complete checkpoint",
+            labels=co_label)
+        ck_age = GaugeMetricFamily(
+            "daskdist_checkpoint_age_seconds", "Seconds since the newest checkpoint completed",
+            labels=co_label)
+        ck_secs = GaugeMetricFamily(
+            "daskdist_checkpoint_write_seconds", "Duration of the newest checkpoint's write",
+            labels=co_label)
+        ck_bytes = GaugeMetricFamily(
+            "daskdist_checkpoint_bytes", "Size of the newest checkpoint", labels=co_label)
         for name, snap in snapshots(self.plugin).items():
             status, group = snap["status"], snap["group"]
             for key, family in fams.items():
@@ -165,9 +179,17 @@ class MetricsCollector:
             for d in snap["datasets"]:
                 for state in ("acknowledged", "leased", "free"):
                     d_epoch.add_metric([name, d["dataset_id"], str(d["epoch"]), state], d[state])
+            ck_total.add_metric([name], group.get("checkpoints", 0))
+            ck = group.get("checkpoint")
+            if ck:
+                ck_step.add_metric([name], ck["commits"])
+                ck_age.add_metric([name], ck["age_seconds"])
+                ck_secs.add_metric([name], ck["seconds"])
+                ck_bytes.add_metric([name], ck["nbytes"])
         yield from fams.values()
         yield from (recoveries, reformations, losses, formation, expiries, lost,
-                    w_closures, w_rows, d_rows, d_epoch)
+                    w_closures, w_rows, d_rows, d_epoch, ck_total, ck_step, ck_age, ck_secs,
+                    ck_bytes)
 
 
 class Sampler:

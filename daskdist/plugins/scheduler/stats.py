@@ -44,6 +44,18 @@ class GroupEvent:
 
 
 @dataclass
+class CheckpointRecord:
+    """The newest complete checkpoint a State's writer reported (``State.checkpoint_to``)."""
+
+    state: str
+    url: str
+    commits: int  # the commit it holds (the State's step count)
+    seconds: float  # how long the write took
+    nbytes: int
+    time: float  # wall-clock seconds when it completed
+
+
+@dataclass
 class Sample:
     """One point of history: the coordinator's counters and each worker's totals."""
 
@@ -68,6 +80,8 @@ class CoordinatorStats:
         self.history: deque[Sample] = deque(maxlen=max(2, int(history)))
         self.losses = 0  # group members lost
         self.formations = 0  # successful formations (the first and every re-formation)
+        self.checkpoint: CheckpointRecord | None = None  # the newest one written
+        self.checkpoints = 0  # checkpoints written (reported)
 
     # -- hooks (scheduler event loop) -----------------------------------------------------
     def _worker(self, co: Any, session: str) -> WorkerCounters:
@@ -105,6 +119,15 @@ class CoordinatorStats:
         self.formations += ok
         self.events.append(GroupEvent(self.clock(), "formed" if ok else "formation-failed",
                                       generation, members, seconds))
+
+    def on_checkpoint(self, state: str, url: str, commits: int, seconds: float,
+                      nbytes: int) -> None:
+        """A State's writer finished a checkpoint (the newest kept for display)."""
+        self.checkpoints += 1
+        newest = self.checkpoint
+        if newest is None or commits >= newest.commits or state != newest.state:
+            self.checkpoint = CheckpointRecord(state, url, commits, seconds, nbytes,
+                                               self.clock())
 
     def sample(self, status: dict) -> Sample:
         s = Sample(self.clock(), status["done"], status["failed"], status["retried"],
@@ -176,6 +199,10 @@ def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
     group["formations"] = stats.formations
     group["reformations"] = max(0, stats.formations - 1)
     group["losses"] = stats.losses
+    ck = stats.checkpoint
+    group["checkpoints"] = stats.checkpoints
+    group["checkpoint"] = None if ck is None else {
+        **asdict(ck), "age_seconds": max(0.0, stats.clock() - ck.time)}
     return {
         "name": co.name,
         "status": status,

@@ -109,3 +109,31 @@ class SessionServices:
         if self.ended:
             raise self._ended_error()
         return int(self._call("daskdist_state_commits", state=state, committed=committed))
+
+    # -- durable commits (collective.checkpoint) ---------------------------------------
+    @property
+    def leaving(self) -> bool:
+        """This worker is leaving: retiring, closing, or told to leave (a preemption
+        notice). A State checkpoints the commit it leaves at when no member stays."""
+        return self.worker.status.name in ("closing_gracefully", "closing", "closed")
+
+    def dataset_ledger(self, state: str) -> dict:
+        """The ledger of State ``state``'s ``"dynamic"`` datasets as the scheduler holds
+        it now, by dataset name: epoch, acknowledged rows, seed, rows and units."""
+        if self.ended:
+            raise self._ended_error()
+        return self._call("daskdist_dataset_ledger", state=state)
+
+    def restore_ledger(self, state: str, ledger: dict) -> None:
+        """A State resumed from a checkpoint: its datasets' epochs go on from ``ledger``
+        (rows it acknowledged stay acknowledged, every other row is delivered again)."""
+        if self.ended:
+            raise self._ended_error()
+        self._call("daskdist_restore_ledger", state=state, ledger=ledger)
+
+    def checkpoint_written(self, state: str, url: str, commits: int, seconds: float,
+                           nbytes: int) -> None:
+        """Report a complete checkpoint (the dashboard and metrics show the newest)."""
+        if not self.ended:
+            self._call("daskdist_checkpoint_written", state=state, url=url,
+                       commits=int(commits), seconds=float(seconds), nbytes=int(nbytes))
