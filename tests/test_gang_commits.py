@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daskdist.core.commits import CommitBook, RankLedger, commit_key
-from daskdist.core.leases import LeaseTable
+from daskdist.core.leases import LeaseTable, unit_runs
 
 DS, EPOCH = "ds", 0
 UNITS = [7, 5, 9, 4, 6, 8]  # rows per unit
@@ -27,7 +27,7 @@ class Sim:
 
     def __init__(self, n_ranks: int = 3):
         self.table = LeaseTable()
-        self.table.define(DS, EPOCH, UNITS)
+        self.table.define(DS, unit_runs(UNITS))
         self.book = CommitBook()
         self.fresh = 0
         self.sessions = [self._new_session() for _ in range(n_ranks)]
@@ -45,9 +45,9 @@ class Sim:
     def step(self) -> None:
         """Every rank takes a batch (the free rows of one unit), if any is free."""
         for r, s in enumerate(self.sessions):
-            lease = self.table.acquire(s, DS, EPOCH, UNITS)
+            lease = self.table.acquire(s, DS, EPOCH, 1)
             if lease is not None:
-                self.lists[r].append(("lease", DS, EPOCH, lease[1]))
+                self.lists[r].append(("lease", DS, EPOCH, lease))
 
     def working(self) -> Counter:
         """The model the ranks hold now: the commit plus every rank's rows since."""
@@ -190,11 +190,11 @@ def test_parts_apply_once_all_came_and_a_loss_refuses_open_commits():
 
 def test_a_commit_acknowledges_every_session_or_none():
     table = LeaseTable()
-    table.define(DS, EPOCH, UNITS)
-    a = table.acquire("a", DS, EPOCH, UNITS)
-    b = table.acquire("b", DS, EPOCH, UNITS)
-    tok_a = [("lease", DS, EPOCH, a[1])]
-    tok_b = [("lease", DS, EPOCH, b[1])]
+    table.define(DS, unit_runs(UNITS))
+    a = table.acquire("a", DS, EPOCH, 1)
+    b = table.acquire("b", DS, EPOCH, 1)
+    tok_a = [("lease", DS, EPOCH, a)]
+    tok_b = [("lease", DS, EPOCH, b)]
     assert not table.ack_sessions({"a": tok_a, "b": tok_a})  # b does not hold a's rows
     assert table.progress(DS, EPOCH)["acknowledged"] == 0
     assert table.ack_sessions({"a": tok_a, "b": tok_b})

@@ -4,7 +4,8 @@ A resource (a replica, a dataset, an iterator over a dataset) is built from the 
 its client registered (a :class:`~daskdist.core.protocol.ResourceSpec`, fetched from the
 scheduler) the first time a closure of the session needs it, with the session's
 contexts: a dataset's :class:`~daskdist.context.InputContext` carries the session's
-services (``leases``), so a loader can only lease rows for the session that built it.
+services (``leases``), so a loader can only lease rows for the session that built it,
+and the dataset's identity (its resource id: the call that made it).
 When the session ends, :meth:`ResourceRegistry.close` closes every resource that has a
 ``close()`` (loaders and their iterators: their prefetch threads and open files go).
 
@@ -32,7 +33,7 @@ class ResourceRegistry:
     """This session's per-worker resources, built on first use from their factories."""
 
     def __init__(self, fetch_spec: Callable[[str], bytes | None],
-                 contexts: Callable[[], tuple[WorkerContext, InputContext]]):
+                 contexts: Callable[[str], tuple[WorkerContext, InputContext]]):
         self._fetch_spec = fetch_spec
         self._contexts = contexts
         self._objects: dict[str, Any] = {}
@@ -65,7 +66,7 @@ class ResourceRegistry:
         if payload is None:
             raise InputError(f"per-worker resource {rid} is not registered with the coordinator")
         spec = ResourceSpec._make(loads(payload))
-        worker_ctx, input_ctx = self._contexts()
+        worker_ctx, input_ctx = self._contexts(rid)
         try:
             if spec.kind == "iterator":
                 return (spec.factory or iter)(self.get(spec.parent))

@@ -400,12 +400,14 @@ class ClosureRunner:
                              self.worker.address, attempt, self.name)
 
     def _contexts_for(self, services: SessionServices
-                      ) -> Callable[[], tuple[WorkerContext, InputContext]]:
-        """What a session's per-worker factories receive (built when a resource is)."""
-        def contexts() -> tuple[WorkerContext, InputContext]:
+                      ) -> Callable[[str], tuple[WorkerContext, InputContext]]:
+        """What a session's per-worker factories receive (built when resource ``rid``
+        is): a dataset's input context carries its identity, the resource id."""
+        def contexts(rid: str) -> tuple[WorkerContext, InputContext]:
             wctx = self._worker_context()
             n = max(1, self.num_workers)
-            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, leases=services)
+            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, leases=services,
+                                dataset_id=rid)
             return wctx, ictx
 
         return contexts
