@@ -191,6 +191,9 @@ class UnitFailure(Exception):
         self.unit = unit
         self.exc = exc
 
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.unit, self.exc))
+
     def error(self) -> BaseException:
         """The error to raise: a data error names the file and row group (the column is
         in the converter's message); anything else is raised as it is."""

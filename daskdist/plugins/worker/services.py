@@ -73,7 +73,9 @@ class SessionServices:
         return [(int(a), int(b)) for a, b in lease]
 
     def progress(self, dataset_id: str, epoch: int) -> dict:
-        return self._call("daskdist_lease_progress", dataset_id=dataset_id, epoch=int(epoch))
+        """An epoch's counts (read-only: any session may ask)."""
+        return sync(self.worker.loop, self.worker.scheduler.daskdist_lease_progress,
+                    name=self.name, dataset_id=dataset_id, epoch=int(epoch))
 
     def release(self, dataset_id: str, epoch: int, ranges: list,
                 failure: tuple[str, str] | None = None) -> int:
