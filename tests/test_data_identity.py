@@ -302,3 +302,57 @@ def test_a_file_failing_max_worker_failures_times_fails_the_epoch(client, tmp_pa
     with pytest.raises(dd.InputError, match="part-2.parquet"):
         ds.progress()
     co.close()
+
+
+# -- point 7 (the lease handlers): arguments checked, callers' sessions live ---------------
+
+
+def test_lease_handlers_check_arguments_and_sessions(client, coord, shards):
+    ds = coord.distribute_dataset(shards, global_batch_size=3 * 40, policy="dynamic")
+    it = iter(ds)
+    assert coord.fetch([coord.schedule(take_rows, args=(it,)) for _ in range(6)])
+    assert ds.progress()["acknowledged"] > 0  # an epoch under way
+
+    def call(op, **kw):
+        return client.sync(getattr(client.scheduler, op), name=coord.name, **kw)
+
+    good = {"session": "x" * 32, "dataset_id": ds.dataset_id, "epoch": 0}
+    bad_args = [
+        ("daskdist_lease_acquire", {**good, "rows": 100, "dataset_id": 7}, TypeError,
+         "dataset_id must be a str"),
+        ("daskdist_lease_acquire", {**good, "rows": 100, "epoch": -1}, ValueError,
+         "epoch must be in"),
+        ("daskdist_lease_acquire", {**good, "rows": "100"}, TypeError, "rows must be an int"),
+        ("daskdist_lease_acquire", {**good, "rows": True}, TypeError, "rows must be an int"),
+        ("daskdist_lease_release", {**good, "ranges": [[0, 1]] * (1 + (1 << 18))}, ValueError,
+         "ranges has 262145 items"),
+        ("daskdist_lease_release", {**good, "ranges": [[0, 1, 2]]}, TypeError, "pair"),
+        ("daskdist_lease_release", {**good, "ranges": [[0, 1]], "failure": "f"}, TypeError,
+         "failure"),
+        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, 1]]], "owner": "nobody"},
+         ValueError, "owner 'nobody' is not attached"),
+        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, -1]]],
+                                     "owner": coord._owner}, ValueError, "runs item"),
+        ("daskdist_dataset_define", {"dataset": [ds.dataset_id, "", [[5, 1]]],
+                                     "owner": coord._owner}, ValueError, "differ"),
+        ("daskdist_dataset_start", {"owner": coord._owner,
+                                    "ledger": [ds.dataset_id, 0, [], TOTAL]},
+         ValueError, "started already"),
+    ]
+    for op, kw, exc, match in bad_args:
+        with pytest.raises(exc, match=match):
+            call(op, **kw)
+    # an old client's per-unit list: refused at once, no table defined
+    with pytest.raises(TypeError, match="unit_rows"):
+        call("daskdist_lease_progress", dataset_id="new", epoch=0, unit_rows=[100] * 10**5)
+    # read-only: asking about a dataset never creates one
+    assert not call("daskdist_lease_progress", dataset_id="new", epoch=0)["known"]
+    assert "new" not in datasets_on_scheduler(client, coord.name)
+    # a session that is not a live member is refused, and changes nothing
+    before = ds.progress()
+    assert call("daskdist_lease_acquire", **good, rows=100) == {"expired": True}
+    assert call("daskdist_lease_release", **good, ranges=[[0, TOTAL]]) == 0
+    assert call("daskdist_dataset_define", dataset=["d2", "", [[5, 1]]],
+                session="x" * 32) == {"expired": True}
+    assert ds.progress() == before
+    assert "d2" not in datasets_on_scheduler(client, coord.name)

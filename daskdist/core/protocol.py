@@ -149,7 +149,8 @@ class EpochLedger(NamedTuple):
 
 # -- argument checks for scheduler handlers (a clear error naming the argument) -------
 MAX_ID_CHARS = 256  # a dataset id or label
-MAX_RANGES = 1 << 20  # row intervals in one message (a release, an epoch's ledger)
+MAX_RANGES = 1 << 18  # row intervals in one message (a release, an epoch's ledger):
+# about 0.3 s of the scheduler's event loop at most
 MAX_RUNS = 1 << 22  # runs of one dataset's unit definition
 MAX_ROWS = 1 << 50  # rows of a dataset (and rows asked for in one lease)
 MAX_EPOCH = (1 << 31) - 1
