@@ -184,21 +184,36 @@ def test_per_worker_datasets_with_a_dynamic_loader_are_new_each_call(coord, shar
     assert p["complete"] and p["total"] == TOTAL and p["name"] == ""
 
 
+def prefetching(dask_worker) -> int:
+    import threading
+
+    return sum(t.name.startswith("daskdist-prefetch") for t in threading.enumerate())
+
+
 def test_a_dataset_goes_with_its_handle_and_with_its_coordinator(client, coord, shards):
     name = coord.name
+    done = coord.distribute_dataset(shards, global_batch_size=3 * 40, policy="dynamic")
+    rows, _ = drain(coord, done, iter(done))
+    exactly_once(rows)
+    # dropped mid-epoch: its loaders hold leased rows they have not handed out
     ds = coord.distribute_dataset(shards, global_batch_size=3 * 40, policy="dynamic")
     it = iter(ds)
-    rows, _ = drain(coord, ds, it)
-    exactly_once(rows)
+    assert coord.fetch([coord.schedule(take_rows, args=(it,)) for _ in range(6)])
+    assert ds.progress()["leased"] > 0
     kept = coord.distribute_dataset(shards, global_batch_size=3 * 40, policy="dynamic")
-    assert datasets_on_scheduler(client, name) == sorted([ds.dataset_id, kept.dataset_id])
-    gone = ds.dataset_id
-    del ds, it
+    assert datasets_on_scheduler(client, name) == sorted(
+        [done.dataset_id, ds.dataset_id, kept.dataset_id])
+    gone = [done.dataset_id, ds.dataset_id]
+    del ds, it, done
     gc.collect()
     coord._release_now()
     wait_until(lambda: datasets_on_scheduler(client, name) == [kept.dataset_id], 30,
-               "the dropped dataset's tables to go")
-    assert gone not in datasets_on_scheduler(client, name)
+               "the dropped datasets' tables to go")
+    assert not set(gone) & set(datasets_on_scheduler(client, name))
+    # the workers closed the loaders (off their event loops) and still run closures
+    wait_until(lambda: sum(client.run(prefetching).values()) == 0, 30,
+               "the dropped loaders' producers to stop")
+    assert coord.fetch(coord.schedule(len, args=([1, 2],))) == 2
     other = dd.Coordinator(client, name=name)  # a second client-side Coordinator
     mine = other.distribute_dataset(shards, global_batch_size=3 * 40, policy="dynamic")
     other.close()  # its datasets go with it; the first coordinator's stay

@@ -87,14 +87,17 @@ class ResourceRegistry:
         return map_structure(lambda v: self.get(v.rid) if is_ref(v) else v, structure, is_ref)
 
     def drop(self, rids: list[str]) -> None:
-        """Forget and close released resources (the client dropped them after every
-        closure that could use them had finished)."""
+        """Forget released resources (the client dropped them after every closure that
+        could use them had finished) and close them in a thread of their own: called on
+        the event loop, and closing a loader may wait for its producer's lease RPC, or
+        make one (giving back leased rows), both of which need that loop."""
         with self._lock:
             gone = [(rid, self._objects.pop(rid)) for rid in rids if rid in self._objects]
             for rid in rids:
                 self._building.pop(rid, None)
-        for rid, obj in gone:
-            _close(rid, obj)
+        if gone:
+            threading.Thread(target=_close_all, args=(gone,), daemon=True,
+                             name="daskdist-close-dropped").start()
 
     def close(self) -> None:
         """The session ended: close every resource (iterators before their datasets) and
@@ -109,6 +112,11 @@ class ResourceRegistry:
 
     def __len__(self) -> int:
         return len(self._objects)
+
+
+def _close_all(objects: list[tuple[str, Any]]) -> None:
+    for rid, obj in reversed(objects):  # iterators before their datasets
+        _close(rid, obj)
 
 
 def _close(rid: str, obj: Any) -> None:
