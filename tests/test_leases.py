@@ -420,3 +420,24 @@ def test_acknowledging_several_sessions_at_once_completes_and_drops_the_epoch():
     assert t.ack_sessions(tok)
     assert t.is_complete(DS, 0) and t.newest_epochs() == {DS: 0}
     assert sorted(told) == [("a", DS, 3), ("b", DS, 4)]  # the dashboard's counters
+
+
+def test_a_closures_tokens_are_merged_one_per_epoch_table():
+    from daskdist.core.leases import merge_tokens
+
+    toks = [("lease", DS, 0, [(0, 4)]), ("gang", 1), ("lease", DS, 0, [(4, 8), (10, 12)]),
+            ("lease", DS, 1, [(0, 2)])]
+    merged = merge_tokens(toks)
+    assert ("gang", 1) in merged and len(merged) == 3
+    assert ("lease", DS, 0, [(0, 8), (10, 12)]) in merged
+    assert ("lease", DS, 1, [(0, 2)]) in merged
+    bad = [("lease", DS, 0, [(0,)]), ("lease", DS, 0, [(1, 2)])]
+    assert merge_tokens(bad) is bad  # malformed: left for the scheduler to refuse
+    one = [("lease", DS, 0, [(0, 4)])]
+    assert merge_tokens(one) is one
+    t = table([4, 4])
+    t.acquire("a", DS, 0, 1)
+    t.acquire("a", DS, 0, 1)  # two leases, adjacent: acknowledged as one run
+    assert t.ack_tokens("a", merge_tokens([("lease", DS, 0, [(0, 4)]),
+                                           ("lease", DS, 0, [(4, 8)])]))
+    assert t.is_complete(DS, 0)

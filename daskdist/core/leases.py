@@ -51,6 +51,7 @@ __all__ = [
     "SessionExpired",
     "UnknownDataset",
     "group_tokens",
+    "merge_tokens",
     "unit_runs",
 ]
 
@@ -80,6 +81,21 @@ def group_tokens(tokens: Iterable[object]) -> dict[tuple[str, int], list[Interva
         if lease is not None:
             groups.setdefault((lease.dataset_id, lease.epoch), []).extend(lease.ranges)
     return groups
+
+
+def merge_tokens(tokens: list) -> list:
+    """One closure's tokens with its lease tokens merged, one per epoch table (fewer,
+    shorter intervals to send and check); tokens of other kinds kept. A malformed lease
+    token leaves the list as it is (the scheduler refuses it)."""
+    try:
+        groups = group_tokens(tokens)
+    except ValueError:
+        return tokens
+    if sum(LeaseToken.parse(t) is not None for t in tokens) <= len(groups):
+        return tokens  # nothing to merge
+    others = [t for t in tokens if LeaseToken.parse(t) is None]
+    return others + [LeaseToken.of(ds, epoch, normalize(ranges))
+                     for (ds, epoch), ranges in groups.items()]
 
 
 def unit_runs(unit_rows: Iterable[int]) -> list[tuple[int, int]]:

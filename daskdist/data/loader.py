@@ -49,13 +49,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import torch
 
 from daskdist import config
 from daskdist.context import InputContext
+from daskdist.core.intervals import normalize
 from daskdist.core.leases import unit_runs
 from daskdist.core.protocol import DatasetDef
 from daskdist.data import batching
@@ -297,6 +297,15 @@ class ArrowLoader:
         return DeviceStage(CudaTransfer(self.device), int(config.get("data.staging-slots", 2)))
 
 
+def _ranges(item: ChunkItem, a: int, b: int) -> list[tuple[int, int]] | None:
+    """Rows ``[a, b)`` of a block as row-id intervals (``None``: not a dynamic block)."""
+    if item.ids is None:
+        return None
+    ids = item.ids[a:b]
+    return (batching.ranges_of_ascending(ids) if item.ascending
+            else batching.ranges_of_ids(ids))
+
+
 class _LoaderIterator:
     """One pass over a loader's epoch, safe to call from several threads (module doc).
 
@@ -347,14 +356,15 @@ class _LoaderIterator:
 
     def __next__(self) -> Any:
         with self._lock:
-            parts, ids, items = self._cut()
-            if ids is not None:  # in the caller's thread: the rows count for its closure
-                self._source.delivered(batching.ranges_of_ids(ids))
+            parts, ranges, items = self._cut()
+            if ranges is not None:  # in the caller's thread: the rows count for its closure
+                self._source.delivered(ranges)
         return self._finish(parts, items)
 
     # -- under the lock ------------------------------------------------------------------
-    def _cut(self) -> tuple[list[Any], np.ndarray | None, list[ChunkItem]]:
-        """The next batch's parts (views), row ids and the blocks they come from."""
+    def _cut(self) -> tuple[list[Any], list[tuple[int, int]] | None, list[ChunkItem]]:
+        """The next batch's parts (views), its row ids as intervals (dynamic policy)
+        and the blocks they come from."""
         if self._closed:
             raise StopIteration
         bs = self._bs
@@ -362,10 +372,9 @@ class _LoaderIterator:
         if cur is not None and a + bs <= cur.rows:  # fast path: a view of the block
             self._at = a + bs
             self.position += bs
-            ids = cur.ids[a:a + bs] if cur.ids is not None else None
-            return [slice_cols(cur.cols, a, a + bs)], ids, [cur]
+            return [slice_cols(cur.cols, a, a + bs)], _ranges(cur, a, a + bs), [cur]
         parts: list[Any] = []
-        id_parts: list[np.ndarray] = []
+        id_parts: list[list[tuple[int, int]]] = []
         items: list[ChunkItem] = []
         got = 0
         if self._done and self._dynamic and (cur is None or a >= cur.rows):
@@ -382,16 +391,17 @@ class _LoaderIterator:
             parts.append(slice_cols(cur.cols, a, b))
             items.append(cur)
             if cur.ids is not None:
-                id_parts.append(cur.ids[a:b])
+                id_parts.append(_ranges(cur, a, b))
             self._at = b
             got += b - a
         if got == 0 or (got < bs and self.loader.drop_last):
             raise StopIteration
         self.position += got
-        ids = None
+        ranges = None
         if id_parts:
-            ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
-        return parts, ids, items
+            ranges = id_parts[0] if len(id_parts) == 1 else normalize(
+                iv for part in id_parts for iv in part)
+        return parts, ranges, items
 
     def _next_item(self) -> ChunkItem | None:
         """The next block; ``None`` at the end of the pass or once closed."""

@@ -61,6 +61,7 @@ class ChunkItem(NamedTuple):
     ids: np.ndarray | None  # global row ids (dynamic policy), else None
     rows: int
     staged: Any = None  # set by the device stage: what consumers wait on before use
+    ascending: bool = False  # ``ids`` ascend (unshuffled): a batch's runs without a sort
 
 
 class ChunkSource(Protocol):
@@ -86,8 +87,8 @@ def _convert(loader: ArrowLoader, table: pa.Table, index: np.ndarray | None) -> 
     return convert_chunk(table, loader.fill_null, index)
 
 
-def _item(cols: Any, ids: np.ndarray | None) -> ChunkItem:
-    return ChunkItem(cols, ids, num_rows(cols))
+def _item(cols: Any, ids: np.ndarray | None, ascending: bool = False) -> ChunkItem:
+    return ChunkItem(cols, ids, num_rows(cols), ascending=ascending)
 
 
 class StaticSource:
@@ -229,6 +230,33 @@ def pieces_of(units: list[Unit], starts: list[int], ranges: list[Interval]) -> l
     return out
 
 
+class _Ask:
+    """A lease asked for: at once when the service can ask ahead (``acquire_async``,
+    a future), else when :meth:`result` is called."""
+
+    def __init__(self, svc: Any, dataset_id: str, epoch: int, rows: int) -> None:
+        self._svc = svc
+        self._args = (dataset_id, epoch, rows)
+        ahead = getattr(svc, "acquire_async", None)
+        self._future = ahead(*self._args) if ahead is not None else None
+
+    def result(self) -> list[Interval] | None:
+        """The lease (waits for the reply; ends when the RPC does)."""
+        if self._future is None:
+            return self._svc.acquire(*self._args)
+        return self._future.result()
+
+    def collect(self) -> list[Interval] | None:
+        """The rows of a lease asked ahead and not used (``None``: never asked, or it
+        failed): the caller gives them back."""
+        if self._future is None:
+            return None
+        try:
+            return self._future.result()
+        except Exception:  # noqa: BLE001 - no lease came: nothing to give back
+            return None
+
+
 class DynamicSource:
     """Rows leased from ``ctx.leases``, read unit by unit (under ``shuffle``, in blocks
     of at least ``shuffle_buffer`` rows, tile-permuted).
@@ -253,9 +281,11 @@ class DynamicSource:
         svc = ld.ctx.leases
         ld._define()
         reader = ld.shards.reader()
+        ask: _Ask | None = _Ask(svc, ld.dataset_id, self.epoch, ld.lease_rows)
         try:
             while True:
-                ranges = svc.acquire(ld.dataset_id, self.epoch, ld.lease_rows)
+                ranges = ask.result()  # type: ignore[union-attr]
+                ask = None
                 if not ranges:
                     return
                 ranges = [(int(a), int(b)) for a, b in ranges]
@@ -263,6 +293,10 @@ class DynamicSource:
                 with self._lock:
                     self._leases.append(held)
                 groups = self._groups(pieces_of(ld.shards.units, ld._starts, ranges), ranges)
+                # the next lease is asked for now and read after this one: its round
+                # trip overlaps this lease's reads (a service that cannot ask ahead is
+                # asked when the next lease is needed)
+                ask = _Ask(svc, ld.dataset_id, self.epoch, ld.lease_rows)
                 for k, group in enumerate(groups):
                     try:
                         item = self._read(reader, group)
@@ -277,6 +311,9 @@ class DynamicSource:
                         yield item
         finally:
             reader.close()
+            rest = ask.collect() if ask is not None else None
+            if rest:  # asked ahead, never read (closed, or a read failed): given back
+                svc.release(ld.dataset_id, self.epoch, rest)
 
     def _groups(self, pieces: list[Piece], ranges: list[Interval]) -> list[list[Piece]]:
         """A lease's pieces in read order: one unit per block, or, shuffled, the units
@@ -322,7 +359,7 @@ class DynamicSource:
                                            int(all_ids[0]), tile)
             all_ids = all_ids[index]
         try:
-            return _item(_convert(ld, table, index), all_ids)
+            return _item(_convert(ld, table, index), all_ids, ascending=not ld.shuffle)
         except Exception as e:  # noqa: BLE001 - find the unit whose rows fail
             raise UnitFailure(self._culprit(tables, group), e) from e
 
@@ -359,7 +396,12 @@ class DynamicSource:
     def delivered(self, ranges: list[Interval]) -> None:
         """Rows handed to the caller: no longer ours to give back; they count for the
         caller's closure (acknowledged if it completes, released if it fails)."""
+        rows = ranges
         with self._lock:
+            if len(ranges) == 1 and self._leases and self._leases[0].remove(*ranges[0]):
+                if not self._leases[0]:  # the usual case: one run of the oldest lease
+                    del self._leases[0]
+                ranges = []
             emptied = False
             for a, b in ranges:
                 left = b - a
@@ -372,7 +414,7 @@ class DynamicSource:
                         break
             if emptied:
                 self._leases = [held for held in self._leases if held]
-        record_consumed(LeaseToken.of(self.loader.dataset_id, self.epoch, ranges))
+        record_consumed(LeaseToken.of(self.loader.dataset_id, self.epoch, rows))
 
     def close(self) -> None:
         """Give back leased rows no caller received (when the service supports it)."""

@@ -39,6 +39,7 @@ from daskdist.context import (
     _set_membership,
     closure_scope,
 )
+from daskdist.core.leases import merge_tokens
 from daskdist.core.protocol import (
     COLLECTIVE_ERROR,
     FAILED,
@@ -432,10 +433,10 @@ class ClosureRunner:
                     args, kwargs = session.resources.resolve((args, kwargs))
                 value = fn(*args, **kwargs)
                 result = Outcome(item.cid, READY, dumps(value), None, item.attempt,
-                                 tokens=scope.tokens)
+                                 tokens=merge_tokens(scope.tokens))
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
                 result = Outcome(item.cid, FAILED, dump_error(e), _error_kind(e),
-                                 item.attempt, tokens=scope.tokens)
+                                 item.attempt, tokens=merge_tokens(scope.tokens))
         self._finished(item, result)
 
     def _finished(self, item: Work, result: Outcome) -> None:

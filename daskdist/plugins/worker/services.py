@@ -63,14 +63,30 @@ class SessionServices:
         ``InputError`` when the epoch failed (a file's reads failed too often)."""
         if self.ended:
             return None
-        reply = self._call("daskdist_lease_acquire", dataset_id=dataset_id, epoch=int(epoch),
-                           rows=int(rows))
-        if reply.get("failed") is not None:
-            raise InputError(reply["failed"])
-        lease = reply.get("lease")
-        if not lease:
-            return None
-        return [(int(a), int(b)) for a, b in lease]
+        return _lease(self._call("daskdist_lease_acquire", dataset_id=dataset_id,
+                                 epoch=int(epoch), rows=int(rows)))
+
+    def acquire_async(self, dataset_id: str, epoch: int,
+                      rows: int) -> concurrent.futures.Future:
+        """:meth:`acquire` without waiting: a future of its result (the loader asks for
+        its next lease while it reads the current one)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if self.ended:
+            out.set_result(None)
+            return out
+        coro = self.worker.scheduler.daskdist_lease_acquire(
+            name=self.name, session=self.session, dataset_id=dataset_id, epoch=int(epoch),
+            rows=int(rows))
+        reply = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+
+        def done(f: concurrent.futures.Future) -> None:
+            try:
+                out.set_result(_lease(f.result()))
+            except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
+                out.set_exception(e)
+
+        reply.add_done_callback(done)
+        return out
 
     def progress(self, dataset_id: str, epoch: int) -> dict:
         """An epoch's counts (read-only: any session may ask)."""
@@ -110,3 +126,14 @@ class SessionServices:
         if self.ended:
             raise self._ended_error()
         return bool(self._call("daskdist_commit_outcome", key=key))
+
+
+def _lease(reply: dict) -> list[Interval] | None:
+    """A lease reply's rows (``None``: none free now, or the session ended);
+    ``InputError`` when the epoch failed."""
+    if reply.get("failed") is not None:
+        raise InputError(reply["failed"])
+    lease = reply.get("lease")
+    if not lease:
+        return None
+    return [(int(a), int(b)) for a, b in lease]
