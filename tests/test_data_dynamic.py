@@ -222,8 +222,8 @@ class CountingLeases(LocalLeaseService):
         super().__init__()
         self.leases = []
 
-    def acquire(self, dataset_id, epoch, rows):
-        got = super().acquire(dataset_id, epoch, rows)
+    def acquire(self, dataset_id, epoch, rows, least=1):
+        got = super().acquire(dataset_id, epoch, rows, least)
         if got is not None:
             self.leases.append(got)
         return got

@@ -178,11 +178,11 @@ class GatedLeases(LocalLeaseService):
         self.free = free
         self.calls = 0
 
-    def acquire(self, dataset_id, epoch, rows):
+    def acquire(self, dataset_id, epoch, rows, least=1):
         self.calls += 1
         if self.calls > self.free:
             assert self.gate.wait(30), "gate never opened"
-        return super().acquire(dataset_id, epoch, rows)
+        return super().acquire(dataset_id, epoch, rows, least)
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

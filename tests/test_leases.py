@@ -58,7 +58,10 @@ def test_a_lease_covers_the_rows_asked_for_in_whole_consecutive_units():
     assert t.acquire("b", DS, 0, 1, parts=1) == [(300, 400)]
     # at most a share of what is left: free / (2 * parts), in whole units
     assert t.acquire("c", DS, 0, 10**9, parts=4) == [(400, 12_900)]
-    assert t.leases_granted == 3 and t.leased_to("a", DS, 0) == [(0, 300)]
+    # ... but never less than ``least`` (2 batches: a lease worth its round trip)
+    assert t.acquire("d", DS, 0, 10**9, parts=10**6, least=1000) == [(12_900, 13_900)]
+    assert t.acquire("d", DS, 0, 500, parts=10**6, least=1000) == [(13_900, 14_400)]
+    assert t.leases_granted == 5 and t.leased_to("a", DS, 0) == [(0, 300)]
     t.check()
 
 

@@ -326,10 +326,11 @@ class LeaseTable:
 
     # -- transitions ------------------------------------------------------------------
     def acquire(self, session: str, dataset_id: str, epoch: int, rows: int = 1,
-                parts: int | None = None) -> list[Interval] | None:
+                parts: int | None = None, least: int = 1) -> list[Interval] | None:
         """Lease free rows to ``session``: the lowest free rows, at least ``rows`` of
-        them rounded up to the end of a unit, at most ``free / (2 * parts)`` (``parts``:
-        the readers sharing the epoch, by default the sessions holding rows of it).
+        them rounded up to the end of a unit, but no more than ``free / (2 * parts)``
+        (``parts``: the readers sharing the epoch, by default the sessions holding rows
+        of it) unless that is less than ``least`` (a lease worth its round trip).
         Rows given back by failed reads are served only once no other row is free.
 
         Returns the leased rows as intervals, or ``None`` when none is free right now.
@@ -352,7 +353,8 @@ class LeaseTable:
             return None
         if parts is None:
             parts = len(ep.leased) + (session not in ep.leased)
-        need = min(max(1, int(rows)), max(1, -(-n_free // (2 * max(1, parts)))))
+        share = -(-n_free // (2 * max(1, parts)))
+        need = min(max(1, int(rows)), max(1, int(least), share))
         pool = ep.free if ep.free else ep.deferred
         units = ds.units
         out: list[Interval] = []

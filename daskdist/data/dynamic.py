@@ -38,10 +38,12 @@ class LeaseService(Protocol):
         """Define the dataset's units once (``ValueError`` if a definition differs)."""
         ...
 
-    def acquire(self, dataset_id: str, epoch: int, rows: int) -> list[Interval] | None:
-        """Lease at least ``rows`` free rows of the epoch, rounded up to whole units, to
-        this worker's session: the rows as intervals, or ``None`` when none is free
-        right now. ``InputError`` when the epoch failed."""
+    def acquire(self, dataset_id: str, epoch: int, rows: int,
+                least: int = 1) -> list[Interval] | None:
+        """Lease ``rows`` free rows of the epoch, rounded up to whole units, to this
+        worker's session (fewer near the epoch's end, not under ``least``): the rows
+        as intervals, or ``None`` when none is free right now. ``InputError`` when the
+        epoch failed."""
         ...
 
     def progress(self, dataset_id: str, epoch: int) -> dict:
@@ -78,10 +80,12 @@ class LocalLeaseService:
         with self._lock:
             self.table.define(d.dataset_id, d.runs, d.label)
 
-    def acquire(self, dataset_id: str, epoch: int, rows: int) -> list[Interval] | None:
+    def acquire(self, dataset_id: str, epoch: int, rows: int,
+                least: int = 1) -> list[Interval] | None:
         with self._lock:
             try:
-                return self.table.acquire(self.session, dataset_id, epoch, rows)
+                return self.table.acquire(self.session, dataset_id, epoch, rows,
+                                          least=least)
             except EpochFailed as e:
                 raise InputError(str(e)) from None
 

@@ -234,16 +234,17 @@ class _Ask:
     """A lease asked for: at once when the service can ask ahead (``acquire_async``,
     a future), else when :meth:`result` is called."""
 
-    def __init__(self, svc: Any, dataset_id: str, epoch: int, rows: int) -> None:
+    def __init__(self, svc: Any, dataset_id: str, epoch: int, rows: int, least: int) -> None:
         self._svc = svc
         self._args = (dataset_id, epoch, rows)
+        self._least = least
         ahead = getattr(svc, "acquire_async", None)
-        self._future = ahead(*self._args) if ahead is not None else None
+        self._future = ahead(*self._args, least=least) if ahead is not None else None
 
     def result(self) -> list[Interval] | None:
         """The lease (waits for the reply; ends when the RPC does)."""
         if self._future is None:
-            return self._svc.acquire(*self._args)
+            return self._svc.acquire(*self._args, least=self._least)
         return self._future.result()
 
     def collect(self) -> list[Interval] | None:
@@ -281,7 +282,8 @@ class DynamicSource:
         svc = ld.ctx.leases
         ld._define()
         reader = ld.shards.reader()
-        ask: _Ask | None = _Ask(svc, ld.dataset_id, self.epoch, ld.lease_rows)
+        ask: _Ask | None = _Ask(svc, ld.dataset_id, self.epoch, ld.lease_rows,
+                                2 * ld.batch_size)
         try:
             while True:
                 ranges = ask.result()  # type: ignore[union-attr]
@@ -296,7 +298,7 @@ class DynamicSource:
                 # the next lease is asked for now and read after this one: its round
                 # trip overlaps this lease's reads (a service that cannot ask ahead is
                 # asked when the next lease is needed)
-                ask = _Ask(svc, ld.dataset_id, self.epoch, ld.lease_rows)
+                ask = _Ask(svc, ld.dataset_id, self.epoch, ld.lease_rows, 2 * ld.batch_size)
                 for k, group in enumerate(groups):
                     try:
                         item = self._read(reader, group)

@@ -373,19 +373,21 @@ class CoordinatorState:
             self.leases.define(dataset_id, runs, label, owner)
         return {}
 
-    def lease_acquire(self, session: str, dataset_id: str, epoch: int, rows: int) -> dict:
-        """Lease at least ``rows`` rows of an epoch to ``session``: ``{"lease":
-        intervals or None}``, ``{"expired": True}`` for an ended session, ``{"failed":
-        why}`` when the epoch cannot complete."""
+    def lease_acquire(self, session: str, dataset_id: str, epoch: int, rows: int,
+                      least: int = 1) -> dict:
+        """Lease ``rows`` rows of an epoch to ``session`` (fewer, not under ``least``,
+        near the epoch's end): ``{"lease": intervals or None}``, ``{"expired": True}``
+        for an ended session, ``{"failed": why}`` when the epoch cannot complete."""
         session = arg_str("session", session)
         dataset_id = arg_str("dataset_id", dataset_id)
         epoch = arg_int("epoch", epoch, 0, MAX_EPOCH)
         rows = arg_int("rows", rows, 1, MAX_ROWS)
+        least = arg_int("least", least, 1, MAX_ROWS)
         if not self.renew(session, time.monotonic()):
             return {"expired": True}
         try:
             lease = self.leases.acquire(session, dataset_id, epoch, rows,
-                                        parts=max(1, len(self.members)))
+                                        parts=max(1, len(self.members)), least=least)
         except SessionExpired:
             return {"expired": True}
         except EpochFailed as e:

@@ -57,17 +57,18 @@ class SessionServices:
         if not self.ended:
             self._call("daskdist_dataset_define", dataset=tuple(dataset))
 
-    def acquire(self, dataset_id: str, epoch: int, rows: int) -> list[Interval] | None:
+    def acquire(self, dataset_id: str, epoch: int, rows: int,
+                least: int = 1) -> list[Interval] | None:
         """Lease at least ``rows`` free rows (rounded up to whole units); ``None`` when
         none is free now or the session ended (its loaders are being closed).
         ``InputError`` when the epoch failed (a file's reads failed too often)."""
         if self.ended:
             return None
         return _lease(self._call("daskdist_lease_acquire", dataset_id=dataset_id,
-                                 epoch=int(epoch), rows=int(rows)))
+                                 epoch=int(epoch), rows=int(rows), least=int(least)))
 
-    def acquire_async(self, dataset_id: str, epoch: int,
-                      rows: int) -> concurrent.futures.Future:
+    def acquire_async(self, dataset_id: str, epoch: int, rows: int,
+                      least: int = 1) -> concurrent.futures.Future:
         """:meth:`acquire` without waiting: a future of its result (the loader asks for
         its next lease while it reads the current one)."""
         out: concurrent.futures.Future = concurrent.futures.Future()
@@ -76,7 +77,7 @@ class SessionServices:
             return out
         coro = self.worker.scheduler.daskdist_lease_acquire(
             name=self.name, session=self.session, dataset_id=dataset_id, epoch=int(epoch),
-            rows=int(rows))
+            rows=int(rows), least=int(least))
         reply = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
 
         def done(f: concurrent.futures.Future) -> None:
