@@ -56,6 +56,10 @@ class LeaseService(Protocol):
         when they could not be read). Rows freed."""
         ...
 
+    # Optional (used when present): ``acquire_async(dataset_id, epoch, rows, least)``, a
+    # ``concurrent.futures.Future`` of what ``acquire`` returns, so the loader asks for
+    # its next lease while it reads the current one.
+
 
 class LocalLeaseService:
     """An in-process :class:`LeaseService` over a :class:`LeaseTable` (thread-safe).
