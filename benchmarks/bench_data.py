@@ -15,20 +15,32 @@ Each figure is printed beside the limit as a ratio, with the issue's targets, an
 peak RSS of a child process that only iterates the shuffled loader (bounded by its
 buffers, not the data size).
 
-    python benchmarks/bench_data.py            # 4M rows
-    python benchmarks/bench_data.py --rows 200000
+Through a coordinator (``--section policies``, issue 19): rows/s of ``"dynamic"``
+against ``"file"`` on a LocalCluster of 2 single-threaded workers, with 100-row and
+10,000-row row groups, at 500 and 20,000 row groups (files repeated as symlinks: the
+units are real, the disk is not; at most ``--e2e-rows`` rows are read per run).
+Targets: dynamic >= 0.8x file in every case, and 20,000 vs 500 row groups >= 0.8x.
+``--section responsiveness``: while a 10^5-unit dynamic epoch runs on 3 workers, the
+round trip of ``client.scheduler_info()`` (target p99 <= 50 ms).
+
+    python benchmarks/bench_data.py            # every section; the loader on 4M rows
+    python benchmarks/bench_data.py --rows 200000 --section loader
+    python benchmarks/bench_data.py --section policies responsiveness
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
+from collections import deque
 
 import numpy as np
 import pyarrow as pa
@@ -185,12 +197,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dictionary", action="store_true",
                     help="write with pyarrow's default dictionary encoding")
     ap.add_argument("--repeat", type=int, default=2, help="runs per figure; best is kept")
+    ap.add_argument("--section", nargs="+", default=["loader", "policies", "responsiveness"],
+                    choices=["loader", "policies", "responsiveness"])
+    ap.add_argument("--e2e-rows", type=int, default=2_000_000,
+                    help="rows read per run through the coordinator (policies section)")
+    ap.add_argument("--e2e-units", type=int, default=100_000,
+                    help="units of the responsiveness section's epoch")
     args = ap.parse_args(argv)
     if args.measure_memory:
         measure_memory(args.measure_memory)
         return 0
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    ok = True
+    if "loader" in args.section:
+        ok &= loader_section(args)
+    if "policies" in args.section:
+        ok &= policies_section(args)
+    if "responsiveness" in args.section:
+        ok &= responsiveness_section(args)
+    return 0 if ok else 1
+
+
+def loader_section(args: argparse.Namespace) -> bool:
+    """The loader alone against the pyarrow limit and the anchors (one process)."""
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
 
     with tempfile.TemporaryDirectory(prefix="daskdist-bench-") as root:
         t0 = time.perf_counter()
@@ -281,7 +311,163 @@ def main(argv: list[str] | None = None) -> int:
           f"{rss_loader:.0f} MB after the ArrowLoader runs (includes page cache of the "
           f"memory-mapped files), {peak_rss_mb():.0f} MB at the end (the map-style "
           f"Dataset holds its rows in memory)")
-    return 0 if ok else 1
+    return ok
+
+
+# -- through a coordinator: "dynamic" against "file" (issue 19) --------------------------
+
+E2E_FEATURES = [f"x{i}" for i in range(16)]
+E2E_BATCH = 1024  # rows per worker batch
+E2E_TAKE = 16  # batches per closure
+GROUPS_PER_FILE = 25
+
+
+def write_units(root: str, row_group: int, groups: int, physical: int = 20) -> str:
+    """``groups`` row groups of ``row_group`` rows in files of GROUPS_PER_FILE row
+    groups: ``physical`` real files, the rest symlinks to them (the loader's units and
+    the lease table's rows are real; the page cache holds one copy)."""
+    rng = np.random.default_rng(0)
+    os.makedirs(root, exist_ok=True)
+    n = row_group * GROUPS_PER_FILE
+    files = -(-groups // GROUPS_PER_FILE)
+    real = []
+    for f in range(min(physical, files)):
+        cols = {c: rng.random(n, dtype=np.float32) for c in E2E_FEATURES}
+        cols["label"] = np.arange(n, dtype=np.int64)
+        path = os.path.join(root, f"real-{f:05d}.parquet")
+        pq.write_table(pa.table(cols), path, row_group_size=row_group, use_dictionary=False)
+        real.append(path)
+    for f in range(files):
+        link = os.path.join(root, f"part-{f:05d}.parquet")
+        os.symlink(real[f % len(real)], link)
+    return os.path.join(root, "part-*.parquet")
+
+
+def take(it, batches: int) -> int:
+    """A closure: up to ``batches`` batches of the worker's iterator; rows taken."""
+    n = 0
+    for _ in range(batches):
+        try:
+            n += len(next(it)["label"])
+        except StopIteration:
+            break
+    return n
+
+
+def drive(coord, it, workers: int, target: int) -> tuple[float, int]:
+    """Closures kept in flight (4 per worker) until ``target`` rows or the end of the
+    epoch; rows/s after a first closure per worker (the loaders are built by then)."""
+    coord.fetch([coord.schedule(take, args=(it, 1)) for _ in range(workers)])
+    t0 = time.perf_counter()
+    rows = 0
+    inflight = deque(coord.schedule(take, args=(it, E2E_TAKE)) for _ in range(4 * workers))
+    while inflight:
+        n = inflight.popleft().fetch()
+        rows += n
+        if n and rows < target:
+            inflight.append(coord.schedule(take, args=(it, E2E_TAKE)))
+    return rows / (time.perf_counter() - t0), rows
+
+
+def policies_section(args: argparse.Namespace) -> bool:
+    import dask
+    from distributed import Client, LocalCluster
+
+    import daskdist as dd
+
+    dask.config.set({"distributed.worker.daemon": False})
+    configs = [(100, 500), (100, 20_000), (10_000, 500), (10_000, 20_000)]
+    figures: dict[tuple[int, int, str], float] = {}
+    with tempfile.TemporaryDirectory(prefix="daskdist-bench-e2e-") as tmp, \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                         dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
+            Client(cluster) as client:
+        coord = dd.Coordinator(client, name="bench-data")
+        coord.wait_for_workers(2, timeout=120)
+        print(f"\nthrough a coordinator: 2 workers x 1 thread, {len(E2E_FEATURES)} float32 "
+              f"features + int64 label, batches of {E2E_BATCH} rows per worker, closures "
+              f"of {E2E_TAKE} batches; at most {args.e2e_rows:,} rows a run; best of "
+              f"{args.repeat}")
+        print(f"{'row group':>10} {'row groups':>11} {'file rows/s':>13} "
+              f"{'dynamic rows/s':>15} {'dynamic/file':>13}")
+        for row_group, groups in configs:
+            pattern = write_units(os.path.join(tmp, f"{row_group}-{groups}"), row_group, groups)
+            for policy in ("dynamic", "file") * args.repeat:  # alternately
+                ds = coord.distribute_dataset(pattern, global_batch_size=2 * E2E_BATCH,
+                                              policy=policy)
+                rate, _rows = drive(coord, iter(ds), 2, args.e2e_rows)
+                key = (row_group, groups, policy)
+                figures[key] = max(figures.get(key, 0.0), rate)
+                del ds
+            f, d = figures[(row_group, groups, "file")], figures[(row_group, groups, "dynamic")]
+            print(f"{row_group:>10,} {groups:>11,} {f / 1e3:>11.0f} k {d / 1e3:>13.0f} k "
+                  f"{d / f:>12.2f}x")
+            sys.stdout.flush()
+        coord.close()
+    print("\ntargets:")
+    ok = True
+    for row_group, groups in configs:
+        r = figures[(row_group, groups, "dynamic")] / figures[(row_group, groups, "file")]
+        good = r >= 0.8
+        ok &= good
+        print(f"  dynamic / file, {row_group:,}-row groups x {groups:,}: {r:.2f}x "
+              f"(target >= 0.8x)  {'ok' if good else 'MISS'}")
+    for row_group in (100, 10_000):
+        r = figures[(row_group, 20_000, "dynamic")] / figures[(row_group, 500, "dynamic")]
+        good = r >= 0.8
+        ok &= good
+        print(f"  dynamic, 20,000 / 500 row groups of {row_group:,} rows: {r:.2f}x "
+              f"(target >= 0.8x)  {'ok' if good else 'MISS'}")
+    return ok
+
+
+def responsiveness_section(args: argparse.Namespace) -> bool:
+    """The scheduler's event loop while a dynamic epoch of ``--e2e-units`` 100-row units
+    runs on 3 workers: ``scheduler_info()`` round trips, every 20 ms, from a thread."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    import daskdist as dd
+
+    dask.config.set({"distributed.worker.daemon": False})
+    units = args.e2e_units
+    with tempfile.TemporaryDirectory(prefix="daskdist-bench-resp-") as tmp, \
+            LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                         dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
+            Client(cluster) as client:
+        pattern = write_units(tmp, 100, units)
+        coord = dd.Coordinator(client, name="bench-resp")
+        coord.wait_for_workers(3, timeout=120)
+        ds = coord.distribute_dataset(pattern, global_batch_size=3 * E2E_BATCH,
+                                      policy="dynamic")
+        rtts: list[float] = []
+        stop = threading.Event()
+
+        def ping() -> None:
+            while not stop.wait(0.02):
+                t0 = time.perf_counter()
+                client.scheduler_info()
+                rtts.append(time.perf_counter() - t0)
+
+        pinger = threading.Thread(target=ping, daemon=True)
+        t0 = time.perf_counter()
+        pinger.start()
+        rate, _ = drive(coord, iter(ds), 3, units * 100)
+        stop.set()
+        pinger.join()
+        seconds = time.perf_counter() - t0
+        p = ds.progress()
+        coord.close()
+    rtts.sort()
+    p50, p99 = rtts[len(rtts) // 2], rtts[min(len(rtts) - 1, int(len(rtts) * 0.99))]
+    print(f"\nresponsiveness: a {units:,}-unit epoch ({units * 100:,} rows of 100-row "
+          f"units) on 3 workers in {seconds:.1f} s ({rate / 1e3:.0f} k rows/s, complete: "
+          f"{p['complete']}); {len(rtts)} scheduler_info() round trips: p50 "
+          f"{p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {rtts[-1] * 1e3:.1f} ms")
+    good = p99 <= 0.05 and p["complete"]
+    print(f"  scheduler_info() p99 {p99 * 1e3:.1f} ms (target <= 50 ms)  "
+          f"{'ok' if good else 'MISS'}")
+    return good
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ class InputContext:
     ``worker`` is the worker's :class:`WorkerContext` when built by a worker plugin.
     ``leases`` is the lease service for the ``"dynamic"`` sharding policy (set by the
     worker plugin; ``None`` when the pipeline runs outside a coordinator).
+    ``dataset_id`` is the identity of the per-worker dataset being built (the call that
+    made it, the same on every worker; ``None`` outside a coordinator): loaders take
+    theirs from it (:meth:`next_dataset_id`).
     """
 
     num_input_pipelines: int = 1
@@ -41,6 +44,8 @@ class InputContext:
     worker: WorkerContext | None = None
     leases: Any = None
     extra: dict = field(default_factory=dict)
+    dataset_id: str | None = None
+    _loaders: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_input_pipelines < 1:
@@ -61,6 +66,16 @@ class InputContext:
         import torch
 
         return torch.device("cpu")
+
+    def next_dataset_id(self) -> str | None:
+        """The dataset id of the next loader built with this context: ``dataset_id`` for
+        the first, ``"<dataset_id>.<k>"`` for the k-th after it (a factory that builds
+        a training and an evaluation loader gets two datasets); ``None`` outside a
+        coordinator."""
+        if self.dataset_id is None:
+            return None
+        k, self._loaders = self._loaders, self._loaders + 1
+        return self.dataset_id if k == 0 else f"{self.dataset_id}.{k}"
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """Split a global batch evenly over the replicas (TensorFlow's rule: it must divide)."""

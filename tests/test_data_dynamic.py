@@ -15,6 +15,7 @@ import pytest
 from daskdist.context import ClosureScope, closure_scope
 from daskdist.core.leases import LeaseTable
 from daskdist.data import ArrowLoader, ArrowShards, InputContext, LocalLeaseService
+from daskdist.errors import InputError
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
@@ -41,8 +42,11 @@ def rows_of(tokens):
     return sorted(i for tok in tokens for a, b in tok[3] for i in range(a, b))
 
 
-def make(shards, svc, n=1, i=0, **kw):
-    ctx = InputContext(num_input_pipelines=n, input_pipeline_id=i, leases=svc)
+def make(shards, svc, n=1, i=0, dataset_id="ds", **kw):
+    """A dynamic loader of pipeline ``i`` of ``n``: loaders made with one ``dataset_id``
+    are the workers' loaders of one dataset (as a coordinator's workers build them)."""
+    ctx = InputContext(num_input_pipelines=n, input_pipeline_id=i, leases=svc,
+                       dataset_id=dataset_id)
     kw.setdefault("batch_size", 64)
     return ArrowLoader(shards, ctx, policy="dynamic", **kw)
 
@@ -205,4 +209,141 @@ def test_dynamic_configuration_errors(shards):
     ids = [i for b in ld1 for i in b["id"].tolist()]
     assert sorted(ids) == list(range(TOTAL))
     assert svc.progress(ld1.dataset_id, 1)["leased"] == TOTAL  # no closure acked them
-    assert not svc.progress(ld1.dataset_id, 0)["known"]
+    p = svc.progress(ld1.dataset_id, 0)
+    assert p["known"] and p["free"] == TOTAL and p["leased"] == 0
+    with pytest.raises(ValueError, match="lease_rows"):
+        make(shards, LocalLeaseService(), lease_rows=0)
+
+
+class CountingLeases(LocalLeaseService):
+    """Counts lease RPCs and the rows each covered."""
+
+    def __init__(self):
+        super().__init__()
+        self.leases = []
+
+    def acquire(self, dataset_id, epoch, rows, least=1):
+        got = super().acquire(dataset_id, epoch, rows, least)
+        if got is not None:
+            self.leases.append(got)
+        return got
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_lease_covers_whole_units_up_to_the_rows_asked_for(shards, shuffle):
+    """One lease call per ``lease_rows`` rows (in whole row groups), not one per unit;
+    every row read once."""
+    svc = CountingLeases()
+    ld = make(shards, svc, batch_size=50, lease_rows=400, shuffle=shuffle)
+    assert ld.lease_rows == 400
+    got = []
+    for batch in ld:
+        got += batch["id"].tolist()
+    assert sorted(got) == list(range(TOTAL))
+    # units of 90 rows (and a last one of 50) in 3 files of 500 rows: a lease ends at a
+    # unit's end, holds >= 400 rows until the share of what is left (free / 2) is less
+    ends = {u.start + u.num_rows for u in shards.units}
+    assert all(lease[-1][1] in ends for lease in svc.leases)
+    assert sum(b - a for a, b in svc.leases[0]) == 450
+    assert len(svc.leases) <= 8 < len(shards.units)
+    assert make(shards, svc, batch_size=300, lease_rows=1).lease_rows == 600  # 2 batches
+
+
+def test_each_loader_is_a_dataset_of_its_own(shards):
+    """Two loaders over the same files (train and eval) each read every row; outside a
+    coordinator each loader gets a fresh id, inside one the per-worker dataset's."""
+    svc = LocalLeaseService()
+    a = ArrowLoader(shards, InputContext(leases=svc), batch_size=100, policy="dynamic")
+    b = ArrowLoader(shards, InputContext(leases=svc), batch_size=100, policy="dynamic")
+    assert a.dataset_id != b.dataset_id
+    for ld in (a, b):
+        it = iter(ld)
+        ids = []
+        while (got := closure(it))[0] is not None:
+            assert svc.ack_tokens(got[1])
+            ids += got[0]["id"].tolist()
+        assert sorted(ids) == list(range(TOTAL)) and ld.progress()["complete"]
+    ctx = InputContext(leases=svc, dataset_id="rid")
+    train = ArrowLoader(shards, ctx, policy="dynamic", name="train")
+    evaluation = ArrowLoader(shards, ctx, policy="dynamic", name="eval")
+    assert (train.dataset_id, evaluation.dataset_id) == ("rid", "rid.1")
+    assert train.progress()["name"] == "train"
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return data
+
+
+def test_a_failed_read_gives_its_rows_back_and_a_retry_completes(tmp_path):
+    """A truncated file: the closure that reaches it gets one error naming the file; the
+    lease's rows not handed on go back at once (the bad unit's after every other row);
+    once the file is fixed, the same iterator completes the epoch, every row once."""
+    for f in range(3):
+        ids = np.arange(f * 500, (f + 1) * 500, dtype=np.int64)
+        pq.write_table(pa.table({"id": ids}), tmp_path / f"p{f}.parquet", row_group_size=100)
+    shards = ArrowShards(tmp_path).validate()  # footers read first, as on the client
+    good = truncate(tmp_path / "p1.parquet")
+    svc = LocalLeaseService()
+    ld = make(shards, svc, batch_size=50, lease_rows=200, prefetch=2)
+    it = iter(ld)
+    acked, errors = [], []
+    for _ in range(200):
+        try:
+            batch, tokens = closure(it)
+        except ValueError as e:
+            errors.append(str(e))
+            assert ld.progress()["leased"] == 0  # nothing stays leased to this worker
+            if len(errors) == 1:
+                (tmp_path / "p1.parquet").write_bytes(good)  # the user fixes the file
+            continue
+        if batch is None:
+            if ld.progress()["complete"]:
+                break
+            continue
+        assert svc.ack_tokens(tokens)
+        acked.append(batch["id"].tolist())
+    rows = sorted(r for b in acked for r in b)
+    assert rows == list(range(TOTAL)), "every row exactly once"
+    assert len(errors) == 1 and "p1.parquet" in errors[0]
+    assert ld.progress()["failed"] is None
+    svc.table.check()
+
+
+def test_the_same_file_failing_max_failures_times_fails_the_epoch(tmp_path):
+    """A null in a numeric column without ``fill_null``: each read names the file and
+    the column, gives its rows back, and the third failure of that file fails the epoch
+    with ``InputError`` (no endless retry); the other rows were all read meanwhile."""
+    for f in range(2):
+        ids = np.arange(f * 300, (f + 1) * 300, dtype=np.int64)
+        x = pa.array([None if (f == 1 and i == 5) else float(i) for i in range(300)],
+                     pa.float64())
+        pq.write_table(pa.table({"id": ids, "x": x}), tmp_path / f"p{f}.parquet",
+                       row_group_size=100)
+    svc = LocalLeaseService()  # max_failures: 3, the coordinator's default
+    ld = make(ArrowShards(tmp_path), svc, batch_size=50, lease_rows=100)
+    it = iter(ld)
+    errors, rows = [], []
+    for _ in range(100):
+        try:
+            batch, tokens = closure(it)
+        except InputError as e:
+            errors.append(e)
+            break
+        except ValueError as e:
+            errors.append(e)
+            assert "p1.parquet" in str(e) and "'x'" in str(e) and "fill_null" in str(e)
+            assert ld.progress()["leased"] == 0  # given back at once
+            continue
+        if batch is not None:
+            assert svc.ack_tokens(tokens)
+            rows += batch["id"].tolist()
+    assert [type(e) for e in errors] == [ValueError, ValueError, InputError]
+    assert "p1.parquet" in str(errors[-1]) and "3 times" in str(errors[-1])
+    assert "'x'" in str(errors[-1])  # the third read's own error, in the epoch's
+    assert sorted(rows) == [i for i in range(600) if not 300 <= i < 400]
+    p = ld.progress()
+    assert not p["complete"] and "p1.parquet" in p["failed"]
+    with pytest.raises(InputError):
+        closure(it)

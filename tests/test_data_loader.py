@@ -175,11 +175,12 @@ def test_resume_mid_epoch_repeats_and_skips_nothing(data, shuffle, prefetch):
 
 def test_state_of_another_dataset_is_refused(data, tmp_path):
     other = write(tmp_path / "other", files=1, with_extras=False)
-    with pytest.raises(ValueError, match="dataset"):
+    with pytest.raises(ValueError, match="other files"):
         ArrowLoader(data).load_state_dict(ArrowLoader(other).state_dict())
-    assert ArrowLoader(data, name="a").dataset_id != ArrowLoader(data, name="b").dataset_id
-    assert ArrowLoader(data).dataset_id == ArrowLoader(ArrowShards(data)).dataset_id
-    assert ArrowLoader(data, name="a").dataset_id == ArrowShards(data).dataset_id("a")
+    # a loader is a dataset of its own (its identity is not its files); a state resumes
+    # any loader over the same files
+    assert ArrowLoader(data, name="a").dataset_id != ArrowLoader(data, name="a").dataset_id
+    ArrowLoader(data).load_state_dict(ArrowLoader(ArrowShards(data)).state_dict())
 
 
 def test_prefetch_memory_is_bounded(tmp_path, monkeypatch):

@@ -178,18 +178,18 @@ class GatedLeases(LocalLeaseService):
         self.free = free
         self.calls = 0
 
-    def acquire(self, dataset_id, epoch, unit_rows):
+    def acquire(self, dataset_id, epoch, rows, least=1):
         self.calls += 1
         if self.calls > self.free:
             assert self.gate.wait(30), "gate never opened"
-        return super().acquire(dataset_id, epoch, unit_rows)
+        return super().acquire(dataset_id, epoch, rows, least)
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_close_from_another_thread_ends_waiting_consumers(shards, prefetch):
     svc = GatedLeases(free=1)
     ld = ArrowLoader(shards, InputContext(leases=svc), batch_size=40, policy="dynamic",
-                     prefetch=prefetch)
+                     prefetch=prefetch, lease_rows=1)  # a lease: 2 batches, in one unit
     it = iter(ld)
     first = closure(it, [])  # one unit (100 rows) leased, 40 delivered
     assert len(first["id"]) == 40

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daskdist.core.commits import CommitBook, RankLedger
-from daskdist.core.leases import LeaseTable
+from daskdist.core.leases import LeaseTable, unit_runs
 from daskdist.core.protocol import CommitKey
 
 DS, EPOCH = "ds", 0
@@ -29,7 +29,7 @@ class Sim:
 
     def __init__(self, n_ranks: int = 3):
         self.table = LeaseTable()
-        self.table.define(DS, EPOCH, UNITS)
+        self.table.define(DS, unit_runs(UNITS))
         self.book = CommitBook()
         self.fresh = 0
         self.sessions = [self._new_session() for _ in range(n_ranks)]
@@ -48,9 +48,9 @@ class Sim:
     def step(self) -> None:
         """Every rank takes a batch (the free rows of one unit), if any is free."""
         for r, s in enumerate(self.sessions):
-            lease = self.table.acquire(s, DS, EPOCH, UNITS)
+            lease = self.table.acquire(s, DS, EPOCH, 1)
             if lease is not None:
-                self.lists[r].append(("lease", DS, EPOCH, lease[1]))
+                self.lists[r].append(("lease", DS, EPOCH, lease))
 
     def working(self) -> Counter:
         """The model the ranks hold now: the commit plus every rank's rows since."""
@@ -248,11 +248,11 @@ def test_the_book_stays_bounded():
 
 def test_a_commit_acknowledges_every_session_or_none():
     table = LeaseTable()
-    table.define(DS, EPOCH, UNITS)
-    a = table.acquire("a", DS, EPOCH, UNITS)
-    b = table.acquire("b", DS, EPOCH, UNITS)
-    tok_a = [("lease", DS, EPOCH, a[1])]
-    tok_b = [("lease", DS, EPOCH, b[1])]
+    table.define(DS, unit_runs(UNITS))
+    a = table.acquire("a", DS, EPOCH, 1)
+    b = table.acquire("b", DS, EPOCH, 1)
+    tok_a = [("lease", DS, EPOCH, a)]
+    tok_b = [("lease", DS, EPOCH, b)]
     assert not table.ack_sessions({"a": tok_a, "b": tok_a})  # b does not hold a's rows
     assert table.progress(DS, EPOCH)["acknowledged"] == 0
     assert table.ack_sessions({"a": tok_a, "b": tok_b})

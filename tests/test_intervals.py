@@ -40,3 +40,29 @@ def test_set_algebra_matches_python_sets(a, b):
     assert _intersect(x, y) == intervals_from_ids(a & b)
     assert _size(x) == len(a)
     assert all(p[1] < q[0] for p, q in zip(x, x[1:], strict=False))  # disjoint, apart
+
+
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove"]), st.integers(0, 60),
+                          st.integers(1, 12)), max_size=40))
+def test_rowset_matches_a_python_set(ops):
+    from daskdist.core.intervals import RowSet
+
+    rs, model = RowSet(), set()
+    for op, a, n in ops:
+        ids = set(range(a, a + n))
+        if op == "add":
+            if ids & model:
+                try:
+                    rs.add(a, a + n)
+                except ValueError:
+                    continue  # an overlap is refused, nothing changed
+                raise AssertionError("an overlapping add was accepted")
+            rs.add(a, a + n)
+            model |= ids
+        else:
+            assert rs.remove(a, a + n) == (ids <= model)
+            if ids <= model:
+                model -= ids
+        assert rs.items() == intervals_from_ids(model) and rs.size == len(model)
+        assert rs.covers(a, a + n) == (ids <= model)
+        assert rs.intersect(a, a + n) == intervals_from_ids(ids & model)

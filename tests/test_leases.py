@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -18,33 +18,66 @@ from hypothesis.stateful import (
 )
 
 from daskdist.core.intervals import intervals_from_ids, normalize, subtract, union
-from daskdist.core.leases import LeaseTable, SessionExpired
+from daskdist.core.leases import (
+    EpochFailed,
+    LeaseTable,
+    SessionExpired,
+    UnknownDataset,
+    _Units,
+    unit_runs,
+)
 
 DS = "ds"
 
 
-def test_acquire_in_stable_order_then_none():
-    t = LeaseTable()
-    assert t.acquire("a", DS, 0, [3, 0, 2]) == (0, [(0, 3)])
-    assert t.acquire("b", DS, 0, [3, 0, 2]) == (2, [(3, 5)])  # empty unit skipped
-    assert t.acquire("a", DS, 0, [3, 0, 2]) is None
-    p = t.progress(DS, 0)
-    assert (p["total"], p["leased"], p["free"], p["acknowledged"], p["complete"]) == (
-        5, 5, 0, 0, False)
+def table(unit_rows, **kw) -> LeaseTable:
+    t = LeaseTable(**kw)
+    t.define(DS, unit_runs(unit_rows))
+    return t
+
+
+def test_units_are_defined_once_as_runs():
+    assert unit_runs([3, 3, 3, 0, 2, 2]) == [(3, 3), (0, 1), (2, 2)]
+    units = _Units(unit_runs([1000] * 999 + [7]))
+    assert (units.units, units.total, units.nbytes()) == (1000, 999_007, 8 + 2 * 16)
+    assert units.stop_of(0) == 1000 and units.stop_of(1999) == 2000
+    assert units.stop_of(999_000) == 999_007
+    t = table([4, 4])
+    t.define(DS, [(4, 2)])  # the same definition again: fine
+    with pytest.raises(ValueError, match="'ds'.*differ.*2 units / 9 rows given"):
+        t.define(DS, unit_runs([4, 5]))
+    with pytest.raises(ValueError, match="rows >= 0"):
+        t.define("other", [(-1, 2)])
+    with pytest.raises(UnknownDataset, match="not defined"):
+        t.acquire("a", "nope", 0, 1)
+
+
+def test_a_lease_covers_the_rows_asked_for_in_whole_consecutive_units():
+    t = table([100] * 1000)
+    assert t.acquire("a", DS, 0, 250, parts=1) == [(0, 300)]  # up to a unit's end
+    assert t.acquire("b", DS, 0, 1, parts=1) == [(300, 400)]
+    # at most a share of what is left: free / (2 * parts), in whole units
+    assert t.acquire("c", DS, 0, 10**9, parts=4) == [(400, 12_900)]
+    # ... but never less than ``least`` (2 batches: a lease worth its round trip)
+    assert t.acquire("d", DS, 0, 10**9, parts=10**6, least=1000) == [(12_900, 13_900)]
+    assert t.acquire("d", DS, 0, 500, parts=10**6, least=1000) == [(13_900, 14_400)]
+    assert t.leases_granted == 5 and t.leased_to("a", DS, 0) == [(0, 300)]
     t.check()
 
 
-def test_unit_rows_must_agree():
-    t = LeaseTable()
-    t.acquire("a", DS, 0, [4, 4])
-    with pytest.raises(ValueError, match="differ"):
-        t.acquire("a", DS, 0, [4, 5])
-    t.acquire("a", DS, 1, [4, 5])  # another epoch is another table
+def test_the_end_of_an_epoch_is_shared_and_empty_units_skipped():
+    t = table([3, 0, 2])
+    assert t.acquire("a", DS, 0, 1) == [(0, 3)]
+    assert t.acquire("b", DS, 0, 1) == [(3, 5)]
+    assert t.acquire("a", DS, 0, 1) is None
+    p = t.progress(DS, 0)
+    assert (p["total"], p["leased"], p["free"], p["acknowledged"], p["units"]) == (5, 5, 0, 0, 3)
+    t.check()
 
 
 def test_ack_is_fenced_and_exactly_once():
-    t = LeaseTable()
-    t.acquire("a", DS, 0, [10])
+    t = table([10])
+    t.acquire("a", DS, 0, 1)
     assert not t.ack("b", DS, 0, [(0, 2)])  # not leased to b
     assert not t.ack("a", DS, 0, [(0, 11)])  # out of range
     assert not t.ack("a", DS, 7, [(0, 2)])  # unknown epoch
@@ -56,26 +89,26 @@ def test_ack_is_fenced_and_exactly_once():
 
 
 def test_release_returns_rows_and_drop_session_fences():
-    t = LeaseTable()
-    assert t.acquire("a", DS, 0, [6, 6]) == (0, [(0, 6)])
-    assert t.acquire("b", DS, 0, [6, 6]) == (1, [(6, 12)])
+    t = table([6, 6])
+    assert t.acquire("a", DS, 0, 1) == [(0, 6)]
+    assert t.acquire("b", DS, 0, 1) == [(6, 12)]
     assert t.release("a", DS, 0, [(1, 3), (7, 8)]) == 2  # (7, 8) is b's: ignored
-    assert t.acquire("b", DS, 0, [6, 6]) == (0, [(1, 3)])
+    assert t.acquire("b", DS, 0, 1) == [(1, 3)]
     assert t.ack("b", DS, 0, [(1, 3), (6, 9)])
     assert t.drop_session("b") == 3  # (9, 12) back to free
     assert not t.ack("b", DS, 0, [(9, 10)])  # late message from an expired session
     with pytest.raises(SessionExpired):
-        t.acquire("b", DS, 0, [6, 6])
-    assert t.acquire("c", DS, 0, [6, 6]) == (1, [(9, 12)])
+        t.acquire("b", DS, 0, 1)
+    assert t.acquire("c", DS, 0, 1) == [(9, 12)]
     p = t.progress(DS, 0)
     assert (p["acknowledged"], p["leased"], p["free"]) == (5, 7, 0)
     t.check()
 
 
 def test_ack_tokens_is_atomic_across_epochs():
-    t = LeaseTable()
-    t.acquire("a", DS, 0, [4])
-    t.acquire("a", DS, 1, [4])
+    t = table([4])
+    t.acquire("a", DS, 0, 1)
+    t.acquire("a", DS, 1, 1)
     good = ("lease", DS, 0, [(0, 2)])
     bad = ("lease", DS, 1, [(0, 5)])
     assert not t.ack_tokens("a", [good, bad, ("other", 1)])
@@ -86,54 +119,58 @@ def test_ack_tokens_is_atomic_across_epochs():
     t.check()
 
 
-def test_progress_of_unknown_table_is_not_complete():
+def test_progress_is_read_only():
     t = LeaseTable()
     assert t.progress(DS, 0) == {
-        "dataset_id": DS, "epoch": 0, "known": False, "total": 0, "acknowledged": 0,
-        "leased": 0, "free": 0, "units": 0, "complete": False}
-    assert t.progress(DS, 0, [0, 0])["complete"]  # an empty epoch is complete at once
-    t.forget(DS)
-    assert not t.progress(DS, 0)["known"]
+        "dataset_id": DS, "name": "", "epoch": 0, "known": False, "total": 0,
+        "acknowledged": 0, "leased": 0, "free": 0, "units": 0, "complete": False,
+        "failed": None}
+    assert t.datasets == {}  # asking about a dataset never creates one
+    t.define(DS, [(5, 2)], label="train")
+    p = t.progress(DS, 3)
+    assert (p["known"], p["name"], p["total"], p["free"], p["complete"]) == (
+        True, "train", 10, 10, False)
+    assert t.datasets[DS].epochs == {}  # nor an epoch's table
+    t.define("empty", [(0, 2)])
+    assert t.progress("empty", 0)["complete"]  # an empty dataset is complete at once
+    assert t.forget(DS) and not t.progress(DS, 0)["known"]
 
 
-def test_memory_is_intervals_not_rows():
-    t = LeaseTable()
-    rows = [1_000_000] * 50
-    for s in range(50):
-        t.acquire(f"s{s}", DS, 0, rows)
-    for s in range(49):
-        assert t.ack(f"s{s}", DS, 0, [(s * 1_000_000, (s + 1) * 1_000_000)])
-    ep = t._epochs[(DS, 0)]
-    assert sum(len(u.acked) + len(u.free) for u in ep.units) == 49
-    assert t.ack("s49", DS, 0, [(49_000_000, 50_000_000)])
-    assert t.progress(DS, 0)["complete"]
+def test_memory_is_intervals_not_rows_or_units():
+    units = 10**6
+    t = table([1000] * units)
+    assert t.datasets[DS].units.nbytes() == 24  # the definition: one run
+    for s in range(50):  # 50 sessions, one lease each, acknowledged in 250-row batches
+        (a, b), = t.acquire(f"s{s}", DS, 0, 100_000, parts=1)
+        for x in range(a, b, 250):
+            assert t.ack(f"s{s}", DS, 0, [(x, min(b, x + 250))])
+    ep = t.datasets[DS].epochs[0]
+    assert len(ep.acked) == 1 and len(ep.free) == 1 and not ep.leased
+    assert t.progress(DS, 0)["acknowledged"] == 50 * 100_000
 
 
 def test_completed_epoch_table_is_dropped_and_stays_complete():
-    t = LeaseTable()
+    t = table([4, 4])
     for epoch in range(3):
-        t.acquire("a", DS, epoch, [4, 4])
-        t.acquire("a", DS, epoch, [4, 4])
-        assert t.ack_tokens("a", [("lease", DS, epoch, [(0, 8)])])
-    assert t._epochs == {} and t.epochs_completed == 3
-    assert t._completed == {DS: (8, [(0, 3)])}  # one interval, not one entry per epoch
-    p = t.progress(DS, 1, [4, 4])
+        lease = t.acquire("a", DS, epoch, 8, parts=1) + (t.acquire("a", DS, epoch, 8) or [])
+        assert t.ack_tokens("a", [("lease", DS, epoch, lease)])
+    assert t.datasets[DS].epochs == {} and t.epochs_completed == 3
+    assert t.datasets[DS].completed == [(0, 3)]  # one interval, not one entry per epoch
+    assert t._session_keys == {}
+    p = t.progress(DS, 1)
     assert (p["complete"], p["acknowledged"], p["total"], p["free"]) == (True, 8, 8, 0)
-    assert t.progress(DS, 2)["complete"]
-    assert t.acquire("b", DS, 1, [4, 4]) is None  # no table comes back to life
-    assert t._epochs == {}
+    assert t.acquire("b", DS, 1, 1) is None  # no table comes back to life
+    assert t.datasets[DS].epochs == {}
     assert t.acknowledged(DS, 0) == [(0, 8)]
     assert not t.ack("a", DS, 0, [(0, 1)])  # nothing is leased in a completed epoch
-    assert not t.progress(DS, 3)["known"]
-    t.forget(DS, 1)
-    assert not t.progress(DS, 1)["complete"] and t.progress(DS, 2)["complete"]
+    assert not t.progress(DS, 3)["complete"] and t.newest_epochs() == {DS: 2}
     t.check()
 
 
 def test_expired_sessions_kept_bounded():
-    t = LeaseTable(max_expired=3)
+    t = table([1] * 10, max_expired=3)
     for i in range(10):
-        t.acquire(f"s{i}", DS, 0, [1] * 10)
+        t.acquire(f"s{i}", DS, 0, 1)
         t.drop_session(f"s{i}")
     assert t.sessions_dropped == 10 and len(t._expired) == 3
     assert t.is_expired("s9") and not t.is_expired("s0")
@@ -142,8 +179,8 @@ def test_expired_sessions_kept_bounded():
 
 
 def test_malformed_lease_token_is_refused_not_skipped():
-    t = LeaseTable()
-    t.acquire("a", DS, 0, [4])
+    t = table([4])
+    t.acquire("a", DS, 0, 1)
     good = ("lease", DS, 0, [(0, 2)])
     for bad in [("lease", DS, 0), ("lease", DS, "x", [(0, 1)]), ("lease", DS, 0, [(0,)]),
                 ("lease", DS, 0, 5)]:
@@ -155,19 +192,87 @@ def test_malformed_lease_token_is_refused_not_skipped():
     t.check()
 
 
-# -- stateful: random acquire / consume / ack / release / drop keep the invariant ------
+def test_failed_reads_defer_their_rows_then_fail_the_epoch():
+    t = table([10, 10, 10], max_failures=2)
+    assert t.acquire("a", DS, 0, 1) == [(0, 10)]
+    assert t.release("a", DS, 0, [(0, 10)], failure=("bad.parquet", "bad.parquet: eof")) == 10
+    # its rows are served after every other free row: the rest of the epoch goes on
+    assert t.acquire("b", DS, 0, 1) == [(10, 20)]
+    assert t.acquire("b", DS, 0, 1) == [(20, 30)]
+    assert t.progress(DS, 0)["free"] == 10 and t.progress(DS, 0)["failed"] is None
+    assert t.acquire("a", DS, 0, 1) == [(0, 10)]
+    assert t.release("a", DS, 0, [(0, 10)], failure=("bad.parquet", "bad.parquet: eof")) == 10
+    p = t.progress(DS, 0)
+    assert "bad.parquet: eof" in p["failed"] and "failed 2 times" in p["failed"]
+    with pytest.raises(EpochFailed, match="bad.parquet"):
+        t.acquire("b", DS, 0, 1)
+    assert t.ack("b", DS, 0, [(10, 30)])  # rows read before the failure still count
+    t.check()
+    # a failure reported under nothing held counts nothing (a fenced or stale report)
+    t2 = table([10], max_failures=1)
+    assert t2.release("a", DS, 0, [(0, 10)], failure=("f", "m")) == 0
+    assert t2.acquire("a", DS, 0, 1) == [(0, 10)]
+
+
+def test_an_epoch_starts_from_an_exported_ledger():
+    t = table([10] * 10)
+    assert t.acquire("a", DS, 4, 30, parts=1) == [(0, 30)]
+    assert t.ack("a", DS, 4, [(0, 7), (12, 20)])
+    ledger = t.acknowledged(DS, 4)
+    assert ledger == [(0, 7), (12, 20)]
+    assert t.acknowledged(DS, 5) == []  # not started
+    # a new dataset over the same units (a new coordinator) continues the epoch
+    t2 = table([10] * 10)
+    t2.start_epoch(DS, 4, ledger)
+    p = t2.progress(DS, 4)
+    assert (p["acknowledged"], p["free"], p["complete"]) == (15, 85, False)
+    got = []
+    while (lease := t2.acquire("b", DS, 4, 20)) is not None:
+        assert t2.ack("b", DS, 4, lease)
+        got += lease
+    assert union(normalize(got), ledger) == [(0, 100)]  # every row once:
+    assert subtract(ledger, normalize(got)) == ledger  # none of the ledger's again
+    assert t2.progress(DS, 4)["complete"]
+    with pytest.raises(ValueError, match="started already"):
+        t2.start_epoch(DS, 4, [])
+    with pytest.raises(ValueError, match="outside"):
+        t2.start_epoch(DS, 6, [(90, 101)])
+    t3 = table([10] * 10)
+    t3.start_epoch(DS, 0, [(0, 100)])  # a complete ledger completes the epoch at once
+    assert t3.is_complete(DS, 0) and t3.datasets[DS].epochs == {}
+
+
+def test_datasets_go_with_their_handle_or_owner():
+    t = LeaseTable()
+    t.register("rid1", "train", "owner-a")
+    t.define("rid1", [(5, 2)])
+    t.define("rid1.1", [(3, 1)])  # a second loader of the same per-worker dataset
+    t.define("rid2", [(5, 2)], "eval", "owner-b")
+    assert t.datasets["rid1.1"].owner == "owner-a"
+    t.acquire("s", "rid1", 0, 1)
+    t.acquire("s", "rid1.1", 0, 1)
+    t.acquire("s", "rid2", 0, 1)
+    assert t.drop_owner("owner-a") == ["rid1", "rid1.1"]
+    assert sorted(t.datasets) == ["rid2"] and t._session_keys == {"s": {("rid2", 0)}}
+    assert t.forget("rid2") and t.datasets == {} and t._session_keys == {}
+    assert not t.forget("rid2")
+    assert t.drop_session("s") == 0
+
+
+# -- stateful: random leases / consume / ack / release / failed reads / drops -----------
 
 
 class LeaseMachine(RuleBasedStateMachine):
-    """Workers lease units, closures take slices of their leases and then complete
-    (ack) or fail (release); workers are lost (drop). A model tracks which rows were
-    acknowledged, to check exactly-once at the end."""
+    """Workers lease rows (random sizes), closures take slices of their leases and then
+    complete (ack) or fail (release); reads fail (release with a failure: deferred);
+    workers are lost (drop). A model tracks which rows were acknowledged, to check
+    exactly-once at the end, also across an export and a resume on a new table."""
 
     tokens = Bundle("tokens")
 
     @initialize(unit_rows=st.lists(st.integers(0, 12), min_size=1, max_size=6))
     def setup(self, unit_rows):
-        self.table = LeaseTable()
+        self.table = table(unit_rows, max_failures=10**6)
         self.unit_rows = unit_rows
         self.total = sum(unit_rows)
         self.live = ["w0", "w1", "w2"]
@@ -176,14 +281,13 @@ class LeaseMachine(RuleBasedStateMachine):
         self.acked = Counter()
         self.done: set[int] = set()  # tokens already acknowledged (by identity)
 
-    @rule(w=st.integers(0, 2))
-    def acquire(self, w):
+    @rule(w=st.integers(0, 2), rows=st.integers(1, 30), parts=st.none() | st.integers(1, 4))
+    def acquire(self, w, rows, parts):
         s = self.live[w % len(self.live)]
-        got = self.table.acquire(s, DS, 0, self.unit_rows)
+        got = self.table.acquire(s, DS, 0, rows, parts=parts)
         if got is not None:
-            u, ranges = got
-            assert ranges and ranges == normalize(ranges)
-            self.held[s] = union(self.held[s], ranges)
+            assert got and got == normalize(got)
+            self.held[s] = union(self.held[s], got)
 
     @rule(target=tokens, w=st.integers(0, 2), frac=st.floats(0, 1))
     def consume(self, w, frac):
@@ -205,10 +309,10 @@ class LeaseMachine(RuleBasedStateMachine):
             for a, b in piece:
                 self.acked.update(range(a, b))
 
-    @rule(tok=consumes(tokens))
-    def release(self, tok):
+    @rule(tok=consumes(tokens), failed=st.booleans())
+    def release(self, tok, failed):
         s, piece = tok
-        self.table.release(s, DS, 0, piece)
+        self.table.release(s, DS, 0, piece, failure=("f", "m") if failed else None)
 
     @rule(tok=tokens)
     def duplicate_ack_is_refused(self, tok):
@@ -235,25 +339,26 @@ class LeaseMachine(RuleBasedStateMachine):
         if hasattr(self, "table"):
             self.table.check()
             p = self.table.progress(DS, 0)
-            if p["known"]:
-                assert p["acknowledged"] + p["leased"] + p["free"] == self.total
-                assert p["acknowledged"] == sum(self.acked.values())
+            assert p["acknowledged"] + p["leased"] + p["free"] == self.total
+            assert p["acknowledged"] == sum(self.acked.values())
             assert all(c == 1 for c in self.acked.values())
 
     def teardown(self):
         if not hasattr(self, "table"):
             return
-        # Drain: every live worker's held rows and the pool are consumed and acked.
-        for s in list(self.live):
-            self.table.drop_session(s)
+        # Export the ledger; resume the epoch on a new table (a new coordinator): it
+        # serves exactly the rows the ledger lacks. Then every row was acked once.
+        ledger = self.table.acknowledged(DS, 0)
+        assert ledger == intervals_from_ids(self.acked)
+        resumed = table(self.unit_rows)
+        resumed.start_epoch(DS, 0, ledger)
         s = "drainer"
-        while (got := self.table.acquire(s, DS, 0, self.unit_rows)) is not None:
-            _, ranges = got
-            assert self.table.ack(s, DS, 0, ranges)
-            for a, b in ranges:
+        while (got := resumed.acquire(s, DS, 0, 7)) is not None:
+            assert resumed.ack(s, DS, 0, got)
+            for a, b in got:
                 self.acked.update(range(a, b))
-        self.table.check()
-        assert self.table.progress(DS, 0)["complete"]
+        resumed.check()
+        assert resumed.progress(DS, 0)["complete"]
         assert sorted(self.acked) == list(range(self.total))
         assert all(c == 1 for c in self.acked.values())
 
@@ -263,16 +368,44 @@ LeaseMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=3
 TestLeaseMachine = LeaseMachine.TestCase
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=40), st.integers(1, 200),
+       st.integers(1, 5))
+def test_leases_partition_the_epoch_in_whole_units(unit_rows, rows, parts):
+    """Whatever the unit sizes, lease size and readers: each lease is one run of rows
+    ending at a unit's end, at least the rows asked for (or the share of what is left:
+    free / (2 * parts)), less than one unit more; together they are every row once."""
+    t = table(unit_rows)
+    ends, pos = set(), 0
+    for r in unit_rows:
+        pos += r
+        ends.add(pos)
+    biggest = max(unit_rows)
+    seen: list = []
+    while True:
+        free = t.progress(DS, 0)["free"]
+        lease = t.acquire(f"s{len(seen) % parts}", DS, 0, rows, parts=parts)
+        if lease is None:
+            assert free == 0
+            break
+        (a, b), = lease  # nothing was given back: the free rows are one run
+        need = min(rows, max(1, -(-free // (2 * parts))))
+        assert b in ends and need <= b - a < need + biggest
+        seen.append((a, b))
+    assert normalize(seen) == ([(0, pos)] if pos else [])
+    assert sum(b - a for a, b in seen) == pos
+
+
 def test_newest_epochs_include_completed_ones_whose_tables_are_dropped():
-    t = LeaseTable()
-    s = "s"
+    t = table([4])
+    t.define("other", [(2, 1)])
     for epoch in (0, 1):
-        u, ranges = t.acquire(s, "ds", epoch, [4])
-        assert t.ack(s, "ds", epoch, ranges)
-    assert t.newest_epochs() == {"ds": 1}
-    assert t.acquire(s, "other", 3, [2]) is not None  # live, not complete
-    assert t.newest_epochs() == {"ds": 1, "other": 3}
-    assert t.progress("ds", 1)["complete"] and not t.progress("other", 3)["complete"]
+        ranges = t.acquire("s", DS, epoch, 4)
+        assert t.ack("s", DS, epoch, ranges)
+    assert t.newest_epochs() == {DS: 1}
+    assert t.acquire("s", "other", 3, 2) is not None  # live, not complete
+    assert t.newest_epochs() == {DS: 1, "other": 3}
+    assert t.progress(DS, 1)["complete"] and not t.progress("other", 3)["complete"]
 
 
 def test_acknowledging_several_sessions_at_once_completes_and_drops_the_epoch():
@@ -280,12 +413,34 @@ def test_acknowledging_several_sessions_at_once_completes_and_drops_the_epoch():
     drops its table like any other (memory stays bounded)."""
     told = []
     t = LeaseTable(on_ack=lambda *a: told.append(a))
-    a = t.acquire("a", "ds", 0, [3, 4])
-    b = t.acquire("b", "ds", 0, [3, 4])
-    tok = {"a": [("lease", "ds", 0, a[1])], "b": [("lease", "ds", 0, b[1])]}
+    t.define(DS, unit_runs([3, 4]))
+    a = t.acquire("a", DS, 0, 1)
+    b = t.acquire("b", DS, 0, 1)
+    tok = {"a": [("lease", DS, 0, a)], "b": [("lease", DS, 0, b)]}
     assert not t.ack_sessions({"a": tok["b"], "b": tok["a"]})  # crossed: refused whole
-    assert not t.is_complete("ds", 0) and t.progress("ds", 0)["acknowledged"] == 0
+    assert not t.is_complete(DS, 0) and t.progress(DS, 0)["acknowledged"] == 0
     assert not told  # a refused acknowledgement is not counted
     assert t.ack_sessions(tok)
-    assert t.is_complete("ds", 0) and t.newest_epochs() == {"ds": 0}
-    assert sorted(told) == [("a", "ds", 3), ("b", "ds", 4)]  # the dashboard's counters
+    assert t.is_complete(DS, 0) and t.newest_epochs() == {DS: 0}
+    assert sorted(told) == [("a", DS, 3), ("b", DS, 4)]  # the dashboard's counters
+
+
+def test_a_closures_tokens_are_merged_one_per_epoch_table():
+    from daskdist.core.leases import merge_tokens
+
+    toks = [("lease", DS, 0, [(0, 4)]), ("gang", 1), ("lease", DS, 0, [(4, 8), (10, 12)]),
+            ("lease", DS, 1, [(0, 2)])]
+    merged = merge_tokens(toks)
+    assert ("gang", 1) in merged and len(merged) == 3
+    assert ("lease", DS, 0, [(0, 8), (10, 12)]) in merged
+    assert ("lease", DS, 1, [(0, 2)]) in merged
+    bad = [("lease", DS, 0, [(0,)]), ("lease", DS, 0, [(1, 2)])]
+    assert merge_tokens(bad) is bad  # malformed: left for the scheduler to refuse
+    one = [("lease", DS, 0, [(0, 4)])]
+    assert merge_tokens(one) is one
+    t = table([4, 4])
+    t.acquire("a", DS, 0, 1)
+    t.acquire("a", DS, 0, 1)  # two leases, adjacent: acknowledged as one run
+    assert t.ack_tokens("a", merge_tokens([("lease", DS, 0, [(0, 4)]),
+                                           ("lease", DS, 0, [(4, 8)])]))
+    assert t.is_complete(DS, 0)

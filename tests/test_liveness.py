@@ -78,7 +78,8 @@ def test_coordinator_state_expires_like_a_lost_worker():
     for i in range(4):
         co.queue.put(f"o-{i}", "o", b"")
     assert [c.cid for c in co.queue.dispatch("s1", 2)] == ["o-0", "o-1"]
-    lease = co.leases.acquire("s1", "ds", 0, [10])
+    co.leases.define("ds", [(10, 1)])
+    lease = co.leases.acquire("s1", "ds", 0, 10)
     assert lease is not None
     assert co.renew("s2", 4.0)
     assert co.expire_sessions(5.5) == ["s1"]
@@ -258,8 +259,9 @@ def test_a_completed_closure_whose_rows_are_refused_is_counted_and_frees_its_lea
     co.queue.put("o-0", "o", b"")
     assert [c.cid for c in co.queue.dispatch("s1", 1)] == ["o-0"]
     co.members.join("s2", "w2")
-    assert co.leases.acquire("s1", "ds", 0, [10, 10]) == (0, [(0, 10)])
-    assert co.leases.acquire("s2", "ds", 0, [10, 10]) == (1, [(10, 20)])
+    co.leases.define("ds", [(10, 2)])
+    assert co.leases.acquire("s1", "ds", 0, 1) == [(0, 10)]
+    assert co.leases.acquire("s2", "ds", 0, 1) == [(10, 20)]
     # rows 0-5 are this session's, 10-12 another's: the acknowledgement is refused whole
     co.apply_results("s1", [Outcome("o-0", READY, b"", None, 1, tokens=[
         lease_token("ds", 0, [(0, 5)]), lease_token("ds", 0, [(10, 12)])])])

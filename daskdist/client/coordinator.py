@@ -34,6 +34,7 @@ from daskdist.client.datasets import (
     _ResourceHandle,
 )
 from daskdist.client.values import PerWorkerValues, RemoteValue
+from daskdist.core.leases import unit_runs
 from daskdist.core.nest import map_structure
 from daskdist.core.protocol import (
     CANCELLED,
@@ -41,6 +42,7 @@ from daskdist.core.protocol import (
     PLUGIN_NAME,
     READY,
     USER_ERROR,
+    DatasetDef,
     Outcome,
     ResourceSpec,
     Submission,
@@ -458,17 +460,28 @@ class Coordinator:
         """Build ``fn(ctx)`` on every worker (lazily, before a closure needs it)."""
         return self._register_resource("resource", fn)
 
-    def create_per_worker_dataset(self, fn: Callable[[Any], Any]) -> PerWorkerDataset:
-        """Build ``fn(input_context)`` on every worker; ``iter()`` the result to get iterators."""
-        return PerWorkerDataset(self, self._register_resource("dataset", fn))
+    def create_per_worker_dataset(self, fn: Callable[[Any], Any],
+                                  name: str | None = None) -> PerWorkerDataset:
+        """Build ``fn(input_context)`` on every worker; ``iter()`` the result to get iterators.
+
+        Each call is a new dataset: a ``"dynamic"`` ArrowLoader the factory builds
+        leases under this dataset's id (``input_context.dataset_id``); ``name`` is a
+        label. Its lease tables go when the handle is dropped or this coordinator closes.
+        """
+        values = self._register_resource("dataset", fn)
+        self._define_dataset(DatasetDef(values.rid, name or "", None))
+        return PerWorkerDataset(self, values, name or "")
 
     def distribute_dataset(self, shards: Any, global_batch_size: int,
                            **loader_options: Any) -> DistributedDataset:
         """Per-worker ``ArrowLoader``s reading ``shards``, each with its replica's share
         of ``global_batch_size`` (TensorFlow's ``experimental_distribute_dataset``).
 
-        ``loader_options`` are ArrowLoader's (``shuffle``, ``seed``, ``policy``, ...).
-        The shards are opened here first, so a bad source fails on the client.
+        ``loader_options`` are ArrowLoader's (``shuffle``, ``seed``, ``policy``,
+        ``name``, ...). The shards are opened here first, so a bad source fails on the
+        client. Each call is a new dataset (``name`` is a label): re-running it, or two
+        datasets over one directory, each read every row; resuming an epoch is explicit
+        (``DistributedDataset.state_dict`` / ``load_state_dict``).
         """
         from daskdist.context import InputContext
         from daskdist.data import ArrowShards
@@ -487,8 +500,14 @@ class Coordinator:
         InputContext(num_replicas_in_sync=workers).get_per_replica_batch_size(global_batch_size)
         values = self._register_resource(
             "dataset", _LoaderFactory(shards, global_batch_size, loader_options))
-        return DistributedDataset(self, values, shards,
-                                  shards.dataset_id(loader_options.get("name")))
+        name = loader_options.get("name") or ""
+        # a new dataset, whatever its files or name: its units defined once, here
+        self._define_dataset(DatasetDef(values.rid, name,
+                                        unit_runs(u.num_rows for u in shards.units)))
+        return DistributedDataset(self, values, shards, name, loader_options.get("seed", 0))
+
+    def _define_dataset(self, dataset: DatasetDef) -> None:
+        self._call("daskdist_dataset_define", owner=self._owner, dataset=tuple(dataset))
 
     def _register_resource(self, kind: str, fn: Callable | None,
                            parent: PerWorkerValues | None = None) -> PerWorkerValues:

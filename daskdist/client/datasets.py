@@ -1,9 +1,14 @@
 """Per-worker datasets on the client: the handles ``create_per_worker_dataset`` and
 ``distribute_dataset`` return, and the factories their workers run.
 
-A handle's per-worker resource is released on the scheduler and the workers once the
-handle is garbage collected (``_ResourceHandle``); the factories are pickled to the
-workers, which import ``daskdist.data`` (and torch) only there.
+A dataset is the call that made it: its identity is its per-worker resource's id, fresh
+per call (``name=`` is only a label), so a re-run notebook cell, a new coordinator, or
+a training and an evaluation dataset over one directory each read every row. A
+handle's per-worker resource, and the dataset's lease tables on the scheduler, are
+released once the handle is garbage collected (``_ResourceHandle``) or its coordinator
+closes. Resuming an epoch across coordinators is explicit: ``state_dict()`` /
+``load_state_dict()``. The factories are pickled to the workers, which import
+``daskdist.data`` (and torch) only there.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from daskdist.client import reprs
 from daskdist.client.values import PerWorkerValues
+from daskdist.core.protocol import EpochLedger
+from daskdist.errors import InputError
 
 if TYPE_CHECKING:
     from daskdist.client.coordinator import Coordinator
@@ -33,15 +40,33 @@ class _ResourceHandle(PerWorkerValues):
 class PerWorkerDataset:
     """A dataset built on every worker by a factory (``create_per_worker_dataset``).
 
-    ``iter()`` gives a ``PerWorkerValues`` of iterators, one per worker.
+    ``iter()`` gives a ``PerWorkerValues`` of iterators, one per worker. Its
+    :attr:`dataset_id` is what a ``"dynamic"`` ArrowLoader the factory builds leases
+    under (the worker hands it over in the factory's ``InputContext``).
     """
 
-    def __init__(self, coordinator: Coordinator, values: PerWorkerValues):
+    def __init__(self, coordinator: Coordinator, values: PerWorkerValues, name: str = ""):
         self._coordinator = coordinator
         self.values = values
+        self.name = name
+
+    @property
+    def dataset_id(self) -> str:
+        return self.values.rid
 
     def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
         return self._coordinator._register_resource("iterator", None, parent=self.values)
+
+    def progress(self, epoch: int = 0) -> dict:
+        """A ``"dynamic"`` epoch's counts: total, acknowledged, leased, free, complete
+        (``known`` is False until a worker's loader defined the dataset). Raises
+        ``dd.InputError`` once the epoch failed (a file's reads failed
+        ``max_worker_failures`` times), so a loop until ``complete`` ends."""
+        p = self._coordinator._call("daskdist_lease_progress", dataset_id=self.dataset_id,
+                                    epoch=int(epoch))
+        if p.get("failed"):
+            raise InputError(p["failed"])
+        return p
 
     def __repr__(self) -> str:
         return f"PerWorkerDataset({self.values.rid})"
@@ -63,12 +88,16 @@ class _LoaderFactory:
 
 
 class _EpochIterator:
-    """Starts a worker's loader on ``epoch`` and iterates it."""
+    """Starts a worker's loader on ``epoch`` (with the dataset's shuffle ``seed``) and
+    iterates it."""
 
-    def __init__(self, epoch: int):
+    def __init__(self, epoch: int, seed: int | None = None):
         self.epoch = epoch
+        self.seed = seed
 
     def __call__(self, loader: Any) -> Iterator:
+        if self.seed is not None:
+            loader.seed = int(self.seed)
         loader.set_epoch(self.epoch)
         return iter(loader)
 
@@ -78,14 +107,16 @@ class DistributedDataset(PerWorkerDataset):
 
     ``iter()`` gives iterators for the current epoch (``set_epoch`` changes it).
     Under ``policy="dynamic"``, ``progress()`` reports the epoch's acknowledged rows:
-    loop over closures until ``progress()["complete"]``.
+    loop over closures until ``progress()["complete"]``. ``state_dict()`` exports the
+    epoch's ledger (epoch, seed, acknowledged rows as intervals, name) and
+    ``load_state_dict()`` starts this dataset's epoch from one, on any coordinator.
     """
 
     def __init__(self, coordinator: Coordinator, values: PerWorkerValues, shards: Any,
-                 dataset_id: str):
-        super().__init__(coordinator, values)
+                 name: str = "", seed: int = 0):
+        super().__init__(coordinator, values, name)
         self.shards = shards
-        self.dataset_id = dataset_id
+        self.seed = int(seed)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -93,18 +124,43 @@ class DistributedDataset(PerWorkerDataset):
 
     def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
         return self._coordinator._register_resource(
-            "iterator", _EpochIterator(self.epoch), parent=self.values)
+            "iterator", _EpochIterator(self.epoch, self.seed), parent=self.values)
 
     def progress(self, epoch: int | None = None, bar: bool = False) -> dict:
         """The dynamic policy's counts for ``epoch``: total, acknowledged, leased, free,
-        complete. ``bar=True`` also shows them on a ``tqdm.auto`` bar (one per dataset)."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        unit_rows = [u.num_rows for u in self.shards.units]
-        p = self._coordinator._call("daskdist_lease_progress", dataset_id=self.dataset_id,
-                                    epoch=epoch, unit_rows=unit_rows)
+        complete. ``bar=True`` also shows them on a ``tqdm.auto`` bar (one per dataset).
+        Raises ``dd.InputError`` once the epoch failed."""
+        p = super().progress(self.epoch if epoch is None else int(epoch))
         if bar:
             reprs.update_epoch_bar(self, p)
         return p
+
+    def state_dict(self) -> dict:
+        """The current epoch's ledger: ``name``, ``epoch``, ``seed``, ``acknowledged``
+        (row intervals), ``total`` and ``files`` (the shards' fingerprint). Small: it
+        grows with the acknowledged rows' fragmentation, never with the rows."""
+        led = EpochLedger._make(self._coordinator._call(
+            "daskdist_dataset_state", dataset_id=self.dataset_id, epoch=self.epoch))
+        return {"name": self.name, "epoch": self.epoch, "seed": self.seed,
+                "acknowledged": [[int(a), int(b)] for a, b in led.acknowledged],
+                "total": int(led.total), "files": self.shards.fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue a ledger (:meth:`state_dict`, of this or an earlier dataset over the
+        same files, on any coordinator): this dataset's epoch becomes the ledger's, its
+        acknowledged rows are not read again. Call it before iterating that epoch
+        (``ValueError`` once it started, or for other files)."""
+        if state.get("files") != self.shards.fingerprint():
+            raise ValueError(f"the state is of dataset {state.get('name')!r} over other "
+                             f"files than {self.shards!r} (fingerprints differ)")
+        epoch = int(state["epoch"])
+        ledger = EpochLedger(self.dataset_id, epoch,
+                             [[int(a), int(b)] for a, b in state["acknowledged"]],
+                             int(state["total"]))
+        self._coordinator._call("daskdist_dataset_start", owner=self._coordinator._owner,
+                                ledger=tuple(ledger))
+        self.epoch = epoch
+        self.seed = int(state.get("seed", self.seed))
 
     def _repr_html_(self) -> str:
         return reprs.dataset_html(self)

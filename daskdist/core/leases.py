@@ -1,44 +1,72 @@
 """Lease/ack bookkeeping for the ``"dynamic"`` sharding policy: a pure state machine.
 
-The scheduler plugin holds one :class:`LeaseTable`. Per ``(dataset_id, epoch)`` it
-tracks, for every unit of work (a row group), which of its rows are *free*, *leased*
-to a worker session, or *acknowledged* (consumed by a closure that completed). Rows
-are global ids ``0 .. total`` (their position in the stable order of units), and every
-set is kept as sorted, disjoint half-open intervals ``(start, stop)``, so memory per
-epoch grows with fragmentation, never with the number of rows.
+The scheduler plugin holds one :class:`LeaseTable` per coordinator. Rows have global
+ids ``0 .. total`` (their position in the stable order of units).
 
-Why a separate pure module (SPEC §1, §3.1): the exactly-once guarantee is a property
-of these transitions alone, so they are tested exhaustively (hypothesis stateful tests)
-without Dask, torch or pyarrow. Transitions:
+- **A dataset is defined once** (:meth:`LeaseTable.define`): its units' row counts,
+  run-length encoded (a few runs per file, at most 16 bytes per unit), with a label
+  and the owner it goes away with. Every later message names only the dataset, an
+  epoch and row intervals; nothing ever carries or rebuilds a per-unit list.
+- **Per epoch**, every row is *free*, *deferred* (given back by a failed read: served
+  after every other free row), *leased* to one worker session, or *acknowledged*
+  (consumed by a closure that completed). Each set is a
+  :class:`~daskdist.core.intervals.RowSet`, so memory grows with fragmentation, never
+  with rows or units, and a transition costs O(log fragments) per interval it moves.
 
-- :meth:`LeaseTable.acquire`: a session leases the free rows of the next unit that has any.
-- :meth:`LeaseTable.ack`: a completed closure acknowledges rows leased to its session.
-  Refused (``False``, nothing changed) when the session expired or any row is not
-  leased to it: fencing, so a late or duplicate message never counts a row twice.
-- :meth:`LeaseTable.release`: a failed closure's rows go back to free.
-- :meth:`LeaseTable.drop_session`: a lost worker; all its leased rows go back to free and
-  the session is expired for good.
+Transitions:
 
-Invariant (:meth:`LeaseTable.check`): per epoch, acknowledged ∪ leased ∪ free is every
-row, pairwise disjoint. This module imports nothing from Dask, torch, pyarrow or the
-rest of the package.
+- :meth:`LeaseTable.acquire`: a session leases consecutive free rows, at least the rows
+  it asks for (rounded up to the end of a unit, so a unit is read by one worker), at
+  most a share of what is left (``free / (2 * parts)``: the end of an epoch is spread
+  over every reader);
+- :meth:`LeaseTable.ack`: a completed closure acknowledges rows leased to its session;
+  refused (``False``, nothing changed) when the session expired or any row is not
+  leased to it: fencing, so a late or duplicate message never counts a row twice;
+- :meth:`LeaseTable.release`: rows go back (a failed closure, a closed loader); a
+  failed read defers them and counts a failure of its file; the ``max_failures``-th
+  fails the epoch (:class:`EpochFailed`), rather than retrying forever;
+- :meth:`LeaseTable.drop_session`: a lost worker; its leased rows go back to free and
+  the session is expired for good;
+- :meth:`LeaseTable.start_epoch` / :meth:`LeaseTable.acknowledged`: an epoch started
+  with rows already acknowledged, and the export of those rows (resuming).
+
+Invariant (:meth:`LeaseTable.check`): per epoch, acknowledged ∪ leased ∪ free ∪
+deferred is every row, pairwise disjoint. Imports nothing from Dask, torch, pyarrow,
+numpy or the rest of the package.
 """
 
 from __future__ import annotations
 
-import heapq
+from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from daskdist.core.intervals import Interval, _intersect, _size, normalize, subtract, union
+from daskdist.core.intervals import Interval, RowSet, normalize, subtract, union
 from daskdist.core.protocol import LeaseToken
 
-__all__ = ["LeaseTable", "SessionExpired", "group_tokens"]
+__all__ = [
+    "EpochFailed",
+    "LeaseTable",
+    "SessionExpired",
+    "UnknownDataset",
+    "group_tokens",
+    "merge_tokens",
+    "unit_runs",
+]
 
 
 class SessionExpired(RuntimeError):
     """A session that was dropped (its worker was lost) asked for a new lease."""
+
+
+class UnknownDataset(LookupError):
+    """A lease for a dataset this table has no units for (never defined, or forgotten
+    when its handle was dropped or its coordinator closed)."""
+
+
+class EpochFailed(RuntimeError):
+    """The epoch cannot complete: reads of one file failed ``max_failures`` times."""
 
 
 def group_tokens(tokens: Iterable[object]) -> dict[tuple[str, int], list[Interval]]:
@@ -55,227 +83,351 @@ def group_tokens(tokens: Iterable[object]) -> dict[tuple[str, int], list[Interva
     return groups
 
 
-# ---------------------------------------------------------------------------------------
+def merge_tokens(tokens: list) -> list:
+    """One closure's tokens with its lease tokens merged, one per epoch table (fewer,
+    shorter intervals to send and check); tokens of other kinds kept. A malformed lease
+    token leaves the list as it is (the scheduler refuses it)."""
+    try:
+        groups = group_tokens(tokens)
+    except ValueError:
+        return tokens
+    if sum(LeaseToken.parse(t) is not None for t in tokens) <= len(groups):
+        return tokens  # nothing to merge
+    others = [t for t in tokens if LeaseToken.parse(t) is None]
+    return others + [LeaseToken.of(ds, epoch, normalize(ranges))
+                     for (ds, epoch), ranges in groups.items()]
 
 
-@dataclass
-class _Unit:
-    start: int
-    stop: int
-    free: list[Interval]
-    leased: dict[str, list[Interval]] = field(default_factory=dict)
-    acked: list[Interval] = field(default_factory=list)
+def unit_runs(unit_rows: Iterable[int]) -> list[tuple[int, int]]:
+    """Per-unit row counts run-length encoded: ``[(rows per unit, units), ...]``."""
+    runs: list[tuple[int, int]] = []
+    for r in unit_rows:
+        r = int(r)
+        if runs and runs[-1][0] == r:
+            runs[-1] = (r, runs[-1][1] + 1)
+        else:
+            runs.append((r, 1))
+    return runs
+
+
+class _Units:
+    """A dataset's units from their runs: where each run starts (rows) and its units'
+    size, 16 bytes per run. Finds the end of the unit holding a row by bisection."""
+
+    __slots__ = ("runs", "size", "start", "total", "units")
+
+    def __init__(self, runs: Sequence[Sequence[int]]) -> None:
+        self.runs = [(int(r), int(n)) for r, n in runs]
+        self.start = array("q", [0])
+        self.size = array("q")
+        pos = units = 0
+        for rows, count in self.runs:
+            if rows < 0 or count < 1:
+                raise ValueError(f"a run of units must have rows >= 0 and units >= 1, "
+                                 f"got {(rows, count)}")
+            if rows:  # units of no rows hold no ids: nothing to find
+                self.size.append(rows)
+                pos += rows * count
+                self.start.append(pos)
+            units += count
+        self.total = pos
+        self.units = units
+
+    def stop_of(self, row: int) -> int:
+        """The end of the unit holding ``row`` (``0 <= row < total``)."""
+        i = bisect_right(self.start, row) - 1
+        size = self.size[i]
+        first = self.start[i]
+        return first + ((row - first) // size + 1) * size
+
+    def nbytes(self) -> int:
+        return self.start.itemsize * (len(self.start) + len(self.size))
 
 
 @dataclass
 class _Epoch:
-    unit_rows: tuple[int, ...]
-    starts: list[int]
-    units: list[_Unit]
     total: int
-    n_acked: int = 0
+    free: RowSet
+    acked: RowSet
+    deferred: RowSet = field(default_factory=RowSet)  # given back by failed reads
+    leased: dict[str, RowSet] = field(default_factory=dict)
     n_leased: int = 0
-    heap: list[int] = field(default_factory=list)  # unit indices that may have free rows
-    in_heap: bytearray = field(default_factory=bytearray)
-
-    def mark_free(self, u: int) -> None:
-        if not self.in_heap[u]:
-            self.in_heap[u] = 1
-            heapq.heappush(self.heap, u)
+    failures: dict[str, int] = field(default_factory=dict)  # file -> failed reads
+    failed: str | None = None  # why the epoch cannot complete
 
 
-def _unlease(unit: _Unit, session: str, pieces: list[Interval]) -> None:
-    """Take ``pieces`` out of the rows ``unit`` has leased to ``session``."""
-    rest = subtract(unit.leased[session], pieces)
-    if rest:
-        unit.leased[session] = rest
-    else:
-        del unit.leased[session]
+@dataclass
+class _Dataset:
+    label: str
+    owner: str
+    units: _Units | None = None  # None: registered, its units not defined yet
+    epochs: dict[int, _Epoch] = field(default_factory=dict)
+    completed: list[Interval] = field(default_factory=list)  # intervals of epochs
+
+    def is_complete(self, epoch: int) -> bool:
+        if self.units is not None and self.units.total == 0:
+            return True
+        i = bisect_right(self.completed, (epoch, float("inf"))) - 1
+        return i >= 0 and self.completed[i][0] <= epoch < self.completed[i][1]
 
 
 class LeaseTable:
-    """Free / leased / acknowledged row intervals per ``(dataset_id, epoch)`` and unit.
+    """Datasets, and per epoch their free / deferred / leased / acknowledged rows.
 
     Sessions are opaque strings (the worker plugin's session id). Not thread-safe: the
     scheduler plugin calls it from its event loop only.
 
     Memory stays bounded: an epoch whose every row is acknowledged drops its table and
-    is remembered as one interval of completed epochs per dataset (with its row count);
-    the ids of the last ``max_expired`` dropped sessions are kept for fencing (the
-    scheduler fences older ones by membership: sessions are never reused).
+    is remembered as one interval of completed epochs in its dataset; a dataset goes
+    with :meth:`forget` (its handle was dropped) or :meth:`drop_owner` (its coordinator
+    closed); the ids of the last ``max_expired`` dropped sessions are kept for fencing
+    (the scheduler fences older ones by membership: sessions are never reused). At most
+    ``max_epochs`` unfinished epochs per dataset.
     """
 
     def __init__(self, max_expired: int = 4096,
-                 on_ack: Callable[[str, str, int], None] | None = None) -> None:
+                 on_ack: Callable[[str, str, int], None] | None = None,
+                 max_failures: int = 3, max_epochs: int = 1024) -> None:
         # told (session, dataset_id, rows) of every acknowledgement, whichever path made
         # it (a closure's result, a gang commit): counters for the dashboard and metrics
         self._on_ack = on_ack
-        self._epochs: dict[tuple[str, int], _Epoch] = {}
+        self.max_failures = max(1, int(max_failures))
+        self.max_epochs = max_epochs
+        self.datasets: dict[str, _Dataset] = {}
         self._expired: dict[str, None] = {}  # insertion-ordered: the oldest go first
         self._max_expired = max_expired
-        # dataset -> (total rows, intervals of completed epochs): their tables are gone
-        self._completed: dict[str, tuple[int, list[Interval]]] = {}
+        # session -> keys of the epochs where it holds rows now (for drop_session)
+        self._session_keys: dict[str, set[tuple[str, int]]] = {}
         self.epochs_completed = 0
         self.sessions_dropped = 0
-        # session -> keys of the epochs where it holds leases (for drop_session)
-        self._session_keys: dict[str, set[tuple[str, int]]] = {}
+        self.leases_granted = 0
 
-    # -- table definition --------------------------------------------------------------
+    # -- datasets --------------------------------------------------------------------
+    def register(self, dataset_id: str, label: str = "", owner: str = "") -> None:
+        """Know ``dataset_id`` (its label and owner) before its units are defined."""
+        ds = self.datasets.get(dataset_id)
+        if ds is None:
+            self.datasets[dataset_id] = _Dataset(label, owner)
+        elif label and not ds.label:
+            ds.label = label
+
+    def define(self, dataset_id: str, runs: Sequence[Sequence[int]], label: str = "",
+               owner: str = "") -> None:
+        """Define the dataset's units (``runs``: see :func:`unit_runs`) once; a later
+        definition must agree (``ValueError`` naming the dataset if not). A dataset
+        ``"<id>.<k>"`` (a second loader built for one per-worker dataset) takes the
+        label and owner of ``"<id>"``."""
+        ds = self.datasets.get(dataset_id)
+        if ds is None:
+            parent = self.datasets.get(dataset_id.partition(".")[0])
+            if parent is not None and not owner:
+                owner = parent.owner
+                label = label or parent.label
+            ds = self.datasets[dataset_id] = _Dataset(label, owner)
+        elif label and not ds.label:
+            ds.label = label
+        units = _Units(runs)
+        if ds.units is None:
+            ds.units = units
+            return
+        if units.runs != ds.units.runs:
+            raise ValueError(
+                f"dataset {self._name(dataset_id)}: its units differ from its definition "
+                f"({units.units} units / {units.total} rows given, {ds.units.units} units "
+                f"/ {ds.units.total} rows defined); build one loader per dataset call")
+
+    def _name(self, dataset_id: str) -> str:
+        ds = self.datasets.get(dataset_id)
+        label = ds.label if ds is not None else ""
+        return f"{label!r} ({dataset_id})" if label else repr(dataset_id)
+
+    def _dataset(self, dataset_id: str) -> _Dataset:
+        ds = self.datasets.get(dataset_id)
+        if ds is None or ds.units is None:
+            raise UnknownDataset(
+                f"dataset {dataset_id!r} is not defined here (never defined, or forgotten "
+                "when its handle was dropped or its coordinator closed)")
+        return ds
+
+    def forget(self, dataset_id: str) -> bool:
+        """Drop a dataset (and the datasets ``"<id>.<k>"`` of its other loaders): its
+        epoch tables and completed epochs. Whether anything was dropped."""
+        gone = [d for d in self.datasets
+                if d == dataset_id or d.startswith(dataset_id + ".")]
+        for d in gone:
+            ds = self.datasets.pop(d)
+            for epoch, ep in ds.epochs.items():
+                for session in ep.leased:
+                    self._unkey(session, (d, epoch))
+        return bool(gone)
+
+    def drop_owner(self, owner: str) -> list[str]:
+        """Forget every dataset of ``owner`` (its coordinator closed); their ids."""
+        gone = [d for d, ds in self.datasets.items() if ds.owner == owner and owner]
+        for d in gone:
+            self.forget(d)
+        return gone
+
     def is_complete(self, dataset_id: str, epoch: int) -> bool:
         """Every row of the epoch was acknowledged (its table may be dropped already)."""
-        done = self._completed.get(dataset_id)
-        return done is not None and any(a <= int(epoch) < b for a, b in done[1])
+        ds = self.datasets.get(dataset_id)
+        return ds is not None and ds.is_complete(int(epoch))
 
-    def _complete(self, key: tuple[str, int], ep: _Epoch) -> None:
-        """Every row of the epoch is acknowledged: keep only that fact (and its size)."""
-        del self._epochs[key]
-        for keys in self._session_keys.values():
-            keys.discard(key)
-        dataset_id, epoch = key
-        _, done = self._completed.get(dataset_id, (ep.total, []))
-        self._completed[dataset_id] = (ep.total, union(done, [(epoch, epoch + 1)]))
+    def _complete(self, dataset_id: str, ds: _Dataset, epoch: int, ep: _Epoch) -> None:
+        """Every row of the epoch is acknowledged: keep only that fact."""
+        del ds.epochs[epoch]
+        for session in ep.leased:
+            self._unkey(session, (dataset_id, epoch))
+        ds.completed = union(ds.completed, [(epoch, epoch + 1)])
         self.epochs_completed += 1
 
-    def _epoch(self, dataset_id: str, epoch: int, unit_rows: Sequence[int] | None) -> _Epoch:
-        key = (dataset_id, int(epoch))
-        ep = self._epochs.get(key)
-        if unit_rows is None:
-            if ep is None:
-                raise KeyError(f"no lease table for dataset {dataset_id!r} epoch {epoch}")
-            return ep
-        rows = tuple(int(r) for r in unit_rows)
-        if ep is not None:
-            if ep.unit_rows != rows:
-                raise ValueError(
-                    f"dataset {dataset_id!r} epoch {epoch}: unit row counts differ from the "
-                    f"table's ({len(rows)} units / {sum(rows)} rows given, "
-                    f"{len(ep.unit_rows)} units / {ep.total} rows known)"
-                )
-            return ep
-        if any(r < 0 for r in rows):
-            raise ValueError("unit row counts must be >= 0")
-        units, starts, pos = [], [], 0
-        for r in rows:
-            starts.append(pos)
-            units.append(_Unit(pos, pos + r, [(pos, pos + r)] if r else []))
-            pos += r
-        ep = _Epoch(rows, starts, units, pos, in_heap=bytearray(len(rows)))
-        for i, unit in enumerate(units):
-            if unit.free:
-                ep.mark_free(i)
-        self._epochs[key] = ep
+    def _new_epoch(self, dataset_id: str, ds: _Dataset, epoch: int,
+                   acknowledged: Iterable[Sequence[int]] = ()) -> _Epoch:
+        if len(ds.epochs) >= self.max_epochs:
+            raise ValueError(f"dataset {self._name(dataset_id)} has {len(ds.epochs)} "
+                             f"unfinished epochs; at most {self.max_epochs}")
+        total = ds.units.total  # type: ignore[union-attr]
+        acked = normalize(acknowledged)
+        if acked and (acked[0][0] < 0 or acked[-1][1] > total):
+            raise ValueError(f"acknowledged rows {acked[0]}..{acked[-1]} are outside "
+                             f"dataset {self._name(dataset_id)}'s [0, {total})")
+        ep = _Epoch(total, RowSet(subtract([(0, total)], acked)), RowSet(acked))
+        ds.epochs[epoch] = ep
         return ep
 
-    def define(self, dataset_id: str, epoch: int, unit_rows: Sequence[int]) -> None:
-        """Create the epoch's table (idempotent; ``ValueError`` if the counts differ)."""
-        self._epoch(dataset_id, epoch, unit_rows)
+    def start_epoch(self, dataset_id: str, epoch: int,
+                    acknowledged: Iterable[Sequence[int]]) -> None:
+        """Start ``epoch`` with ``acknowledged`` rows already acknowledged (resuming from
+        an exported ledger); ``ValueError`` if the epoch has started already. Costs
+        O(intervals), whatever the rows."""
+        ds = self._dataset(dataset_id)
+        epoch = int(epoch)
+        if ds.units.total == 0 and not normalize(acknowledged):  # type: ignore[union-attr]
+            return  # an empty dataset: every epoch is complete
+        ep = ds.epochs.get(epoch)
+        if ds.is_complete(epoch) or (ep is not None and (ep.acked or ep.n_leased)):
+            raise ValueError(f"dataset {self._name(dataset_id)} epoch {epoch} has started "
+                             "already; load a ledger before the epoch's first lease")
+        if ep is not None:
+            del ds.epochs[epoch]
+        ep = self._new_epoch(dataset_id, ds, epoch, acknowledged)
+        if ep.acked.size == ep.total:
+            self._complete(dataset_id, ds, epoch, ep)
 
-    def forget(self, dataset_id: str, epoch: int | None = None) -> None:
-        """Drop the tables of one epoch (or every epoch) of a dataset."""
-        for key in [k for k in self._epochs if k[0] == dataset_id and epoch in (None, k[1])]:
-            del self._epochs[key]
-            for keys in self._session_keys.values():
-                keys.discard(key)
-        if dataset_id in self._completed:
-            if epoch is None:
-                del self._completed[dataset_id]
-            else:
-                total, done = self._completed[dataset_id]
-                self._completed[dataset_id] = (total, subtract(done, [(epoch, epoch + 1)]))
+    def acknowledged(self, dataset_id: str, epoch: int) -> list[Interval]:
+        """The epoch's acknowledged rows as intervals (what :meth:`start_epoch` takes)."""
+        ds = self._dataset(dataset_id)
+        epoch = int(epoch)
+        if ds.is_complete(epoch):
+            total = ds.units.total  # type: ignore[union-attr]
+            return [(0, total)] if total else []
+        ep = ds.epochs.get(epoch)
+        return [] if ep is None else ep.acked.items()
 
     # -- transitions ------------------------------------------------------------------
-    def acquire(
-        self, session: str, dataset_id: str, epoch: int, unit_rows: Sequence[int]
-    ) -> tuple[int, list[Interval]] | None:
-        """Lease the free rows of the next unit that has any to ``session``.
+    def acquire(self, session: str, dataset_id: str, epoch: int, rows: int = 1,
+                parts: int | None = None, least: int = 1) -> list[Interval] | None:
+        """Lease free rows to ``session``: the lowest free rows, at least ``rows`` of
+        them rounded up to the end of a unit, but no more than ``free / (2 * parts)``
+        (``parts``: the readers sharing the epoch, by default the sessions holding rows
+        of it) unless that is less than ``least`` (a lease worth its round trip).
+        Rows given back by failed reads are served only once no other row is free.
 
-        Returns ``(unit index, free rows as global intervals)`` or ``None`` when no free
-        rows remain right now. ``unit_rows`` defines the table on first use.
-        Raises :class:`SessionExpired` for a dropped session.
+        Returns the leased rows as intervals, or ``None`` when none is free right now.
+        Raises :class:`SessionExpired` for a dropped session, :class:`UnknownDataset`
+        and :class:`EpochFailed`.
         """
         if session in self._expired:
             raise SessionExpired(f"session {session!r} expired; its worker was lost")
-        if self.is_complete(dataset_id, epoch):
+        ds = self._dataset(dataset_id)
+        epoch = int(epoch)
+        if ds.is_complete(epoch):
             return None
-        ep = self._epoch(dataset_id, epoch, unit_rows)
-        while ep.heap:
-            u = ep.heap[0]
-            unit = ep.units[u]
-            if not unit.free:
-                heapq.heappop(ep.heap)
-                ep.in_heap[u] = 0
-                continue
-            heapq.heappop(ep.heap)
-            ep.in_heap[u] = 0
-            rows = unit.free
-            unit.free = []
-            unit.leased[session] = union(unit.leased.get(session, []), rows)
-            ep.n_leased += _size(rows)
-            self._session_keys.setdefault(session, set()).add((dataset_id, int(epoch)))
-            return u, list(rows)
-        return None
+        ep = ds.epochs.get(epoch)
+        if ep is None:
+            ep = self._new_epoch(dataset_id, ds, epoch)
+        if ep.failed is not None:
+            raise EpochFailed(ep.failed)
+        n_free = ep.free.size + ep.deferred.size
+        if not n_free:
+            return None
+        if parts is None:
+            parts = len(ep.leased) + (session not in ep.leased)
+        share = -(-n_free // (2 * max(1, parts)))
+        need = min(max(1, int(rows)), max(1, int(least), share))
+        pool = ep.free if ep.free else ep.deferred
+        units = ds.units
+        out: list[Interval] = []
+        while need > 0 and pool:
+            a, b = pool.starts[0], pool.stops[0]
+            c = b if b - a <= need else min(b, units.stop_of(a + need - 1))  # type: ignore[union-attr]
+            pool.remove(a, c)
+            out.append((a, c))
+            need -= c - a
+        held = ep.leased.get(session)
+        if held is None:
+            held = ep.leased[session] = RowSet()
+            self._session_keys.setdefault(session, set()).add((dataset_id, epoch))
+        for a, c in out:
+            held.add(a, c)
+            ep.n_leased += c - a
+        self.leases_granted += 1
+        return out
 
-    def _split(self, ep: _Epoch, ranges: Iterable[Sequence[int]]) -> dict[int, list[Interval]]:
-        """Map normalized global intervals to per-unit pieces; ``ValueError`` if out of range."""
-        per_unit: dict[int, list[Interval]] = {}
-        for a, b in normalize(ranges):
-            if a < 0 or b > ep.total:
-                raise ValueError(f"rows [{a}, {b}) are outside the epoch's [0, {ep.total})")
-            while a < b:
-                u = bisect_right(ep.starts, a) - 1
-                while ep.units[u].stop <= a:  # skip empty units sharing a start
-                    u += 1
-                stop = min(b, ep.units[u].stop)
-                per_unit.setdefault(u, []).append((a, stop))
-                a = stop
-        return per_unit
-
-    def _leased_pieces(
-        self, session: str, dataset_id: str, epoch: int, ranges: Iterable[Sequence[int]]
-    ) -> tuple[_Epoch, dict[int, list[Interval]]] | None:
-        """The epoch and per-unit pieces of ``ranges`` if every row is leased to
-        ``session`` now; ``None`` if not (expired session, unknown table, other rows)."""
+    def _held(self, session: str, dataset_id: str, epoch: int,
+              ranges: Sequence[tuple[int, int]]):
+        """``(dataset, epoch table, the session's rows, pieces)`` if every row of
+        ``ranges`` is leased to ``session`` now; ``None`` if not."""
         if session in self._expired:
             return None
-        ep = self._epochs.get((dataset_id, int(epoch)))
-        if ep is None:
+        ds = self.datasets.get(dataset_id)
+        ep = ds.epochs.get(int(epoch)) if ds is not None else None
+        held = ep.leased.get(session) if ep is not None else None
+        if held is None:
             return None
-        try:
-            per_unit = self._split(ep, ranges)
-        except ValueError:
-            return None
-        for u, pieces in per_unit.items():
-            if subtract(pieces, ep.units[u].leased.get(session, [])):
+        if len(ranges) == 1 and ranges[0][0] < ranges[0][1]:  # one batch: the usual case
+            pieces = ranges
+        else:
+            pieces = normalize(ranges)
+        for a, b in pieces:
+            if not held.covers(a, b):
                 return None
-        return ep, per_unit
+        return ds, ep, held, pieces
 
-    def _acknowledge(self, session: str, dataset_id: str, ep: _Epoch,
-                     per_unit: dict[int, list[Interval]]) -> None:
+    def _acknowledge(self, session: str, dataset_id: str, epoch: int, found) -> None:
+        ds, ep, held, pieces = found
         rows = 0
-        for u, pieces in per_unit.items():
-            unit = ep.units[u]
-            _unlease(unit, session, pieces)
-            unit.acked = union(unit.acked, pieces)
-            n = _size(pieces)
-            ep.n_leased -= n
-            ep.n_acked += n
-            rows += n
+        for a, b in pieces:
+            held.remove(a, b)
+            ep.acked.add(a, b)
+            rows += b - a
+        ep.n_leased -= rows
+        if not held:
+            del ep.leased[session]
+            self._unkey(session, (dataset_id, epoch))
         if self._on_ack is not None and rows:
             self._on_ack(session, dataset_id, rows)
+        if ep.acked.size == ep.total:
+            self._complete(dataset_id, ds, epoch, ep)
 
-    def ack(
-        self, session: str, dataset_id: str, epoch: int, ranges: Iterable[Sequence[int]]
-    ) -> bool:
+    def _unkey(self, session: str, key: tuple[str, int]) -> None:
+        keys = self._session_keys.get(session)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._session_keys[session]
+
+    def ack(self, session: str, dataset_id: str, epoch: int,
+            ranges: Iterable[Sequence[int]]) -> bool:
         """Acknowledge rows consumed by a completed closure of ``session``.
 
         All or nothing: ``False`` (nothing changed) if the session expired, the table is
         unknown, or any row is not currently leased to this session.
         """
-        found = self._leased_pieces(session, dataset_id, epoch, ranges)
+        found = self._held(session, dataset_id, epoch, normalize(ranges))
         if found is None:
             return False
-        self._acknowledge(session, dataset_id, *found)
-        self._drop_completed([(dataset_id, epoch)])
+        self._acknowledge(session, dataset_id, int(epoch), found)
         return True
 
     def ack_tokens(self, session: str, tokens: Iterable[object]) -> bool:
@@ -289,33 +441,21 @@ class LeaseTable:
         malformed token, an expired session, a row not leased to its session), nothing
         changes and ``False`` is returned. Other tokens are ignored."""
         found = []
-        keys: set[tuple[str, int]] = set()
         for session, tokens in per_session.items():
             try:
                 groups = group_tokens(tokens)
             except ValueError:
                 return False  # refused: nothing acknowledged
-            if not groups:
-                continue
-            if session in self._expired:
+            if groups and session in self._expired:
                 return False
             for (dataset_id, epoch), ranges in groups.items():
-                pieces = self._leased_pieces(session, dataset_id, epoch, ranges)
-                if pieces is None:
+                held = self._held(session, dataset_id, epoch, ranges)
+                if held is None:
                     return False
-                found.append((session, dataset_id, pieces))
-            keys |= set(groups)
-        for session, dataset_id, (ep, per_unit) in found:
-            self._acknowledge(session, dataset_id, ep, per_unit)
-        self._drop_completed(keys)
+                found.append((session, dataset_id, epoch, held))
+        for session, dataset_id, epoch, held in found:
+            self._acknowledge(session, dataset_id, epoch, held)
         return True
-
-    def _drop_completed(self, keys: Iterable[tuple[str, int]]) -> None:
-        for dataset_id, epoch in keys:
-            key = (dataset_id, int(epoch))
-            ep = self._epochs.get(key)
-            if ep is not None and ep.n_acked == ep.total:
-                self._complete(key, ep)
 
     def release_tokens(self, session: str, tokens: Iterable[object]) -> int:
         """Release the rows of every lease token of one failed closure; rows freed (0
@@ -324,41 +464,45 @@ class LeaseTable:
             groups = group_tokens(tokens)
         except ValueError:
             return 0
-        return sum(
-            self.release(session, dataset_id, epoch, ranges)
-            for (dataset_id, epoch), ranges in groups.items()
-        )
+        return sum(self.release(session, dataset_id, epoch, ranges)
+                   for (dataset_id, epoch), ranges in groups.items())
 
-    def release(
-        self, session: str, dataset_id: str, epoch: int, ranges: Iterable[Sequence[int]]
-    ) -> int:
-        """Return rows of a failed closure to the pool; only rows leased to ``session``
-        move. Returns how many rows went back to free."""
+    def release(self, session: str, dataset_id: str, epoch: int,
+                ranges: Iterable[Sequence[int]],
+                failure: tuple[str, str] | None = None) -> int:
+        """Give rows back to the pool; only rows leased to ``session`` move. Returns
+        how many moved.
+
+        ``failure`` is ``(file, message)`` when the rows could not be read: they are
+        deferred (served once no other row is free) and the file's failure is counted;
+        at the ``max_failures``-th the epoch fails with ``message``.
+        """
         if session in self._expired:
             return 0
-        ep = self._epochs.get((dataset_id, int(epoch)))
-        if ep is None:
+        ds = self.datasets.get(dataset_id)
+        ep = ds.epochs.get(int(epoch)) if ds is not None else None
+        held = ep.leased.get(session) if ep is not None else None
+        if held is None:
             return 0
-        try:
-            per_unit = self._split(ep, ranges)
-        except ValueError:
-            return 0
+        pool = ep.deferred if failure is not None else ep.free
         moved = 0
-        for u, pieces in per_unit.items():
-            unit = ep.units[u]
-            back = _intersect(pieces, unit.leased.get(session, []))
-            if back:
-                moved += self._free(ep, u, session, back)
+        for a, b in normalize(ranges):
+            for lo, hi in held.intersect(a, b):
+                held.remove(lo, hi)
+                pool.add(lo, hi)
+                moved += hi - lo
+        ep.n_leased -= moved
+        if not held:
+            del ep.leased[session]
+            self._unkey(session, (dataset_id, int(epoch)))
+        if failure is not None and moved:
+            source, message = failure
+            n = ep.failures[source] = ep.failures.get(source, 0) + 1
+            if n >= self.max_failures and ep.failed is None:
+                ep.failed = (f"{message} (reads of {source} failed {n} times, "
+                             f"max_worker_failures={self.max_failures}: dataset "
+                             f"{self._name(dataset_id)} epoch {int(epoch)} cannot complete)")
         return moved
-
-    def _free(self, ep: _Epoch, u: int, session: str, back: list[Interval]) -> int:
-        unit = ep.units[u]
-        _unlease(unit, session, back)
-        unit.free = union(unit.free, back)
-        n = _size(back)
-        ep.n_leased -= n
-        ep.mark_free(u)
-        return n
 
     def drop_session(self, session: str) -> int:
         """A lost worker: every row leased to ``session`` goes back to free, and later
@@ -369,14 +513,16 @@ class LeaseTable:
         while len(self._expired) > self._max_expired:
             del self._expired[next(iter(self._expired))]
         moved = 0
-        for key in self._session_keys.pop(session, set()):
-            ep = self._epochs.get(key)
-            if ep is None:
+        for dataset_id, epoch in self._session_keys.pop(session, set()):
+            ds = self.datasets.get(dataset_id)
+            ep = ds.epochs.get(epoch) if ds is not None else None
+            held = ep.leased.pop(session, None) if ep is not None else None
+            if held is None:
                 continue
-            for u, unit in enumerate(ep.units):
-                held = unit.leased.get(session)
-                if held:
-                    moved += self._free(ep, u, session, list(held))
+            for a, b in held:
+                ep.free.add(a, b)
+            ep.n_leased -= held.size
+            moved += held.size
         return moved
 
     def is_expired(self, session: str) -> bool:
@@ -384,81 +530,63 @@ class LeaseTable:
 
     # -- queries -----------------------------------------------------------------------
     def newest_epochs(self) -> dict[str, int]:
-        """Every dataset's newest epoch, live or completed (its table dropped)."""
-        newest = {d: done[-1][1] - 1 for d, (_, done) in self._completed.items() if done}
-        for dataset_id, epoch in self._epochs:
-            newest[dataset_id] = max(epoch, newest.get(dataset_id, epoch))
+        """Every defined dataset's newest epoch, live or completed (its table dropped)."""
+        newest = {}
+        for dataset_id, ds in self.datasets.items():
+            epochs = list(ds.epochs) + ([ds.completed[-1][1] - 1] if ds.completed else [])
+            if epochs:
+                newest[dataset_id] = max(epochs)
         return newest
 
-    def progress(
-        self, dataset_id: str, epoch: int, unit_rows: Sequence[int] | None = None
-    ) -> dict:
-        """``total``, ``acknowledged``, ``leased``, ``free`` rows and ``complete`` (every
-        row acknowledged). An unknown table (and no ``unit_rows`` to define it) reports
-        ``known=False`` and ``complete=False``."""
-        if self.is_complete(dataset_id, epoch):
-            total = self._completed[dataset_id][0]
-            return {
-                "dataset_id": dataset_id, "epoch": int(epoch), "known": True,
-                "total": total, "acknowledged": total, "leased": 0, "free": 0,
-                "units": len(unit_rows) if unit_rows is not None else 0, "complete": True,
-            }
-        if unit_rows is None and (dataset_id, int(epoch)) not in self._epochs:
-            return {
-                "dataset_id": dataset_id, "epoch": int(epoch), "known": False, "total": 0,
-                "acknowledged": 0, "leased": 0, "free": 0, "units": 0, "complete": False,
-            }
-        ep = self._epoch(dataset_id, epoch, unit_rows)
-        free = ep.total - ep.n_acked - ep.n_leased
-        return {
-            "dataset_id": dataset_id,
-            "epoch": int(epoch),
-            "known": True,
-            "total": ep.total,
-            "acknowledged": ep.n_acked,
-            "leased": ep.n_leased,
-            "free": free,
-            "units": len(ep.units),
-            "complete": ep.n_acked == ep.total,
-        }
+    def progress(self, dataset_id: str, epoch: int) -> dict:
+        """``total``, ``acknowledged``, ``leased``, ``free`` (deferred rows included)
+        rows, ``complete`` (every row acknowledged) and ``failed`` (why the epoch cannot
+        complete, or ``None``). An unknown dataset reports ``known=False``. Read-only:
+        never creates a table."""
+        ds = self.datasets.get(dataset_id)
+        epoch = int(epoch)
+        out = {"dataset_id": dataset_id, "name": ds.label if ds is not None else "",
+               "epoch": epoch, "known": False, "total": 0, "acknowledged": 0,
+               "leased": 0, "free": 0, "units": 0, "complete": False, "failed": None}
+        if ds is None or ds.units is None:
+            return out
+        total = ds.units.total
+        out.update(known=True, total=total, units=ds.units.units)
+        ep = ds.epochs.get(epoch)
+        if ds.is_complete(epoch):
+            out.update(acknowledged=total, complete=True)
+        elif ep is None:
+            out.update(free=total)
+        else:
+            out.update(acknowledged=ep.acked.size, leased=ep.n_leased,
+                       free=ep.free.size + ep.deferred.size, failed=ep.failed)
+        return out
 
     def leased_to(self, session: str, dataset_id: str, epoch: int) -> list[Interval]:
         """The rows currently leased to ``session`` in one epoch (global intervals)."""
-        ep = self._epochs.get((dataset_id, int(epoch)))
-        if ep is None:
-            return []
-        out: list[Interval] = []
-        for unit in ep.units:
-            out.extend(unit.leased.get(session, []))
-        return out
-
-    def acknowledged(self, dataset_id: str, epoch: int) -> list[Interval]:
-        if self.is_complete(dataset_id, epoch):
-            total = self._completed[dataset_id][0]
-            return [(0, total)] if total else []
-        ep = self._epoch(dataset_id, epoch, None)
-        return normalize(iv for unit in ep.units for iv in unit.acked)
+        ds = self.datasets.get(dataset_id)
+        ep = ds.epochs.get(int(epoch)) if ds is not None else None
+        held = ep.leased.get(session) if ep is not None else None
+        return [] if held is None else held.items()
 
     def check(self) -> None:
-        """Assert the invariant on every epoch: acked ∪ leased ∪ free = all rows,
-        pairwise disjoint, counters consistent. Raises ``AssertionError``."""
-        for key, ep in self._epochs.items():
-            n_acked = n_leased = 0
-            for u, unit in enumerate(ep.units):
-                parts = [unit.free, unit.acked, *unit.leased.values()]
-                for p in parts:
-                    assert p == normalize(p), f"{key} unit {u}: not normalized: {p}"
-                    for a, b in p:
-                        assert unit.start <= a < b <= unit.stop, f"{key} unit {u}: {(a, b)}"
-                pieces = sorted(iv for p in parts for iv in p)
-                pos = unit.start
-                for a, b in pieces:
-                    assert a == pos, f"{key} unit {u}: gap or overlap at {pos} (next {a})"
+        """Assert the invariant on every epoch: acked ∪ leased ∪ free ∪ deferred = all
+        rows, pairwise disjoint, each set well formed, counters consistent."""
+        for dataset_id, ds in self.datasets.items():
+            for epoch, ep in ds.epochs.items():
+                key = (dataset_id, epoch)
+                sets = [ep.free, ep.deferred, ep.acked, *ep.leased.values()]
+                for rs in sets:
+                    items = rs.items()
+                    assert items == normalize(items), f"{key}: not normalized: {items}"
+                    assert rs.size == sum(b - a for a, b in items), f"{key}: size"
+                pos = 0
+                for a, b in sorted(iv for rs in sets for iv in rs):
+                    assert a == pos, f"{key}: gap or overlap at {pos} (next {a})"
                     pos = b
-                assert pos == unit.stop, f"{key} unit {u}: rows up to {unit.stop} not covered"
-                if unit.free:
-                    assert ep.in_heap[u], f"{key} unit {u}: free rows not schedulable"
-                assert all(unit.leased.values()), f"{key} unit {u}: empty lease kept"
-                n_acked += _size(unit.acked)
-                n_leased += sum(_size(v) for v in unit.leased.values())
-            assert n_acked == ep.n_acked and n_leased == ep.n_leased, f"{key}: counters"
+                assert pos == ep.total, f"{key}: rows up to {ep.total} not covered"
+                assert all(ep.leased.values()), f"{key}: empty lease kept"
+                assert ep.n_leased == sum(rs.size for rs in ep.leased.values()), \
+                    f"{key}: leased counter"
+                for session in ep.leased:
+                    assert key in self._session_keys.get(session, ()), f"{key}: keys"

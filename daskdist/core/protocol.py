@@ -145,3 +145,83 @@ class LeaseToken(NamedTuple):
             return cls(LEASE_TOKEN, str(dataset_id), int(epoch), pairs)
         except (TypeError, ValueError) as e:
             raise ValueError(f"malformed lease token {tok!r}: {e}") from None
+
+
+class DatasetDef(NamedTuple):
+    """A ``"dynamic"`` dataset's units, defined once per dataset
+    (``daskdist_dataset_define``): leases, acknowledgements and progress then name only
+    the dataset, an epoch and row intervals.
+
+    ``runs`` is the units' row counts, run-length encoded: ``[(rows per unit, units),
+    ...]`` in the stable order of units (a few runs per file, whatever the number of
+    row groups); ``None`` registers the dataset's owner and label before a worker's
+    loader defines its units (``create_per_worker_dataset``).
+    """
+
+    dataset_id: str
+    label: str
+    runs: list | None
+
+
+class EpochLedger(NamedTuple):
+    """One dataset-epoch's acknowledged rows (``daskdist_dataset_state`` exports it,
+    ``daskdist_dataset_start`` starts an epoch from it): what resuming needs."""
+
+    dataset_id: str
+    epoch: int
+    acknowledged: list  # [(start, stop), ...] row intervals
+    total: int  # rows of the epoch
+
+
+# -- argument checks for scheduler handlers (a clear error naming the argument) -------
+MAX_ID_CHARS = 256  # a dataset id or label
+MAX_RANGES = 1 << 18  # row intervals in one message (a release, an epoch's ledger):
+# about 0.3 s of the scheduler's event loop at most
+MAX_RUNS = 1 << 22  # runs of one dataset's unit definition
+MAX_ROWS = 1 << 50  # rows of a dataset (and rows asked for in one lease)
+MAX_EPOCH = (1 << 31) - 1
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def arg_str(what: str, value: Any, max_chars: int = MAX_ID_CHARS, empty: bool = False) -> str:
+    """``value`` as a string argument: ``TypeError`` unless a ``str``, ``ValueError``
+    if empty (unless ``empty``) or longer than ``max_chars``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__} {_shown(value)}")
+    if not value and not empty:
+        raise ValueError(f"{what} must not be empty")
+    if len(value) > max_chars:
+        raise ValueError(f"{what} has {len(value)} characters; at most {max_chars}")
+    return value
+
+
+def arg_int(what: str, value: Any, lo: int, hi: int) -> int:
+    """``value`` as an int argument in ``[lo, hi]`` (``TypeError``: not an int; a bool
+    is not one; ``ValueError``: out of range)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {_shown(value)}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{what} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def arg_pairs(what: str, value: Any, max_items: int, lo: int = 0, hi: int = MAX_ROWS
+              ) -> list[tuple[int, int]]:
+    """``value`` as a list of at most ``max_items`` int pairs ``(a, b)`` with
+    ``lo <= a`` and ``b <= hi``."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} must be a list of pairs, got {type(value).__name__}")
+    if len(value) > max_items:
+        raise ValueError(f"{what} has {len(value)} items; at most {max_items}")
+    out = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise TypeError(f"{what}: each item must be a pair, got {_shown(item)}")
+        a = arg_int(f"{what} item", item[0], lo, hi)
+        b = arg_int(f"{what} item", item[1], lo, hi)
+        out.append((a, b))
+    return out

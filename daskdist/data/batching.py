@@ -29,6 +29,7 @@ __all__ = [
     "ids_of_ranges",
     "locate",
     "plan_blocks",
+    "ranges_of_ascending",
     "ranges_of_ids",
 ]
 
@@ -98,6 +99,20 @@ def ranges_of_ids(ids: np.ndarray) -> list[tuple[int, int]]:
     breaks = np.flatnonzero(np.diff(s) != 1) + 1
     starts = s[np.concatenate(([0], breaks))]
     stops = s[np.concatenate((breaks - 1, [len(s) - 1]))] + 1
+    return list(zip(starts.tolist(), stops.tolist(), strict=True))
+
+
+def ranges_of_ascending(ids: np.ndarray) -> list[tuple[int, int]]:
+    """:func:`ranges_of_ids` for ids known to ascend (no sort; one run: O(1))."""
+    n = len(ids)
+    if n == 0:
+        return []
+    a, b = int(ids[0]), int(ids[-1]) + 1
+    if b - a == n:
+        return [(a, b)]
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = ids[np.concatenate(([0], breaks))]
+    stops = ids[np.concatenate((breaks - 1, [n - 1]))] + 1
     return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 

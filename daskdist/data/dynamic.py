@@ -1,22 +1,24 @@
 """The lease service a loader talks to under ``policy="dynamic"``.
 
 :class:`LeaseService` is the protocol: inside a coordinator the worker plugin provides
-it (RPCs to the scheduler plugin, which holds a :class:`~daskdist.core.leases.LeaseTable`);
+it (:class:`~daskdist.plugins.worker.services.SessionServices`: RPCs to the scheduler
+plugin, which holds a :class:`~daskdist.core.leases.LeaseTable`);
 :class:`LocalLeaseService` implements it in-process on a local table, for tests and
 single-process use. Acknowledgements do not go through this protocol: the loader
 records a :class:`~daskdist.core.protocol.LeaseToken` per batch with
 :func:`daskdist.context.record_consumed`, and whoever ran the closure acks or releases
-those rows (the worker/scheduler plugins; :meth:`LocalLeaseService.ack` here).
+those rows (the worker/scheduler plugins; :meth:`LocalLeaseService.ack_tokens` here).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from daskdist.core.leases import LeaseTable
-from daskdist.core.protocol import LEASE_TOKEN, LeaseToken
+from daskdist.core.leases import EpochFailed, LeaseTable
+from daskdist.core.protocol import LEASE_TOKEN, DatasetDef, LeaseToken
+from daskdist.errors import InputError
 
 __all__ = ["LEASE_TOKEN", "LeaseService", "LocalLeaseService", "lease_token"]
 
@@ -32,21 +34,31 @@ def lease_token(dataset_id: str, epoch: int, ranges: list[Interval]) -> LeaseTok
 class LeaseService(Protocol):
     """What :class:`~daskdist.data.ArrowLoader` needs for the dynamic policy."""
 
-    def acquire(
-        self, dataset_id: str, epoch: int, unit_rows: list[int]
-    ) -> tuple[int, list[Interval]] | None:
-        """Lease the next unit with free rows to this worker's session: ``(unit index,
-        its free rows as global intervals)``, or ``None`` when none remain right now.
-        ``unit_rows`` defines the epoch's table on first call (``ValueError`` if a later
-        call disagrees)."""
+    def define(self, dataset: DatasetDef) -> None:
+        """Define the dataset's units once (``ValueError`` if a definition differs)."""
         ...
 
-    def progress(self, dataset_id: str, epoch: int, unit_rows: list[int] | None = None) -> dict:
+    def acquire(self, dataset_id: str, epoch: int, rows: int,
+                least: int = 1) -> list[Interval] | None:
+        """Lease ``rows`` free rows of the epoch, rounded up to whole units, to this
+        worker's session (fewer near the epoch's end, not under ``least``): the rows
+        as intervals, or ``None`` when none is free right now. ``InputError`` when the
+        epoch failed."""
+        ...
+
+    def progress(self, dataset_id: str, epoch: int) -> dict:
         """At least ``total``, ``acknowledged``, ``leased``, ``free``, ``complete``."""
         ...
 
-    # Optional (used when present): give back leased rows no closure received.
-    # def release(self, dataset_id: str, epoch: int, ranges: list[Interval]) -> int: ...
+    def release(self, dataset_id: str, epoch: int, ranges: list[Interval],
+                failure: tuple[str, str] | None = None) -> int:
+        """Give back leased rows no closure received (``failure``: ``(file, message)``
+        when they could not be read). Rows freed."""
+        ...
+
+    # Optional (used when present): ``acquire_async(dataset_id, epoch, rows, least)``, a
+    # ``concurrent.futures.Future`` of what ``acquire`` returns, so the loader asks for
+    # its next lease while it reads the current one.
 
 
 class LocalLeaseService:
@@ -67,23 +79,30 @@ class LocalLeaseService:
         """Another service on the same table (and lock) for another session."""
         return LocalLeaseService(self.table, session, self._lock)
 
-    def acquire(
-        self, dataset_id: str, epoch: int, unit_rows: Sequence[int]
-    ) -> tuple[int, list[Interval]] | None:
+    def define(self, dataset: DatasetDef) -> None:
+        d = DatasetDef._make(dataset)
         with self._lock:
-            return self.table.acquire(self.session, dataset_id, epoch, unit_rows)
+            self.table.define(d.dataset_id, d.runs, d.label)
 
-    def progress(
-        self, dataset_id: str, epoch: int, unit_rows: Sequence[int] | None = None
-    ) -> dict:
+    def acquire(self, dataset_id: str, epoch: int, rows: int,
+                least: int = 1) -> list[Interval] | None:
         with self._lock:
-            return self.table.progress(dataset_id, epoch, unit_rows)
+            try:
+                return self.table.acquire(self.session, dataset_id, epoch, rows,
+                                          least=least)
+            except EpochFailed as e:
+                raise InputError(str(e)) from None
 
-    def release(self, dataset_id: str, epoch: int, ranges: list[Interval]) -> int:
+    def progress(self, dataset_id: str, epoch: int) -> dict:
+        with self._lock:
+            return self.table.progress(dataset_id, epoch)
+
+    def release(self, dataset_id: str, epoch: int, ranges: list[Interval],
+                failure: tuple[str, str] | None = None) -> int:
         """Give back leased rows that no closure received (e.g. prefetched batches of a
         closed iterator); only rows leased to this session move. Rows freed."""
         with self._lock:
-            return self.table.release(self.session, dataset_id, epoch, ranges)
+            return self.table.release(self.session, dataset_id, epoch, ranges, failure)
 
     def ack_tokens(self, tokens: Iterable[Any]) -> bool:
         """Acknowledge the rows of lease tokens (a completed closure); all or nothing."""

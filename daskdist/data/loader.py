@@ -5,14 +5,14 @@ The pipeline, in stages with one job each:
 1. a *source* (:mod:`.sources`) yields converted blocks: :class:`~.sources.StaticSource`
    reads the pipeline's pieces (a sharding policy, :mod:`.sharding`) in the epoch plan's
    order (:mod:`.batching`: shuffled pieces, each block's rows permuted by one gather);
-   :class:`~.sources.DynamicSource` leases units from ``ctx.leases`` (``"dynamic"``);
+   :class:`~.sources.DynamicSource` leases rows from ``ctx.leases`` (``"dynamic"``);
 2. for a CUDA device, the *device stage* (:mod:`.staging`) copies each whole block to
    the device through a ring of reused pinned buffers, one copy per dtype;
 3. a *feed* (:mod:`.prefetch`) runs 1-2 in a prefetch thread and hands blocks over
    through a buffer bounded by ``prefetch`` batches (or inline with ``prefetch=0``);
 4. the *iterator* only cuts ``batch_size`` views from the current block (a batch
-   straddling two blocks is concatenated) and, under ``"dynamic"``, records the
-   batch's rows with :func:`daskdist.context.record_consumed` in the caller's thread;
+   straddling two blocks is concatenated) and tells the source which rows it handed
+   out (under ``"dynamic"`` the source records them for the caller's closure);
 5. the batch is finished after the cut: the caller's CUDA stream waits for the block's
    copy, ``collate`` runs on the host, other devices get a plain ``.to(device)``.
 
@@ -20,9 +20,9 @@ The pipeline, in stages with one job each:
 worker has several, and closures sharing one per-worker iterator call ``next()`` at
 once. The rule: ``next()`` on a :class:`_LoaderIterator` is safe from any number of
 threads. Serialized (the iterator's lock): cutting a batch, taking the next block, and
-marking the batch's rows delivered, so each batch goes to exactly one caller. Not
-serialized (after the lock, in the caller's thread): recording the rows for the
-caller's closure, the device step, ``collate``. Ownership: the prefetch thread owns
+marking the batch's rows delivered (and recording them for the caller's closure, in
+the caller's thread), so each batch goes to exactly one caller. Not serialized (after
+the lock, in the caller's thread): the device step, ``collate``. Ownership: the prefetch thread owns
 the source's generator and its readers; the staging thread owns the staging ring;
 callers own only the batches they got.
 
@@ -45,19 +45,21 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import torch
 
 from daskdist import config
-from daskdist.context import InputContext, record_consumed
+from daskdist.context import InputContext
+from daskdist.core.intervals import normalize
+from daskdist.core.leases import unit_runs
+from daskdist.core.protocol import DatasetDef
 from daskdist.data import batching
 from daskdist.data.convert import concat_cols, slice_cols, to_device
-from daskdist.data.dynamic import lease_token
 from daskdist.data.prefetch import CLOSED, END, Failure, Feed
 from daskdist.data.sharding import POLICIES, assign
 from daskdist.data.shards import ArrowShards
@@ -87,8 +89,13 @@ class ArrowLoader:
 
     See SPEC §3. ``ctx`` is the pipeline's :class:`~daskdist.context.InputContext`
     (default: a single pipeline). ``shuffle_buffer`` is the minimum rows per shuffled
-    block. ``name`` makes :attr:`dataset_id` (the lease-table key under
-    ``policy="dynamic"``) distinct for two loaders over the same files.
+    block. ``name`` is a label (the dashboard's, and a checkpoint ledger's key).
+
+    A loader is a dataset of its own: :attr:`dataset_id` (its key in the dynamic lease
+    table) is the per-worker dataset's id when a coordinator's worker builds it (the
+    same on every worker; ``"<id>.<k>"`` for the k-th further loader one factory
+    builds), else a fresh id. Under ``policy="dynamic"`` a lease covers at least
+    ``lease_rows`` rows (default ``daskdist.data.lease-rows``) and 2 batches.
 
     ``iter(loader)`` closes the previous iterator and returns one that several threads
     may call ``next()`` on at once (see the module doc for the rule and the shutdown).
@@ -110,6 +117,7 @@ class ArrowLoader:
         device: Any = None,
         shuffle_buffer: int = 65536,
         name: str | None = None,
+        lease_rows: int | None = None,
     ) -> None:
         if not isinstance(shards, ArrowShards):
             shards = ArrowShards(shards)
@@ -147,8 +155,19 @@ class ArrowLoader:
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise ValueError(f"column(s) {missing} not in the shards' schema {names}")
-        self.dataset_id = shards.dataset_id(name)
+        self.name = name or ""
+        self.dataset_id = (self.ctx.next_dataset_id()
+                           or f"{name or 'arrow'}-{uuid.uuid4().hex[:12]}")
+        if lease_rows is None:
+            lease_rows = int(config.get("data.lease-rows", 65536))
+        if int(lease_rows) < 1:
+            raise ValueError(f"lease_rows must be >= 1, got {lease_rows}")
+        self.lease_rows = max(int(lease_rows), 2 * self.batch_size)
         self._unit_rows = [u.num_rows for u in units]
+        self._starts = [u.start for u in units]
+        self._defined = False
+        self._define_lock = threading.Lock()
+        self._files: str | None = None  # the shards' fingerprint, once asked for
         if policy == "dynamic":
             self.policy, self._pieces = "dynamic", []
         else:
@@ -204,6 +223,7 @@ class ArrowLoader:
             pos = self._resume or 0
         return {
             "dataset_id": self.dataset_id,
+            "files": self._fingerprint(),
             "policy": self.policy,
             "pipeline": [self.ctx.input_pipeline_id, self.ctx.num_input_pipelines],
             "epoch": self.epoch,
@@ -214,11 +234,14 @@ class ArrowLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume: the next ``iter()`` continues after the last row consumed."""
-        if state.get("dataset_id") != self.dataset_id:
+        """Resume: the next ``iter()`` continues after the last row consumed. The state
+        must be of a loader over the same files (paths and row counts): ``ValueError``
+        naming both datasets if not."""
+        if state.get("files") != self._fingerprint():
             raise ValueError(
-                f"state is for dataset {state.get('dataset_id')!r}, this loader reads "
-                f"{self.dataset_id!r}"
+                f"state is for dataset {state.get('dataset_id')!r} over other files "
+                f"(fingerprint {state.get('files')!r}), this loader reads "
+                f"{self.shards!r} (fingerprint {self._fingerprint()!r})"
             )
         mine = [self.ctx.input_pipeline_id, self.ctx.num_input_pipelines]
         if self.policy != "dynamic" and list(state.get("pipeline", mine)) != mine:
@@ -233,10 +256,11 @@ class ArrowLoader:
 
     def progress(self) -> dict:
         """Under ``"dynamic"``: the lease table's counts for this epoch (``total``,
-        ``acknowledged``, ``leased``, ``free``, ``complete``). Otherwise this pipeline's
-        own rows consumed against its total."""
+        ``acknowledged``, ``leased``, ``free``, ``complete``, ``failed``). Otherwise
+        this pipeline's own rows consumed against its total."""
         if self.policy == "dynamic":
-            return self.ctx.leases.progress(self.dataset_id, self.epoch, self._unit_rows)
+            self._define()
+            return self.ctx.leases.progress(self.dataset_id, self.epoch)
         total = self.num_rows
         pos = self.state_dict()["position"]
         return {"total": total, "consumed": pos, "complete": pos >= total}
@@ -245,6 +269,20 @@ class ArrowLoader:
         return (f"ArrowLoader({self.shards!r}, batch_size={self.batch_size}, "
                 f"policy={self.policy!r}, pipeline={self.ctx.input_pipeline_id}/"
                 f"{self.ctx.num_input_pipelines}, epoch={self.epoch})")
+
+    def _fingerprint(self) -> str:
+        if self._files is None:
+            self._files = self.shards.fingerprint()
+        return self._files
+
+    def _define(self) -> None:
+        """Define this dataset's units with the lease service, once per loader (the
+        scheduler checks that every worker's loader agrees)."""
+        with self._define_lock:
+            if not self._defined:
+                self.ctx.leases.define(DatasetDef(self.dataset_id, self.name,
+                                                  unit_runs(self._unit_rows)))
+                self._defined = True
 
     # -- the pipeline's stages, built per iterator -----------------------------------------
     def _source(self, epoch: int, position: int) -> ChunkSource:
@@ -257,6 +295,15 @@ class ArrowLoader:
         if self.device.type != "cuda" or self.collate is not None:
             return None
         return DeviceStage(CudaTransfer(self.device), int(config.get("data.staging-slots", 2)))
+
+
+def _ranges(item: ChunkItem, a: int, b: int) -> list[tuple[int, int]] | None:
+    """Rows ``[a, b)`` of a block as row-id intervals (``None``: not a dynamic block)."""
+    if item.ids is None:
+        return None
+    ids = item.ids[a:b]
+    return (batching.ranges_of_ascending(ids) if item.ascending
+            else batching.ranges_of_ids(ids))
 
 
 class _LoaderIterator:
@@ -309,17 +356,15 @@ class _LoaderIterator:
 
     def __next__(self) -> Any:
         with self._lock:
-            parts, ids, items = self._cut()
-            ranges = batching.ranges_of_ids(ids) if ids is not None else None
-            if ranges is not None:
+            parts, ranges, items = self._cut()
+            if ranges is not None:  # in the caller's thread: the rows count for its closure
                 self._source.delivered(ranges)
-        if ranges is not None:  # in the caller's thread: the rows count for its closure
-            record_consumed(lease_token(self.loader.dataset_id, self.epoch, ranges))
         return self._finish(parts, items)
 
     # -- under the lock ------------------------------------------------------------------
-    def _cut(self) -> tuple[list[Any], np.ndarray | None, list[ChunkItem]]:
-        """The next batch's parts (views), row ids and the blocks they come from."""
+    def _cut(self) -> tuple[list[Any], list[tuple[int, int]] | None, list[ChunkItem]]:
+        """The next batch's parts (views), its row ids as intervals (dynamic policy)
+        and the blocks they come from."""
         if self._closed:
             raise StopIteration
         bs = self._bs
@@ -327,10 +372,9 @@ class _LoaderIterator:
         if cur is not None and a + bs <= cur.rows:  # fast path: a view of the block
             self._at = a + bs
             self.position += bs
-            ids = cur.ids[a:a + bs] if cur.ids is not None else None
-            return [slice_cols(cur.cols, a, a + bs)], ids, [cur]
+            return [slice_cols(cur.cols, a, a + bs)], _ranges(cur, a, a + bs), [cur]
         parts: list[Any] = []
-        id_parts: list[np.ndarray] = []
+        id_parts: list[list[tuple[int, int]]] = []
         items: list[ChunkItem] = []
         got = 0
         if self._done and self._dynamic and (cur is None or a >= cur.rows):
@@ -347,16 +391,17 @@ class _LoaderIterator:
             parts.append(slice_cols(cur.cols, a, b))
             items.append(cur)
             if cur.ids is not None:
-                id_parts.append(cur.ids[a:b])
+                id_parts.append(_ranges(cur, a, b))
             self._at = b
             got += b - a
         if got == 0 or (got < bs and self.loader.drop_last):
             raise StopIteration
         self.position += got
-        ids = None
+        ranges = None
         if id_parts:
-            ids = id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts)
-        return parts, ids, items
+            ranges = id_parts[0] if len(id_parts) == 1 else normalize(
+                iv for part in id_parts for iv in part)
+        return parts, ranges, items
 
     def _next_item(self) -> ChunkItem | None:
         """The next block; ``None`` at the end of the pass or once closed."""

@@ -224,14 +224,11 @@ class ArrowShards:
         return len(self.files)
 
     def fingerprint(self) -> str:
-        """A stable hash of the units (paths, pieces, row counts)."""
+        """A stable hash of the units (paths, pieces, row counts): what a loader's state
+        must match to be resumed (never a dataset's identity: that is the call that
+        made it)."""
         desc = [[u.path, u.piece, u.num_rows] for u in self.units]
         return hashlib.sha1(json.dumps(desc).encode()).hexdigest()[:16]
-
-    def dataset_id(self, name: str | None = None) -> str:
-        """The key a loader over these shards uses in the dynamic lease table:
-        ``f"{name or 'arrow'}-{fingerprint}"``."""
-        return f"{name or 'arrow'}-{self.fingerprint()}"
 
     def __len__(self) -> int:
         return len(self.units)

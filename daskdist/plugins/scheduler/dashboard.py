@@ -198,7 +198,8 @@ class DaskdistDashboard:
         }
 
         ds = snap["datasets"]
-        names = [f"{d['dataset_id']} epoch {d['epoch']}" for d in ds]
+        names = [f"{d['name'] + ' ' if d.get('name') else ''}{d['dataset_id']} epoch "
+                 f"{d['epoch']}" for d in ds]
         if list(self.dataset_bars.y_range.factors) != names:
             self.dataset_bars.y_range.factors = names
         self.datasets.data = {"dataset": names,

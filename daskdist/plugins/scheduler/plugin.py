@@ -19,13 +19,13 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from daskdist import config
-from daskdist.core.leases import SessionExpired
 from daskdist.core.protocol import (
     PLUGIN_NAME,
     CommitKey,
@@ -82,9 +82,13 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_schedule_gang": self.schedule_gang,
                 "daskdist_group_form": self.group_form,
                 "daskdist_group_info": self.group_info,
-                "daskdist_lease_acquire": self.lease_acquire,
-                "daskdist_lease_progress": self.lease_progress,
-                "daskdist_lease_release": self.lease_release,
+                # dynamic datasets: CoordinatorState's methods, as they are
+                "daskdist_dataset_define": self._on_state(CoordinatorState.dataset_define),
+                "daskdist_dataset_state": self._on_state(CoordinatorState.dataset_state),
+                "daskdist_dataset_start": self._on_state(CoordinatorState.dataset_start),
+                "daskdist_lease_acquire": self._on_state(CoordinatorState.lease_acquire),
+                "daskdist_lease_progress": self._on_state(CoordinatorState.lease_progress),
+                "daskdist_lease_release": self._on_state(CoordinatorState.lease_release),
                 # elastic commits (SPEC §4.2)
                 "daskdist_gang_commit_part": self.gang_commit_part,
                 "daskdist_commit_outcome": self.commit_outcome,
@@ -164,6 +168,14 @@ class CoordinatorPlugin(SchedulerPlugin):
                     self._drop_owner(co, owner)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _on_state(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """A handler that calls ``method`` on the named coordinator's state."""
+        def handler(name: str, **kwargs: Any) -> Any:
+            return method(self._get(name), **kwargs)
+
+        handler.__name__ = method.__name__
+        return handler
+
     def _get(self, name: str) -> CoordinatorState:
         try:
             return self.coordinators[name]
@@ -174,6 +186,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         co.outboxes.pop(owner, None)
         co.queue.cancel_pending(owner)
         co.gangs.cancel_pending(owner)
+        co.leases.drop_owner(owner)  # its datasets' lease tables go with it
 
     def _next_generation(self) -> int:
         self.generations += 1
@@ -301,30 +314,6 @@ class CoordinatorPlugin(SchedulerPlugin):
         driver.start()
         return driver.info()
 
-    # -- dynamic sharding leases -------------------------------------------------------------
-    def lease_acquire(self, name: str, session: str, dataset_id: str, epoch: int,
-                      unit_rows: list[int]) -> dict:
-        co = self._get(name)
-        if not co.renew(session, time.monotonic()):
-            return {"expired": True}
-        try:
-            lease = co.leases.acquire(session, dataset_id, epoch, unit_rows)
-        except SessionExpired:
-            return {"expired": True}
-        return {"lease": lease}
-
-    def lease_progress(self, name: str, dataset_id: str, epoch: int,
-                       unit_rows: list[int] | None = None) -> dict:
-        return self._get(name).leases.progress(dataset_id, epoch, unit_rows)
-
-    def lease_release(self, name: str, session: str, dataset_id: str, epoch: int,
-                      ranges: list) -> int:
-        """Rows a session gives back; refused (0) from a session that ended."""
-        co = self._get(name)
-        if session not in co.members:
-            return 0
-        return co.leases.release(session, dataset_id, epoch, ranges)
-
     # -- elastic commits: rows acknowledged at State.commit() (SPEC §4.2) -------------------
     async def gang_commit_part(self, name: str, session: str, key: list, rank: int,
                                world: int, tokens: list, timeout: float = 60.0) -> bool:
@@ -374,6 +363,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             return
         for rid in rids:
             co.resources.pop(rid, None)
+        co.forget_datasets(rids)  # a dataset's identity is its resource id
         co.resources_released += len(rids)
         co.broadcast({"op": "daskdist-release", "name": name, "rids": list(rids)})
 

@@ -18,10 +18,25 @@ from typing import Any
 
 from daskdist.core.commits import CommitBook
 from daskdist.core.gang import INTERRUPTING, GangBook
-from daskdist.core.leases import LeaseTable
+from daskdist.core.leases import EpochFailed, LeaseTable, SessionExpired
 from daskdist.core.liveness import LivenessTable
 from daskdist.core.membership import Membership
-from daskdist.core.protocol import CANCELLED, READY, UNSTARTED, CommitKey, Outcome
+from daskdist.core.protocol import (
+    CANCELLED,
+    MAX_EPOCH,
+    MAX_RANGES,
+    MAX_ROWS,
+    MAX_RUNS,
+    READY,
+    UNSTARTED,
+    CommitKey,
+    DatasetDef,
+    EpochLedger,
+    Outcome,
+    arg_int,
+    arg_pairs,
+    arg_str,
+)
 from daskdist.core.queue import ClosureQueue
 from daskdist.plugins.scheduler.stats import CoordinatorStats
 
@@ -102,7 +117,8 @@ class CoordinatorState:
         self.members = Membership()
         self.leases = LeaseTable(  # every acknowledgement is counted for the dashboard
             on_ack=lambda session, dataset_id, rows: self.stats.on_rows(
-                self, session, dataset_id, rows))
+                self, session, dataset_id, rows),
+            max_failures=max_worker_failures)
         self.gangs = GangBook(max_losses=max_worker_failures)
         self.commits = CommitBook()  # commits that acknowledged gang members' rows
         self.commit_events: dict[str, asyncio.Event] = {}  # open commits' waiters
@@ -352,6 +368,116 @@ class CoordinatorState:
             event = self.commit_events.pop(key, None)
             if event is not None:
                 event.set()
+
+    # -- dynamic datasets: the lease handlers (registered by the plugin as they are) -------
+    # Worker calls name their session and are refused once it ended (``{"expired":
+    # True}``); client calls name their owner. Arguments are checked first: a bad one is
+    # a TypeError / ValueError naming it, raised to the caller, and changes nothing.
+
+    def _owner(self, owner: Any) -> str:
+        owner = arg_str("owner", owner)
+        if owner not in self.outboxes:
+            raise ValueError(f"owner {owner!r} is not attached to coordinator {self.name!r}")
+        return owner
+
+    def dataset_define(self, dataset: Any, owner: str | None = None,
+                       session: str | None = None) -> dict:
+        """Define a dynamic dataset's units once (:class:`DatasetDef`), from its owner's
+        client (``distribute_dataset``; ``runs=None`` registers a per-worker dataset)
+        or a worker's loader (``session``); a differing definition is refused."""
+        if not isinstance(dataset, (list, tuple)) or len(dataset) != len(DatasetDef._fields):
+            raise TypeError(f"dataset must be a DatasetDef {DatasetDef._fields}, got "
+                            f"{type(dataset).__name__}")
+        d = DatasetDef._make(dataset)
+        dataset_id = arg_str("dataset_id", d.dataset_id)
+        label = arg_str("label", d.label, empty=True)
+        runs = None if d.runs is None else arg_pairs("runs", d.runs, MAX_RUNS, 0, MAX_ROWS)
+        if runs is not None and sum(r * n for r, n in runs) > MAX_ROWS:
+            raise ValueError(f"dataset {dataset_id!r} has more than {MAX_ROWS} rows")
+        if session is not None:
+            if arg_str("session", session) not in self.members:
+                return {"expired": True}
+            owner = ""
+        else:
+            owner = self._owner(owner)
+        if runs is None:
+            self.leases.register(dataset_id, label, owner)
+        else:
+            self.leases.define(dataset_id, runs, label, owner)
+        return {}
+
+    def lease_acquire(self, session: str, dataset_id: str, epoch: int, rows: int,
+                      least: int = 1) -> dict:
+        """Lease ``rows`` rows of an epoch to ``session`` (fewer, not under ``least``,
+        near the epoch's end): ``{"lease": intervals or None}``, ``{"expired": True}``
+        for an ended session, ``{"failed": why}`` when the epoch cannot complete."""
+        session = arg_str("session", session)
+        dataset_id = arg_str("dataset_id", dataset_id)
+        epoch = arg_int("epoch", epoch, 0, MAX_EPOCH)
+        rows = arg_int("rows", rows, 1, MAX_ROWS)
+        least = arg_int("least", least, 1, MAX_ROWS)
+        if not self.renew(session, time.monotonic()):
+            return {"expired": True}
+        try:
+            lease = self.leases.acquire(session, dataset_id, epoch, rows,
+                                        parts=max(1, len(self.members)), least=least)
+        except SessionExpired:
+            return {"expired": True}
+        except EpochFailed as e:
+            return {"failed": str(e)}
+        return {"lease": lease}
+
+    def lease_progress(self, dataset_id: str, epoch: int) -> dict:
+        """An epoch's counts (read-only: never defines a table)."""
+        return self.leases.progress(arg_str("dataset_id", dataset_id),
+                                    arg_int("epoch", epoch, 0, MAX_EPOCH))
+
+    def lease_release(self, session: str, dataset_id: str, epoch: int, ranges: Any,
+                      failure: Any = None) -> int:
+        """Rows a session gives back (``failure``: ``[file, message]`` of a failed read);
+        refused (0) from a session that ended. Rows freed."""
+        session = arg_str("session", session)
+        dataset_id = arg_str("dataset_id", dataset_id)
+        epoch = arg_int("epoch", epoch, 0, MAX_EPOCH)
+        ranges = arg_pairs("ranges", ranges, MAX_RANGES)
+        if failure is not None:
+            if not isinstance(failure, (list, tuple)) or len(failure) != 2:
+                raise TypeError(f"failure must be [file, message], got {failure!r:.80}")
+            failure = (arg_str("failure file", failure[0], 4096),
+                       arg_str("failure message", failure[1], 16384))
+        if session not in self.members:
+            return 0
+        return self.leases.release(session, dataset_id, epoch, ranges, failure)
+
+    def dataset_state(self, dataset_id: str, epoch: int) -> tuple:
+        """The epoch's acknowledged rows (an :class:`EpochLedger`), for resuming."""
+        dataset_id = arg_str("dataset_id", dataset_id)
+        epoch = arg_int("epoch", epoch, 0, MAX_EPOCH)
+        p = self.leases.progress(dataset_id, epoch)
+        return tuple(EpochLedger(dataset_id, epoch,
+                                 self.leases.acknowledged(dataset_id, epoch), p["total"]))
+
+    def dataset_start(self, owner: str, ledger: Any) -> dict:
+        """Start an epoch with the rows of ``ledger`` (an :class:`EpochLedger`) already
+        acknowledged; refused once the epoch has started. Its progress."""
+        self._owner(owner)
+        if not isinstance(ledger, (list, tuple)) or len(ledger) != len(EpochLedger._fields):
+            raise TypeError(f"ledger must be an EpochLedger {EpochLedger._fields}")
+        led = EpochLedger._make(ledger)
+        dataset_id = arg_str("dataset_id", led.dataset_id)
+        epoch = arg_int("epoch", led.epoch, 0, MAX_EPOCH)
+        acked = arg_pairs("acknowledged", led.acknowledged, MAX_RANGES)
+        total = self.leases.progress(dataset_id, epoch)["total"]
+        if arg_int("total", led.total, 0, MAX_ROWS) != total:
+            raise ValueError(f"the ledger is of {led.total} rows; dataset {dataset_id!r} "
+                             f"has {total}")
+        self.leases.start_epoch(dataset_id, epoch, acked)
+        return self.leases.progress(dataset_id, epoch)
+
+    def forget_datasets(self, dataset_ids: list[str]) -> None:
+        """Their handles were dropped: their lease tables and completed epochs go."""
+        for dataset_id in dataset_ids:
+            self.leases.forget(dataset_id)
 
     # -- raising an error to the user (SPEC §2.3) -------------------------------------------
     async def raise_error(self, timeout: float | None = None) -> dict:

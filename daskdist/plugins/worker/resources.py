@@ -4,7 +4,8 @@ A resource (a replica, a dataset, an iterator over a dataset) is built from the 
 its client registered (a :class:`~daskdist.core.protocol.ResourceSpec`, fetched from the
 scheduler) the first time a closure of the session needs it, with the session's
 contexts: a dataset's :class:`~daskdist.context.InputContext` carries the session's
-services (``leases``), so a loader can only lease rows for the session that built it.
+services (``leases``), so a loader can only lease rows for the session that built it,
+and the dataset's identity (its resource id: the call that made it).
 When the session ends, :meth:`ResourceRegistry.close` closes every resource that has a
 ``close()`` (loaders and their iterators: their prefetch threads and open files go).
 
@@ -32,7 +33,7 @@ class ResourceRegistry:
     """This session's per-worker resources, built on first use from their factories."""
 
     def __init__(self, fetch_spec: Callable[[str], bytes | None],
-                 contexts: Callable[[], tuple[WorkerContext, InputContext]]):
+                 contexts: Callable[[str], tuple[WorkerContext, InputContext]]):
         self._fetch_spec = fetch_spec
         self._contexts = contexts
         self._objects: dict[str, Any] = {}
@@ -65,7 +66,7 @@ class ResourceRegistry:
         if payload is None:
             raise InputError(f"per-worker resource {rid} is not registered with the coordinator")
         spec = ResourceSpec._make(loads(payload))
-        worker_ctx, input_ctx = self._contexts()
+        worker_ctx, input_ctx = self._contexts(rid)
         try:
             if spec.kind == "iterator":
                 return (spec.factory or iter)(self.get(spec.parent))
@@ -87,14 +88,17 @@ class ResourceRegistry:
         return map_structure(lambda v: self.get(v.rid) if is_ref(v) else v, structure, is_ref)
 
     def drop(self, rids: list[str]) -> None:
-        """Forget and close released resources (the client dropped them after every
-        closure that could use them had finished)."""
+        """Forget released resources (the client dropped them after every closure that
+        could use them had finished) and close them in a thread of their own: called on
+        the event loop, and closing a loader may wait for its producer's lease RPC, or
+        make one (giving back leased rows), both of which need that loop."""
         with self._lock:
             gone = [(rid, self._objects.pop(rid)) for rid in rids if rid in self._objects]
             for rid in rids:
                 self._building.pop(rid, None)
-        for rid, obj in gone:
-            _close(rid, obj)
+        if gone:
+            threading.Thread(target=_close_all, args=(gone,), daemon=True,
+                             name="daskdist-close-dropped").start()
 
     def close(self) -> None:
         """The session ended: close every resource (iterators before their datasets) and
@@ -109,6 +113,11 @@ class ResourceRegistry:
 
     def __len__(self) -> int:
         return len(self._objects)
+
+
+def _close_all(objects: list[tuple[str, Any]]) -> None:
+    for rid, obj in reversed(objects):  # iterators before their datasets
+        _close(rid, obj)
 
 
 def _close(rid: str, obj: Any) -> None:

@@ -40,6 +40,7 @@ from daskdist.context import (
     closure_scope,
 )
 from daskdist.core.gang import origin_of
+from daskdist.core.leases import merge_tokens
 from daskdist.core.protocol import (
     COLLECTIVE_ERROR,
     FAILED,
@@ -403,12 +404,14 @@ class ClosureRunner:
                              self.worker.address, attempt, self.name)
 
     def _contexts_for(self, services: SessionServices
-                      ) -> Callable[[], tuple[WorkerContext, InputContext]]:
-        """What a session's per-worker factories receive (built when a resource is)."""
-        def contexts() -> tuple[WorkerContext, InputContext]:
+                      ) -> Callable[[str], tuple[WorkerContext, InputContext]]:
+        """What a session's per-worker factories receive (built when resource ``rid``
+        is): a dataset's input context carries its identity, the resource id."""
+        def contexts(rid: str) -> tuple[WorkerContext, InputContext]:
             wctx = self._worker_context()
             n = max(1, self.num_workers)
-            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, leases=services)
+            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, leases=services,
+                                dataset_id=rid)
             return wctx, ictx
 
         return contexts
@@ -434,10 +437,10 @@ class ClosureRunner:
                     args, kwargs = session.resources.resolve((args, kwargs))
                 value = fn(*args, **kwargs)
                 result = Outcome(item.cid, READY, dumps(value), None, item.attempt,
-                                 tokens=scope.tokens)
+                                 tokens=merge_tokens(scope.tokens))
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
                 result = Outcome(item.cid, FAILED, dump_error(e), _error_kind(e),
-                                 item.attempt, tokens=scope.tokens)
+                                 item.attempt, tokens=merge_tokens(scope.tokens))
         self._finished(item, result)
 
     def _finished(self, item: Work, result: Outcome) -> None:

@@ -22,8 +22,8 @@ from typing import Any
 from distributed.utils import sync
 
 from daskdist.core.leases import group_tokens
-from daskdist.core.protocol import CommitKey, LeaseToken
-from daskdist.errors import CollectiveError
+from daskdist.core.protocol import CommitKey, DatasetDef
+from daskdist.errors import CollectiveError, InputError
 
 Interval = tuple[int, int]
 
@@ -51,39 +51,64 @@ class SessionServices:
                                f"of coordinator {self.name!r} ended")
 
     # -- the dynamic policy's lease service (data.dynamic.LeaseService) ------------------
-    def acquire(self, dataset_id: str, epoch: int,
-                unit_rows: list[int]) -> tuple[int, list[Interval]] | None:
-        """Lease the next unit with free rows; ``None`` when none is free now or the
-        session ended (its loaders are being closed)."""
+    def define(self, dataset: DatasetDef) -> None:
+        """Define a dataset's units (once per loader; ``ValueError`` if they differ from
+        the definition the scheduler has)."""
+        if not self.ended:
+            self._call("daskdist_dataset_define", dataset=tuple(dataset))
+
+    def acquire(self, dataset_id: str, epoch: int, rows: int,
+                least: int = 1) -> list[Interval] | None:
+        """Lease at least ``rows`` free rows (rounded up to whole units); ``None`` when
+        none is free now or the session ended (its loaders are being closed).
+        ``InputError`` when the epoch failed (a file's reads failed too often)."""
         if self.ended:
             return None
-        reply = self._call("daskdist_lease_acquire", dataset_id=dataset_id, epoch=int(epoch),
-                           unit_rows=[int(n) for n in unit_rows])
-        lease = reply.get("lease")
-        if lease is None:
-            return None
-        return int(lease[0]), [(int(a), int(b)) for a, b in lease[1]]
+        return _lease(self._call("daskdist_lease_acquire", dataset_id=dataset_id,
+                                 epoch=int(epoch), rows=int(rows), least=int(least)))
 
-    def progress(self, dataset_id: str, epoch: int, unit_rows: list[int] | None = None) -> dict:
+    def acquire_async(self, dataset_id: str, epoch: int, rows: int,
+                      least: int = 1) -> concurrent.futures.Future:
+        """:meth:`acquire` without waiting: a future of its result (the loader asks for
+        its next lease while it reads the current one)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if self.ended:
+            out.set_result(None)
+            return out
+        coro = self.worker.scheduler.daskdist_lease_acquire(
+            name=self.name, session=self.session, dataset_id=dataset_id, epoch=int(epoch),
+            rows=int(rows), least=int(least))
+        reply = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+
+        def done(f: concurrent.futures.Future) -> None:
+            try:
+                out.set_result(_lease(f.result()))
+            except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
+                out.set_exception(e)
+
+        reply.add_done_callback(done)
+        return out
+
+    def progress(self, dataset_id: str, epoch: int) -> dict:
+        """An epoch's counts (read-only: any session may ask)."""
         return sync(self.worker.loop, self.worker.scheduler.daskdist_lease_progress,
-                    name=self.name, dataset_id=dataset_id, epoch=int(epoch),
-                    unit_rows=None if unit_rows is None else list(unit_rows))
+                    name=self.name, dataset_id=dataset_id, epoch=int(epoch))
 
-    def release(self, dataset_id: str, epoch: int, ranges: list) -> int:
-        """Give back rows leased to this session that no closure consumed; rows freed."""
-        return self.release_tokens([LeaseToken.of(dataset_id, epoch, ranges)])
+    def release(self, dataset_id: str, epoch: int, ranges: list,
+                failure: tuple[str, str] | None = None) -> int:
+        """Give back rows leased to this session that no closure consumed (``failure``:
+        ``(file, message)`` when they could not be read); rows freed."""
+        if self.ended or not ranges:
+            return 0
+        return self._call("daskdist_lease_release", dataset_id=dataset_id, epoch=int(epoch),
+                          ranges=[(int(a), int(b)) for a, b in ranges],
+                          failure=None if failure is None else list(failure))
 
     def release_tokens(self, tokens: list) -> int:
         """Give the rows of lease tokens back to the pool: only rows leased to this
-        session move, acknowledged rows stay acknowledged. The one release path of the
-        worker side. Rows freed."""
-        groups = group_tokens(tokens)
-        if not groups or self.ended:
-            return 0
-        return sum(
-            self._call("daskdist_lease_release", dataset_id=ds, epoch=int(epoch),
-                       ranges=[(int(a), int(b)) for a, b in ranges])
-            for (ds, epoch), ranges in groups.items())
+        session move, acknowledged rows stay acknowledged. Rows freed."""
+        return sum(self.release(ds, epoch, ranges)
+                   for (ds, epoch), ranges in group_tokens(tokens).items())
 
     # -- elastic commits (collective.elastic) ----------------------------------------
     def send_commit_part(self, key: CommitKey, rank: int, world: int, tokens: list,
@@ -137,3 +162,14 @@ class SessionServices:
         if not self.ended:
             self._call("daskdist_checkpoint_written", state=state, url=url,
                        commits=int(commits), seconds=float(seconds), nbytes=int(nbytes))
+
+
+def _lease(reply: dict) -> list[Interval] | None:
+    """A lease reply's rows (``None``: none free now, or the session ended);
+    ``InputError`` when the epoch failed."""
+    if reply.get("failed") is not None:
+        raise InputError(reply["failed"])
+    lease = reply.get("lease")
+    if not lease:
+        return None
+    return [(int(a), int(b)) for a, b in lease]
