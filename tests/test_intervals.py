@@ -6,10 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from daskdist.core.intervals import (
-    _intersect,
-    _size,
+    intersect,
     intervals_from_ids,
     normalize,
+    size_of,
     subtract,
     union,
 )
@@ -21,8 +21,8 @@ def test_interval_helpers():
     assert subtract([(0, 3), (5, 9)], [(0, 9)]) == []
     assert union([(0, 2)], [(2, 4), (8, 9)]) == [(0, 4), (8, 9)]
     assert intervals_from_ids([3, 1, 2, 7]) == [(1, 4), (7, 8)]
-    assert _intersect([(0, 5), (8, 12)], [(3, 9)]) == [(3, 5), (8, 9)]
-    assert _size([(0, 5), (8, 12)]) == 9
+    assert intersect([(0, 5), (8, 12)], [(3, 9)]) == [(3, 5), (8, 9)]
+    assert size_of([(0, 5), (8, 12)]) == 9
 
 
 ids = st.sets(st.integers(0, 200), max_size=60)
@@ -37,8 +37,8 @@ def test_set_algebra_matches_python_sets(a, b):
 
     assert members(union(x, y)) == a | b and union(x, y) == intervals_from_ids(a | b)
     assert subtract(x, y) == intervals_from_ids(a - b)
-    assert _intersect(x, y) == intervals_from_ids(a & b)
-    assert _size(x) == len(a)
+    assert intersect(x, y) == intervals_from_ids(a & b)
+    assert size_of(x) == len(a)
     assert all(p[1] < q[0] for p, q in zip(x, x[1:], strict=False))  # disjoint, apart
 
 

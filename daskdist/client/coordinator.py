@@ -469,7 +469,7 @@ class Coordinator:
         label. Its lease tables go when the handle is dropped or this coordinator closes.
         """
         values = self._register_resource("dataset", fn)
-        self._define_dataset(DatasetDef(values.rid, name or "", None))
+        self._define_dataset(DatasetDef(values.rid, name or "", None, 0))
         return PerWorkerDataset(self, values, name or "")
 
     def distribute_dataset(self, shards: Any, global_batch_size: int,
@@ -503,7 +503,8 @@ class Coordinator:
         name = loader_options.get("name") or ""
         # a new dataset, whatever its files or name: its units defined once, here
         self._define_dataset(DatasetDef(values.rid, name,
-                                        unit_runs(u.num_rows for u in shards.units)))
+                                        unit_runs(u.num_rows for u in shards.units),
+                                        int(loader_options.get("seed", 0))))
         return DistributedDataset(self, values, shards, name, loader_options.get("seed", 0))
 
     def _define_dataset(self, dataset: DatasetDef) -> None:

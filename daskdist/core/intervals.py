@@ -66,7 +66,7 @@ def subtract(x: list[Interval], y: list[Interval]) -> list[Interval]:
     return out
 
 
-def _intersect(x: list[Interval], y: list[Interval]) -> list[Interval]:
+def intersect(x: list[Interval], y: list[Interval]) -> list[Interval]:
     """Ids in both ``x`` and ``y`` (both normalized)."""
     out: list[Interval] = []
     i = j = 0
@@ -82,7 +82,7 @@ def _intersect(x: list[Interval], y: list[Interval]) -> list[Interval]:
     return out
 
 
-def _size(x: Iterable[Interval]) -> int:
+def size_of(x: Iterable[Interval]) -> int:
     """Number of ids in the intervals."""
     return sum(b - a for a, b in x)
 

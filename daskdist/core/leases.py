@@ -42,7 +42,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from daskdist.core.intervals import Interval, RowSet, normalize, subtract, union
+from daskdist.core.intervals import Interval, RowSet, intersect, normalize, size_of, subtract, union
 from daskdist.core.protocol import LeaseToken
 
 __all__ = [
@@ -160,6 +160,7 @@ class _Epoch:
 class _Dataset:
     label: str
     owner: str
+    seed: int = 0
     units: _Units | None = None  # None: registered, its units not defined yet
     epochs: dict[int, _Epoch] = field(default_factory=dict)
     completed: list[Interval] = field(default_factory=list)  # intervals of epochs
@@ -203,16 +204,17 @@ class LeaseTable:
         self.leases_granted = 0
 
     # -- datasets --------------------------------------------------------------------
-    def register(self, dataset_id: str, label: str = "", owner: str = "") -> None:
-        """Know ``dataset_id`` (its label and owner) before its units are defined."""
+    def register(self, dataset_id: str, label: str = "", owner: str = "",
+                 seed: int = 0) -> None:
+        """Know ``dataset_id`` (its label, owner, seed) before its units are defined."""
         ds = self.datasets.get(dataset_id)
         if ds is None:
-            self.datasets[dataset_id] = _Dataset(label, owner)
+            self.datasets[dataset_id] = _Dataset(label, owner, seed)
         elif label and not ds.label:
             ds.label = label
 
     def define(self, dataset_id: str, runs: Sequence[Sequence[int]], label: str = "",
-               owner: str = "") -> None:
+               owner: str = "", seed: int = 0) -> None:
         """Define the dataset's units (``runs``: see :func:`unit_runs`) once; a later
         definition must agree (``ValueError`` naming the dataset if not). A dataset
         ``"<id>.<k>"`` (a second loader built for one per-worker dataset) takes the
@@ -223,9 +225,10 @@ class LeaseTable:
             if parent is not None and not owner:
                 owner = parent.owner
                 label = label or parent.label
-            ds = self.datasets[dataset_id] = _Dataset(label, owner)
+            ds = self.datasets[dataset_id] = _Dataset(label, owner, seed)
         elif label and not ds.label:
             ds.label = label
+        ds.seed = seed
         units = _Units(runs)
         if ds.units is None:
             ds.units = units
@@ -313,6 +316,40 @@ class LeaseTable:
         ep = self._new_epoch(dataset_id, ds, epoch, acknowledged)
         if ep.acked.size == ep.total:
             self._complete(dataset_id, ds, epoch, ep)
+
+    def restore_epoch(self, dataset_id: str, epoch: int,
+                      acknowledged: Iterable[Sequence[int]]) -> int:
+        """Make ``acknowledged`` the epoch's acknowledged rows, whatever was acknowledged
+        before (an elastic State resumed from a checkpoint: rows acknowledged by commits
+        after it were trained by a model that is lost, so they are free again). Leased
+        and deferred rows stay as they are; ``ValueError`` if a leased row is among
+        ``acknowledged`` (it could be delivered again). Rows now free that were
+        acknowledged before."""
+        ds = self._dataset(dataset_id)
+        epoch = int(epoch)
+        total = ds.units.total  # type: ignore[union-attr]
+        acked = normalize(acknowledged)
+        if acked and (acked[0][0] < 0 or acked[-1][1] > total):
+            raise ValueError(f"acknowledged rows {acked[0]}..{acked[-1]} are outside "
+                             f"dataset {self._name(dataset_id)}'s [0, {total})")
+        if ds.is_complete(epoch):  # its table was dropped: every row was acknowledged
+            ds.completed = subtract(ds.completed, [(epoch, epoch + 1)])
+            before = [(0, total)] if total else []
+            ep = self._new_epoch(dataset_id, ds, epoch, before)
+        else:
+            ep = ds.epochs.get(epoch) or self._new_epoch(dataset_id, ds, epoch)
+        held = [iv for rs in (*ep.leased.values(), ep.deferred) for iv in rs]
+        clash = intersect(acked, normalize(held))
+        if clash:
+            raise ValueError(f"dataset {self._name(dataset_id)} epoch {epoch}: rows "
+                             f"{clash[0]}.. are leased now and acknowledged by the ledger "
+                             "being restored; restore it before the epoch's first lease")
+        freed = subtract(ep.acked.items(), acked)
+        ep.acked = RowSet(acked)
+        ep.free = RowSet(subtract(subtract([(0, total)], acked), normalize(held)))
+        if ep.acked.size == ep.total:
+            self._complete(dataset_id, ds, epoch, ep)
+        return size_of(freed)
 
     def acknowledged(self, dataset_id: str, epoch: int) -> list[Interval]:
         """The epoch's acknowledged rows as intervals (what :meth:`start_epoch` takes)."""

@@ -161,6 +161,7 @@ class DatasetDef(NamedTuple):
     dataset_id: str
     label: str
     runs: list | None
+    seed: int = 0  # the loaders' shuffle seed (kept in a checkpoint's ledger)
 
 
 class EpochLedger(NamedTuple):

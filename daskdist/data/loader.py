@@ -281,7 +281,7 @@ class ArrowLoader:
         with self._define_lock:
             if not self._defined:
                 self.ctx.leases.define(DatasetDef(self.dataset_id, self.name,
-                                                  unit_runs(self._unit_rows)))
+                                                  unit_runs(self._unit_rows), self.seed))
                 self._defined = True
 
     # -- the pipeline's stages, built per iterator -----------------------------------------
@@ -333,7 +333,11 @@ class _LoaderIterator:
         self._feed: Feed | None = None
         self._done = False
         self._closed = False
-        self._start()
+        if not self._dynamic:
+            # a dynamic pass leases its first rows at the first next(), not here: a gang
+            # closure's State.sync() may first resume its datasets' ledgers from a
+            # checkpoint (rows leased before that could be ones it trained already)
+            self._start()
 
     def _start(self) -> bool:
         """A new feed over a new pass of the source; ``False`` if closed meanwhile."""
@@ -377,8 +381,9 @@ class _LoaderIterator:
         id_parts: list[list[tuple[int, int]]] = []
         items: list[ChunkItem] = []
         got = 0
-        if self._done and self._dynamic and (cur is None or a >= cur.rows):
-            self._start()  # rows may have come back to the pool since
+        if (self._done or self._feed is None) and self._dynamic and (
+                cur is None or a >= cur.rows):
+            self._start()  # the first pass, or rows came back to the pool since
         while got < bs:
             if cur is None or self._at >= cur.rows:
                 self._cur = None

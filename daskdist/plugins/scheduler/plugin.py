@@ -93,7 +93,11 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_gang_commit_part": self.gang_commit_part,
                 "daskdist_commit_outcome": self.commit_outcome,
                 "daskdist_state_commits": self.state_commits,
-                "daskdist_checkpoint_written": self.checkpoint_written,
+                # durable commits (SPEC §4.3)
+                "daskdist_dataset_ledger": self._on_state(CoordinatorState.dataset_ledger),
+                "daskdist_restore_ledger": self._on_state(CoordinatorState.restore_ledger),
+                "daskdist_checkpoint_written":
+                    self._on_state(CoordinatorState.checkpoint_written),
             }
         )
         scheduler.extensions["daskdist"] = self
@@ -340,14 +344,6 @@ class CoordinatorPlugin(SchedulerPlugin):
         if session not in co.members:
             raise ValueError(f"session {session!r} of coordinator {name!r} ended")
         return co.state_commits(str(state), bool(committed))
-
-    def checkpoint_written(self, name: str, session: str, state: str, url: str,
-                           commits: int, seconds: float, nbytes: int) -> None:
-        """A State's writer reports a complete checkpoint (dashboard and metrics)."""
-        co = self._get(name)
-        if session in co.members:
-            co.stats.on_checkpoint(str(state), str(url), int(commits), float(seconds),
-                                   int(nbytes))
 
     def add_resource(self, name: str, rid: str, payload: bytes) -> None:
         self._get(name).resources[rid] = payload

@@ -19,6 +19,7 @@ from typing import Any
 from daskdist.core.commits import CommitBook
 from daskdist.core.gang import INTERRUPTING, GangBook
 from daskdist.core.leases import EpochFailed, LeaseTable, SessionExpired
+from daskdist.core.ledgers import Ledgers
 from daskdist.core.liveness import LivenessTable
 from daskdist.core.membership import Membership
 from daskdist.core.protocol import (
@@ -121,6 +122,7 @@ class CoordinatorState:
             max_failures=max_worker_failures)
         self.gangs = GangBook(max_losses=max_worker_failures)
         self.commits = CommitBook()  # commits that acknowledged gang members' rows
+        self.ledgers = Ledgers()  # the datasets each State trained (checkpoint ledgers)
         self.commit_events: dict[str, asyncio.Event] = {}  # open commits' waiters
         self.resources: dict[str, bytes] = {}
         self.outboxes: dict[str, Outbox] = {}
@@ -338,6 +340,11 @@ class CoordinatorState:
                     else None)
         if sessions is not None and sessions.get(rank) != session:
             sessions = None  # a part from an ended session, or another rank's: refused
+        if sessions is not None:
+            try:
+                self.ledgers.note(key.state, tokens)  # datasets trained under the State
+            except ValueError:
+                pass  # a malformed token: the commit refuses it below
         ok = self.commits.add_part(self.leases, key, rank, world, tokens, sessions,
                                    set(self.members.members))
         if ok is not None:
@@ -392,6 +399,7 @@ class CoordinatorState:
         dataset_id = arg_str("dataset_id", d.dataset_id)
         label = arg_str("label", d.label, empty=True)
         runs = None if d.runs is None else arg_pairs("runs", d.runs, MAX_RUNS, 0, MAX_ROWS)
+        seed = arg_int("seed", d.seed, -(1 << 63), (1 << 63) - 1)
         if runs is not None and sum(r * n for r, n in runs) > MAX_ROWS:
             raise ValueError(f"dataset {dataset_id!r} has more than {MAX_ROWS} rows")
         if session is not None:
@@ -401,9 +409,10 @@ class CoordinatorState:
         else:
             owner = self._owner(owner)
         if runs is None:
-            self.leases.register(dataset_id, label, owner)
+            self.leases.register(dataset_id, label, owner, seed)
         else:
-            self.leases.define(dataset_id, runs, label, owner)
+            self.leases.define(dataset_id, runs, label, owner, seed)
+            self.ledgers.defined(dataset_id, self.leases)
         return {}
 
     def lease_acquire(self, session: str, dataset_id: str, epoch: int, rows: int,
@@ -473,6 +482,36 @@ class CoordinatorState:
                              f"has {total}")
         self.leases.start_epoch(dataset_id, epoch, acked)
         return self.leases.progress(dataset_id, epoch)
+
+    # -- durable commits: checkpoint ledgers (SPEC §4.3) ----------------------------------
+    def _live(self, session: Any) -> str:
+        session = arg_str("session", session)
+        if session not in self.members:
+            raise ValueError(f"session {session!r} of coordinator {self.name!r} ended")
+        return session
+
+    def dataset_ledger(self, session: str, state: str) -> dict:
+        """The ledger of State ``state``'s dynamic datasets now, by name (a checkpoint
+        written at the State's current commit keeps it)."""
+        self._live(session)
+        return self.ledgers.export(arg_str("state", state, 1024), self.leases)
+
+    def restore_ledger(self, session: str, state: str, ledger: Any) -> list:
+        """State ``state`` resumed from a checkpoint: its datasets' epochs go on from
+        ``ledger`` (a name not defined yet waits for its dataset). The ids restored."""
+        self._live(session)
+        if not isinstance(ledger, dict) or len(ledger) > 1024:
+            raise TypeError(f"ledger must be a dict of at most 1024 datasets, got "
+                            f"{type(ledger).__name__}")
+        return self.ledgers.restore(arg_str("state", state, 1024), ledger, self.leases)
+
+    def checkpoint_written(self, session: str, state: str, url: str, commits: int,
+                           seconds: float, nbytes: int) -> None:
+        """A State's writer reports a complete checkpoint (dashboard and metrics)."""
+        if arg_str("session", session) in self.members:
+            self.stats.on_checkpoint(arg_str("state", state, 1024), arg_str("url", url, 4096),
+                                     arg_int("commits", commits, 0, MAX_ROWS),
+                                     float(seconds), arg_int("nbytes", nbytes, 0, MAX_ROWS))
 
     def forget_datasets(self, dataset_ids: list[str]) -> None:
         """Their handles were dropped: their lease tables and completed epochs go."""
