@@ -212,7 +212,7 @@ def _notice_member(rank: int, addr_q, out_q) -> None:
     the seconds from the notice to CollectiveError, measured over several rounds."""
     import threading
 
-    from daskdist.collective import create_store, get_group, init_member, mark_peer_lost, runtime
+    from daskdist.collective import bootstrap, create_store, get_group, init_member, mark_peer_lost
     from daskdist.errors import CollectiveError
 
     torch.set_num_threads(1)
@@ -228,7 +228,7 @@ def _notice_member(rank: int, addr_q, out_q) -> None:
             addr_q.get()  # rank 0 is done with this generation
             continue
         g = get_group()
-        before = set(runtime.PROCESS.waiters)
+        before = set(bootstrap.PROCESS.waiters)
         box: dict = {}
 
         def call(g=g, box=box):
@@ -239,7 +239,7 @@ def _notice_member(rank: int, addr_q, out_q) -> None:
 
         th = threading.Thread(target=call)
         th.start()
-        while not set(runtime.PROCESS.waiters) - before:
+        while not set(bootstrap.PROCESS.waiters) - before:
             time.sleep(0.001)
         time.sleep(0.05)  # well inside torch's wait
         t0 = time.perf_counter()

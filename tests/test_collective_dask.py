@@ -219,9 +219,9 @@ def test_two_groups_in_a_row_share_no_state(coord):
 
 
 def _workers_saw_generation(n):
-    from daskdist.collective import runtime
+    from daskdist.collective import bootstrap
 
-    state = runtime.PROCESS
+    state = bootstrap.PROCESS
     with state.lock:
         state.lost_upto = max(state.lost_upto, n)
 

@@ -387,7 +387,7 @@ def _lost_then_call(_slot):
 def _mark_lost_while_waiting(wait, generation):
     """Run ``wait()`` in a thread until it waits on its peers, then ``mark_peer_lost``:
     it must end with CollectiveError at once. Returns seconds from the mark to the end."""
-    from daskdist.collective import mark_peer_lost, runtime
+    from daskdist.collective import bootstrap, mark_peer_lost
     from daskdist.errors import CollectiveError
 
     box: dict = {}
@@ -399,13 +399,13 @@ def _mark_lost_while_waiting(wait, generation):
             box["err"] = e
             box["at"] = time.monotonic()
 
-    before = set(runtime.PROCESS.waiters)  # a leftover thread's wait is not ours
+    before = set(bootstrap.PROCESS.waiters)  # a leftover thread's wait is not ours
     th = threading.Thread(target=run)
     th.start()
     deadline = time.monotonic() + 10
-    while not set(runtime.PROCESS.waiters) - before and time.monotonic() < deadline:
+    while not set(bootstrap.PROCESS.waiters) - before and time.monotonic() < deadline:
         time.sleep(0.001)  # condition poll with a deadline: the call is now waiting
-    assert set(runtime.PROCESS.waiters) - before, "the call never started waiting"
+    assert set(bootstrap.PROCESS.waiters) - before, "the call never started waiting"
     t0 = time.monotonic()
     mark_peer_lost(generation)
     th.join(5)
@@ -424,8 +424,8 @@ def _lost_wakes_inflight(_slot):
 
 def _stale_group_refuses(_slot, old_gen):
     from daskdist.collective import get_group
+    from daskdist.collective.bootstrap import ProcessMembership
     from daskdist.collective.group import Group
-    from daskdist.collective.runtime import ProcessMembership
     from daskdist.errors import CollectiveError
 
     g = get_group()
@@ -491,7 +491,7 @@ _KEPT: dict = {}  # per process: the elastic state survives re-formation
 
 def _start_zombie_init(_slot, host, port, generation):
     """Begin joining a 3-member generation whose third member never comes; return."""
-    from daskdist.collective import init_member, runtime
+    from daskdist.collective import bootstrap, init_member
 
     box: dict = {}
 
@@ -502,11 +502,11 @@ def _start_zombie_init(_slot, host, port, generation):
         except BaseException as e:
             box["result"] = e
 
-    before = set(runtime.PROCESS.waiters)  # a leftover thread's wait is not ours
+    before = set(bootstrap.PROCESS.waiters)  # a leftover thread's wait is not ours
     th = threading.Thread(target=join, daemon=True)
     th.start()
     deadline = time.monotonic() + 10
-    while not set(runtime.PROCESS.waiters) - before and time.monotonic() < deadline:
+    while not set(bootstrap.PROCESS.waiters) - before and time.monotonic() < deadline:
         time.sleep(0.001)  # condition poll with a deadline: init waits on its peers
     _KEPT["zombie"] = (th, box)
     return True

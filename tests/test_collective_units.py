@@ -95,7 +95,7 @@ def test_init_member_gives_up_connecting_to_a_dead_rank0_when_told():
     import threading
     import time
 
-    from daskdist.collective import init_member, runtime
+    from daskdist.collective import bootstrap, init_member
     from daskdist.errors import CollectiveError
 
     with socket.socket() as s:  # a port nobody listens on (rank 0 is gone)
@@ -110,11 +110,11 @@ def test_init_member_gives_up_connecting_to_a_dead_rank0_when_told():
         except BaseException as e:
             box["err"], box["at"] = e, time.monotonic()
 
-    before = set(runtime.PROCESS.waiters)  # a leftover thread's wait is not ours
+    before = set(bootstrap.PROCESS.waiters)  # a leftover thread's wait is not ours
     th = threading.Thread(target=join)
     th.start()
     deadline = time.monotonic() + 10
-    while not set(runtime.PROCESS.waiters) - before and time.monotonic() < deadline:
+    while not set(bootstrap.PROCESS.waiters) - before and time.monotonic() < deadline:
         time.sleep(0.001)  # condition poll with a deadline: init is connecting
     t0 = time.monotonic()
     mark_peer_lost(gen)

@@ -26,7 +26,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from daskdist.collective.runtime import PROCESS, ProcessMembership
+from daskdist.collective.bootstrap import PROCESS, ProcessMembership
 from daskdist.errors import CollectiveError
 
 _OPS = {

@@ -83,8 +83,8 @@ def highest_generation() -> int:
     """The newest collective generation this process has seen (later ones must be
     higher), read through ``sys.modules``: importing ``daskdist.collective`` imports
     torch, and no collective code ran here if it is not imported."""
-    runtime = sys.modules.get("daskdist.collective.runtime")
-    return 0 if runtime is None else runtime.PROCESS.highest_generation()
+    bootstrap = sys.modules.get("daskdist.collective.bootstrap")
+    return 0 if bootstrap is None else bootstrap.PROCESS.highest_generation()
 
 
 def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:

@@ -1,11 +1,11 @@
-"""ProcessGroupState (collective/runtime.py): this process's membership, lost
+"""ProcessGroupState (collective/bootstrap.py): this process's membership, lost
 generations, waiting calls, stores and graveyard, on a fresh instance (no torch call)."""
 
 from __future__ import annotations
 
 import pytest
 
-from daskdist.collective.runtime import PROCESS, ProcessGroupState, ProcessMembership
+from daskdist.collective.bootstrap import PROCESS, ProcessGroupState, ProcessMembership
 from daskdist.errors import CollectiveError
 
 
