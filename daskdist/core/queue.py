@@ -137,18 +137,17 @@ class ClosureQueue:
         for cid in cids:
             c = self.closures[cid]
             c.session = None
-            if expected:
-                charge = False
-            elif c.started:
-                charge = True
+            if c.started:
+                ran = True
             elif c.seen:
-                charge = False  # prefetched: the worker said it had not started it
-            else:
-                charge = free > 0 or c.worker_failures > 0
+                ran = False  # prefetched: the worker said it had not started it
+            else:  # not reported yet: the worker's free threads may have started it
+                ran = free > 0 or c.worker_failures > 0
                 free -= 1
             c.seen = c.started = False
-            if not charge:
-                c.attempt -= 1  # not an execution that counts
+            if not ran:
+                c.attempt -= 1  # never executed: not an attempt
+            if expected or not ran:
                 c.state = PENDING
                 back.append(c)
                 continue
