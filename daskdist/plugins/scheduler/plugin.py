@@ -532,7 +532,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         scheduler that has since restarted): later generations are numbered above it.
         """
         op = "daskdist_register"
-        co = self._get(name)
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        if co is None or co.closed:  # closed: its plugin is being removed from workers
+            return {"closed": True}
         checks.text(session, f"{op}: session")
         checks.text(address, f"{op}: address")
         slots = checks.integer(slots, f"{op}: slots", 1, 1_000_000)
@@ -549,8 +551,8 @@ class CoordinatorPlugin(SchedulerPlugin):
         if confirmed is not True:
             raise PermissionError(f"{op}: worker {address} did not confirm session "
                                   f"{session!r}: only a worker registers its own sessions")
-        if co.closed:  # torn down while the worker confirmed
-            raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler")
+        if co.closed:  # closed while the worker confirmed
+            return {"closed": True}
         self.generations = max(self.generations, generation)
         reply = co.start_session(session, address, slots, device, gpu,
                                  self._worker_retiring, time.monotonic())
@@ -633,7 +635,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         held, started = _observed(op, held, started)
         want = checks.integer(want, f"{op}: want", 0, checks.MAX_ITEMS)
         block = checks.flag(block, f"{op}: block")
-        if co is None or not co.renew(session, time.monotonic()):
+        if co is None or co.closed:
+            return {"closed": True}
+        if not co.renew(session, time.monotonic()):
             return {"unknown_session": True}
         q = co.queue
         if outcomes:

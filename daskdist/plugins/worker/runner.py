@@ -98,6 +98,10 @@ def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
     return device, gpu_uuid(device)
 
 
+class CoordinatorGone(Exception):
+    """The coordinator's last owner closed: the scheduler is removing this plugin."""
+
+
 class Session:
     """One registration of the runner with the scheduler: the session id, the scheduler
     services bound to it and the per-worker resources built for it."""
@@ -205,6 +209,8 @@ class ClosureRunner:
         self.registering = None
         if reply is None:
             raise RuntimeError("the daskdist scheduler plugin is not registered")
+        if reply.get("closed"):
+            raise CoordinatorGone(self.name)
         self.index = reply["index"]
         self.num_workers = reply["num_workers"]
         _set_membership(reply["version"], name=self.name)
@@ -296,6 +302,8 @@ class ClosureRunner:
                             "retrying", e)
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
+            except CoordinatorGone:  # its last owner closed: this plugin is being removed
+                return False
             except Exception as e:  # noqa: BLE001 - refused: say why, take no work
                 self.registering = None
                 logger.warning("daskdist[%s]: worker %s could not register: %r", self.name,
@@ -336,6 +344,8 @@ class ClosureRunner:
             finally:
                 self.polling = False
             backoff = 0.05
+            if reply.get("closed"):  # its last owner closed: this plugin is being removed
+                return
             if reply.get("unknown_session"):
                 # The scheduler ended this session (it put our closures back): start anew.
                 self.held.clear()
