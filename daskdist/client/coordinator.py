@@ -207,13 +207,15 @@ class Coordinator:
                 reply = await self._rpc.daskdist_results(
                     name=self.name, owner=self._owner, token=self._token, ack=ack
                 )
-            except (OSError, CommClosedError):
+            except Exception as e:
                 if self._closed or self.client.status in ("closing", "closed"):
-                    return
-                await asyncio.sleep(0.1)
-                continue
-            except (KeyError, PermissionError):  # the scheduler no longer knows us
-                reply = {"detached": True}
+                    return  # shutting down: whatever the comm says, nothing more comes
+                if isinstance(e, (OSError, CommClosedError)):
+                    await asyncio.sleep(0.1)
+                    continue
+                if not isinstance(e, (KeyError, PermissionError)):
+                    raise
+                reply = {"detached": True}  # the scheduler no longer knows this owner
             if reply is None or reply.get("detached"):
                 self._cancel_all("the scheduler dropped it (its client was cut off longer "
                                  "than daskdist.coordinator.client-grace, or the "

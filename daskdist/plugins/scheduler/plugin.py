@@ -355,6 +355,11 @@ class CoordinatorPlugin(SchedulerPlugin):
         Checked as a whole before anything is queued: each closure id must be the
         owner's (``owner-...``), so no client can queue under another's ids."""
         op = "daskdist_put"
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        if co is None or checks.text(owner, f"{op}: owner") not in co.outboxes:
+            # sent just before its owner closed (and its closures were cancelled)
+            logger.debug("daskdist[%s]: closures of closed owner %s dropped", name, owner)
+            return
         co = self._owned(op, name, owner, token)
         prefix = f"{owner}-"
         subs = []
