@@ -113,8 +113,20 @@ def test_close_ends_every_wait_and_releases_the_owners_resources(client, tmp_pat
                    "the owner's resources built")
         with_kept = [r is not None and kept.rid in r for r in registry(client, name)]
 
+        joined: list = []
+
+        def join():
+            try:
+                coord.join()
+            except BaseException as e:  # noqa: BLE001 - what the waiting join raised
+                joined.append(e)
+
+        joiner = threading.Thread(target=join)
+        joiner.start()
         closed_at = time.time()
         coord.close()
+        joiner.join(60)
+        assert not joiner.is_alive() and isinstance(joined[0], dd.CoordinatorClosedError)
         for rv in running + queued:
             assert rv.done()  # at once: no wait
             with pytest.raises(dd.CancelledError, match="closed"):

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
-from daskdist.core.protocol import CANCELLED, FAILED, READY, USER_ERROR, Outcome
+from daskdist.core.protocol import (
+    CANCELLED,
+    FAILED,
+    PENDING,
+    READY,
+    UNSTARTED,
+    USER_ERROR,
+    Outcome,
+)
 from daskdist.plugins.scheduler.state import CoordinatorState, Outbox
 
 
@@ -226,3 +234,27 @@ def test_drop_owner_cancels_its_queue_and_releases_its_resources_only():
     assert [o.cid for o in unread] == ["a-0"]  # finished before the close: still its value
     assert "a" not in co.outboxes and co.queue.queued == 1 and set(co.resources) == {"rb"}
     assert ("w", {"op": "daskdist-release", "name": "t", "rids": ["ra"]}) in sent
+
+
+def test_closing_an_owner_ends_its_raise_and_keeps_its_work_held():
+    """close() while join() waits in a raise for a long closure: the raise ends at once,
+    and the closed owner's closures stay held (its prefetched ones never start)."""
+    async def main():
+        co = make()
+        co.add_owner("me", None, "t")
+        start(co, "s", "w", slots=2)
+        for i in range(3):
+            co.queue.put(f"me-{i}", "me", b"")
+        co.queue.dispatch("s", 3)
+        co.apply_results("s", [Outcome("me-0", FAILED, b"boom", USER_ERROR, 1)])
+        raising = asyncio.ensure_future(co.raise_error("me"))
+        await until(lambda: co.hold == ["me"])
+        co.drop_owner("me")
+        got = await asyncio.wait_for(raising, 5)
+        assert got["error"] is None
+        assert co.hold == ["me"]  # me-1 runs on; me-2 was prefetched: it must not start
+        co.apply_results("s", [Outcome("me-2", PENDING, None, UNSTARTED, 1),
+                               Outcome("me-1", READY, b"late", None, 1)])
+        assert co.queue.unfinished("me") == 0 and co.hold == [] and co.dropped == set()
+
+    asyncio.run(main())

@@ -485,7 +485,9 @@ class Coordinator:
                 self._cv.wait(left if left is not None else 1.0)
 
     def done(self) -> bool:
-        """Whether every closure scheduled here finished (raises the first error)."""
+        """Whether every closure scheduled here finished (raises the first error, or
+        ``dd.CoordinatorClosedError`` once closed)."""
+        self._check_open()
         if self._error_pending:
             self._raise_pending()
         with self._cv:

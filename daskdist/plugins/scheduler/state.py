@@ -184,6 +184,7 @@ class CoordinatorState:
             self.hold_owner(owner, True)
         else:
             self.queue.held.discard(owner)
+        self.changed.set()  # a raise of this owner's error stops waiting
         if box is None:
             return []
         box.event.set()
@@ -445,8 +446,8 @@ class CoordinatorState:
         try:
             while True:
                 cancelled += self._cancel_owner(owner)  # what came back meanwhile too
-                if self.closed or not self._owner_busy(owner):
-                    break
+                if self.closed or owner not in self.outboxes or not self._owner_busy(owner):
+                    break  # done, or the owner closed meanwhile (its raise ends too)
                 self.changed.clear()
                 if not self._owner_busy(owner):
                     continue
@@ -457,7 +458,8 @@ class CoordinatorState:
                     return {"timeout": True}
             err = q.take_error(owner)
         finally:
-            self.hold_owner(owner, False)
+            if owner not in self.dropped:  # a closed owner's closures stay held
+                self.hold_owner(owner, False)
         error = None if err is None else (err.cid, err.value, err.kind)
         return {"error": error, "cancelled": [(o.owner, o.cid) for o in cancelled]}
 
