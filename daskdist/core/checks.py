@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from daskdist.core.protocol import FAILED, PENDING, READY, Outcome
+
 MAX_ITEMS = 100_000  # items in one list of one message (a batch of closures, of results)
 MAX_TEXT = 512  # characters of an id, a name or an address
 MAX_WORKER_FAILURES = 1_000  # max_worker_failures is 1 ... this
@@ -99,6 +101,33 @@ def payload(value: Any, what: str) -> list | tuple:
         raise TypeError(f"{what} must be [function bytes, argument bytes or None], got "
                         f"{_name(value)}")
     return value
+
+
+# -- what workers send ----------------------------------------------------------------------
+
+WORKER_STATES = frozenset({READY, FAILED, PENDING})  # what a worker may report
+
+
+def outcomes(op: str, results: Any) -> list[Outcome]:
+    """A worker's results, checked as a whole (nothing is applied if one is malformed)."""
+    out = []
+    for i, item in enumerate(items(results, f"{op}: results")):
+        o = Outcome._make(record(item, f"{op}: results[{i}]", len(Outcome._fields)))
+        text(o.cid, f"{op}: results[{i}].cid")
+        if o.state not in WORKER_STATES:
+            raise ValueError(f"{op}: results[{i}].state must be one of "
+                             f"{sorted(WORKER_STATES)}, got {o.state!r}")
+        optional(text, o.kind, f"{op}: results[{i}].kind")
+        integer(o.attempt, f"{op}: results[{i}].attempt", 0, 2**31)
+        items(o.tokens, f"{op}: results[{i}].tokens")
+        out.append(o)
+    return out
+
+
+def observed(op: str, held: Any, started: Any) -> tuple[list[str] | None, list[str]]:
+    """What a worker says it holds and which of those started."""
+    held = optional(texts, held, f"{op}: held")
+    return held, texts(started if started is not None else [], f"{op}: started")
 
 
 # -- settings (the client checks them too) -----------------------------------------------

@@ -26,30 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
-import uuid
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.protocol.pickle import dumps
 
 from daskdist import config
 from daskdist.core import checks
 from daskdist.core.leases import SessionExpired
-from daskdist.core.protocol import (
-    FAILED,
-    PENDING,
-    PLUGIN_NAME,
-    READY,
-    Dispatch,
-    Outcome,
-    Submission,
-    worker_plugin_name,
-)
-from daskdist.plugins import WORKER_PLUGIN, PluginRef
+from daskdist.core.protocol import PLUGIN_NAME, Dispatch, Submission
 from daskdist.plugins.scheduler import observe
 from daskdist.plugins.scheduler.groups import GroupDriver
+from daskdist.plugins.scheduler.names import Coordinators
 from daskdist.plugins.scheduler.state import CoordinatorState, wait_event
 
 logger = logging.getLogger(__name__)
@@ -62,23 +50,19 @@ class CoordinatorPlugin(SchedulerPlugin):
     idempotent = True
 
     def __init__(self) -> None:
-        self.coordinators: dict[str, CoordinatorState] = {}
-        self.drivers: dict[str, GroupDriver] = {}
+        # the named coordinators and their lives (names.py)
+        self.names = Coordinators(self._send, self._next_generation)
+        self.coordinators: dict[str, CoordinatorState] = self.names.states
+        self.drivers: dict[str, GroupDriver] = self.names.drivers
         self.generations = 0  # last collective-group generation handed out (any coordinator)
         self.scheduler = None
         # worker -> whether Dask expected its removal (retired, closed) or not (killed,
         # cut off); Dask logs the event just before it calls remove_worker
         self._expected: dict[str, bool] = {}
         self._liveness_task: asyncio.Task | None = None
-        # client -> the pending drop of its owners (a cut connection may come back)
-        self._orphaned: dict[str, asyncio.TimerHandle] = {}
-        # name -> held while a coordinator of that name is created or torn down, so a
-        # worker plugin's registration and removal never cross on a worker
-        self._life: dict[str, asyncio.Lock] = {}
-        self._teardowns: set[asyncio.Task] = set()
 
     async def start(self, scheduler) -> None:
-        self.scheduler = scheduler
+        self.scheduler = self.names.scheduler = scheduler
         scheduler.handlers.update(
             {
                 "daskdist_create": self.create,
@@ -154,41 +138,16 @@ class CoordinatorPlugin(SchedulerPlugin):
             self._expected[msg["worker"]] = bool(msg.get("expected"))
 
     def remove_client(self, scheduler, client: str) -> None:
-        """A client's connection closed: drop its owners after ``coordinator.client-grace``
-        unless it reconnects first (Dask's client reconnects with the same id)."""
-        if not any(box.client == client for co in self.coordinators.values()
-                   for box in co.outboxes.values()):
-            return
-        old = self._orphaned.pop(client, None)
-        if old is not None:
-            old.cancel()
-        grace = config.seconds("coordinator.client-grace")
-        self._orphaned[client] = asyncio.get_running_loop().call_later(
-            grace, self._drop_client, client)
+        """A client's connection closed: its owners go after ``client-grace`` unless it
+        reconnects first."""
+        self.names.client_left(client)
 
     def add_client(self, scheduler, client: str) -> None:
-        handle = self._orphaned.pop(client, None)
-        if handle is not None:
-            handle.cancel()  # it came back: its closures and results are still here
-
-    def _drop_client(self, client: str) -> None:
-        """The client stayed away for ``client-grace``: its owners are dropped as if they
-        had closed (their per-worker resources are released)."""
-        self._orphaned.pop(client, None)
-        for co in list(self.coordinators.values()):
-            for owner, box in list(co.outboxes.items()):
-                if box.client == client:
-                    logger.info("daskdist[%s]: client %s gone for client-grace: owner %s "
-                                "dropped", co.name, client, owner)
-                    self._drop_owner(co, owner)
+        self.names.client_back(client)
 
     # -- helpers ----------------------------------------------------------------------------
     def _get(self, name: Any) -> CoordinatorState:
-        checks.text(name, "name")
-        try:
-            return self.coordinators[name]
-        except KeyError:
-            raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler") from None
+        return self.names.get(name)
 
     def _owned(self, op: str, name: Any, owner: Any, token: Any) -> CoordinatorState:
         """The coordinator ``name`` if the caller is its owner ``owner`` (holds its token)."""
@@ -204,40 +163,6 @@ class CoordinatorPlugin(SchedulerPlugin):
                                   f"coordinator {name!r}")
         return co
 
-    def _drop_owner(self, co: CoordinatorState, owner: str) -> list:
-        """Drop ``owner`` (closed, or its client is gone); the coordinator goes with its
-        last owner. The outcomes the owner had not read."""
-        items = co.drop_owner(owner)
-        if not co.outboxes:
-            task = asyncio.ensure_future(self._teardown(co.name))
-            self._teardowns.add(task)
-            task.add_done_callback(self._teardowns.discard)
-        return items
-
-    def _life_lock(self, name: str) -> asyncio.Lock:
-        return self._life.setdefault(name, asyncio.Lock())
-
-    async def _teardown(self, name: str) -> None:
-        """No owner of ``name`` is left: end its waits, drop its state and group driver,
-        and remove its worker plugin (its threads and timers go on every worker)."""
-        async with self._life_lock(name):
-            co = self.coordinators.get(name)
-            if co is None or co.outboxes:  # someone attached again meanwhile
-                return
-            del self.coordinators[name]
-            driver = self.drivers.pop(name, None)
-            if driver is not None:
-                driver.stop()
-            co.close()
-            plugin_name = worker_plugin_name(name)
-            if plugin_name in self.scheduler.worker_plugins:
-                try:
-                    await asyncio.wait_for(self.scheduler.unregister_worker_plugin(
-                        comm=None, name=plugin_name), config.seconds("scheduler.teardown-timeout"))
-                except Exception as e:  # a hung worker: it loses the plugin with its session
-                    logger.warning("daskdist[%s]: removing the worker plugin: %r", name, e)
-            logger.info("daskdist[%s]: last owner left; coordinator closed", name)
-
     def _next_generation(self) -> int:
         self.generations += 1
         return self.generations
@@ -248,16 +173,10 @@ class CoordinatorPlugin(SchedulerPlugin):
             self.scheduler.worker_send(address, msg)
 
     async def close(self) -> None:
-        for task in list(self._teardowns):
-            task.cancel()
-        for driver in self.drivers.values():
-            driver.stop()
+        self.names.close()
         if self._liveness_task is not None:
             self._liveness_task.cancel()
             self._liveness_task = None
-        for handle in self._orphaned.values():
-            handle.cancel()
-        self._orphaned.clear()
 
     def _worker_retiring(self, address: str) -> bool:
         ws = self.scheduler.workers.get(address)
@@ -280,64 +199,8 @@ class CoordinatorPlugin(SchedulerPlugin):
                                         -(2**31), 2**31)
         lease_timeout = checks.optional(checks.lease_timeout, lease_timeout,
                                         f"{op}: lease_timeout")
-        async with self._life_lock(name):
-            co = self.coordinators.get(name)
-            if co is None:
-                if max_worker_failures is None:
-                    max_worker_failures = checks.max_worker_failures(
-                        config.get("coordinator.max-worker-failures"),
-                        "daskdist.coordinator.max-worker-failures")
-                if lease_timeout is None:
-                    lease_timeout = checks.lease_timeout(
-                        config.seconds("liveness.lease-timeout"), "daskdist.liveness.lease-timeout")
-                co = CoordinatorState(name, max_worker_failures, send=self._send,
-                                      lease_timeout=lease_timeout)
-                self.coordinators[name] = co
-                self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
-            try:
-                started = await self._register_worker_plugin(name, torch_threads)
-            except BaseException:
-                if not co.outboxes:  # nobody uses it: the next attempt starts afresh
-                    self.coordinators.pop(name, None)
-                    driver = self.drivers.pop(name, None)
-                    if driver is not None:
-                        driver.stop()
-                    co.close()
-                raise
-            owner, token = uuid.uuid4().hex[:12], secrets.token_hex(16)
-            co.add_owner(owner, client, token)
-        # workers register their sessions once their plugin is set up: wait a little for
-        # them, so the reply's worker count is the cluster's (its end: 5 poll intervals)
-        deadline = time.monotonic() + 5 * config.seconds("scheduler.poll-interval")
-        while len(co.members) < started and not co.closed:
-            co.changed.clear()
-            if not await wait_event(co.changed, deadline - time.monotonic()):
-                break
-        return {"workers": len(co.members), "owner": owner, "token": token}
-
-    async def _register_worker_plugin(self, name: str, torch_threads: int | None) -> int:
-        """Register the worker plugin of ``name`` unless it is; how many workers set it
-        up now (0 if it was there)."""
-        plugin_name = worker_plugin_name(name)
-        if plugin_name in self.scheduler.worker_plugins:
-            return 0
-        replies = await self.scheduler.register_worker_plugin(
-            comm=None,
-            plugin=dumps(PluginRef(WORKER_PLUGIN, name=name, torch_threads=torch_threads)),
-            name=plugin_name,
-            idempotent=True,
-        )
-        failed = {w: r for w, r in (replies or {}).items()
-                  if isinstance(r, dict) and r.get("status") != "OK"}
-        if failed:
-            # Unregister, so that the next attempt registers (and reports) again.
-            await self.scheduler.unregister_worker_plugin(comm=None, name=plugin_name)
-            worker, reply = next(iter(failed.items()))
-            raise RuntimeError(
-                f"the daskdist worker plugin of coordinator {name!r} failed to set up "
-                f"on {len(failed)} of {len(replies)} workers; {worker}: "
-                f"{reply.get('exception_text') or reply}")
-        return len(replies or {})
+        return await self.names.create(name, client, max_worker_failures, torch_threads,
+                                       lease_timeout)
 
     def detach(self, name: str, owner: str, token: str) -> dict:
         """The owner closes: its queued closures are cancelled, its per-worker resources
@@ -347,7 +210,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         if co is None:
             return {"items": []}
         co = self._owned("daskdist_detach", name, owner, token)
-        return {"items": self._drop_owner(co, owner)}
+        return {"items": self.names.drop_owner(co, owner)}
 
     def put(self, name: str, owner: str, token: str, closures: list) -> None:
         """Queue ``closures`` (each a :class:`Submission`) for ``owner`` (one-way).
@@ -570,7 +433,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         op = "daskdist_unregister"
         co = self.coordinators.get(checks.text(name, f"{op}: name"))
         checks.text(session, f"{op}: session")
-        outcomes = _outcomes(op, results or [])
+        outcomes = checks.outcomes(op, results or [])
         if co is not None and session in co.members:
             co.stop_session(session, outcomes)
 
@@ -579,8 +442,8 @@ class CoordinatorPlugin(SchedulerPlugin):
         op = "daskdist_report"
         co = self.coordinators.get(checks.text(name, f"{op}: name"))
         checks.text(session, f"{op}: session")
-        outcomes = _outcomes(op, results)
-        held, started = _observed(op, held, started)
+        outcomes = checks.outcomes(op, results)
+        held, started = checks.observed(op, held, started)
         if co is None or not co.renew(session, time.monotonic()):
             return {"unknown_session": True}  # fenced: the loop's exchange re-registers
         co.apply_results(session, outcomes)
@@ -595,7 +458,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         op = "daskdist_renew"
         co = self.coordinators.get(checks.text(name, f"{op}: name"))
         checks.text(session, f"{op}: session")
-        held, started = _observed(op, held, started)
+        held, started = checks.observed(op, held, started)
         ok = co is not None and co.renew(session, time.monotonic())
         if ok and held is not None:
             co.queue.observe(session, held, started)
@@ -636,8 +499,8 @@ class CoordinatorPlugin(SchedulerPlugin):
         op = "daskdist_exchange"
         co = self.coordinators.get(checks.text(name, f"{op}: name"))
         checks.text(session, f"{op}: session")
-        outcomes = _outcomes(op, results)
-        held, started = _observed(op, held, started)
+        outcomes = checks.outcomes(op, results)
+        held, started = checks.observed(op, held, started)
         want = checks.integer(want, f"{op}: want", 0, checks.MAX_ITEMS)
         block = checks.flag(block, f"{op}: block")
         if co is None or co.closed:
@@ -686,32 +549,6 @@ class CoordinatorPlugin(SchedulerPlugin):
             "version": co.members.version,
             "hold": co.hold,
         }
-
-
-_WORKER_STATES = frozenset({READY, FAILED, PENDING})  # what a worker may report
-
-
-def _outcomes(op: str, results: Any) -> list[Outcome]:
-    """A worker's results, checked as a whole (nothing is applied if one is malformed)."""
-    out = []
-    for i, item in enumerate(checks.items(results, f"{op}: results")):
-        o = Outcome._make(checks.record(item, f"{op}: results[{i}]", len(Outcome._fields)))
-        checks.text(o.cid, f"{op}: results[{i}].cid")
-        if o.state not in _WORKER_STATES:
-            raise ValueError(f"{op}: results[{i}].state must be one of "
-                             f"{sorted(_WORKER_STATES)}, got {o.state!r}")
-        checks.optional(checks.text, o.kind, f"{op}: results[{i}].kind")
-        checks.integer(o.attempt, f"{op}: results[{i}].attempt", 0, 2**31)
-        checks.items(o.tokens, f"{op}: results[{i}].tokens")
-        out.append(o)
-    return out
-
-
-def _observed(op: str, held: Any, started: Any) -> tuple[list | None, list]:
-    """What a worker says it holds and which of those started (checked)."""
-    held = checks.optional(checks.texts, held, f"{op}: held")
-    started = checks.texts(started if started is not None else [], f"{op}: started")
-    return held, started
 
 
 def dask_setup(scheduler) -> None:
