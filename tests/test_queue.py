@@ -134,6 +134,29 @@ def test_only_closures_the_worker_said_started_count():
     assert sorted(o.cid for o in outs) == ["o-1", "o-2"]
 
 
+def test_a_poison_pill_reported_unstarted_behind_a_finishing_closure_is_caught():
+    """The worker said the pill was waiting (prefetched) behind a closure that then
+    finished; the pill started and killed the worker before it could say so. A pill
+    that killed workers before is charged wherever it stands, so it fails before any
+    of the closures that happened to finish just before it."""
+    q = ClosureQueue(max_worker_failures=3)
+    q.put("pill", "o", b"")
+    q.add_session("s0", slots=1)
+    q.dispatch("s0", 1)
+    q.remove_session("s0")  # it starts at once: unreported, the free thread's
+    outs = []
+    for n in (1, 2):
+        q.put(f"done-{n}", "o", b"")
+        q._queue.remove(f"done-{n}")
+        q._queue.appendleft(f"done-{n}")
+        q.add_session(f"s{n}", slots=1)
+        q.dispatch(f"s{n}", 2)
+        q.observe(f"s{n}", held=[f"done-{n}", "pill"], started=[f"done-{n}"])
+        outs = q.remove_session(f"s{n}")
+    assert [o.cid for o in outs] == ["pill"] and outs[0].kind == WORKER_LOST
+    assert [q.closures[f"done-{n}"].worker_failures for n in (1, 2)] == [1, 1]
+
+
 def test_a_poison_pill_behind_an_unreported_result_is_still_caught():
     q = ClosureQueue(max_worker_failures=3)
     q.put("pill", "o", b"")

@@ -112,11 +112,11 @@ class ClosureQueue:
         nothing counts toward ``max_worker_failures``. An unplanned loss
         (``expected=False``: killed, crashed, cut off, fenced) counts for the closures
         that had started, as the worker last reported (:meth:`observe`); for closures it
-        had no time to report, the oldest that its free threads would have started, and
-        any that killed workers before (a worker may die starting one right after
-        finishing another it had no time to report). Prefetched closures the worker said
-        it had not started count nothing. A closure lost ``max_worker_failures`` times
-        fails with ``WORKER_LOST``.
+        had no time to report, the oldest that its free threads would have started; and
+        for any that killed workers before (a worker may die starting one right after
+        finishing another it had no time to report). Other prefetched closures (the
+        worker said it had not started them) count nothing. A closure lost
+        ``max_worker_failures`` times fails with ``WORKER_LOST``.
         Closures pinned to the session (gang members), running or not, fail with
         ``WORKER_LOST`` at once: the gang logic decides what happens next.
         """
@@ -137,12 +137,15 @@ class ClosureQueue:
         for cid in cids:
             c = self.closures[cid]
             c.session = None
-            if c.started:
+            if c.started or c.worker_failures > 0:
+                # started; or it killed workers before, so it is suspect wherever it
+                # stands: a worker may start it right after finishing a closure, and die
+                # before it can say so (the finished one looks started, this one not)
                 ran = True
             elif c.seen:
                 ran = False  # prefetched: the worker said it had not started it
             else:  # not reported yet: the worker's free threads may have started it
-                ran = free > 0 or c.worker_failures > 0
+                ran = free > 0
                 free -= 1
             c.seen = c.started = False
             if not ran:
