@@ -115,7 +115,7 @@ class Coordinator:
             checks.integer(max_queued, "max_queued", 1, 2**62)
         if max_worker_failures is None:
             max_worker_failures = checks.max_worker_failures(
-                config.get("coordinator.max-worker-failures"),
+                config.integer("coordinator.max-worker-failures"),
                 "daskdist.coordinator.max-worker-failures")
         max_worker_failures = checks.max_worker_failures(max_worker_failures)
         lease_timeout = checks.optional(checks.lease_timeout, lease_timeout)

@@ -72,7 +72,7 @@ class Coordinators:
             if co is None:
                 if max_worker_failures is None:
                     max_worker_failures = checks.max_worker_failures(
-                        config.get("coordinator.max-worker-failures"),
+                        config.integer("coordinator.max-worker-failures"),
                         "daskdist.coordinator.max-worker-failures")
                 if lease_timeout is None:
                     lease_timeout = checks.lease_timeout(
