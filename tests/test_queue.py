@@ -121,17 +121,35 @@ def test_only_closures_the_worker_said_started_count():
     make(4, q)
     q.add_session("s", slots=2)
     q.dispatch("s", 4)
-    # one thread runs o-0; the other was busy elsewhere: o-1..o-3 wait, unstarted
-    q.observe("s", held=["o-0", "o-1", "o-2", "o-3"], started=["o-0"])
+    # both threads run: o-0 and o-1; o-2, o-3 wait in the prefetch, unstarted
+    q.observe("s", held=["o-0", "o-1", "o-2", "o-3"], started=["o-0", "o-1"])
     outs = q.remove_session("s")
-    assert [o.cid for o in outs] == ["o-0"] and outs[0].kind == WORKER_LOST
+    assert [o.cid for o in outs] == ["o-0", "o-1"] and outs[0].kind == WORKER_LOST
     assert [(q.closures[c].worker_failures, q.closures[c].attempt)
-            for c in ("o-1", "o-2", "o-3")] == [(0, 0)] * 3
+            for c in ("o-2", "o-3")] == [(0, 0)] * 2
     q.add_session("t", slots=2)
-    assert [c.cid for c in q.dispatch("t", 2)] == ["o-1", "o-2"]
-    q.observe("t", held=["o-1"], started=["o-1"])  # o-2 came after: not reported
-    outs = q.remove_session("t")  # the free thread may have started o-2
-    assert sorted(o.cid for o in outs) == ["o-1", "o-2"]
+    assert [c.cid for c in q.dispatch("t", 2)] == ["o-2", "o-3"]
+    q.observe("t", held=["o-2"], started=["o-2"])  # o-3 came after: not reported
+    outs = q.remove_session("t")  # the free thread may have started o-3
+    assert sorted(o.cid for o in outs) == ["o-2", "o-3"]
+
+
+def test_a_closure_reported_waiting_with_a_thread_free_may_have_started():
+    """Received, not started, but a thread was free: it may start right after the
+    message left, so a loss still counts it (and keeps its attempt)."""
+    q = ClosureQueue(max_worker_failures=1)
+    make(3, q)
+    q.add_session("s", slots=2)
+    q.dispatch("s", 3)
+    q.observe("s", held=["o-0", "o-1", "o-2"], started=["o-0"])  # o-1: a free thread's
+    outs = q.remove_session("s")
+    assert sorted(o.cid for o in outs) == ["o-0", "o-1"]
+    assert (q.closures["o-2"].worker_failures, q.closures["o-2"].attempt) == (0, 0)
+    q.add_session("t", slots=1)
+    q.dispatch("t", 1)
+    q.observe("t", held=["o-2"], started=[])
+    assert q.remove_session("t", expected=True) == []
+    assert q.closures["o-2"].attempt == 1  # planned: no failure, but it may have run
 
 
 def test_a_poison_pill_reported_unstarted_behind_a_finishing_closure_is_caught():
@@ -155,6 +173,17 @@ def test_a_poison_pill_reported_unstarted_behind_a_finishing_closure_is_caught()
         outs = q.remove_session(f"s{n}")
     assert [o.cid for o in outs] == ["pill"] and outs[0].kind == WORKER_LOST
     assert [q.closures[f"done-{n}"].worker_failures for n in (1, 2)] == [1, 1]
+
+
+def test_a_stopping_sessions_final_word_is_exact():
+    """A session that stops (its plugin torn down) says exactly what started: the rest
+    never ran, whatever threads were free."""
+    q = make(3)
+    q.add_session("s", slots=2)
+    q.dispatch("s", 3)
+    q.observe("s", held=(), started=["o-1"], final=True)
+    assert q.remove_session("s", expected=True) == []
+    assert [q.closures[c].attempt for c in ("o-0", "o-1", "o-2")] == [0, 1, 0]
 
 
 def test_a_poison_pill_behind_an_unreported_result_is_still_caught():

@@ -166,19 +166,39 @@ class ClosureQueue:
             self._queue.appendleft(c.cid)
         return outcomes
 
-    def observe(self, session: str, held: Iterable[str], started: Iterable[str]) -> None:
+    def observe(self, session: str, held: Iterable[str], started: Iterable[str],
+                final: bool = False) -> None:
         """What the session says of its closures: every one it has received and not yet
-        had acknowledged (``held``), and those of them that started."""
+        had acknowledged (``held``), and those of them that started.
+
+        A received closure not started is known to wait (``seen``) only behind busy
+        threads: the oldest ones a free thread takes next may start any moment after
+        the message left, so they stay unknown (see :meth:`remove_session`). A
+        ``final`` word (the session is stopping: nothing more starts) is exact: every
+        closure leased to it and not in ``started`` never ran."""
         running = self._running.get(session)
         if not running:
+            return
+        if final:
+            started = set(started)
+            for cid in running:
+                c = self.closures[cid]
+                c.started, c.seen = cid in started, cid not in started
             return
         held = set(held)
         for cid in started:
             if cid in running:
                 self.closures[cid].started = True
+        free = self._slots.get(session, 1) - sum(
+            1 for cid in running if self.closures[cid].started)
         for cid in running:
-            if cid in held:
-                self.closures[cid].seen = True
+            c = self.closures[cid]
+            if c.started or cid not in held or c.pinned is not None:
+                continue
+            if free > 0:
+                free -= 1  # a free thread may take it any moment
+            else:
+                c.seen = True
 
     @property
     def sessions(self) -> frozenset[str]:

@@ -429,12 +429,17 @@ class CoordinatorPlugin(SchedulerPlugin):
             co.worker_status_changed(address, "paused")
         return reply
 
-    def unregister(self, name: str, session: str, results: list | None = None) -> None:
+    def unregister(self, name: str, session: str, results: list | None = None,
+                   started: list | None = None) -> None:
+        """A worker session stops (its plugin is torn down): its last results, and which
+        of its closures started (exactly: nothing more starts); then its end."""
         op = "daskdist_unregister"
         co = self.coordinators.get(checks.text(name, f"{op}: name"))
         checks.text(session, f"{op}: session")
         outcomes = checks.outcomes(op, results or [])
+        _, started = checks.observed(op, None, started)
         if co is not None and session in co.members:
+            co.queue.observe(session, (), started, final=True)
             co.stop_session(session, outcomes)
 
     def report(self, name: str, session: str, results: list, held: list | None = None,

@@ -242,7 +242,8 @@ class ClosureRunner:
         try:
             if session:
                 await self.worker.scheduler.daskdist_unregister(
-                    name=self.name, session=session, results=results
+                    name=self.name, session=session, results=results,
+                    started=self.started(),
                 )
         except Exception as e:  # the scheduler is gone too: it will see the worker leave
             logger.debug("daskdist: unregister failed: %r", e)
@@ -294,6 +295,8 @@ class ClosureRunner:
         when it refuses (the coordinator is gone: this plugin is about to be removed)."""
         backoff = 0.05
         while not self.stopping:
+            if self._retiring():  # leaving: its closures went back with its session
+                return False
             try:
                 await self._register()
                 return True
