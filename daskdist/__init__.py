@@ -14,7 +14,13 @@ from typing import Any
 
 from daskdist import config  # noqa: F401 - loads daskdist.yaml into dask.config
 from daskdist.context import InputContext, WorkerContext, get_worker_context
-from daskdist.errors import CancelledError, CollectiveError, InputError, WorkerLostError
+from daskdist.errors import (
+    CancelledError,
+    CollectiveError,
+    CoordinatorClosedError,
+    InputError,
+    WorkerLostError,
+)
 
 __version__ = "0.1.0"
 
@@ -49,6 +55,7 @@ __all__ = [
     "CancelledError",
     "CollectiveError",
     "Coordinator",
+    "CoordinatorClosedError",
     "DistributedDataset",
     "InputContext",
     "InputError",

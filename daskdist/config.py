@@ -28,3 +28,13 @@ def get(key: str, default: Any = None) -> Any:
 def seconds(key: str) -> float:
     """A duration setting (``"30s"``, ``"200ms"`` or a number) in seconds."""
     return float(parse_timedelta(get(key), default="seconds"))
+
+
+def integer(key: str) -> Any:
+    """An integer setting: ``int`` for an int or a string of digits (``"3"`` from a
+    YAML file or an environment variable); anything else as is, for the caller's
+    check to refuse with the setting's name."""
+    value = get(key)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    return value

@@ -16,6 +16,12 @@ class CancelledError(_FuturesCancelledError):
     """A closure was cancelled because an earlier closure's error was raised to the user."""
 
 
+class CoordinatorClosedError(CancelledError, RuntimeError):
+    """The Coordinator was closed (or the scheduler dropped it: its client was cut off
+    longer than ``client-grace``): closures of it that had not finished are cancelled,
+    and it schedules, joins and fetches nothing more. A ``CancelledError``."""
+
+
 class WorkerLostError(RuntimeError):
     """A closure's workers died ``max_worker_failures`` times while running it."""
 

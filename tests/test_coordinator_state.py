@@ -9,7 +9,9 @@ from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
     HOSTS_UPDATED,
+    PENDING,
     READY,
+    UNSTARTED,
     USER_ERROR,
     CommitKey,
     Outcome,
@@ -133,25 +135,25 @@ async def until(cond, seconds: float = 5.0) -> None:
 def test_raise_error_waits_for_in_flight_then_cancels_the_queue():
     async def main():
         co = make()
-        co.outboxes["me"] = Outbox(None)
+        co.add_owner("me", None, "t")
         start(co, "s", "w", slots=2)
-        assert await co.raise_error() == {"error": None, "cancelled": []}
+        assert await co.raise_error("me") == {"error": None, "cancelled": []}
         for i in range(4):
             co.queue.put(f"o-{i}", "me", b"")
         co.queue.dispatch("s", 2)
         co.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
         co.gangs.submit("g-0", "me", b"")
-        task = asyncio.ensure_future(co.raise_error(timeout=5))
+        task = asyncio.ensure_future(co.raise_error("me", timeout=5))
         await until(lambda: co.hold)
-        assert not task.done() and co.hold  # o-1 still runs: workers hold prefetched work
+        assert not task.done() and co.hold == ["me"]  # o-1 still runs: held meanwhile
         co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
         got = await asyncio.wait_for(task, 5)
         assert got["error"] == ("o-0", b"boom", USER_ERROR)
         assert sorted(got["cancelled"]) == [("me", "g-0"), ("me", "o-2"), ("me", "o-3")]
-        assert not co.hold and co.queue.error is None
+        assert not co.hold and co.queue.errors == {}
         cancelled = {d.cid for d in co.outboxes["me"].items if d.state == CANCELLED}
         assert cancelled == {"o-2", "o-3", "g-0"}
-        assert await co.raise_error() == {"error": None, "cancelled": []}
+        assert await co.raise_error("me") == {"error": None, "cancelled": []}
 
     asyncio.run(main())
 
@@ -159,17 +161,103 @@ def test_raise_error_waits_for_in_flight_then_cancels_the_queue():
 def test_raise_error_times_out_and_unpauses():
     async def main():
         co = make()
-        co.outboxes["me"] = Outbox(None)
+        co.add_owner("me", None, "t")
         start(co, "s", "w", slots=2)
         co.queue.put("o-0", "me", b"")
         co.queue.put("o-1", "me", b"")
         co.queue.dispatch("s", 2)
         co.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
-        assert await co.raise_error(timeout=0.05) == {"timeout": True}
-        assert not co.hold and co.queue.error is not None  # still there for the next raise
+        assert await co.raise_error("me", timeout=0.05) == {"timeout": True}
+        assert not co.hold and "me" in co.queue.errors  # still there for the next raise
         co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
-        got = await co.raise_error(timeout=5)
+        got = await co.raise_error("me", timeout=5)
         assert got["error"][0] == "o-0" and got["cancelled"] == []
+
+    asyncio.run(main())
+
+
+def test_an_owners_error_is_raised_to_it_alone_and_holds_only_its_work():
+    """Two owners share a coordinator (two notebooks, one name): B's error is B's; A's
+    closures run while B's raise waits, and A's raise finds nothing."""
+    async def main():
+        co = make()
+        co.add_owner("a", None, "ta")
+        co.add_owner("b", None, "tb")
+        start(co, "s", "w", slots=2)
+        co.queue.put("b-0", "b", b"")
+        co.queue.put("b-1", "b", b"")
+        co.queue.dispatch("s", 2)
+        co.apply_results("s", [Outcome("b-0", FAILED, b"KeyError", USER_ERROR, 1)])
+        assert [o.cid for o in co.outboxes["b"].items] == ["b-0"]
+        assert co.outboxes["a"].items == [] and not co.outboxes["a"].event.is_set()
+        raising = asyncio.ensure_future(co.raise_error("b", timeout=5))
+        await until(lambda: co.hold == ["b"])
+        co.queue.put("a-0", "a", b"")
+        co.queue.put("b-2", "b", b"")  # queued while b's raise waits: cancelled
+        assert [c.cid for c in co.queue.dispatch("s", 5)] == ["a-0"]
+        assert await co.raise_error("a") == {"error": None, "cancelled": []}
+        co.apply_results("s", [Outcome("a-0", READY, b"ok", None, 1),
+                               Outcome("b-1", READY, b"ok", None, 1)])
+        got = await asyncio.wait_for(raising, 5)
+        assert got == {"error": ("b-0", b"KeyError", USER_ERROR), "cancelled": [("b", "b-2")]}
+
+    asyncio.run(main())
+
+
+def test_a_memory_pause_keeps_the_group_and_gives_prefetched_work_back():
+    """A paused member stays a candidate of the next generation (no re-formation on
+    pause or unpause) and is asked to give back what it had not started."""
+    sent: list = []
+    co = make(sent)
+    start(co, "s1", "w1")
+    start(co, "s2", "w2")
+    co.gangs.begin_formation(("s1", "s2"))
+    co.worker_status_changed("w1", "paused")
+    assert co.active_sessions() == ("s1", "s2")
+    assert ("w1", {"op": "daskdist-steal", "name": "t", "n": 2**31}) in sent
+    co.worker_status_changed("w1", "running")
+    assert co.active_sessions() == ("s1", "s2")
+
+
+def test_drop_owner_cancels_its_queue_and_releases_its_resources_only():
+    sent: list = []
+    co = make(sent)
+    co.add_owner("a", None, "ta")
+    co.add_owner("b", None, "tb")
+    start(co, "s", "w")
+    co.add_resource("a", "ra", b"spec")
+    co.add_resource("b", "rb", b"spec")
+    co.queue.put("a-0", "a", b"")
+    co.queue.put("a-1", "a", b"")
+    co.queue.put("b-0", "b", b"")
+    co.queue.dispatch("s", 1)
+    co.apply_results("s", [Outcome("a-0", READY, b"v", None, 1)])
+    unread = co.drop_owner("a")
+    assert [o.cid for o in unread] == ["a-0"]  # finished before the close: still its value
+    assert "a" not in co.outboxes and co.queue.queued == 1 and set(co.resources) == {"rb"}
+    assert ("w", {"op": "daskdist-release", "name": "t", "rids": ["ra"]}) in sent
+
+
+def test_closing_an_owner_ends_its_raise_and_keeps_its_work_held():
+    """close() while join() waits in a raise for a long closure: the raise ends at once,
+    and the closed owner's closures stay held (its prefetched ones never start)."""
+    async def main():
+        co = make()
+        co.add_owner("me", None, "t")
+        start(co, "s", "w", slots=2)
+        for i in range(3):
+            co.queue.put(f"me-{i}", "me", b"")
+        co.queue.dispatch("s", 3)
+        co.apply_results("s", [Outcome("me-0", FAILED, b"boom", USER_ERROR, 1)])
+        raising = asyncio.ensure_future(co.raise_error("me"))
+        await until(lambda: co.hold == ["me"])
+        co.drop_owner("me")
+        got = await asyncio.wait_for(raising, 5)
+        assert got["error"] is None
+        assert co.hold == ["me"]  # me-1 runs on; me-2 was prefetched: it must not start
+        co.apply_results("s", [Outcome("me-2", PENDING, None, UNSTARTED, 1),
+                               Outcome("me-1", READY, b"late", None, 1)])
+        assert co.queue.unfinished("me") == 0 and co.hold == [] and co.dropped == set()
 
     asyncio.run(main())
 

@@ -97,6 +97,95 @@ def test_only_executing_leases_count_worker_failures():
     assert q.queued == 2 and all(q.closures[c].attempt == 0 for c in ("o-3", "o-4"))
 
 
+def test_a_planned_departure_counts_no_failure():
+    """Retirement, a graceful close, a plugin re-registration: closures go back, started
+    or not, without counting toward max_worker_failures (SPEC §2.4)."""
+    q = ClosureQueue(max_worker_failures=1)
+    make(3, q)
+    for n in range(3):
+        q.add_session(f"s{n}", slots=2)
+        q.dispatch(f"s{n}", 3)
+        q.observe(f"s{n}", held=["o-0", "o-1", "o-2"], started=["o-0", "o-1"])
+        assert q.remove_session(f"s{n}", expected=True) == []
+    # the two that started were attempts (ctx.attempt grows), but no failures
+    assert [(c.worker_failures, c.attempt) for c in q.closures.values()] == [
+        (0, 3), (0, 3), (0, 0)]
+    assert q.queued == 3
+
+
+def test_only_closures_the_worker_said_started_count():
+    """An unplanned loss counts for what the worker said had started, never for what
+    it said it held unstarted; for what it had no time to report, the oldest its free
+    threads would have started."""
+    q = ClosureQueue(max_worker_failures=1)
+    make(4, q)
+    q.add_session("s", slots=2)
+    q.dispatch("s", 4)
+    # both threads run: o-0 and o-1; o-2, o-3 wait in the prefetch, unstarted
+    q.observe("s", held=["o-0", "o-1", "o-2", "o-3"], started=["o-0", "o-1"])
+    outs = q.remove_session("s")
+    assert [o.cid for o in outs] == ["o-0", "o-1"] and outs[0].kind == WORKER_LOST
+    assert [(q.closures[c].worker_failures, q.closures[c].attempt)
+            for c in ("o-2", "o-3")] == [(0, 0)] * 2
+    q.add_session("t", slots=2)
+    assert [c.cid for c in q.dispatch("t", 2)] == ["o-2", "o-3"]
+    q.observe("t", held=["o-2"], started=["o-2"])  # o-3 came after: not reported
+    outs = q.remove_session("t")  # the free thread may have started o-3
+    assert sorted(o.cid for o in outs) == ["o-2", "o-3"]
+
+
+def test_a_closure_reported_waiting_with_a_thread_free_may_have_started():
+    """Received, not started, but a thread was free: it may start right after the
+    message left, so a loss still counts it (and keeps its attempt)."""
+    q = ClosureQueue(max_worker_failures=1)
+    make(3, q)
+    q.add_session("s", slots=2)
+    q.dispatch("s", 3)
+    q.observe("s", held=["o-0", "o-1", "o-2"], started=["o-0"])  # o-1: a free thread's
+    outs = q.remove_session("s")
+    assert sorted(o.cid for o in outs) == ["o-0", "o-1"]
+    assert (q.closures["o-2"].worker_failures, q.closures["o-2"].attempt) == (0, 0)
+    q.add_session("t", slots=1)
+    q.dispatch("t", 1)
+    q.observe("t", held=["o-2"], started=[])
+    assert q.remove_session("t", expected=True) == []
+    assert q.closures["o-2"].attempt == 1  # planned: no failure, but it may have run
+
+
+def test_a_poison_pill_reported_unstarted_behind_a_finishing_closure_is_caught():
+    """The worker said the pill was waiting (prefetched) behind a closure that then
+    finished; the pill started and killed the worker before it could say so. A pill
+    that killed workers before is charged wherever it stands, so it fails before any
+    of the closures that happened to finish just before it."""
+    q = ClosureQueue(max_worker_failures=3)
+    q.put("pill", "o", b"")
+    q.add_session("s0", slots=1)
+    q.dispatch("s0", 1)
+    q.remove_session("s0")  # it starts at once: unreported, the free thread's
+    outs = []
+    for n in (1, 2):
+        q.put(f"done-{n}", "o", b"")
+        q._queue.remove(f"done-{n}")
+        q._queue.appendleft(f"done-{n}")
+        q.add_session(f"s{n}", slots=1)
+        q.dispatch(f"s{n}", 2)
+        q.observe(f"s{n}", held=[f"done-{n}", "pill"], started=[f"done-{n}"])
+        outs = q.remove_session(f"s{n}")
+    assert [o.cid for o in outs] == ["pill"] and outs[0].kind == WORKER_LOST
+    assert [q.closures[f"done-{n}"].worker_failures for n in (1, 2)] == [1, 1]
+
+
+def test_a_stopping_sessions_final_word_is_exact():
+    """A session that stops (its plugin torn down) says exactly what started: the rest
+    never ran, whatever threads were free."""
+    q = make(3)
+    q.add_session("s", slots=2)
+    q.dispatch("s", 3)
+    q.observe("s", held=(), started=["o-1"], final=True)
+    assert q.remove_session("s", expected=True) == []
+    assert [q.closures[c].attempt for c in ("o-0", "o-1", "o-2")] == [0, 1, 0]
+
+
 def test_a_poison_pill_behind_an_unreported_result_is_still_caught():
     q = ClosureQueue(max_worker_failures=3)
     q.put("pill", "o", b"")
@@ -126,7 +215,7 @@ def test_worker_lost_limit_fails_closure_and_records_error():
         q.dispatch(f"s{n}", 1)
         outs = q.remove_session(f"s{n}")
     assert len(outs) == 1 and outs[0].state == FAILED and outs[0].kind == WORKER_LOST
-    assert q.error is outs[0]
+    assert q.errors == {"o": outs[0]}
 
 
 def test_user_error_retries_then_fails():
@@ -157,11 +246,11 @@ def test_first_error_kept_and_cancel_pending():
     a, b = q.dispatch("s", 2)
     first = q.finish("s", a.cid, False, b"first")
     q.finish("s", b.cid, False, b"second")
-    assert q.error is first
+    assert q.errors == {"o": first}
     cancelled = q.cancel_pending()
     assert [o.cid for o in cancelled] == ["o-2", "o-3", "o-4"]
     assert all(o.state == CANCELLED for o in cancelled)
-    assert q.take_error() is first and q.error is None and q.unfinished() == 0
+    assert q.take_error("o") is first and q.errors == {} and q.unfinished() == 0
 
 
 def test_cancel_pending_by_owner_keeps_others():
@@ -173,13 +262,30 @@ def test_cancel_pending_by_owner_keeps_others():
     assert [c.cid for c in q.dispatch("s", 5)] == ["b-0", "b-1"]
 
 
-def test_pause_blocks_dispatch():
-    q = make(1)
+def test_holding_an_owner_blocks_only_its_dispatch():
+    q = make(2, owner="a")
+    make(2, q, owner="b")
     q.add_session("s")
-    q.paused = True
-    assert q.dispatch("s", 1) == []
-    q.paused = False
-    assert len(q.dispatch("s", 1)) == 1
+    q.held.add("a")
+    assert q.has_work_for("s")  # b's closures may go
+    assert [c.cid for c in q.dispatch("s", 1)] == ["b-0"]
+    assert [c.cid for c in q.dispatch("s", 5)] == ["b-1"]
+    assert not q.has_work_for("s")
+    q.held.discard("a")
+    assert [c.cid for c in q.dispatch("s", 5)] == ["a-0", "a-1"]  # still in order
+
+
+def test_errors_are_kept_per_owner():
+    q = make(2, owner="a")
+    make(2, q, owner="b")
+    q.add_session("s", slots=4)
+    q.dispatch("s", 4)
+    err_b = q.finish("s", "b-0", False, b"b's", USER_ERROR)
+    q.finish("s", "a-0", True, b"")
+    assert q.errors == {"b": err_b} and q.take_error("a") is None
+    assert q.inflight_of("a") == 1 and q.inflight_of("b") == 1
+    err_a = q.finish("s", "a-1", False, b"a's", USER_ERROR)
+    assert q.take_error("a") is err_a and q.take_error("b") is err_b
 
 
 def test_reconcile_puts_back_what_the_session_does_not_hold():
@@ -291,10 +397,10 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule()
     def raise_error(self):
-        # the scheduler raises only with nothing in flight
-        if self.q.error is not None and self.q.inflight == 0:
-            self._record(self.q.cancel_pending())
-            self.q.take_error()
+        # the scheduler raises an owner's error only with none of its closures in flight
+        if "o" in self.q.errors and self.q.inflight_of("o") == 0:
+            self._record(self.q.cancel_pending("o"))
+            self.q.take_error("o")
 
     @invariant()
     def consistent(self):

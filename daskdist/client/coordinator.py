@@ -4,7 +4,9 @@ A thin client over the scheduler plugin's RPC handlers. ``schedule`` never waits
 round trip: closures are pickled in the caller's thread and sent in batches by a
 flusher on the client's event loop; outcomes come back in batches through one
 long-poll. Errors follow TensorFlow: the first failure is raised by the next
-``schedule`` / ``join`` / ``done``, which first cancels everything still queued.
+``schedule`` / ``join`` / ``done``, which first cancels everything still queued. Errors
+belong to their owner: another Coordinator of the same name (another notebook) never
+sees them. ``close()`` ends every wait at once (SPEC §2.5b).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from daskdist.client.datasets import (
     _ResourceHandle,
 )
 from daskdist.client.values import PerWorkerValues, RemoteValue
+from daskdist.core import checks
 from daskdist.core.leases import unit_runs
 from daskdist.core.nest import map_structure
 from daskdist.core.protocol import (
@@ -47,7 +50,7 @@ from daskdist.core.protocol import (
     ResourceSpec,
     Submission,
 )
-from daskdist.errors import CollectiveError, dump_error, load_error
+from daskdist.errors import CollectiveError, CoordinatorClosedError, dump_error, load_error
 from daskdist.plugins import SCHEDULER_PLUGIN, instantiate
 
 
@@ -92,6 +95,12 @@ class Coordinator:
     and CPU training; the first Coordinator of a name decides). ``lease_timeout``
     (default ``daskdist.liveness.lease-timeout``, 30 s) is how long a worker may send
     nothing before its work is taken back (the first Coordinator of a name decides).
+
+    Each Coordinator is an *owner* of the named queue: its closures, its errors and its
+    per-worker resources are its own. ``close()`` (or its client staying away longer
+    than ``daskdist.coordinator.client-grace``) ends it: every pending ``RemoteValue``
+    resolves at once, its resources are released on every worker, and when no
+    Coordinator of the name is left its worker plugin goes too.
     """
 
     def __init__(
@@ -104,34 +113,37 @@ class Coordinator:
         torch_threads: int | None = None,
         lease_timeout: float | None = None,
     ):
-        if max_queued is not None and max_queued < 1:
-            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        if max_queued is not None:
+            checks.integer(max_queued, "max_queued", 1, 2**62)
         if max_worker_failures is None:
-            max_worker_failures = int(config.get("coordinator.max-worker-failures"))
-        if max_worker_failures < 1:
-            raise ValueError(f"max_worker_failures must be >= 1, got {max_worker_failures}")
+            max_worker_failures = checks.max_worker_failures(
+                config.integer("coordinator.max-worker-failures"),
+                "daskdist.coordinator.max-worker-failures")
+        max_worker_failures = checks.max_worker_failures(max_worker_failures)
+        lease_timeout = checks.optional(checks.lease_timeout, lease_timeout)
         self.client = client if client is not None else get_client()
         if self.client.asynchronous:
             raise TypeError("Coordinator needs a synchronous Client (asynchronous=False)")
-        self.name = name
+        self.name = checks.text(name, "name")
         self._max_queued = max_queued
         self._rpc = self.client.scheduler
         # With `--preload daskdist.plugins.scheduler` the plugin is there and we register
         # nothing (such clusters may refuse client plugins); else register it once.
         if not self._plugin_loaded():
             self.client.register_plugin(_SchedulerPluginRef(), name=PLUGIN_NAME)
-        if lease_timeout is not None and not lease_timeout > 0:
-            raise ValueError(f"lease_timeout must be positive, got {lease_timeout!r}")
-        info = self._call("daskdist_create", max_worker_failures=max_worker_failures,
-                          torch_threads=torch_threads,
-                          lease_timeout=None if lease_timeout is None else float(lease_timeout))
+        info = self._call("daskdist_create", client=self.client.id,
+                          max_worker_failures=max_worker_failures,
+                          torch_threads=torch_threads, lease_timeout=lease_timeout)
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "
                 "on the scheduler?"
             )
         self._workers = info["workers"]
-        self._owner: str = self._call("daskdist_attach", client=self.client.id)
+        # this Coordinator's owner id (its closure ids start with it) and the secret
+        # only it holds: the scheduler lets only the holder act as this owner
+        self._owner: str = info["owner"]
+        self._token: str = info["token"]
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._pending: dict[str, RemoteValue] = {}
@@ -159,6 +171,14 @@ class Coordinator:
         fn = getattr(self._rpc, op)
         return self.client.sync(fn, name=self.name, callback_timeout=call_timeout, **kwargs)
 
+    def _owned(self, op: str, call_timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call a handler that acts as this owner (it checks our token)."""
+        return self._call(op, call_timeout, owner=self._owner, token=self._token, **kwargs)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CoordinatorClosedError(f"coordinator {self.name!r} is closed")
+
     async def _flush(self) -> None:
         """Send queued puts in batches (runs on the client's event loop)."""
         while True:
@@ -166,12 +186,12 @@ class Coordinator:
                 if not self._outgoing:
                     self._flushing = False
                     return
-                batch = list(self._outgoing)
-                self._outgoing.clear()
+                n = min(len(self._outgoing), checks.MAX_ITEMS)
+                batch = [self._outgoing.popleft() for _ in range(n)]
             try:
                 # one-way: no reply to wait for, so the scheduler dispatches sooner
-                await self._rpc.daskdist_put(name=self.name, owner=self._owner, closures=batch,
-                                             reply=False)
+                await self._rpc.daskdist_put(name=self.name, owner=self._owner,
+                                             token=self._token, closures=batch, reply=False)
             except Exception as e:  # the scheduler is unreachable: these closures fail
                 err = RuntimeError(f"could not send closures to the scheduler: {e!r}")
                 payload = dump_error(err)
@@ -179,19 +199,29 @@ class Coordinator:
                     self._resolve(Outcome(sub.cid, FAILED, payload, USER_ERROR))
 
     async def _results_loop(self) -> None:
-        """Receive outcomes in batches until closed (runs on the client's event loop)."""
+        """Receive outcomes in batches until closed (runs on the client's event loop).
+
+        The scheduler answers only when there is something to say (or after its poll
+        interval), so an idle client, even one with an error unread, costs no CPU."""
         ack = 0
         while not self._closed:
             try:
                 reply = await self._rpc.daskdist_results(
-                    name=self.name, owner=self._owner, ack=ack
+                    name=self.name, owner=self._owner, token=self._token, ack=ack
                 )
-            except (OSError, CommClosedError):
+            except Exception as e:
                 if self._closed or self.client.status in ("closing", "closed"):
-                    return
-                await asyncio.sleep(0.1)
-                continue
+                    return  # shutting down: whatever the comm says, nothing more comes
+                if isinstance(e, (OSError, CommClosedError)):
+                    await asyncio.sleep(0.1)
+                    continue
+                if not isinstance(e, (KeyError, PermissionError)):
+                    raise
+                reply = {"detached": True}  # the scheduler no longer knows this owner
             if reply is None or reply.get("detached"):
+                self._cancel_all("the scheduler dropped it (its client was cut off longer "
+                                 "than daskdist.coordinator.client-grace, or the "
+                                 "scheduler restarted)")
                 return
             first = reply["first"]
             items = reply["items"]
@@ -200,11 +230,28 @@ class Coordinator:
                     self._resolve(Outcome._make(item))
             ack = max(ack, first + len(items))
             with self._cv:
-                self._error_pending = reply["error"]
+                self._error_pending = self._error_pending or reply["error"]
                 self._workers = reply["workers"]
                 self._cv.notify_all()
             if self._released:
                 await self._release_resources()
+
+    def _cancel_all(self, why: str) -> None:
+        """This Coordinator is closed: every closure not yet final is cancelled, saying
+        ``why``; waiters wake up."""
+        with self._cv:
+            self._closed = True
+            pending, self._pending = self._pending, {}
+            gangs, self._gangs = self._gangs, {}
+            self._outgoing.clear()
+            self._cv.notify_all()
+        for cid, rv in pending.items():
+            rv._cancel(CoordinatorClosedError(
+                f"closure {cid} did not finish: coordinator {self.name!r} closed ({why})"))
+        for gid, view in gangs.items():
+            for rv in view.values or ():
+                rv._cancel(CoordinatorClosedError(
+                    f"gang {gid} did not finish: coordinator {self.name!r} closed ({why})"))
 
     def _resource_dropped(self, rid: str) -> None:
         """A resource handle was garbage collected (any thread; must not block)."""
@@ -219,8 +266,9 @@ class Coordinator:
             rids.append(self._released.popleft()[1])
         if rids:
             try:
-                await self._rpc.daskdist_release_resources(name=self.name, rids=rids,
-                                                           reply=False)
+                await self._rpc.daskdist_release_resources(
+                    name=self.name, owner=self._owner, token=self._token, rids=rids,
+                    reply=False)
             except Exception:  # the scheduler is gone: so are its resources
                 pass
 
@@ -261,7 +309,7 @@ class Coordinator:
 
     def _raise_pending(self, timeout: float | None = None) -> None:
         """Raise the first unraised error, cancelling what is still queued (TF semantics)."""
-        reply = self._call("daskdist_raise", timeout=timeout)
+        reply = self._owned("daskdist_raise", timeout=timeout)
         if reply.get("timeout"):
             raise TimeoutError(f"in-flight closures did not finish within {timeout} s")
         for owner, cid in reply["cancelled"]:
@@ -292,10 +340,10 @@ class Coordinator:
 
         Raises the first unraised error of an earlier closure (after cancelling what
         is queued), ``TypeError`` for a bad ``fn`` or argument; blocks while the
-        queue holds ``max_queued`` unfinished closures.
+        queue holds ``max_queued`` unfinished closures. Raises
+        ``dd.CoordinatorClosedError`` once closed.
         """
-        if self._closed:
-            raise RuntimeError("this Coordinator is closed")
+        self._check_open()
         if self._error_pending:
             self._raise_pending()
         payload = self._pickle(fn, args, kwargs, retries)
@@ -303,8 +351,10 @@ class Coordinator:
         rv = RemoteValue(cid, self)
         while True:
             with self._cv:
-                while len(self._pending) >= self._limit() and not self._error_pending:
+                while (len(self._pending) >= self._limit() and not self._error_pending
+                       and not self._closed):
                     self._cv.wait(0.5)
+                self._check_open()
                 if not self._error_pending:
                     self._pending[cid] = rv
                     self._outgoing.append(Submission(cid, payload, retries))
@@ -357,8 +407,7 @@ class Coordinator:
         ranks of the generation that completed it, in rank order, so their number is
         that generation's size (the values of ranks beyond it are cancelled).
         """
-        if self._closed:
-            raise RuntimeError("this Coordinator is closed")
+        self._check_open()
         if self._error_pending:
             self._raise_pending()
         payload = self._pickle(fn, args, kwargs, 0)
@@ -369,8 +418,7 @@ class Coordinator:
             self._pending[gid] = whole
             self._gangs[gid] = view
         try:
-            info = self._call("daskdist_schedule_gang", owner=self._owner, cid=gid,
-                              payload=payload)
+            info = self._owned("daskdist_schedule_gang", cid=gid, payload=payload)
         except BaseException:
             with self._cv:
                 self._pending.pop(gid, None)
@@ -401,8 +449,9 @@ class Coordinator:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         from daskdist.client.group import CollectiveGroup  # imports torch: only here
 
-        info = self._call("daskdist_group_form", backend=backend, timeout=float(timeout),
-                          rejoin_grace=None if rejoin_grace is None else float(rejoin_grace))
+        self._check_open()
+        info = self._owned("daskdist_group_form", backend=backend, timeout=float(timeout),
+                           rejoin_grace=None if rejoin_grace is None else float(rejoin_grace))
         if not info["ok"]:
             why = f": {info['error']}" if info.get("error") else ""
             raise CollectiveError(
@@ -414,11 +463,15 @@ class Coordinator:
     def join(self, timeout: float | None = None, progress: bool = False) -> None:
         """Block until every closure scheduled here finished; raise the first error.
 
-        ``progress=True`` shows a ``tqdm.auto`` bar of the closures finishing meanwhile."""
+        ``progress=True`` shows a ``tqdm.auto`` bar of the closures finishing meanwhile.
+        Raises ``dd.CoordinatorClosedError`` once closed (also when ``close()`` ends it
+        while it waits)."""
+        self._check_open()
         if progress:
             return reprs.join_with_bar(self, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._check_open()
             if self._error_pending:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 self._raise_pending(left)
@@ -434,14 +487,19 @@ class Coordinator:
                 self._cv.wait(left if left is not None else 1.0)
 
     def done(self) -> bool:
-        """Whether every closure scheduled here finished (raises the first error)."""
+        """Whether every closure scheduled here finished (raises the first error, or
+        ``dd.CoordinatorClosedError`` once closed)."""
+        self._check_open()
         if self._error_pending:
             self._raise_pending()
         with self._cv:
             return not self._pending
 
     def fetch(self, structure: Any) -> Any:
-        """Replace every RemoteValue inside nested lists, tuples and dicts by its value."""
+        """Replace every RemoteValue inside nested lists, tuples and dicts by its value.
+
+        Once closed it never waits: a closure that had not finished raises
+        ``dd.CoordinatorClosedError`` (a ``dd.CancelledError``)."""
         def one(v):
             if isinstance(v, RemoteValue):
                 return v.fetch()
@@ -457,7 +515,8 @@ class Coordinator:
         return map_structure(one, structure)
 
     def create_per_worker_resource(self, fn: Callable[[Any], Any]) -> PerWorkerValues:
-        """Build ``fn(ctx)`` on every worker (lazily, before a closure needs it)."""
+        """Build ``fn(ctx)`` on every worker (lazily, before a closure needs it); released
+        on every worker when the handle is dropped or this Coordinator closes."""
         return self._register_resource("resource", fn)
 
     def create_per_worker_dataset(self, fn: Callable[[Any], Any],
@@ -508,10 +567,11 @@ class Coordinator:
         return DistributedDataset(self, values, shards, name, loader_options.get("seed", 0))
 
     def _define_dataset(self, dataset: DatasetDef) -> None:
-        self._call("daskdist_dataset_define", owner=self._owner, dataset=tuple(dataset))
+        self._owned("daskdist_dataset_define", dataset=tuple(dataset))
 
     def _register_resource(self, kind: str, fn: Callable | None,
                            parent: PerWorkerValues | None = None) -> PerWorkerValues:
+        self._check_open()
         if kind != "iterator" and not callable(fn):
             raise TypeError(f"the per-worker {kind} factory must be callable, got {fn!r}")
         try:
@@ -520,7 +580,7 @@ class Coordinator:
         except Exception as e:
             raise TypeError(f"the per-worker {kind} factory cannot be pickled: {e}") from e
         rid = f"{kind}-{uuid.uuid4().hex[:12]}"
-        self._call("daskdist_add_resource", rid=rid, payload=payload)
+        self._owned("daskdist_add_resource", rid=rid, payload=payload)
         handle = _ResourceHandle(rid, kind, parent)
         weakref.finalize(handle, _dropped, weakref.ref(self), rid)
         return handle
@@ -531,6 +591,7 @@ class Coordinator:
 
     def status(self) -> dict[str, Any]:
         """Queue and worker counts: queued, running, done, failed, retried, cancelled, ..."""
+        self._check_open()
         s = self._call("daskdist_status")
         s["recoveries"] = s["recovered"]
         return s
@@ -554,14 +615,29 @@ class Coordinator:
                 self._cv.wait(0.05)  # woken early by results; re-check the count
 
     def close(self) -> None:
-        """Detach from the queue (queued closures of this Coordinator are cancelled)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Close this Coordinator, ending every wait at once (SPEC §2.5b).
+
+        Every pending ``RemoteValue`` resolves now: its value if its closure had
+        finished, else ``dd.CoordinatorClosedError`` (a ``dd.CancelledError``) saying the
+        coordinator closed; queued closures are cancelled (running ones finish on their
+        workers, their results dropped); this Coordinator's per-worker resources and
+        iterators are released on every worker; ``schedule`` / ``join`` / ``fetch``
+        raise at once from now on. When no Coordinator of this name is left, the
+        scheduler drops its queue and its worker plugin (threads, timers) goes from every
+        worker. Closing twice does nothing.
+        """
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
         try:
-            self._call("daskdist_detach", owner=self._owner, call_timeout=5)
-        except Exception:
-            pass
+            items = self._owned("daskdist_detach", call_timeout=10)["items"]
+        except Exception:  # the scheduler is gone: nothing more will finish
+            items = []
+        for item in items:  # finished before the close: their values stay fetchable
+            self._resolve(Outcome._make(item))
+        self._cancel_all("close() was called")
 
     def __enter__(self) -> Coordinator:
         return self

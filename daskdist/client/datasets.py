@@ -157,7 +157,7 @@ class DistributedDataset(PerWorkerDataset):
         ledger = EpochLedger(self.dataset_id, epoch,
                              [[int(a), int(b)] for a, b in state["acknowledged"]],
                              int(state["total"]))
-        self._coordinator._call("daskdist_dataset_start", owner=self._coordinator._owner,
+        self._coordinator._owned("daskdist_dataset_start",
                                 ledger=tuple(ledger))
         self.epoch = epoch
         self.seed = int(state.get("seed", self.seed))

@@ -49,6 +49,14 @@ class RemoteValue:
         self.attempt = attempt
         self._event.set()
 
+    def _cancel(self, error: BaseException) -> None:
+        """Cancelled with ``error`` (its coordinator closed), unless already final."""
+        if self._event.is_set():
+            return
+        self._status = RemoteValueStatus.CANCELLED
+        self._value, self._loaded = error, True
+        self._event.set()
+
     def _load(self) -> Any:
         if not self._loaded:
             if self._status is RemoteValueStatus.READY:

@@ -18,7 +18,8 @@ class SessionMembership:
     session: str
     address: str
     index: int
-    draining: bool = False
+    draining: bool = False  # retiring: leaves the group at its next commit
+    paused: bool = False  # memory-paused: no new closures, keeps its place in the group
     device: str = "cpu"
     gpu: str = ""  # the GPU's UUID, for telling members that share a GPU apart
 

@@ -51,6 +51,8 @@ class Dispatch(NamedTuple):
     payload: Any  # [function bytes, argument bytes or None]
     attempt: int  # executions started so far, this one included
     gang: bool  # a gang member: runs on the gang slot, never stolen
+    owner: str = ""  # the owner it belongs to (a worker holds an owner's closures while
+    #                  that owner's error is raised)
 
 
 class Outcome(NamedTuple):

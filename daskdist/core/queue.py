@@ -12,10 +12,16 @@ A closure's life (SPEC §2.5a)::
     PENDING -> RUNNING -> READY | FAILED
     RUNNING -> PENDING            (its session was lost; attempt + 1)
     RUNNING -> FAILED             (lost ``max_worker_failures`` times: WORKER_LOST)
-    PENDING -> CANCELLED          (an error was raised to the user)
+    PENDING -> CANCELLED          (an error was raised to its owner, or its owner left)
 
 Every closure reaches exactly one final state, once; a finish for a closure that is not
 running on the reporting session (a duplicate run, an expired session) is refused.
+
+Errors belong to their owner (SPEC §2.5b): each owner (one client-side Coordinator) has
+its own first unraised error, and raising it holds and cancels only that owner's work.
+Only an unplanned loss of a closure that had started counts toward
+``max_worker_failures`` (SPEC §2.4): workers report which of their closures started
+(:meth:`ClosureQueue.observe`).
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class Closure:
     worker_failures: int = 0
     session: str | None = None
     pinned: str | None = None  # only this session may run it (gang members)
+    # what its session last reported: it had received it (``seen``) and started it
+    seen: bool = False
+    started: bool = False
 
 
 @dataclass
@@ -79,8 +88,8 @@ class ClosureQueue:
     _pinned: dict[str, deque[str]] = field(default_factory=dict)  # session -> pinned cids
     _sessions: set[str] = field(default_factory=set)
     _draining: set[str] = field(default_factory=set)
-    error: Outcome | None = None
-    paused: bool = False
+    errors: dict[str, Outcome] = field(default_factory=dict)  # owner -> first unraised
+    held: set[str] = field(default_factory=set)  # owners whose closures are not dispatched
 
     # -- sessions -------------------------------------------------------------------
     def add_session(self, session: str, slots: int = 1) -> None:
@@ -96,14 +105,18 @@ class ClosureQueue:
         else:
             self._draining.discard(session)
 
-    def remove_session(self, session: str) -> list[Outcome]:
-        """The session ended (worker lost, plugin torn down): put its closures back.
+    def remove_session(self, session: str, expected: bool = False) -> list[Outcome]:
+        """The session ended: put its closures back at the head of the queue, in order.
 
-        Closures go back at the head of the queue in their original order. Only the
-        oldest ``slots`` leases were executing (the worker runs its leases in order);
-        the others were prefetched, never started, and count no failure (unless they
-        were lost with a dying worker before). A closure lost ``max_worker_failures``
-        times fails with ``WORKER_LOST``.
+        ``expected`` (the worker retired, closed gracefully, its plugin re-registered):
+        nothing counts toward ``max_worker_failures``. An unplanned loss
+        (``expected=False``: killed, crashed, cut off, fenced) counts for the closures
+        that had started, as the worker last reported (:meth:`observe`); for closures it
+        had no time to report, the oldest that its free threads would have started; and
+        for any that killed workers before (a worker may die starting one right after
+        finishing another it had no time to report). Other prefetched closures (the
+        worker said it had not started them) count nothing. A closure lost
+        ``max_worker_failures`` times fails with ``WORKER_LOST``.
         Closures pinned to the session (gang members), running or not, fail with
         ``WORKER_LOST`` at once: the gang logic decides what happens next.
         """
@@ -120,14 +133,24 @@ class ClosureQueue:
             c.session = None
             outcomes.append(self._finish(c, FAILED, None, WORKER_LOST))
         cids = [cid for cid in leased if cid in self.closures]
-        for i, cid in enumerate(cids):
+        free = max(0, slots - sum(1 for cid in cids if self.closures[cid].started))
+        for cid in cids:
             c = self.closures[cid]
             c.session = None
-            # A closure that killed workers before is suspect wherever it stands: a
-            # worker may die starting it right after finishing one it had no time to
-            # report, which leaves the finished one first in line and the culprit second.
-            if i >= slots and c.worker_failures == 0:
-                c.attempt -= 1  # prefetched, never started
+            if c.started or c.worker_failures > 0:
+                # started; or it killed workers before, so it is suspect wherever it
+                # stands: a worker may start it right after finishing a closure, and die
+                # before it can say so (the finished one looks started, this one not)
+                ran = True
+            elif c.seen:
+                ran = False  # prefetched: the worker said it had not started it
+            else:  # not reported yet: the worker's free threads may have started it
+                ran = free > 0
+                free -= 1
+            c.seen = c.started = False
+            if not ran:
+                c.attempt -= 1  # never executed: not an attempt
+            if expected or not ran:
                 c.state = PENDING
                 back.append(c)
                 continue
@@ -142,6 +165,40 @@ class ClosureQueue:
         for c in reversed(back):
             self._queue.appendleft(c.cid)
         return outcomes
+
+    def observe(self, session: str, held: Iterable[str], started: Iterable[str],
+                final: bool = False) -> None:
+        """What the session says of its closures: every one it has received and not yet
+        had acknowledged (``held``), and those of them that started.
+
+        A received closure not started is known to wait (``seen``) only behind busy
+        threads: the oldest ones a free thread takes next may start any moment after
+        the message left, so they stay unknown (see :meth:`remove_session`). A
+        ``final`` word (the session is stopping: nothing more starts) is exact: every
+        closure leased to it and not in ``started`` never ran."""
+        running = self._running.get(session)
+        if not running:
+            return
+        if final:
+            started = set(started)
+            for cid in running:
+                c = self.closures[cid]
+                c.started, c.seen = cid in started, cid not in started
+            return
+        held = set(held)
+        for cid in started:
+            if cid in running:
+                self.closures[cid].started = True
+        free = self._slots.get(session, 1) - sum(
+            1 for cid in running if self.closures[cid].started)
+        for cid in running:
+            c = self.closures[cid]
+            if c.started or cid not in held or c.pinned is not None:
+                continue
+            if free > 0:
+                free -= 1  # a free thread may take it any moment
+            else:
+                c.seen = True
 
     @property
     def sessions(self) -> frozenset[str]:
@@ -170,8 +227,9 @@ class ClosureQueue:
     def dispatch(self, session: str, n: int) -> list[Closure]:
         """Lease to ``session`` its pinned closures and up to ``n`` queued ones (head first).
 
-        Pinned closures (gang members) go out even when ``n`` is 0 or the queue is
-        paused: every member of a gang must run for any of them to finish.
+        Pinned closures (gang members) go out even when ``n`` is 0 or the session is
+        draining: every member of a gang must run for any of them to finish. Closures
+        of ``held`` owners (raising an error) stay queued.
         """
         if session not in self._sessions:
             return []
@@ -180,16 +238,22 @@ class ClosureQueue:
         pinned = self._pinned.get(session)
         while pinned:
             out.append(self._lease(self.closures[pinned.popleft()], session, running))
-        if n <= 0 or self.paused or session in self._draining:
+        if n <= 0 or session in self._draining:
             return out
         q = self._queue
         budget = n
+        skipped: list[str] = []  # of held owners (only what came back while they raise)
         while q and budget:
-            c = self.closures.get(q.popleft())
+            cid = q.popleft()
+            c = self.closures.get(cid)
             if c is None or c.state != PENDING:
                 continue  # stale entry (cancelled, or re-queued elsewhere)
+            if c.owner in self.held:
+                skipped.append(cid)
+                continue
             out.append(self._lease(c, session, running))
             budget -= 1
+        q.extendleft(reversed(skipped))
         return out
 
     @staticmethod
@@ -197,6 +261,7 @@ class ClosureQueue:
         c.state = RUNNING
         c.session = session
         c.attempt += 1
+        c.seen = c.started = False
         running[c.cid] = None
         return c
 
@@ -222,10 +287,10 @@ class ClosureQueue:
         """Whether ``dispatch(session, n)`` would return anything now."""
         if self._pinned.get(session):
             return True
-        if self.paused or not self.is_active(session):
+        if not self.is_active(session):
             return False
-        return any(cid in self.closures and self.closures[cid].state == PENDING
-                   for cid in self._queue)
+        return any(c is not None and c.state == PENDING and c.owner not in self.held
+                   for c in map(self.closures.get, self._queue))
 
     # -- results --------------------------------------------------------------------
     def finish(self, session: str, cid: str, ok: bool, value: Any = None,
@@ -241,6 +306,7 @@ class ClosureQueue:
             return None
         del self._running[session][cid]
         c.session = None
+        c.seen = c.started = False
         if ok:
             return self._finish(c, READY, value, None)
         if kind == USER_ERROR and c.retries > 0:
@@ -265,6 +331,7 @@ class ClosureQueue:
             c.state = PENDING
             c.session = None
             c.attempt -= 1
+            c.seen = c.started = False
             if c.pinned is None:
                 self._queue.appendleft(cid)
             else:
@@ -286,8 +353,7 @@ class ClosureQueue:
         elif state == FAILED:
             if c.pinned is None:  # a gang member's failure is the gang's to judge
                 self.counters.failed += 1
-                if self.error is None:
-                    self.error = out
+                self.errors.setdefault(c.owner, out)
         else:
             self.counters.cancelled += 1
         del self.closures[c.cid]  # final: the queue keeps nothing more of it
@@ -328,10 +394,19 @@ class ClosureQueue:
         self._queue = keep
         return out
 
-    def take_error(self) -> Outcome | None:
-        """Clear and return the first unraised error (call once no closure is in flight)."""
-        err, self.error = self.error, None
-        return err
+    def take_error(self, owner: str) -> Outcome | None:
+        """Clear and return ``owner``'s first unraised error (call once none of its
+        closures is in flight)."""
+        return self.errors.pop(owner, None)
+
+    def inflight_of(self, owner: str) -> int:
+        """``owner``'s closures leased to workers (a raise of its error waits for them)."""
+        return sum(1 for leased in self._running.values() for cid in leased
+                   if self.closures[cid].owner == owner)
+
+    def owners(self) -> set[str]:
+        """Owners with closures not yet final."""
+        return {c.owner for c in self.closures.values()}
 
     def unfinished(self, owner: str | None = None) -> int:
         """Closures not yet final (of ``owner``, or all)."""

@@ -11,6 +11,15 @@ module never imports torch, pyarrow or ``collective/`` (SPEC §1).
 
 Load it with ``dask scheduler --preload daskdist.plugins.scheduler`` or let
 ``Coordinator`` register it from the client.
+
+The scheduler checks who calls (SPEC §2.5b): every handler checks its arguments'
+types and sizes (:mod:`daskdist.core.checks`) before it touches any state; a client acts
+only as an owner it created (each owner has a secret token, given only in the reply to
+the ``daskdist_create`` call that attached it); a worker acts only with its own session
+(``daskdist_register`` asks the worker at the address it names to confirm the session),
+and read-only handlers never create state. A named coordinator lives while it has owners:
+when the last one closes (or its client is gone for ``client-grace``), its state, group
+driver and worker plugin go.
 """
 
 from __future__ import annotations
@@ -18,25 +27,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.protocol.pickle import dumps
 
 from daskdist import config
-from daskdist.core.protocol import (
-    PLUGIN_NAME,
-    CommitKey,
-    Dispatch,
-    Submission,
-    worker_plugin_name,
-)
-from daskdist.plugins import WORKER_PLUGIN, PluginRef
+from daskdist.core import checks
+from daskdist.core.protocol import PLUGIN_NAME, CommitKey, Dispatch, Submission
 from daskdist.plugins.scheduler import observe
 from daskdist.plugins.scheduler.groups import GroupDriver
-from daskdist.plugins.scheduler.state import CoordinatorState, Outbox, wait_event
+from daskdist.plugins.scheduler.names import Coordinators
+from daskdist.plugins.scheduler.state import CoordinatorState, wait_event
 
 logger = logging.getLogger(__name__)
 
@@ -48,23 +50,22 @@ class CoordinatorPlugin(SchedulerPlugin):
     idempotent = True
 
     def __init__(self) -> None:
-        self.coordinators: dict[str, CoordinatorState] = {}
-        self.drivers: dict[str, GroupDriver] = {}
+        # the named coordinators and their lives (names.py)
+        self.names = Coordinators(self._send, self._next_generation)
+        self.coordinators: dict[str, CoordinatorState] = self.names.states
+        self.drivers: dict[str, GroupDriver] = self.names.drivers
         self.generations = 0  # last collective-group generation handed out (any coordinator)
         self.scheduler = None
         # worker -> whether Dask expected its removal (retired, closed) or not (killed,
         # cut off); Dask logs the event just before it calls remove_worker
         self._expected: dict[str, bool] = {}
         self._liveness_task: asyncio.Task | None = None
-        # client -> the pending drop of its owners (a cut connection may come back)
-        self._orphaned: dict[str, asyncio.TimerHandle] = {}
 
     async def start(self, scheduler) -> None:
-        self.scheduler = scheduler
+        self.scheduler = self.names.scheduler = scheduler
         scheduler.handlers.update(
             {
                 "daskdist_create": self.create,
-                "daskdist_attach": self.attach,
                 "daskdist_detach": self.detach,
                 "daskdist_put": self.put,
                 "daskdist_results": self.results,
@@ -147,29 +148,12 @@ class CoordinatorPlugin(SchedulerPlugin):
             self._expected[msg["worker"]] = bool(msg.get("expected"))
 
     def remove_client(self, scheduler, client: str) -> None:
-        """A client's connection closed: drop its owners after ``coordinator.client-grace``
-        unless it reconnects first (Dask's client reconnects with the same id)."""
-        if not any(box.client == client for co in self.coordinators.values()
-                   for box in co.outboxes.values()):
-            return
-        old = self._orphaned.pop(client, None)
-        if old is not None:
-            old.cancel()
-        grace = config.seconds("coordinator.client-grace")
-        self._orphaned[client] = asyncio.get_running_loop().call_later(
-            grace, self._drop_client, client)
+        """A client's connection closed: its owners go after ``client-grace`` unless it
+        reconnects first."""
+        self.names.client_left(client)
 
     def add_client(self, scheduler, client: str) -> None:
-        handle = self._orphaned.pop(client, None)
-        if handle is not None:
-            handle.cancel()  # it came back: its closures and results are still here
-
-    def _drop_client(self, client: str) -> None:
-        self._orphaned.pop(client, None)
-        for co in self.coordinators.values():
-            for owner, box in list(co.outboxes.items()):
-                if box.client == client:
-                    self._drop_owner(co, owner)
+        self.names.client_back(client)
 
     # -- helpers ----------------------------------------------------------------------------
     def _on_state(self, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,17 +164,22 @@ class CoordinatorPlugin(SchedulerPlugin):
         handler.__name__ = method.__name__
         return handler
 
-    def _get(self, name: str) -> CoordinatorState:
-        try:
-            return self.coordinators[name]
-        except KeyError:
-            raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler") from None
+    def _get(self, name: Any) -> CoordinatorState:
+        return self.names.get(name)
 
-    def _drop_owner(self, co: CoordinatorState, owner: str) -> None:
-        co.outboxes.pop(owner, None)
-        co.queue.cancel_pending(owner)
-        co.gangs.cancel_pending(owner)
-        co.leases.drop_owner(owner)  # its datasets' lease tables go with it
+    def _owned(self, op: str, name: Any, owner: Any, token: Any) -> CoordinatorState:
+        """The coordinator ``name`` if the caller is its owner ``owner`` (holds its token)."""
+        co = self._get(name)
+        co.owner_box(checks.text(owner, f"{op}: owner"), checks.text(token, f"{op}: token"))
+        return co
+
+    def _member(self, op: str, name: Any, session: Any) -> CoordinatorState:
+        """The coordinator ``name`` if ``session`` is one of its live worker sessions."""
+        co = self._get(name)
+        if checks.text(session, f"{op}: session") not in co.members:
+            raise PermissionError(f"{op}: {session!r} is not a live worker session of "
+                                  f"coordinator {name!r}")
+        return co
 
     def _next_generation(self) -> int:
         self.generations += 1
@@ -202,100 +191,119 @@ class CoordinatorPlugin(SchedulerPlugin):
             self.scheduler.worker_send(address, msg)
 
     async def close(self) -> None:
-        for driver in self.drivers.values():
-            driver.stop()
+        self.names.close()
         if self._liveness_task is not None:
             self._liveness_task.cancel()
             self._liveness_task = None
-        for handle in self._orphaned.values():
-            handle.cancel()
-        self._orphaned.clear()
 
     def _worker_retiring(self, address: str) -> bool:
         ws = self.scheduler.workers.get(address)
         return ws is None or ws.status.name in ("closing_gracefully", "closing", "closed")
 
     # -- client handlers ---------------------------------------------------------------
-    async def create(self, name: str, max_worker_failures: int | None = None,
+    async def create(self, name: str, client: str | None = None,
+                     max_worker_failures: int | None = None,
                      torch_threads: int | None = None,
                      lease_timeout: float | None = None) -> dict:
-        """Create the named coordinator if new, and make sure workers run its plugin."""
-        co = self.coordinators.get(name)
+        """Create the named coordinator if new (its settings: the first caller's), make
+        sure workers run its plugin, and attach the caller as a new owner: its id and
+        secret token (``{"workers", "owner", "token"}``)."""
+        op = "daskdist_create"
+        checks.text(name, f"{op}: name")
+        client = checks.optional(checks.text, client, f"{op}: client")
+        max_worker_failures = checks.optional(checks.max_worker_failures, max_worker_failures,
+                                              f"{op}: max_worker_failures")
+        torch_threads = checks.optional(checks.integer, torch_threads, f"{op}: torch_threads",
+                                        -(2**31), 2**31)
+        lease_timeout = checks.optional(checks.lease_timeout, lease_timeout,
+                                        f"{op}: lease_timeout")
+        return await self.names.create(name, client, max_worker_failures, torch_threads,
+                                       lease_timeout)
+
+    def detach(self, name: str, owner: str, token: str) -> dict:
+        """The owner closes: its queued closures are cancelled, its per-worker resources
+        released on every worker; ``{"items": outcomes it had not read}``. The last
+        owner's detach closes the coordinator."""
+        co = self.coordinators.get(checks.text(name, "daskdist_detach: name"))
         if co is None:
-            if max_worker_failures is None:
-                max_worker_failures = int(config.get("coordinator.max-worker-failures"))
-            co = self.coordinators[name] = CoordinatorState(
-                name, max_worker_failures, send=self._send,
-                lease_timeout=lease_timeout or config.seconds("liveness.lease-timeout"))
-            self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
-        plugin_name = worker_plugin_name(name)
-        if plugin_name not in self.scheduler.worker_plugins:
-            replies = await self.scheduler.register_worker_plugin(
-                comm=None,
-                plugin=dumps(PluginRef(WORKER_PLUGIN, name=name, torch_threads=torch_threads)),
-                name=plugin_name,
-                idempotent=True,
-            )
-            failed = {w: r for w, r in (replies or {}).items()
-                      if isinstance(r, dict) and r.get("status") != "OK"}
-            if failed:
-                # Unregister, so that the next attempt registers (and reports) again.
-                await self.scheduler.unregister_worker_plugin(comm=None, name=plugin_name)
-                worker, reply = next(iter(failed.items()))
-                raise RuntimeError(
-                    f"the daskdist worker plugin of coordinator {name!r} failed to set up "
-                    f"on {len(failed)} of {len(replies)} workers; {worker}: "
-                    f"{reply.get('exception_text') or reply}")
-        return {"workers": len(co.members)}
+            return {"items": []}
+        co = self._owned("daskdist_detach", name, owner, token)
+        return {"items": self.names.drop_owner(co, owner)}
 
-    def attach(self, name: str, client: str | None = None) -> str:
-        """A client-side Coordinator attaches: it gets an owner id and an outbox."""
-        co = self._get(name)
-        owner = uuid.uuid4().hex[:12]
-        co.outboxes[owner] = Outbox(client)
-        return owner
+    def put(self, name: str, owner: str, token: str, closures: list) -> None:
+        """Queue ``closures`` (each a :class:`Submission`) for ``owner`` (one-way).
 
-    def detach(self, name: str, owner: str) -> None:
-        co = self.coordinators.get(name)
-        if co is not None:
-            self._drop_owner(co, owner)
-
-    def put(self, name: str, owner: str, closures: list) -> None:
-        """Queue ``closures`` (each a :class:`Submission`) for ``owner`` (one-way)."""
-        co = self._get(name)
+        Checked as a whole before anything is queued: each closure id must be the
+        owner's (``owner-...``), so no client can queue under another's ids."""
+        op = "daskdist_put"
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        if co is None or checks.text(owner, f"{op}: owner") not in co.outboxes:
+            # sent just before its owner closed (and its closures were cancelled)
+            logger.debug("daskdist[%s]: closures of closed owner %s dropped", name, owner)
+            return
+        co = self._owned(op, name, owner, token)
+        prefix = f"{owner}-"
+        subs = []
+        for i, item in enumerate(checks.items(closures, f"{op}: closures")):
+            sub = Submission._make(checks.record(item, f"{op}: closures[{i}]", 3))
+            if not checks.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
+                raise PermissionError(f"{op}: closure id {sub.cid!r} is not one of owner "
+                                      f"{owner!r}'s")
+            checks.payload(sub.payload, f"{op}: closures[{i}].payload")
+            checks.integer(sub.retries, f"{op}: closures[{i}].retries", 0, 1_000_000)
+            subs.append(sub)
         q = co.queue
-        for sub in map(Submission._make, closures):
+        for sub in subs:
             q.put(sub.cid, owner, sub.payload, sub.retries)
         co.wake()
 
-    async def results(self, name: str, owner: str, ack: int, timeout: float | None = None):
-        """Long-poll: outcomes for ``owner`` from sequence number ``ack`` on."""
-        co = self._get(name)
-        box = co.outboxes.get(owner)
-        if box is None:
+    async def results(self, name: str, owner: str, token: str, ack: int,
+                      timeout: float | None = None) -> dict:
+        """Long-poll: outcomes for ``owner`` from sequence number ``ack`` on. Waits while
+        there are none, even with an error of the owner's unread (it arrived as an
+        outcome): an idle client costs the scheduler nothing."""
+        op = "daskdist_results"
+        checks.text(name, f"{op}: name")
+        co = self.coordinators.get(name)
+        if co is None or checks.text(owner, f"{op}: owner") not in co.outboxes:
             return {"detached": True}
-        box.ack(ack)
-        if not box.items and co.queue.error is None:
+        box = co.owner_box(owner, checks.text(token, f"{op}: token"))
+        box.ack(checks.integer(ack, f"{op}: ack", 0, 2**62))
+        timeout = checks.optional(checks.number, timeout, f"{op}: timeout", 0.0, 3600.0)
+        if not box.items:
             if timeout is None:
                 timeout = config.seconds("scheduler.poll-interval")
             await wait_event(box.event, timeout)
+        if co.outboxes.get(owner) is not box:
+            return {"detached": True}
         return {
             "first": box.first_seq,
             "items": list(box.items),
-            "error": co.queue.error is not None,
+            "error": owner in co.queue.errors,
             "workers": len(co.members),
         }
 
-    async def raise_error(self, name: str, timeout: float | None = None) -> dict:
-        """Raise the first unraised error: wait for in-flight closures, cancel the queue
-        (:meth:`CoordinatorState.raise_error`)."""
-        return await self._get(name).raise_error(timeout)
+    async def raise_error(self, name: str, owner: str, token: str,
+                          timeout: float | None = None) -> dict:
+        """Raise ``owner``'s first unraised error: wait for its in-flight closures, cancel
+        its queue (:meth:`CoordinatorState.raise_error`)."""
+        co = self._owned("daskdist_raise", name, owner, token)
+        timeout = checks.optional(checks.number, timeout, "daskdist_raise: timeout", 0.0,
+                                  float(2**31))
+        return await co.raise_error(owner, timeout)
 
     # -- collective groups and gang closures -------------------------------------------------
-    async def group_form(self, name: str, backend: str = "auto", timeout: float = 60.0,
-                         rejoin_grace: float | None = None) -> dict:
+    async def group_form(self, name: str, owner: str, token: str, backend: str = "auto",
+                         timeout: float = 60.0, rejoin_grace: float | None = None) -> dict:
         """(Re-)form the collective group on the current workers; its description."""
-        co = self._get(name)
+        op = "daskdist_group_form"
+        co = self._owned(op, name, owner, token)
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"{op}: backend must be 'auto', 'gloo' or 'nccl', got "
+                             f"{backend!r}")
+        timeout = checks.number(timeout, f"{op}: timeout", 0.0, 86400.0, lo_open=True)
+        rejoin_grace = checks.optional(checks.number, rejoin_grace, f"{op}: rejoin_grace",
+                                       0.0, 86400.0)
         co.gangs.configure(backend, timeout)
         if rejoin_grace is not None:
             self.drivers[name].rejoin_grace = rejoin_grace
@@ -305,11 +313,17 @@ class CoordinatorPlugin(SchedulerPlugin):
         return info
 
     def group_info(self, name: str) -> dict:
+        self._get(name)
         return self.drivers[name].info()
 
-    async def schedule_gang(self, name: str, owner: str, cid: str, payload: bytes) -> dict:
+    async def schedule_gang(self, name: str, owner: str, token: str, cid: str,
+                            payload: list) -> dict:
         """Queue a gang closure; forms the group first if there is none yet."""
-        co = self._get(name)
+        op = "daskdist_schedule_gang"
+        co = self._owned(op, name, owner, token)
+        if not checks.text(cid, f"{op}: cid").startswith(f"{owner}-"):
+            raise PermissionError(f"{op}: gang id {cid!r} is not one of owner {owner!r}'s")
+        checks.payload(payload, f"{op}: payload")
         driver = self.drivers[name]
         if not co.gangs.group.sessions:
             await driver.form()
@@ -345,27 +359,33 @@ class CoordinatorPlugin(SchedulerPlugin):
             raise ValueError(f"session {session!r} of coordinator {name!r} ended")
         return co.state_commits(str(state), bool(committed))
 
-    def add_resource(self, name: str, rid: str, payload: bytes) -> None:
-        self._get(name).resources[rid] = payload
+    def add_resource(self, name: str, owner: str, token: str, rid: str,
+                     payload: bytes) -> None:
+        op = "daskdist_add_resource"
+        co = self._owned(op, name, owner, token)
+        checks.text(rid, f"{op}: rid")
+        if not isinstance(payload, bytes):
+            raise TypeError(f"{op}: payload must be bytes, got {type(payload).__name__}")
+        if co.resource_owners.get(rid, owner) != owner:
+            raise PermissionError(f"{op}: resource {rid!r} is another owner's")
+        co.add_resource(owner, rid, payload)
 
-    def get_resource(self, name: str, rid: str) -> bytes | None:
-        return self._get(name).resources.get(rid)
+    def get_resource(self, name: str, session: str, rid: str) -> bytes | None:
+        """A worker session's per-worker resource spec (``None``: released or unknown)."""
+        co = self._member("daskdist_get_resource", name, session)
+        return co.resources.get(checks.text(rid, "daskdist_get_resource: rid"))
 
-    def release_resources(self, name: str, rids: list) -> None:
+    def release_resources(self, name: str, owner: str, token: str, rids: list) -> None:
         """The client dropped these per-worker resources: forget them here and on every
         worker (one-way; the client sends it once no closure can still use them)."""
-        co = self.coordinators.get(name)
-        if co is None:
-            return
-        for rid in rids:
-            co.resources.pop(rid, None)
-        co.forget_datasets(rids)  # a dataset's identity is its resource id
-        co.resources_released += len(rids)
-        co.broadcast({"op": "daskdist-release", "name": name, "rids": list(rids)})
+        op = "daskdist_release_resources"
+        co = self._owned(op, name, owner, token)
+        rids = checks.texts(rids, f"{op}: rids")
+        co.release_resources([rid for rid in rids if co.resource_owners.get(rid) == owner])
 
     def closure_state(self, name: str, cid: str) -> str | None:
         """PENDING or RUNNING for a closure not yet final; ``None`` once final or unknown."""
-        c = self._get(name).queue.closures.get(cid)
+        c = self._get(name).queue.closures.get(checks.text(cid, "daskdist_closure_state: cid"))
         return None if c is None else c.state
 
     def status(self, name: str | None = None) -> dict:
@@ -374,33 +394,84 @@ class CoordinatorPlugin(SchedulerPlugin):
         return {n: co.status() for n, co in self.coordinators.items()}
 
     # -- worker handlers ---------------------------------------------------------------
-    def register(self, name: str, session: str, address: str, slots: int = 1,
-                 device: str = "cpu", gpu: str = "", generation: int = 0) -> dict:
+    async def register(self, name: str, session: str, address: str, slots: int = 1,
+                       device: str = "cpu", gpu: str = "", generation: int = 0) -> dict:
         """A worker plugin session joins: it gets the lowest free worker index.
 
+        Only the worker at ``address`` can register a session for it: the scheduler
+        asks that worker (at its own address) to confirm the session first.
         ``generation`` is the newest group generation the worker has seen (say, under a
         scheduler that has since restarted): later generations are numbered above it.
         """
+        op = "daskdist_register"
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        if co is None or co.closed:  # closed: its plugin is being removed from workers
+            return {"closed": True}
+        checks.text(session, f"{op}: session")
+        checks.text(address, f"{op}: address")
+        slots = checks.integer(slots, f"{op}: slots", 1, 1_000_000)
+        checks.text(device, f"{op}: device")
+        checks.text(gpu, f"{op}: gpu", empty=True)
+        generation = checks.integer(generation, f"{op}: generation", 0, 2**53)
+        if address not in self.scheduler.workers:
+            raise PermissionError(f"{op}: {address!r} is not a worker of this scheduler")
+        member = co.members.members.get(session)
+        if member is not None and member.address != address:
+            raise PermissionError(f"{op}: session {session!r} belongs to another worker")
+        confirmed = await self.scheduler.rpc(address).daskdist_confirm_session(
+            name=name, session=session)
+        if confirmed is not True:
+            raise PermissionError(f"{op}: worker {address} did not confirm session "
+                                  f"{session!r}: only a worker registers its own sessions")
+        if co.closed:  # closed while the worker confirmed
+            return {"closed": True}
         self.generations = max(self.generations, generation)
-        return self._get(name).start_session(session, address, slots, device, gpu,
-                                             self._worker_retiring, time.monotonic())
+        reply = co.start_session(session, address, slots, device, gpu,
+                                 self._worker_retiring, time.monotonic())
+        ws = self.scheduler.workers.get(address)
+        if ws is not None and ws.status.name == "paused":
+            co.worker_status_changed(address, "paused")
+        return reply
 
-    def unregister(self, name: str, session: str, results: list | None = None) -> None:
-        co = self.coordinators.get(name)
-        if co is not None:
-            co.stop_session(session, results)
+    def unregister(self, name: str, session: str, results: list | None = None,
+                   started: list | None = None) -> None:
+        """A worker session stops (its plugin is torn down): its last results, and which
+        of its closures started (exactly: nothing more starts); then its end."""
+        op = "daskdist_unregister"
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        checks.text(session, f"{op}: session")
+        outcomes = checks.outcomes(op, results or [])
+        _, started = checks.observed(op, None, started)
+        if co is not None and session in co.members:
+            co.queue.observe(session, (), started, final=True)
+            co.stop_session(session, outcomes)
 
-    def report(self, name: str, session: str, results: list) -> dict:
-        co = self._get(name)
-        if not co.renew(session, time.monotonic()):
+    def report(self, name: str, session: str, results: list, held: list | None = None,
+               started: list | None = None) -> dict:
+        op = "daskdist_report"
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        checks.text(session, f"{op}: session")
+        outcomes = checks.outcomes(op, results)
+        held, started = checks.observed(op, held, started)
+        if co is None or not co.renew(session, time.monotonic()):
             return {"unknown_session": True}  # fenced: the loop's exchange re-registers
-        co.apply_results(session, results)
+        co.apply_results(session, outcomes)
+        if held is not None:
+            co.queue.observe(session, held, started)
         return {"version": co.members.version, "hold": co.hold}
 
-    def renew(self, name: str, session: str) -> dict:
-        """A worker session's lease renewal (every ``liveness.renew-interval``)."""
-        co = self.coordinators.get(name)
-        return {"ok": co is not None and co.renew(session, time.monotonic())}
+    def renew(self, name: str, session: str, held: list | None = None,
+              started: list | None = None) -> dict:
+        """A worker session's lease renewal (every ``liveness.renew-interval``), with
+        what it holds and which of those started."""
+        op = "daskdist_renew"
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        checks.text(session, f"{op}: session")
+        held, started = checks.observed(op, held, started)
+        ok = co is not None and co.renew(session, time.monotonic())
+        if ok and held is not None:
+            co.queue.observe(session, held, started)
+        return {"ok": ok}
 
     def _steal_for(self, co: CoordinatorState, thief: str) -> None:
         """An idle session found no work: ask the session holding the most prefetched,
@@ -424,23 +495,34 @@ class CoordinatorPlugin(SchedulerPlugin):
         held: list | None,
         want: int,
         block: bool,
+        started: list | None = None,
     ) -> dict:
         """A worker reports results and asks for up to ``want`` closures, in one call.
 
         ``held`` lists every closure the worker has received and not yet had
         acknowledged; closures leased to the session but missing from it were lost on
-        the way (a reply nobody read) and go back to the queue. With ``block``, wait
+        the way (a reply nobody read) and go back to the queue. ``started`` says which
+        of them started (only those count if the worker is lost). With ``block``, wait
         up to ``daskdist.scheduler.poll-interval`` for work.
         """
-        co = self.coordinators.get(name)
-        if co is None or not co.renew(session, time.monotonic()):
+        op = "daskdist_exchange"
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        checks.text(session, f"{op}: session")
+        outcomes = checks.outcomes(op, results)
+        held, started = checks.observed(op, held, started)
+        want = checks.integer(want, f"{op}: want", 0, checks.MAX_ITEMS)
+        block = checks.flag(block, f"{op}: block")
+        if co is None or co.closed:
+            return {"closed": True}
+        if not co.renew(session, time.monotonic()):
             return {"unknown_session": True}
         q = co.queue
-        if results:
-            co.apply_results(session, results)
+        if outcomes:
+            co.apply_results(session, outcomes)
         if held is not None:
             if q.reconcile(session, held):
                 co.wake()
+            q.observe(session, held, started)
 
         def fair(want: int) -> int:
             # a fair share of the backlog, so one worker's prefetch does not starve others
@@ -456,7 +538,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             co.waiters.add(event)
             try:
                 while True:
-                    if comm.closed() or session not in co.members:
+                    if comm.closed() or co.closed or session not in co.members:
                         break
                     closures = q.dispatch(session, fair(want))
                     if closures:
@@ -470,7 +552,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             finally:
                 co.waiters.discard(event)
         return {
-            "closures": [Dispatch(c.cid, c.payload, c.attempt, c.pinned is not None)
+            "closures": [Dispatch(c.cid, c.payload, c.attempt, c.pinned is not None, c.owner)
                          for c in closures],
             "num_workers": len(co.members),
             "version": co.members.version,

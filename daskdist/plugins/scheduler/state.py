@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from daskdist.core.liveness import LivenessTable
 from daskdist.core.membership import Membership
 from daskdist.core.protocol import (
     CANCELLED,
+    FAILED,
     MAX_EPOCH,
     MAX_RANGES,
     MAX_ROWS,
@@ -85,9 +87,12 @@ async def _acquire(lock: asyncio.Lock, timeout: float | None) -> bool:
 
 @dataclass
 class Outbox:
-    """Outcomes waiting for one client-side Coordinator; kept until it acknowledges them."""
+    """Outcomes waiting for one client-side Coordinator (an *owner*); kept until it
+    acknowledges them. ``token`` is the owner's secret: only the client it was given to
+    can act as that owner (SPEC §2.5b)."""
 
     client: str | None
+    token: str = ""
     first_seq: int = 0
     items: list = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -125,6 +130,7 @@ class CoordinatorState:
         self.ledgers = Ledgers()  # the datasets each State trained (checkpoint ledgers)
         self.commit_events: dict[str, asyncio.Event] = {}  # open commits' waiters
         self.resources: dict[str, bytes] = {}
+        self.resource_owners: dict[str, str] = {}  # rid -> the owner that registered it
         self.outboxes: dict[str, Outbox] = {}
         self.waiters: set[asyncio.Event] = set()  # long-polls of workers waiting for work
         self.changed = asyncio.Event()  # set on every finish / session end (raise waits on it)
@@ -134,7 +140,9 @@ class CoordinatorState:
         self.resources_released = 0
         self.steals = 0  # requests to a busy worker to give back unstarted closures
         self.acks_refused = 0  # completed closures whose rows were not leased to them
-        self.raise_lock = asyncio.Lock()  # one error raise at a time (see raise_error)
+        self.raise_locks: dict[str, asyncio.Lock] = {}  # owner -> one raise at a time
+        self.dropped: set[str] = set()  # owners gone while closures of theirs were out
+        self.closed = False  # the last owner left: the plugin tears this coordinator down
         self.stats = CoordinatorStats()  # dashboard counters and history (plugins/stats.py)
 
     # -- delivery -------------------------------------------------------------------
@@ -156,21 +164,90 @@ class CoordinatorState:
             box = self.outboxes.get(o.owner)
             if box is not None:
                 box.push(o)
-        if outcomes and self.queue.error is not None:
-            for box in self.outboxes.values():
-                box.event.set()  # tell every owner an error is pending
 
     def deliver_gang(self, g: Outcome) -> None:
-        ok = g.state == READY
-        if not ok and self.queue.error is None:
-            self.queue.error = g
+        """A gang's outcome to its owner; a failure is that owner's error to raise."""
+        if g.state == FAILED:
+            self.queue.errors.setdefault(g.owner, g)
             self.queue.counters.failed += 1
         box = self.outboxes.get(g.owner)
         if box is not None:
             box.push(g)
-        if not ok:
-            for other in self.outboxes.values():
-                other.event.set()
+
+    # -- owners (client-side Coordinators) ---------------------------------------------
+    def add_owner(self, owner: str, client: str | None, token: str) -> None:
+        self.outboxes[owner] = Outbox(client, token)
+
+    def owner_box(self, owner: str, token: str) -> Outbox:
+        """The outbox of ``owner`` if ``token`` is its secret; ``PermissionError`` if not
+        (a client acts only as the owner it attached as)."""
+        box = self.outboxes.get(owner)
+        if box is None:
+            raise PermissionError(f"coordinator {self.name!r} has no owner {owner!r} "
+                                  "(it closed, or its client was cut off longer than "
+                                  "daskdist.coordinator.client-grace)")
+        if not secrets.compare_digest(box.token, token):
+            raise PermissionError(f"the caller is not owner {owner!r} of coordinator "
+                                  f"{self.name!r}")
+        return box
+
+    def drop_owner(self, owner: str) -> list[Outcome]:
+        """An owner closed (or its client is gone): cancel its queued closures and pending
+        gangs, release its per-worker resources on every worker and forget its error.
+        Returns the outcomes it had not yet read (its finished closures among them);
+        a long-poll of it returns at once. Closures already running finish on their
+        workers, their results dropped; workers give back the ones they had not started
+        (held, like an owner whose error is raised), and those are cancelled."""
+        box = self.outboxes.pop(owner, None)
+        self.queue.cancel_pending(owner)
+        self.gangs.cancel_pending(owner)
+        self.queue.errors.pop(owner, None)
+        self.raise_locks.pop(owner, None)
+        self.release_resources([rid for rid, o in self.resource_owners.items() if o == owner])
+        self.leases.drop_owner(owner)  # its datasets' lease tables go with it
+        if self.queue.unfinished(owner):
+            self.dropped.add(owner)
+            self.hold_owner(owner, True)
+        else:
+            self.queue.held.discard(owner)
+        self.changed.set()  # a raise of this owner's error stops waiting
+        if box is None:
+            return []
+        box.event.set()
+        return list(box.items)
+
+    def _settle_dropped(self, owners: set[str]) -> None:
+        """Closures of dropped ``owners`` came back or ended: cancel the ones back in the
+        queue, and stop holding an owner once none of its closures is left."""
+        for owner in owners & self.dropped:
+            self.queue.cancel_pending(owner)
+            if not self.queue.unfinished(owner):
+                self.dropped.discard(owner)
+                self.hold_owner(owner, False)
+
+    def add_resource(self, owner: str, rid: str, payload: bytes) -> None:
+        self.resources[rid] = payload
+        self.resource_owners[rid] = owner
+
+    def release_resources(self, rids: list[str]) -> None:
+        """Forget per-worker resources here and on every worker (their objects and
+        iterators are closed there)."""
+        rids = [rid for rid in rids if self.resources.pop(rid, None) is not None]
+        for rid in rids:
+            self.resource_owners.pop(rid, None)
+        self.forget_datasets(rids)  # a dataset's identity is its resource id
+        if rids:
+            self.resources_released += len(rids)
+            self.broadcast({"op": "daskdist-release", "name": self.name, "rids": rids})
+
+    def close(self) -> None:
+        """No owner is left: end every wait on this coordinator (worker long-polls,
+        raises, commits). The plugin drops it and unregisters its worker plugin."""
+        self.closed = True
+        self.changed.set()
+        self.gangs_changed.set()
+        for event in [*self.waiters, *self.commit_events.values()]:
+            event.set()
 
     def wake(self) -> None:
         """Closures became available, or state changed: wake long-polls."""
@@ -230,22 +307,28 @@ class CoordinatorState:
             self.end_session(session)
 
     def worker_status_changed(self, address: str, status: str | None) -> None:
-        """Dask changed a worker's status: a retiring (or memory-paused) worker gets no
-        new work; back to running, it does. A retiring group member leaves the group at
-        the next commit and one back in service joins it (SPEC §4.1); a memory pause
-        does neither."""
-        draining = status in ("closing_gracefully", "closing", "closed", "paused")
-        before = self.members.session_of(address)
-        was = before is not None and self.members.members[before].draining
-        session = self.members.drain(address, draining)
+        """Dask changed a worker's status: a retiring or memory-paused worker gets no new
+        work; back to running, it does. A retiring group member leaves the group at the
+        next commit and one back in service joins it (SPEC §4.1). A memory pause keeps
+        the worker in its group (no re-formation on pause or unpause) and gives its
+        prefetched closures back, unstarted, to run elsewhere (SPEC §2.4)."""
+        session = self.members.session_of(address)
         if session is None:
             return
-        self.queue.drain_session(session, draining)
-        if (was != draining and status != "paused"
-                and (session in self.gangs.group.sessions) == draining):
+        member = self.members.members[session]
+        retiring = status in ("closing_gracefully", "closing", "closed")
+        paused = status == "paused"
+        was_retiring, was_paused = member.draining, member.paused
+        self.members.drain(address, retiring)
+        member.paused = paused
+        self.queue.drain_session(session, retiring or paused)
+        if (was_retiring != retiring
+                and (session in self.gangs.group.sessions) == retiring):
             self.members.version += 1
             self.membership_changed()
-        if not draining:
+        if paused and not was_paused:
+            self.send(address, {"op": "daskdist-steal", "name": self.name, "n": 2**31})
+        if not (retiring or paused):
             self.wake()
 
     def end_session(self, session: str, expected: bool = True) -> None:
@@ -264,7 +347,9 @@ class CoordinatorState:
             # and the surviving members' collective calls fail at once
             self._commits_decided(self.commits.abort_open())
             self.tell_members()
-        self.deliver(self.queue.remove_session(session))
+        self.deliver(self.queue.remove_session(session, expected))
+        if self.dropped:
+            self._settle_dropped(set(self.dropped))
         self.membership_changed()
         self.wake()
 
@@ -295,14 +380,17 @@ class CoordinatorState:
         q = self.queue
         backlog = q.backlog
         unstarted = []
+        dropped = set()  # dropped owners whose closures came back or ended
         for r in map(Outcome._make, results):
             cid, value, kind, tokens = r.cid, r.value, r.kind, r.tokens
+            c = q.closures.get(cid)
+            if self.dropped and c is not None and c.owner in self.dropped:
+                dropped.add(c.owner)
             if kind == UNSTARTED:
                 unstarted.append(cid)
                 continue
             ok = r.state == READY
             accepted = q.holds(session, cid)
-            c = q.closures.get(cid)
             gang = c is not None and c.owner == GANG_OWNER
             o = q.finish(session, cid, ok, value, kind)
             self.stats.on_results(self, session, accepted, ok)
@@ -322,6 +410,8 @@ class CoordinatorState:
                 outcomes.append(o)
         if unstarted:
             q.put_back(session, unstarted)
+        if dropped:
+            self._settle_dropped(dropped)
         self.deliver(outcomes)
         if results:
             self.changed.set()
@@ -381,13 +471,7 @@ class CoordinatorState:
     # True}``); client calls name their owner. Arguments are checked first: a bad one is
     # a TypeError / ValueError naming it, raised to the caller, and changes nothing.
 
-    def _owner(self, owner: Any) -> str:
-        owner = arg_str("owner", owner)
-        if owner not in self.outboxes:
-            raise ValueError(f"owner {owner!r} is not attached to coordinator {self.name!r}")
-        return owner
-
-    def dataset_define(self, dataset: Any, owner: str | None = None,
+    def dataset_define(self, dataset: Any, owner: str | None = None, token: str | None = None,
                        session: str | None = None) -> dict:
         """Define a dynamic dataset's units once (:class:`DatasetDef`), from its owner's
         client (``distribute_dataset``; ``runs=None`` registers a per-worker dataset)
@@ -407,7 +491,7 @@ class CoordinatorState:
                 return {"expired": True}
             owner = ""
         else:
-            owner = self._owner(owner)
+            self.owner_box(arg_str("owner", owner), arg_str("token", token))
         if runs is None:
             self.leases.register(dataset_id, label, owner, seed)
         else:
@@ -466,10 +550,10 @@ class CoordinatorState:
         return tuple(EpochLedger(dataset_id, epoch,
                                  self.leases.acknowledged(dataset_id, epoch), p["total"]))
 
-    def dataset_start(self, owner: str, ledger: Any) -> dict:
+    def dataset_start(self, owner: str, token: str, ledger: Any) -> dict:
         """Start an epoch with the rows of ``ledger`` (an :class:`EpochLedger`) already
         acknowledged; refused once the epoch has started. Its progress."""
-        self._owner(owner)
+        self.owner_box(arg_str("owner", owner), arg_str("token", token))
         if not isinstance(ledger, (list, tuple)) or len(ledger) != len(EpochLedger._fields):
             raise TypeError(f"ledger must be an EpochLedger {EpochLedger._fields}")
         led = EpochLedger._make(ledger)
@@ -518,70 +602,92 @@ class CoordinatorState:
         for dataset_id in dataset_ids:
             self.leases.forget(dataset_id)
 
-    # -- raising an error to the user (SPEC §2.3) -------------------------------------------
-    async def raise_error(self, timeout: float | None = None) -> dict:
-        """Raise the first unraised error: pause dispatch, wait for in-flight closures,
-        cancel the queue (and pending gangs), take the error.
+    # -- raising an error to its owner (SPEC §2.3, §2.5b) -----------------------------------
+    async def raise_error(self, owner: str, timeout: float | None = None) -> dict:
+        """Raise ``owner``'s first unraised error: hold its closures, cancel its queue
+        (and pending gangs), wait for its closures in flight, take the error.
 
-        Dispatch is paused meanwhile, so when this returns nothing is executing.
+        Its closures are held meanwhile (workers give prefetched ones back), so when this
+        returns none of them is executing; other owners' work goes on.
         Returns ``{"error": (cid, payload, kind) or None, "cancelled": [(owner, cid)]}``
         (``None``: no error, or another caller took it first), or ``{"timeout": True}``
-        when in-flight closures did not finish within ``timeout`` seconds.
+        when its closures in flight did not finish within ``timeout`` seconds.
         """
-        if self.queue.error is None:
+        if owner not in self.queue.errors:
             return {"error": None, "cancelled": []}
         deadline = None if timeout is None else time.monotonic() + timeout
-        # Two raises must not interleave: the second would un-pause while the first
-        # waits, or cancel closures queued after the first took the error.
-        if not await _acquire(self.raise_lock, timeout):
+        # Two raises of one owner must not interleave: the second would release the hold
+        # while the first waits, or cancel closures queued after the first took the error.
+        lock = self.raise_locks.setdefault(owner, asyncio.Lock())
+        if not await _acquire(lock, timeout):
             return {"timeout": True}
         try:
-            return await self._raise_locked(deadline)
+            return await self._raise_locked(owner, deadline)
         finally:
-            self.raise_lock.release()
+            lock.release()
 
-    async def _raise_locked(self, deadline: float | None) -> dict:
+    def _owner_busy(self, owner: str) -> bool:
+        running = self.gangs.running
+        return bool(self.queue.inflight_of(owner)) or (running is not None
+                                                       and running.owner == owner)
+
+    async def _raise_locked(self, owner: str, deadline: float | None) -> dict:
         q = self.queue
-        if q.error is None:  # another raise took it while we waited for the lock
+        if owner not in q.errors:  # another raise took it while we waited for the lock
             return {"error": None, "cancelled": []}
-        self.set_paused(True)
+        self.hold_owner(owner, True)
+        cancelled: list[Outcome] = []
         try:
-            while q.inflight:
+            while True:
+                cancelled += self._cancel_owner(owner)  # what came back meanwhile too
+                if self.closed or owner not in self.outboxes or not self._owner_busy(owner):
+                    break  # done, or the owner closed meanwhile (its raise ends too)
                 self.changed.clear()
-                if q.inflight == 0:
-                    break
+                if not self._owner_busy(owner):
+                    continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return {"timeout": True}
                 if not await wait_event(self.changed, left):
                     return {"timeout": True}
-            cancelled = q.cancel_pending()
-            self.deliver(cancelled)
-            for gang in self.gangs.cancel_pending():
-                box = self.outboxes.get(gang.owner)
-                if box is not None:
-                    box.push(Outcome(gang.cid, CANCELLED, None, None, gang.attempt, gang.owner))
-                cancelled.append(gang)
-            err = q.take_error()
+            err = q.take_error(owner)
         finally:
-            self.set_paused(False)
+            if owner not in self.dropped:  # a closed owner's closures stay held
+                self.hold_owner(owner, False)
         error = None if err is None else (err.cid, err.value, err.kind)
         return {"error": error, "cancelled": [(o.owner, o.cid) for o in cancelled]}
+
+    def _cancel_owner(self, owner: str) -> list[Outcome]:
+        """Cancel ``owner``'s queued closures and pending gangs; their outcomes."""
+        cancelled = self.queue.cancel_pending(owner)
+        self.deliver(cancelled)
+        for gang in self.gangs.cancel_pending(owner):
+            out = Outcome(gang.cid, CANCELLED, None, None, gang.attempt, gang.owner)
+            box = self.outboxes.get(gang.owner)
+            if box is not None:
+                box.push(out)
+            cancelled.append(out)
+        return cancelled
 
     def active_sessions(self) -> tuple[str, ...]:
         """Sessions that may run closures, in worker-index (rank) order."""
         return tuple(m.session for m in self.members.by_index() if not m.draining)
 
     @property
-    def hold(self) -> bool:
-        """Workers must not start prefetched closures: an error is being raised."""
-        return self.queue.paused
+    def hold(self) -> list[str]:
+        """Owners whose prefetched closures workers must not start (an error of theirs is
+        being raised): they give them back unstarted."""
+        return sorted(self.queue.held)
 
-    def set_paused(self, paused: bool) -> None:
-        """Pause dispatch (while raising an error) and tell workers to hold prefetched work."""
-        self.queue.paused = paused
-        self.broadcast({"op": "daskdist-hold", "name": self.name, "hold": paused})
-        if not paused:
+    def hold_owner(self, owner: str, hold: bool) -> None:
+        """Hold (or release) ``owner``'s closures: none is dispatched, and workers give
+        back the prefetched ones."""
+        if hold:
+            self.queue.held.add(owner)
+        else:
+            self.queue.held.discard(owner)
+        self.broadcast({"op": "daskdist-hold", "name": self.name, "owners": self.hold})
+        if not hold:
             self.wake()
 
     def status(self) -> dict[str, Any]:
@@ -607,7 +713,8 @@ class CoordinatorState:
             "acks_refused": self.acks_refused,
             "resources": len(self.resources),
             "resources_released": self.resources_released,
-            "error_pending": self.queue.error is not None,
+            "error_pending": bool(self.queue.errors),
+            "owners": len(self.outboxes),
             "membership_version": self.members.version,
             "group_generation": group.generation,
             "group_size": len(group.sessions),

@@ -3,8 +3,9 @@
 The scheduler plugin registers one on every present and future worker (by reference,
 :class:`daskdist.plugins.PluginRef`). Its setup starts a :class:`ClosureRunner` and
 installs the stream and RPC handlers the scheduler side calls: wake, steal, hold and
-release for the runner; peer-lost, membership and the collective actions (store, init,
-destroy) for this process's collective group. torch is imported only by those actions.
+release for the runner, and the confirmation of a session it registers; peer-lost,
+membership and the collective actions (store, init, destroy) for this process's
+collective group. torch is imported only by those actions.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def install_handlers(worker) -> None:
     def membership(name: str, version: int) -> None:
         _set_membership(version, name=name)
 
-    def hold(name: str, hold: bool) -> None:
+    def hold(name: str, owners: list) -> None:
         runner = _runner(worker, name)
         if runner is not None:
-            runner.hold = hold
+            runner.set_hold(owners)
 
     def release(name: str, rids: list) -> None:
         runner = _runner(worker, name)
@@ -86,7 +87,14 @@ def install_handlers(worker) -> None:
         "daskdist-steal": steal,
         "daskdist-release": release,
     })
+    def confirm_session(name: str, session: str) -> bool:
+        """The scheduler asks whether this worker is registering ``session`` (only the
+        worker itself can register a session for its address)."""
+        runner = _runner(worker, name)
+        return runner is not None and runner.registering == session
+
     worker.handlers["daskdist_collective"] = collective
+    worker.handlers["daskdist_confirm_session"] = confirm_session
 
 
 class CoordinatorWorkerPlugin(WorkerPlugin):

@@ -11,7 +11,9 @@ its session can only make calls the scheduler refuses, and its result is dropped
 
 Threads: the event loop owns the loop state (``held``, ``done``, ``running``, the
 current session); closure threads run ``_run`` and hand results back with
-``add_callback``; ``_pending`` (received, not started) is shared under ``_lock``.
+``add_callback``; ``_pending`` (received, not started) and ``_started`` (started, not
+finished) are shared under ``_lock``. Every message to the scheduler says which held
+closures started, so a lost worker's prefetched closures count no failure.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
     return device, gpu_uuid(device)
 
 
+class CoordinatorGone(Exception):
+    """The coordinator's last owner closed: the scheduler is removing this plugin."""
+
+
 class Session:
     """One registration of the runner with the scheduler: the session id, the scheduler
     services bound to it and the per-worker resources built for it."""
@@ -131,6 +137,7 @@ class Work(NamedTuple):
     payload: Any
     attempt: int
     gang: bool
+    owner: str
 
 
 class ClosureRunner:
@@ -157,6 +164,7 @@ class ClosureRunner:
         # the executor take them in order; ``give_back`` (event loop) takes from the
         # tail. Guarded by ``_lock`` (both sides).
         self._pending: deque[Work] = deque()
+        self._started: set[str] = set()  # started here, not yet finished
         self._drains = 0  # drain loops running in the executor
         self._lock = threading.Lock()
         self.renewer: asyncio.Task | None = None
@@ -165,7 +173,9 @@ class ClosureRunner:
         self.polling = False  # a blocking exchange is outstanding
         self.reporting = False
         self.stopping = False
-        self.hold = False  # the scheduler is raising an error: give prefetched closures back
+        # owners whose error the scheduler is raising: give their prefetched closures back
+        self.hold: frozenset[str] = frozenset()
+        self.registering: str | None = None  # the session the scheduler may ask us to confirm
         self.poked = False  # the scheduler has pinned work for us: exchange now
         self.task: asyncio.Task | None = None
         self.closers: list[threading.Thread] = []  # closing ended sessions' resources
@@ -180,28 +190,38 @@ class ClosureRunner:
 
     # -- life -----------------------------------------------------------------------
     async def start(self, torch_threads: int | None = None) -> None:
+        """Bind the device (a failure fails the plugin's setup), then start the loop,
+        which registers the first session: not here, because the scheduler confirms a
+        registration by asking this worker, which answers no one while it starts (a
+        worker sets its plugins up during its own start)."""
         self.device, self.gpu = await asyncio.to_thread(_bind_device, torch_threads)
-        await self._register()
         self.task = asyncio.create_task(self._loop())
         self.renewer = asyncio.create_task(self._renew_loop())
 
     async def _register(self) -> None:
-        """Register a new session; the old one (if any) ends and its resources close."""
+        """Register a new session; the old one (if any) ends and its resources close.
+
+        Until the reply comes, ``registering`` names the session, so the scheduler's
+        confirmation request finds it (and ``stop`` unregisters it if cancelled)."""
         sid = uuid.uuid4().hex
+        self.registering = sid
         reply = await self.worker.scheduler.daskdist_register(
             name=self.name, session=sid, address=self.worker.address,
             slots=self.nthreads, device=str(self.device), gpu=self.gpu,
             generation=highest_generation(),
         )
+        self.registering = None
         if reply is None:
             raise RuntimeError("the daskdist scheduler plugin is not registered")
+        if reply.get("closed"):
+            raise CoordinatorGone(self.name)
         self.index = reply["index"]
         self.num_workers = reply["num_workers"]
         _set_membership(reply["version"], name=self.name)
         self._end_session()
         services = SessionServices(self.worker, self.name, sid)
-        self.session = Session(sid, services,
-                               ResourceRegistry(self._fetch_spec, self._contexts_for(services)))
+        self.session = Session(sid, services, ResourceRegistry(
+            functools.partial(self._fetch_spec, sid), self._contexts_for(services)))
 
     def _end_session(self) -> None:
         """The current session is over (fenced, or the plugin is stopping)."""
@@ -222,10 +242,13 @@ class ClosureRunner:
                 pass
         self._drop_pending()  # received, never started: the scheduler puts them back
         results, self.done = self.done, []
+        session = self.session_id or self.registering  # a registration cut short
         try:
-            await self.worker.scheduler.daskdist_unregister(
-                name=self.name, session=self.session_id, results=results
-            )
+            if session:
+                await self.worker.scheduler.daskdist_unregister(
+                    name=self.name, session=session, results=results,
+                    started=self.started(),
+                )
         except Exception as e:  # the scheduler is gone too: it will see the worker leave
             logger.debug("daskdist: unregister failed: %r", e)
         self._end_session()
@@ -253,10 +276,13 @@ class ClosureRunner:
         interval = config.seconds("liveness.renew-interval")
         while not self.stopping:
             await asyncio.sleep(interval)
+            if self.session is None:
+                continue  # registering: the registration itself starts the lease
             try:
                 reply = await asyncio.wait_for(
-                    self.worker.scheduler.daskdist_renew(name=self.name,
-                                                         session=self.session_id),
+                    self.worker.scheduler.daskdist_renew(
+                        name=self.name, session=self.session_id, held=list(self.held),
+                        started=self.started()),
                     max(5.0, 5 * interval))
             except (OSError, CommClosedError, asyncio.TimeoutError) as e:
                 logger.info("daskdist: lease renewal failed (%r); retrying", e)
@@ -268,7 +294,33 @@ class ClosureRunner:
     def _retiring(self) -> bool:
         return self.worker.status.name in ("closing_gracefully", "closing", "closed")
 
+    async def _register_until_done(self) -> bool:
+        """Register a session, retrying while the scheduler cannot be reached; ``False``
+        when it refuses (the coordinator is gone: this plugin is about to be removed)."""
+        backoff = 0.05
+        while not self.stopping:
+            if self._retiring():  # leaving: its closures went back with its session
+                return False
+            try:
+                await self._register()
+                return True
+            except (OSError, CommClosedError) as e:
+                logger.info("daskdist: registering with the scheduler failed (%r); "
+                            "retrying", e)
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+            except CoordinatorGone:  # its last owner closed: this plugin is being removed
+                return False
+            except Exception as e:  # noqa: BLE001 - refused: say why, take no work
+                self.registering = None
+                logger.warning("daskdist[%s]: worker %s could not register: %r", self.name,
+                               self.worker.address, e)
+                return False
+        return False
+
     async def _loop(self) -> None:
+        if not await self._register_until_done():
+            return
         backoff = 0.05
         while not self.stopping:
             want = 0 if self._retiring() else self.capacity - self.running
@@ -288,7 +340,7 @@ class ClosureRunner:
             try:
                 reply = await self.worker.scheduler.daskdist_exchange(
                     name=self.name, session=self.session_id, results=results,
-                    held=list(self.held), want=want, block=block,
+                    held=list(self.held), want=want, block=block, started=self.started(),
                 )
             except (OSError, CommClosedError) as e:
                 self.done[:0] = results  # not acknowledged: send again
@@ -299,23 +351,26 @@ class ClosureRunner:
             finally:
                 self.polling = False
             backoff = 0.05
+            if reply.get("closed"):  # its last owner closed: this plugin is being removed
+                return
             if reply.get("unknown_session"):
                 # The scheduler ended this session (it put our closures back): start anew.
                 self.held.clear()
                 self.done.clear()
                 self._drop_pending()
-                await self._register()
+                if not await self._register_until_done():
+                    return
                 continue
             for r in results:
                 self.held.discard(r.cid)
             self.num_workers = reply["num_workers"]
-            self.hold = reply["hold"]
+            self.set_hold(reply["hold"])
             _set_membership(reply["version"], name=self.name)
             session = self.session
             work = []
-            for cid, payload, attempt, gang in map(Dispatch._make, reply["closures"]):
+            for cid, payload, attempt, gang, owner in map(Dispatch._make, reply["closures"]):
                 self.held.add(cid)
-                item = Work(session, cid, payload, attempt, gang)
+                item = Work(session, cid, payload, attempt, gang, owner)
                 if gang:
                     self.gang_executor.submit(self._run, item)
                 else:
@@ -341,7 +396,14 @@ class ClosureRunner:
                     self._drains -= 1
                     return
                 item = self._pending.popleft()
+                self._started.add(item.cid)
             self._run(item)
+
+    def started(self) -> list[str]:
+        """Closures started here and not yet finished (what the scheduler may count as
+        executing if this worker is lost)."""
+        with self._lock:
+            return list(self._started)
 
     def give_back(self, n: int) -> int:
         """The scheduler asks for up to ``n`` unstarted closures back (an idle worker
@@ -357,6 +419,27 @@ class ClosureRunner:
             asyncio.ensure_future(self._report())
         return len(take)
 
+    def set_hold(self, owners: list[str]) -> None:
+        """The scheduler holds these owners' closures (raising an error of theirs, or
+        they closed): the ones received and not started go back now, unstarted, and
+        none of theirs starts until released. Event loop."""
+        hold = frozenset(owners)
+        if hold == self.hold:
+            return
+        self.hold = hold
+        if not hold:
+            return
+        with self._lock:
+            take = [w for w in self._pending if w.owner in hold]
+            if take:
+                self._pending = deque(w for w in self._pending if w.owner not in hold)
+        if take:
+            self.running -= len(take)
+            self.done.extend(_unstarted(w) for w in take if w.session is self.session)
+            self.wakeup.set()
+            if self.polling and not self.reporting:
+                asyncio.ensure_future(self._report())
+
     def _drop_pending(self) -> None:
         """The session ended: closures it received and did not start are not ours to run."""
         with self._lock:
@@ -368,6 +451,8 @@ class ClosureRunner:
         """Runs on the event loop when a closure finished in a thread."""
         if not item.gang:
             self.running -= 1  # a thread is free, whichever session it ran for
+            with self._lock:
+                self._started.discard(item.cid)
         if item.session is not self.session:
             self.wakeup.set()
             return  # the session ended meanwhile; the scheduler would refuse the result
@@ -384,7 +469,8 @@ class ClosureRunner:
                 results, self.done = self.done, []
                 try:
                     reply = await self.worker.scheduler.daskdist_report(
-                        name=self.name, session=self.session_id, results=results
+                        name=self.name, session=self.session_id, results=results,
+                        held=list(self.held), started=self.started(),
                     )
                 except (OSError, CommClosedError):
                     self.done[:0] = results
@@ -394,7 +480,7 @@ class ClosureRunner:
                     return
                 for r in results:
                     self.held.discard(r.cid)
-                self.hold = reply["hold"]
+                self.set_hold(reply["hold"])
         finally:
             self.reporting = False
 
@@ -416,14 +502,14 @@ class ClosureRunner:
 
         return contexts
 
-    def _fetch_spec(self, rid: str) -> bytes | None:
-        return self.call("daskdist_get_resource", rid=rid)
+    def _fetch_spec(self, session: str, rid: str) -> bytes | None:
+        return self.call("daskdist_get_resource", session=session, rid=rid)
 
     def _run(self, item: Work) -> None:
         session = item.session
         if session.ended:  # not ours to run any more: the scheduler put it back
             return
-        if self.hold and not item.gang:  # an error is being raised: still queued
+        if item.owner in self.hold and not item.gang:  # its owner's error is being raised
             self._finished(item, _unstarted(item))
             return
         scope = ClosureScope(self._worker_context(item.attempt), session.services,

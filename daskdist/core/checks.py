@@ -1,0 +1,140 @@
+"""Argument checks for messages and settings (pure): every scheduler handler runs its
+arguments through these before it touches any state, and the client checks its
+settings with the same rules, so a bad call is refused with an error that names the
+handler (or setting), the argument and what it got (SPEC §2.5b, issue 16 point 7).
+
+Limits on sizes are wire limits, shared by both sides: no message carries more than
+:data:`MAX_ITEMS` items in one list, nor an id longer than :data:`MAX_TEXT` characters.
+Imports nothing from Dask or the rest of the package.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from daskdist.core.protocol import FAILED, PENDING, READY, Outcome
+
+MAX_ITEMS = 100_000  # items in one list of one message (a batch of closures, of results)
+MAX_TEXT = 512  # characters of an id, a name or an address
+MAX_WORKER_FAILURES = 1_000  # max_worker_failures is 1 ... this
+MAX_LEASE_TIMEOUT = 7 * 24 * 3600.0  # lease_timeout is (0, a week] seconds
+
+
+def _name(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def text(value: Any, what: str, limit: int = MAX_TEXT, empty: bool = False) -> str:
+    """``value`` as an id, name or address: a ``str`` of at most ``limit`` characters
+    (and not empty unless ``empty``)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__} {_name(value)}")
+    if len(value) > limit or (not value and not empty):
+        raise ValueError(f"{what} must be a non-empty str of at most {limit} characters, "
+                         f"got {len(value)} characters")
+    return value
+
+
+def integer(value: Any, what: str, lo: int, hi: int) -> int:
+    """``value`` as an ``int`` in ``[lo, hi]`` (a bool is not an int here)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {_name(value)}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{what} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def number(value: Any, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    """``value`` as a finite ``float`` in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} "
+                        f"{_name(value)}")
+    value = float(value)
+    low_ok = value > lo if lo_open else value >= lo
+    if not (math.isfinite(value) and low_ok and value <= hi):
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{what} must be in {bracket}{lo:g}, {hi:g}], got {value!r}")
+    return value
+
+
+def optional(check: Callable[..., Any], value: Any, *args: Any, **kwargs: Any) -> Any:
+    """``None``, or ``value`` passed through ``check``."""
+    return None if value is None else check(value, *args, **kwargs)
+
+
+def flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {type(value).__name__} {_name(value)}")
+    return value
+
+
+def items(value: Any, what: str, limit: int = MAX_ITEMS) -> list | tuple:
+    """``value`` as a list (or tuple) of at most ``limit`` items."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} must be a list, got {type(value).__name__} {_name(value)}")
+    if len(value) > limit:
+        raise ValueError(f"{what} must hold at most {limit} items, got {len(value)}")
+    return value
+
+
+def texts(value: Any, what: str, limit: int = MAX_ITEMS) -> list[str]:
+    """A list of ids (each checked by :func:`text`)."""
+    return [text(v, f"{what}[{i}]") for i, v in enumerate(items(value, what, limit))]
+
+
+def record(value: Any, what: str, size: int) -> list | tuple:
+    """One message record of ``size`` fields (a NamedTuple on the wire: a list)."""
+    if not isinstance(value, (list, tuple)) or len(value) != size:
+        raise TypeError(f"{what} must be a record of {size} fields, got "
+                        f"{type(value).__name__} {_name(value)}")
+    return value
+
+
+def payload(value: Any, what: str) -> list | tuple:
+    """A closure's payload: ``[function bytes, argument bytes or None]``."""
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not isinstance(value[0], bytes)
+            or not (value[1] is None or isinstance(value[1], bytes))):
+        raise TypeError(f"{what} must be [function bytes, argument bytes or None], got "
+                        f"{_name(value)}")
+    return value
+
+
+# -- what workers send ----------------------------------------------------------------------
+
+WORKER_STATES = frozenset({READY, FAILED, PENDING})  # what a worker may report
+
+
+def outcomes(op: str, results: Any) -> list[Outcome]:
+    """A worker's results, checked as a whole (nothing is applied if one is malformed)."""
+    out = []
+    for i, item in enumerate(items(results, f"{op}: results")):
+        o = Outcome._make(record(item, f"{op}: results[{i}]", len(Outcome._fields)))
+        text(o.cid, f"{op}: results[{i}].cid")
+        if o.state not in WORKER_STATES:
+            raise ValueError(f"{op}: results[{i}].state must be one of "
+                             f"{sorted(WORKER_STATES)}, got {o.state!r}")
+        optional(text, o.kind, f"{op}: results[{i}].kind")
+        integer(o.attempt, f"{op}: results[{i}].attempt", 0, 2**31)
+        items(o.tokens, f"{op}: results[{i}].tokens")
+        out.append(o)
+    return out
+
+
+def observed(op: str, held: Any, started: Any) -> tuple[list[str] | None, list[str]]:
+    """What a worker says it holds and which of those started."""
+    held = optional(texts, held, f"{op}: held")
+    return held, texts(started if started is not None else [], f"{op}: started")
+
+
+# -- settings (the client checks them too) -----------------------------------------------
+
+def max_worker_failures(value: Any, what: str = "max_worker_failures") -> int:
+    return integer(value, what, 1, MAX_WORKER_FAILURES)
+
+
+def lease_timeout(value: Any, what: str = "lease_timeout") -> float:
+    return number(value, what, 0.0, MAX_LEASE_TIMEOUT, lo_open=True)

@@ -1,0 +1,203 @@
+"""Coordinators: the named coordinators on a scheduler, and each one's life.
+
+A name lives while it has owners (client-side Coordinators, SPEC §2.5b): the first
+``create`` of a name makes its :class:`CoordinatorState` and :class:`GroupDriver` and
+registers its worker plugin; each ``create`` attaches a new owner with a secret token;
+when the last owner leaves (``close()``, or its client gone for
+``daskdist.coordinator.client-grace``) the state and driver go and the worker plugin is
+removed from every worker (its threads and timers with it). Creation and teardown of a
+name are serialized (a lock per name), so a worker plugin's registration and removal
+never cross on a worker.
+
+Runs on the scheduler's event loop; the :class:`CoordinatorPlugin` (plugin.py) holds one
+and its handlers call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from distributed.protocol.pickle import dumps
+
+from daskdist import config
+from daskdist.core import checks
+from daskdist.core.protocol import worker_plugin_name
+from daskdist.plugins import WORKER_PLUGIN, PluginRef
+from daskdist.plugins.scheduler.groups import GroupDriver
+from daskdist.plugins.scheduler.state import CoordinatorState, wait_event
+
+logger = logging.getLogger(__name__)
+
+
+class Coordinators:
+    """The named coordinators of one scheduler: their creation, owners and teardown."""
+
+    def __init__(self, send: Callable[[str, dict], None],
+                 next_generation: Callable[[], int]) -> None:
+        self.scheduler: Any = None  # set by the plugin's start
+        self.states: dict[str, CoordinatorState] = {}
+        self.drivers: dict[str, GroupDriver] = {}
+        self._send = send
+        self._next_generation = next_generation
+        self._life: dict[str, asyncio.Lock] = {}  # name -> held while created / torn down
+        self._teardowns: set[asyncio.Task] = set()
+        # client -> the pending drop of its owners (a cut connection may come back)
+        self._orphaned: dict[str, asyncio.TimerHandle] = {}
+
+    def get(self, name: Any) -> CoordinatorState:
+        """The coordinator ``name`` (``KeyError`` naming it if there is none)."""
+        checks.text(name, "name")
+        try:
+            return self.states[name]
+        except KeyError:
+            raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler") from None
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._life.setdefault(name, asyncio.Lock())
+
+    # -- creation and owners -------------------------------------------------------------
+    async def create(self, name: str, client: str | None, max_worker_failures: int | None,
+                     torch_threads: int | None, lease_timeout: float | None) -> dict:
+        """Create ``name`` if new (its settings: the first caller's; arguments already
+        checked), make sure workers run its plugin, attach a new owner:
+        ``{"workers", "owner", "token"}``."""
+        async with self._lock(name):
+            co = self.states.get(name)
+            if co is None:
+                if max_worker_failures is None:
+                    max_worker_failures = checks.max_worker_failures(
+                        config.integer("coordinator.max-worker-failures"),
+                        "daskdist.coordinator.max-worker-failures")
+                if lease_timeout is None:
+                    lease_timeout = checks.lease_timeout(
+                        config.seconds("liveness.lease-timeout"),
+                        "daskdist.liveness.lease-timeout")
+                co = CoordinatorState(name, max_worker_failures, send=self._send,
+                                      lease_timeout=lease_timeout)
+                self.states[name] = co
+                self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
+            try:
+                started = await self._register_worker_plugin(name, torch_threads)
+            except BaseException:
+                if not co.outboxes:  # nobody uses it: the next attempt starts afresh
+                    self._forget(name)
+                raise
+            owner, token = uuid.uuid4().hex[:12], secrets.token_hex(16)
+            co.add_owner(owner, client, token)
+        # workers register their sessions once their plugin is set up: wait a little for
+        # them, so the reply's worker count is the cluster's (its end: 5 poll intervals)
+        deadline = time.monotonic() + 5 * config.seconds("scheduler.poll-interval")
+        while len(co.members) < started and not co.closed:
+            co.changed.clear()
+            if not await wait_event(co.changed, deadline - time.monotonic()):
+                break
+        return {"workers": len(co.members), "owner": owner, "token": token}
+
+    async def _register_worker_plugin(self, name: str, torch_threads: int | None) -> int:
+        """Register the worker plugin of ``name`` unless it is; how many workers set it
+        up now (0 if it was there)."""
+        plugin_name = worker_plugin_name(name)
+        if plugin_name in self.scheduler.worker_plugins:
+            return 0
+        replies = await self.scheduler.register_worker_plugin(
+            comm=None,
+            plugin=dumps(PluginRef(WORKER_PLUGIN, name=name, torch_threads=torch_threads)),
+            name=plugin_name,
+            idempotent=True,
+        )
+        failed = {w: r for w, r in (replies or {}).items()
+                  if isinstance(r, dict) and r.get("status") != "OK"}
+        if failed:
+            # Unregister, so that the next attempt registers (and reports) again.
+            await self.scheduler.unregister_worker_plugin(comm=None, name=plugin_name)
+            worker, reply = next(iter(failed.items()))
+            raise RuntimeError(
+                f"the daskdist worker plugin of coordinator {name!r} failed to set up "
+                f"on {len(failed)} of {len(replies)} workers; {worker}: "
+                f"{reply.get('exception_text') or reply}")
+        return len(replies or {})
+
+    def drop_owner(self, co: CoordinatorState, owner: str) -> list:
+        """Drop ``owner`` (closed, or its client is gone); the coordinator goes with its
+        last owner. The outcomes the owner had not read."""
+        items = co.drop_owner(owner)
+        if not co.outboxes:
+            task = asyncio.ensure_future(self._teardown(co.name))
+            self._teardowns.add(task)
+            task.add_done_callback(self._teardowns.discard)
+        return items
+
+    # -- teardown --------------------------------------------------------------------------
+    def _forget(self, name: str) -> CoordinatorState | None:
+        co = self.states.pop(name, None)
+        driver = self.drivers.pop(name, None)
+        if driver is not None:
+            driver.stop()
+        if co is not None:
+            co.close()
+        return co
+
+    async def _teardown(self, name: str) -> None:
+        """No owner of ``name`` is left: end its waits, drop its state and group driver,
+        and remove its worker plugin (its threads and timers go on every worker; a hung
+        worker is waited for at most ``scheduler.teardown-timeout``)."""
+        async with self._lock(name):
+            co = self.states.get(name)
+            if co is None or co.outboxes:  # someone attached again meanwhile
+                return
+            self._forget(name)
+            plugin_name = worker_plugin_name(name)
+            if plugin_name in self.scheduler.worker_plugins:
+                try:
+                    await asyncio.wait_for(
+                        self.scheduler.unregister_worker_plugin(comm=None, name=plugin_name),
+                        config.seconds("scheduler.teardown-timeout"))
+                except Exception as e:  # a hung worker: it loses the plugin with its session
+                    logger.warning("daskdist[%s]: removing the worker plugin: %r", name, e)
+            logger.info("daskdist[%s]: last owner left; coordinator closed", name)
+
+    # -- clients ---------------------------------------------------------------------------
+    def client_left(self, client: str) -> None:
+        """A client's connection closed: drop its owners after ``coordinator.client-grace``
+        unless it reconnects first (Dask's client reconnects with the same id)."""
+        if not any(box.client == client for co in self.states.values()
+                   for box in co.outboxes.values()):
+            return
+        old = self._orphaned.pop(client, None)
+        if old is not None:
+            old.cancel()
+        grace = config.seconds("coordinator.client-grace")
+        self._orphaned[client] = asyncio.get_running_loop().call_later(
+            grace, self._drop_client, client)
+
+    def client_back(self, client: str) -> None:
+        handle = self._orphaned.pop(client, None)
+        if handle is not None:
+            handle.cancel()  # it came back: its closures and results are still here
+
+    def _drop_client(self, client: str) -> None:
+        """The client stayed away for ``client-grace``: its owners are dropped as if they
+        had closed (their per-worker resources are released)."""
+        self._orphaned.pop(client, None)
+        for co in list(self.states.values()):
+            for owner, box in list(co.outboxes.items()):
+                if box.client == client:
+                    logger.info("daskdist[%s]: client %s gone for client-grace: owner %s "
+                                "dropped", co.name, client, owner)
+                    self.drop_owner(co, owner)
+
+    def close(self) -> None:
+        """The scheduler closes: stop teardowns, drivers and client timers."""
+        for task in list(self._teardowns):
+            task.cancel()
+        for driver in self.drivers.values():
+            driver.stop()
+        for handle in self._orphaned.values():
+            handle.cancel()
+        self._orphaned.clear()

@@ -1,0 +1,129 @@
+"""The scheduler checks who calls and what (issue 16, point 7; SPEC §2.5b): handlers
+refuse bad arguments with an error naming them, a client acts only as an owner it
+created, a worker only with its own session, and settings are range-checked on the
+client and on the scheduler. On a real LocalCluster with worker processes."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client
+
+import daskdist as dd
+from daskdist.core import checks
+from tests.conftest import wait_until
+
+
+def square(x):
+    return x * x
+
+
+def where(i):
+    return dd.get_worker_context().address
+
+
+def call(client, op, **kwargs):
+    """Call a scheduler handler directly, as any client could."""
+    return client.sync(getattr(client.scheduler, op), **kwargs)
+
+
+def coordinators(client):
+    return client.run_on_scheduler(
+        lambda dask_scheduler: sorted(dask_scheduler.extensions["daskdist"].coordinators))
+
+
+def test_a_client_cannot_register_as_a_worker(client, coord):
+    """Only the worker at an address registers sessions for it: a forged register is
+    refused and the worker's real session goes on (before, it was ended)."""
+    joins = coord.status()["worker_joins"]
+    victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+    with pytest.raises(PermissionError, match="did not confirm"):
+        call(client, "daskdist_register", name=coord.name, session="forged",
+             address=victim, slots=1)
+    with pytest.raises(PermissionError, match="not a worker"):
+        call(client, "daskdist_register", name=coord.name, session="forged2",
+             address="tcp://10.255.255.1:1", slots=1)
+    assert coord.status()["worker_joins"] == joins and coord.status()["workers"] == 2
+    wait_until(lambda: victim in coord.fetch(
+        [coord.schedule(where, args=(i,)) for i in range(10)]), 30, "the victim's work")
+    assert coord.status()["worker_joins"] == joins
+
+
+def test_a_client_acts_only_as_its_own_owner(cluster, client, coord):
+    """Another client cannot put under this owner (nor under its ids with its own
+    token), so this owner's schedule never gets another's payload."""
+    with Client(cluster) as other_client:
+        other = dd.Coordinator(other_client, name=coord.name)
+        try:
+            bad = [(f"{coord._owner}-0", [b"not a pickle", None], 0)]
+            with pytest.raises(PermissionError, match="not owner"):
+                call(other_client, "daskdist_put", name=coord.name, owner=coord._owner,
+                     token=other._token, closures=bad)
+            with pytest.raises(PermissionError, match="not one of owner"):
+                call(other_client, "daskdist_put", name=coord.name, owner=other._owner,
+                     token=other._token, closures=bad)
+            with pytest.raises(PermissionError):
+                call(other_client, "daskdist_detach", name=coord.name, owner=coord._owner,
+                     token=other._token)
+            with pytest.raises(PermissionError):
+                call(other_client, "daskdist_raise", name=coord.name, owner=coord._owner,
+                     token="0" * 32)
+            assert coord.schedule(square, args=(7,)).fetch(timeout=30) == 49  # cid -0
+            assert other.schedule(square, args=(3,)).fetch(timeout=30) == 9
+        finally:
+            other.close()
+
+
+def test_bad_arguments_are_refused_naming_them_and_change_nothing(client, coord):
+    before = coord.status()["scheduled"]
+    owner = {"name": coord.name, "owner": coord._owner, "token": coord._token}
+    with pytest.raises(TypeError, match="closures must be a list"):
+        call(client, "daskdist_put", closures="x", **owner)
+    with pytest.raises(ValueError, match=f"at most {checks.MAX_ITEMS} items"):
+        call(client, "daskdist_put", closures=[None] * (checks.MAX_ITEMS + 1), **owner)
+    good = (f"{coord._owner}-900000", [b"", None], 0)
+    with pytest.raises(TypeError, match=r"closures\[1\].payload"):
+        call(client, "daskdist_put", closures=[good, (f"{coord._owner}-900001", "x", 0)],
+             **owner)
+    with pytest.raises(ValueError, match=r"closures\[0\].retries"):
+        call(client, "daskdist_put", closures=[(good[0], good[1], -1)], **owner)
+    with pytest.raises(TypeError, match="ack must be an int"):
+        call(client, "daskdist_results", ack="0", **owner)
+    with pytest.raises(ValueError, match="backend"):
+        call(client, "daskdist_group_form", backend="mpi", **owner)
+    with pytest.raises(TypeError, match="name must be a str"):
+        call(client, "daskdist_status", name=["x"])
+    with pytest.raises(TypeError, match="want must be an int"):
+        call(client, "daskdist_exchange", name=coord.name, session="s", results=[],
+             held=[], want="many", block=False)
+    assert coord.status()["scheduled"] == before  # nothing queued by a refused batch
+    assert coord.schedule(square, args=(5,)).fetch(timeout=30) == 25
+
+
+def test_read_only_handlers_never_create_state(client):
+    for op, kwargs in [("daskdist_status", {}), ("daskdist_group_info", {}),
+                       ("daskdist_closure_state", {"cid": "x-1"})]:
+        with pytest.raises(KeyError, match="no daskdist coordinator named 'nobody'"):
+            call(client, op, name="nobody", **kwargs)
+    assert call(client, "daskdist_results", name="nobody", owner="o", token="t",
+                ack=0) == {"detached": True}
+    assert "nobody" not in coordinators(client)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"max_worker_failures": 0}, ValueError),
+    ({"max_worker_failures": checks.MAX_WORKER_FAILURES + 1}, ValueError),
+    ({"max_worker_failures": 2.5}, TypeError),
+    ({"max_worker_failures": True}, TypeError),
+    ({"lease_timeout": 0}, ValueError),
+    ({"lease_timeout": -1.0}, ValueError),
+    ({"lease_timeout": float("inf")}, ValueError),
+    ({"lease_timeout": checks.MAX_LEASE_TIMEOUT * 2}, ValueError),
+    ({"lease_timeout": "30s"}, TypeError),
+])
+def test_settings_are_range_checked_on_the_client_and_the_scheduler(client, kwargs, error):
+    (arg,) = kwargs
+    with pytest.raises(error, match=arg):
+        dd.Coordinator(client, name="bad-settings", **kwargs)
+    with pytest.raises(error, match=arg):
+        call(client, "daskdist_create", name="bad-settings", **kwargs)
+    assert "bad-settings" not in coordinators(client)
