@@ -346,13 +346,21 @@ def test_lease_handlers_check_arguments_and_sessions(client, coord, shards):
         ("daskdist_lease_release", {**good, "ranges": [[0, 1, 2]]}, TypeError, "pair"),
         ("daskdist_lease_release", {**good, "ranges": [[0, 1]], "failure": "f"}, TypeError,
          "failure"),
-        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, 1]]], "owner": "nobody"},
-         ValueError, "owner 'nobody' is not attached"),
-        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, -1]]],
-                                     "owner": coord._owner}, ValueError, "runs item"),
-        ("daskdist_dataset_define", {"dataset": [ds.dataset_id, "", [[5, 1]]],
-                                     "owner": coord._owner}, ValueError, "differ"),
-        ("daskdist_dataset_start", {"owner": coord._owner,
+        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, 1]], 0], "owner": "nobody",
+                                     "token": coord._token},
+         PermissionError, "has no owner 'nobody'"),
+        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, 1]], 0], "owner": coord._owner,
+                                     "token": "not-the-secret"},
+         PermissionError, "is not owner"),
+        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, 1]]], "owner": coord._owner,
+                                     "token": coord._token}, TypeError, "DatasetDef"),
+        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, -1]], 0],
+                                     "owner": coord._owner, "token": coord._token},
+         ValueError, "runs item"),
+        ("daskdist_dataset_define", {"dataset": [ds.dataset_id, "", [[5, 1]], 0],
+                                     "owner": coord._owner, "token": coord._token},
+         ValueError, "differ"),
+        ("daskdist_dataset_start", {"owner": coord._owner, "token": coord._token,
                                     "ledger": [ds.dataset_id, 0, [], TOTAL]},
          ValueError, "started already"),
     ]
@@ -369,7 +377,7 @@ def test_lease_handlers_check_arguments_and_sessions(client, coord, shards):
     before = ds.progress()
     assert call("daskdist_lease_acquire", **good, rows=100) == {"expired": True}
     assert call("daskdist_lease_release", **good, ranges=[[0, TOTAL]]) == 0
-    assert call("daskdist_dataset_define", dataset=["d2", "", [[5, 1]]],
+    assert call("daskdist_dataset_define", dataset=["d2", "", [[5, 1]], 0],
                 session="x" * 32) == {"expired": True}
     assert ds.progress() == before
     assert "d2" not in datasets_on_scheduler(client, coord.name)

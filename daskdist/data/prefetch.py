@@ -16,10 +16,13 @@ ends when the producer puts a chunk or its end marker, or the buffer is closed. 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CLOSED", "END", "ChunkBuffer", "Failure", "Feed"]
 
@@ -101,7 +104,12 @@ def _produce(gen: Iterator[Any], buf: ChunkBuffer) -> None:
     except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
         buf.put(Failure(e), 0)
     finally:
-        gen.close()
+        try:
+            gen.close()  # work only on the closed path: a release of rows read ahead
+        except Exception:  # noqa: BLE001 - nobody reads the buffer any more
+            # the scheduler frees the leases of an ended session or a dropped dataset
+            # itself; a release refused because its coordinator is gone loses nothing
+            logger.debug("a closed loader's give-back failed", exc_info=True)
 
 
 class Feed:
