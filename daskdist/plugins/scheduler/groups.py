@@ -77,12 +77,14 @@ class GroupDriver:
         The workers not retiring; but if none of them was a member of the current
         group (so none holds the committed state), the current group's retiring
         members still there are kept, so ``State.sync()`` hands their state over
-        before they leave (they leave the group when their worker closes).
+        before they leave (they leave the group when their worker closes). With no
+        worker to hand over to, none: a retiring last holder leaves (checkpointing, with
+        ``checkpoint_to``) and the gang waits for workers.
         """
         co = self.co
         active = co.active_sessions()
         current = co.gangs.group.sessions
-        if not current or set(active) & set(current):
+        if not current or not active or set(active) & set(current):
             return active
         keep = set(active) | {s for s in current if s in co.members}
         return tuple(m.session for m in co.members.by_index() if m.session in keep)

@@ -134,7 +134,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             session = co.members.session_of(worker)
             if session is not None:
                 logger.info("daskdist[%s]: worker %s left (%s)", co.name, worker, stimulus_id)
-                co.end_session(session, expected=self._expected.get(worker, False))
+                co.worker_removed(session, expected=self._expected.get(worker, False))
         self._expected.pop(worker, None)
 
     def log_event(self, topic: str, msg: Any) -> None:

@@ -137,6 +137,7 @@ class CoordinatorState:
         self.gangs_changed = asyncio.Event()  # the gang pump waits on it
         self.send = send or (lambda address, msg: None)
         self.workers_lost = 0  # removals Dask did not expect
+        self.departing: set[str] = set()  # retired group members finishing their step
         self.resources_released = 0
         self.steals = 0  # requests to a busy worker to give back unstarted closures
         self.acks_refused = 0  # completed closures whose rows were not leased to them
@@ -326,10 +327,24 @@ class CoordinatorState:
                 and (session in self.gangs.group.sessions) == retiring):
             self.members.version += 1
             self.membership_changed()
+        if retiring and not was_retiring:  # its gang members leave at their next commit
+            self.send(address, {"op": "daskdist-leaving", "name": self.name})
         if paused and not was_paused:
             self.send(address, {"op": "daskdist-steal", "name": self.name, "n": 2**31})
         if not (retiring or paused):
             self.wake()
+
+    def worker_removed(self, session: str, expected: bool) -> None:
+        """Dask removed the worker of ``session``. A retired group member stays a member
+        until its plugin's teardown unregisters it: its gang member leaves at its next
+        commit (a last holder checkpoints there), which needs the scheduler, at most
+        ``daskdist.preemption.grace``; its lease bounds the wait. Otherwise it ends now."""
+        member = self.members.members.get(session)
+        if (expected and member is not None and member.draining
+                and session in self.gangs.group.sessions):
+            self.departing.add(session)
+            return
+        self.end_session(session, expected)
 
     def end_session(self, session: str, expected: bool = True) -> None:
         """A worker session is gone: put its closures back, drop its index and leases.
@@ -338,6 +353,7 @@ class CoordinatorState:
         killed, crashed, cut off (False: counted as a lost worker).
         """
         self.stats.on_session_end(self, session, expected)
+        self.departing.discard(session)
         self.members.leave(session)
         self.liveness.forget(session)
         self.workers_lost += not expected
@@ -364,7 +380,7 @@ class CoordinatorState:
         expired = self.liveness.expire(now)
         for session in expired:
             if session in self.members:
-                self.end_session(session, expected=False)
+                self.end_session(session, expected=session in self.departing)
         return expired
 
     def apply_results(self, session: str, results: list) -> None:

@@ -2,10 +2,11 @@
 
 The scheduler plugin registers one on every present and future worker (by reference,
 :class:`daskdist.plugins.PluginRef`). Its setup starts a :class:`ClosureRunner` and
-installs the stream and RPC handlers the scheduler side calls: wake, steal, hold and
-release for the runner, and the confirmation of a session it registers; peer-lost,
-membership and the collective actions (store, init, destroy) for this process's
-collective group. torch is imported only by those actions.
+installs the stream and RPC handlers the scheduler side calls: wake, steal, hold,
+release and leaving for the runner, and the confirmation of a session it registers;
+peer-lost, membership and the collective actions (store, init, destroy) for this
+process's collective group. torch is imported only by those actions. The first one in
+a worker process turns SIGTERM into a graceful leave (:mod:`.preemption`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from daskdist.context import _set_formation_version, _set_membership
 from daskdist.core.protocol import worker_plugin_name
+from daskdist.plugins.worker import preemption
 from daskdist.plugins.worker.runner import ClosureRunner
+
+
+def _runners(worker) -> list[ClosureRunner]:
+    """The closure runners of every coordinator on this worker now."""
+    return [p.runner for p in list(worker.plugins.values())
+            if isinstance(p, CoordinatorWorkerPlugin) and p.runner is not None]
 
 
 def _runner(worker, name: str) -> ClosureRunner | None:
@@ -53,6 +61,11 @@ def install_handlers(worker) -> None:
         if runner is not None and runner.resources is not None:
             runner.resources.drop(rids)
 
+    def leaving(name: str) -> None:
+        runner = _runner(worker, name)
+        if runner is not None:
+            runner.leaving = True
+
     def steal(name: str, n: int) -> None:
         runner = _runner(worker, name)
         if runner is not None:
@@ -85,6 +98,7 @@ def install_handlers(worker) -> None:
         "daskdist-membership": membership,
         "daskdist-hold": hold,
         "daskdist-steal": steal,
+        "daskdist-leaving": leaving,
         "daskdist-release": release,
     })
     def confirm_session(name: str, session: str) -> bool:
@@ -111,6 +125,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker) -> None:
         install_handlers(worker)
+        preemption.install(worker, lambda: _runners(worker))
         self.runner = ClosureRunner(worker, self.name, self.prefetch)
         await self.runner.start(self.torch_threads)
 
@@ -118,6 +133,8 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
         if self.runner is not None:
             await self.runner.stop()
             self.runner = None
+        if not _runners(worker):  # the last coordinator here: SIGTERM is Python's again
+            preemption.uninstall(worker)
 
     def __getstate__(self):
         return {"name": self.name, "prefetch": self.prefetch,

@@ -23,6 +23,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -160,6 +161,8 @@ class ClosureRunner:
         self.gpu = ""  # the device's GPU UUID: the scheduler tells shared GPUs apart by it
         self.held: set[str] = set()  # received, not yet acknowledged by the scheduler
         self.running = 0  # received, not yet finished here
+        self.gangs = 0  # gang members received, not yet finished (their own executor)
+        self.leaving = False  # the scheduler said this worker retires (see stop())
         # Received closures not yet started, oldest first: ``nthreads`` drain loops in
         # the executor take them in order; ``give_back`` (event loop) takes from the
         # tail. Guarded by ``_lock`` (both sides).
@@ -231,6 +234,15 @@ class ClosureRunner:
             self.closers.append(old.end())
 
     async def stop(self) -> None:
+        """The plugin is torn down. A worker leaving gracefully (retired, or a
+        preemption notice) first lets its gang members reach their next commit, where
+        they leave their group (a last holder checkpoints there), for at most
+        ``daskdist.preemption.grace``; then the session ends and the closures still
+        running are reported started, to run again elsewhere."""
+        if self.leaving and self.gangs:
+            deadline = time.monotonic() + config.seconds("preemption.grace")
+            while self.gangs and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         self.stopping = True
         if self.renewer is not None:
             self.renewer.cancel()
@@ -372,7 +384,8 @@ class ClosureRunner:
                 self.held.add(cid)
                 item = Work(session, cid, payload, attempt, gang, owner)
                 if gang:
-                    self.gang_executor.submit(self._run, item)
+                    self.gangs += 1
+                    self.gang_executor.submit(self._run_gang, item)
                 else:
                     work.append(item)
             if work:
@@ -398,6 +411,11 @@ class ClosureRunner:
                 item = self._pending.popleft()
                 self._started.add(item.cid)
             self._run(item)
+
+    @property
+    def busy(self) -> int:
+        """Closures received here and not finished, gang members included (event loop)."""
+        return self.running + self.gangs
 
     def started(self) -> list[str]:
         """Closures started here and not yet finished (what the scheduler may count as
@@ -528,6 +546,19 @@ class ClosureRunner:
                 result = Outcome(item.cid, FAILED, dump_error(e), _error_kind(e),
                                  item.attempt, tokens=merge_tokens(scope.tokens))
         self._finished(item, result)
+
+    def _run_gang(self, item: Work) -> None:
+        """A gang member's thread: run it, then count it finished (event loop)."""
+        try:
+            self._run(item)
+        finally:
+            try:
+                self.worker.loop.add_callback(self._gang_ended)
+            except RuntimeError:  # the worker's loop is closed: the worker is going away
+                pass
+
+    def _gang_ended(self) -> None:
+        self.gangs -= 1
 
     def _finished(self, item: Work, result: Outcome) -> None:
         try:
