@@ -100,7 +100,6 @@ def test_remote_value_status_equals_the_closure_states():
     for state in ("PENDING", "RUNNING", "READY", "FAILED", "CANCELLED"):
         assert RemoteValueStatus(getattr(protocol, state)).value == state
         assert RemoteValueStatus[state] == getattr(protocol, state)
-    assert protocol.FINAL_STATES == {READY, FAILED, CANCELLED}
 
 
 def test_dataset_messages_travel_as_lists():

@@ -16,7 +16,6 @@ RUNNING = "RUNNING"
 READY = "READY"
 FAILED = "FAILED"
 CANCELLED = "CANCELLED"
-FINAL_STATES = frozenset({READY, FAILED, CANCELLED})
 
 # -- error kinds: why a FAILED closure failed (or why a worker gave a closure back) --
 USER_ERROR = "user-error"  # the closure's function raised

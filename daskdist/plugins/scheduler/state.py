@@ -331,7 +331,7 @@ class CoordinatorState:
         ``expected`` is Dask's word on a removed worker: retired or closed (True), or
         killed, crashed, cut off (False: counted as a lost worker).
         """
-        self.stats.on_session_end(self, session, expected)
+        self.stats.on_session_end(self, session)
         self.members.leave(session)
         self.liveness.forget(session)
         self.workers_lost += not expected
