@@ -214,7 +214,7 @@ def connect(args: argparse.Namespace, stack: ExitStack):
     return stack.enter_context(Client(cluster))
 
 
-def async_epoch(coord, client, ds, replica, args, epoch: int, kill: bool, t0: float) -> None:
+def async_epoch(coord, client, ds, replica, epoch: int, kill: bool) -> None:
     """One epoch of asynchronous training, until every row is acknowledged; one line."""
     from tqdm.auto import tqdm
 
@@ -270,8 +270,8 @@ def demo(args: argparse.Namespace) -> int:
         ds = coord.distribute_dataset(shards, global_batch_size=args.batch_size * args.workers,
                                       shuffle=True, seed=0, policy="dynamic", name="async")
         for epoch in range(args.epochs):
-            async_epoch(coord, client, ds, replica, args, epoch,
-                        kill=args.kill and epoch == args.epochs // 2, t0=t0)
+            async_epoch(coord, client, ds, replica, epoch,
+                        kill=args.kill and epoch == args.epochs // 2)
 
         # -- synchronous training: a gloo group, gang closures, elastic state -----------
         if args.steps:

@@ -99,6 +99,34 @@ def test_bad_arguments_are_refused_naming_them_and_change_nothing(client, coord)
     assert coord.schedule(square, args=(5,)).fetch(timeout=30) == 25
 
 
+def test_checks_name_the_argument_and_what_it_got():
+    """The one set of argument checks (core/checks.py) every handler runs: the error
+    names the argument and what it got (pure)."""
+    assert checks.text("d", "dataset_id") == "d" and checks.text("", "label", empty=True) == ""
+    for value, exc, match in [
+            (3, TypeError, "dataset_id must be a str, got int 3"),
+            ("", ValueError, "dataset_id must be a non-empty str .* got 0 characters"),
+            ("x" * 600, ValueError, f"at most {checks.MAX_TEXT} characters, got 600")]:
+        with pytest.raises(exc, match=match):
+            checks.text(value, "dataset_id")
+    assert checks.integer(3, "epoch", 0, 5) == 3
+    for value, exc in [(True, TypeError), (3.0, TypeError), ("3", TypeError), (6, ValueError),
+                       (-1, ValueError)]:
+        with pytest.raises(exc, match="epoch"):
+            checks.integer(value, "epoch", 0, 5)
+    assert checks.pairs([[1, 2], (3, 4)], "ranges", 2) == [(1, 2), (3, 4)]
+    for value, exc, match in [
+            ({1: 2}, TypeError, "ranges must be a list, got dict"),
+            ([[1, 2]] * 3, ValueError, "ranges must hold at most 2 items, got 3"),
+            ([[1, 2], [1]], TypeError, r"ranges\[1\] must be a pair"),
+            ([[1, "2"]], TypeError, r"ranges\[0\]\[1\] must be an int, got str '2'"),
+            ([[1, True]], TypeError, r"ranges\[0\]\[1\] must be an int, got bool"),
+            ([[-1, 2]], ValueError, r"ranges\[0\]\[0\] must be between 0 and"),
+            ([[0, 1 << 60]], ValueError, r"ranges\[0\]\[1\] must be between 0 and")]:
+        with pytest.raises(exc, match=match):
+            checks.pairs(value, "ranges", 2)
+
+
 def test_read_only_handlers_never_create_state(client):
     for op, kwargs in [("daskdist_status", {}), ("daskdist_group_info", {}),
                        ("daskdist_closure_state", {"cid": "x-1"})]:

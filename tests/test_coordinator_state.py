@@ -17,6 +17,7 @@ from daskdist.core.protocol import (
     Outcome,
 )
 from daskdist.plugins.scheduler.state import GANG_OWNER, CoordinatorState, Outbox
+from tests.tables import check_queue
 
 
 def make(sent: list | None = None) -> CoordinatorState:
@@ -46,7 +47,7 @@ def test_start_session_takes_the_lowest_free_index_and_a_lease():
     assert start(co, "s3", "w3")["index"] == 0  # a replacement reuses the lost index
     # members hear of every change on their stream
     assert any(msg["op"] == "daskdist-membership" for _, msg in sent)
-    co.queue.check_invariants()
+    check_queue(co.queue)
 
 
 def test_a_new_session_of_the_same_worker_ends_the_old_one():

@@ -16,6 +16,7 @@ from daskdist.context import ClosureScope, closure_scope
 from daskdist.core.leases import LeaseTable
 from daskdist.data import ArrowLoader, ArrowShards, InputContext, LocalLeaseService
 from daskdist.errors import InputError
+from tests.tables import check_leases
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
@@ -70,7 +71,7 @@ def test_single_worker_drains_the_epoch(shards):
     assert delivered != sorted(delivered)  # shuffled
     p = ld.progress()
     assert p["complete"] and p["acknowledged"] == TOTAL and p["leased"] == 0
-    svc.table.check()
+    check_leases(svc.table)
 
 
 def test_next_after_stop_iteration_picks_up_released_rows(shards):
@@ -147,7 +148,7 @@ def test_exactly_once_with_workers_lost_mid_epoch(shards, seed, kills):
             elif iname in workers:
                 still.append((iname, ibatch, itoks))
         in_flight = still
-        table.check()
+        check_leases(table)
     assert sorted(completed) == list(range(TOTAL))
     assert set(completed.values()) == {1}
     for _svc, ld, _it in workers.values():
@@ -308,7 +309,7 @@ def test_a_failed_read_gives_its_rows_back_and_a_retry_completes(tmp_path):
     assert rows == list(range(TOTAL)), "every row exactly once"
     assert len(errors) == 1 and "p1.parquet" in errors[0]
     assert ld.progress()["failed"] is None
-    svc.table.check()
+    check_leases(svc.table)
 
 
 def test_the_same_file_failing_max_failures_times_fails_the_epoch(tmp_path):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from daskdist.core.commits import CommitBook, RankLedger
 from daskdist.core.leases import LeaseTable, unit_runs
 from daskdist.core.protocol import CommitKey
+from tests.tables import check_leases
 
 DS, EPOCH = "ds", 0
 UNITS = [7, 5, 9, 4, 6, 8]  # rows per unit
@@ -131,7 +132,7 @@ class Sim:
             self.lists[r] = []
 
     def check(self) -> None:
-        self.table.check()
+        check_leases(self.table)
         assert all(n == 1 for n in self.committed.values()), "a row trained twice"
         acked = {i for a, b in self.table.acknowledged(DS, EPOCH) for i in range(a, b)}
         assert set(self.committed) == acked, "committed model and acknowledged rows differ"

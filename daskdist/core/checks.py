@@ -20,6 +20,11 @@ MAX_ITEMS = 100_000  # items in one list of one message (a batch of closures, of
 MAX_TEXT = 512  # characters of an id, a name or an address
 MAX_WORKER_FAILURES = 1_000  # max_worker_failures is 1 ... this
 MAX_LEASE_TIMEOUT = 7 * 24 * 3600.0  # lease_timeout is (0, a week] seconds
+MAX_RANGES = 1 << 18  # row intervals in one message (a release, an epoch's ledger):
+# about 0.3 s of the scheduler's event loop at most
+MAX_RUNS = 1 << 22  # runs of one dataset's unit definition
+MAX_ROWS = 1 << 50  # rows of a dataset (and rows asked for in one lease)
+MAX_EPOCH = (1 << 31) - 1
 
 
 def _name(value: Any) -> str:
@@ -83,6 +88,23 @@ def items(value: Any, what: str, limit: int = MAX_ITEMS) -> list | tuple:
 def texts(value: Any, what: str, limit: int = MAX_ITEMS) -> list[str]:
     """A list of ids (each checked by :func:`text`)."""
     return [text(v, f"{what}[{i}]") for i, v in enumerate(items(value, what, limit))]
+
+
+def pairs(value: Any, what: str, limit: int = MAX_ITEMS, lo: int = 0, hi: int = MAX_ROWS
+          ) -> list[tuple[int, int]]:
+    """A list of at most ``limit`` int pairs ``[a, b]`` with both in ``[lo, hi]`` (row
+    intervals, a dataset's ``(rows, count)`` runs), as tuples."""
+    out = []
+    for i, item in enumerate(items(value, what, limit)):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise TypeError(f"{what}[{i}] must be a pair [a, b], got {_name(item)}")
+        a, b = item
+        if type(a) is not int or type(b) is not int or not (lo <= a <= hi and lo <= b <= hi):
+            # the slow path only for what the fast one refuses: the error names the field
+            a = integer(a, f"{what}[{i}][0]", lo, hi)
+            b = integer(b, f"{what}[{i}][1]", lo, hi)
+        out.append((a, b))
+    return out
 
 
 def record(value: Any, what: str, size: int) -> list | tuple:

@@ -30,7 +30,7 @@ Transitions:
 - :meth:`LeaseTable.start_epoch` / :meth:`LeaseTable.acknowledged`: an epoch started
   with rows already acknowledged, and the export of those rows (resuming).
 
-Invariant (:meth:`LeaseTable.check`): per epoch, acknowledged ∪ leased ∪ free ∪
+Invariant (checked by the tests' ``check_leases``): per epoch, acknowledged ∪ leased ∪ free ∪
 deferred is every row, pairwise disjoint. Imports nothing from Dask, torch, pyarrow,
 numpy or the rest of the package.
 """
@@ -199,9 +199,6 @@ class LeaseTable:
         self._max_expired = max_expired
         # session -> keys of the epochs where it holds rows now (for drop_session)
         self._session_keys: dict[str, set[tuple[str, int]]] = {}
-        self.epochs_completed = 0
-        self.sessions_dropped = 0
-        self.leases_granted = 0
 
     # -- datasets --------------------------------------------------------------------
     def register(self, dataset_id: str, label: str = "", owner: str = "",
@@ -282,7 +279,6 @@ class LeaseTable:
         for session in ep.leased:
             self._unkey(session, (dataset_id, epoch))
         ds.completed = union(ds.completed, [(epoch, epoch + 1)])
-        self.epochs_completed += 1
 
     def _new_epoch(self, dataset_id: str, ds: _Dataset, epoch: int,
                    acknowledged: Iterable[Sequence[int]] = ()) -> _Epoch:
@@ -408,7 +404,6 @@ class LeaseTable:
         for a, c in out:
             held.add(a, c)
             ep.n_leased += c - a
-        self.leases_granted += 1
         return out
 
     def _held(self, session: str, dataset_id: str, epoch: int,
@@ -544,8 +539,6 @@ class LeaseTable:
     def drop_session(self, session: str) -> int:
         """A lost worker: every row leased to ``session`` goes back to free, and later
         acks, releases and acquires from it are refused. Returns rows freed."""
-        if session not in self._expired:
-            self.sessions_dropped += 1
         self._expired[session] = None
         while len(self._expired) > self._max_expired:
             del self._expired[next(iter(self._expired))]
@@ -561,9 +554,6 @@ class LeaseTable:
             ep.n_leased -= held.size
             moved += held.size
         return moved
-
-    def is_expired(self, session: str) -> bool:
-        return session in self._expired
 
     # -- queries -----------------------------------------------------------------------
     def newest_epochs(self) -> dict[str, int]:
@@ -598,32 +588,3 @@ class LeaseTable:
             out.update(acknowledged=ep.acked.size, leased=ep.n_leased,
                        free=ep.free.size + ep.deferred.size, failed=ep.failed)
         return out
-
-    def leased_to(self, session: str, dataset_id: str, epoch: int) -> list[Interval]:
-        """The rows currently leased to ``session`` in one epoch (global intervals)."""
-        ds = self.datasets.get(dataset_id)
-        ep = ds.epochs.get(int(epoch)) if ds is not None else None
-        held = ep.leased.get(session) if ep is not None else None
-        return [] if held is None else held.items()
-
-    def check(self) -> None:
-        """Assert the invariant on every epoch: acked ∪ leased ∪ free ∪ deferred = all
-        rows, pairwise disjoint, each set well formed, counters consistent."""
-        for dataset_id, ds in self.datasets.items():
-            for epoch, ep in ds.epochs.items():
-                key = (dataset_id, epoch)
-                sets = [ep.free, ep.deferred, ep.acked, *ep.leased.values()]
-                for rs in sets:
-                    items = rs.items()
-                    assert items == normalize(items), f"{key}: not normalized: {items}"
-                    assert rs.size == sum(b - a for a, b in items), f"{key}: size"
-                pos = 0
-                for a, b in sorted(iv for rs in sets for iv in rs):
-                    assert a == pos, f"{key}: gap or overlap at {pos} (next {a})"
-                    pos = b
-                assert pos == ep.total, f"{key}: rows up to {ep.total} not covered"
-                assert all(ep.leased.values()), f"{key}: empty lease kept"
-                assert ep.n_leased == sum(rs.size for rs in ep.leased.values()), \
-                    f"{key}: leased counter"
-                for session in ep.leased:
-                    assert key in self._session_keys.get(session, ()), f"{key}: keys"

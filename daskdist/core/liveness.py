@@ -57,11 +57,6 @@ class LivenessTable:
             for s in self._last:
                 self._last[s] += seconds
 
-    def deadline(self, session: str) -> float | None:
-        """When ``session`` expires unless renewed (``None`` if it is not live)."""
-        t = self._last.get(session)
-        return None if t is None else t + self.timeout
-
     def __contains__(self, session: str) -> bool:
         return session in self._last
 

@@ -16,7 +16,6 @@ RUNNING = "RUNNING"
 READY = "READY"
 FAILED = "FAILED"
 CANCELLED = "CANCELLED"
-FINAL_STATES = frozenset({READY, FAILED, CANCELLED})
 
 # -- error kinds: why a FAILED closure failed (or why a worker gave a closure back) --
 USER_ERROR = "user-error"  # the closure's function raised
@@ -175,56 +174,3 @@ class EpochLedger(NamedTuple):
     acknowledged: list  # [(start, stop), ...] row intervals
     total: int  # rows of the epoch
 
-
-# -- argument checks for scheduler handlers (a clear error naming the argument) -------
-MAX_ID_CHARS = 256  # a dataset id or label
-MAX_RANGES = 1 << 18  # row intervals in one message (a release, an epoch's ledger):
-# about 0.3 s of the scheduler's event loop at most
-MAX_RUNS = 1 << 22  # runs of one dataset's unit definition
-MAX_ROWS = 1 << 50  # rows of a dataset (and rows asked for in one lease)
-MAX_EPOCH = (1 << 31) - 1
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def arg_str(what: str, value: Any, max_chars: int = MAX_ID_CHARS, empty: bool = False) -> str:
-    """``value`` as a string argument: ``TypeError`` unless a ``str``, ``ValueError``
-    if empty (unless ``empty``) or longer than ``max_chars``."""
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str, got {type(value).__name__} {_shown(value)}")
-    if not value and not empty:
-        raise ValueError(f"{what} must not be empty")
-    if len(value) > max_chars:
-        raise ValueError(f"{what} has {len(value)} characters; at most {max_chars}")
-    return value
-
-
-def arg_int(what: str, value: Any, lo: int, hi: int) -> int:
-    """``value`` as an int argument in ``[lo, hi]`` (``TypeError``: not an int; a bool
-    is not one; ``ValueError``: out of range)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {_shown(value)}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{what} must be in [{lo}, {hi}], got {value}")
-    return value
-
-
-def arg_pairs(what: str, value: Any, max_items: int, lo: int = 0, hi: int = MAX_ROWS
-              ) -> list[tuple[int, int]]:
-    """``value`` as a list of at most ``max_items`` int pairs ``(a, b)`` with
-    ``lo <= a`` and ``b <= hi``."""
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{what} must be a list of pairs, got {type(value).__name__}")
-    if len(value) > max_items:
-        raise ValueError(f"{what} has {len(value)} items; at most {max_items}")
-    out = []
-    for item in value:
-        if not isinstance(item, (list, tuple)) or len(item) != 2:
-            raise TypeError(f"{what}: each item must be a pair, got {_shown(item)}")
-        a = arg_int(f"{what} item", item[0], lo, hi)
-        b = arg_int(f"{what} item", item[1], lo, hi)
-        out.append((a, b))
-    return out

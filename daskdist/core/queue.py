@@ -204,10 +204,6 @@ class ClosureQueue:
     def sessions(self) -> frozenset[str]:
         return frozenset(self._sessions)
 
-    def is_active(self, session: str) -> bool:
-        """The session exists and is not draining (may receive closures)."""
-        return session in self._sessions and session not in self._draining
-
     # -- put / dispatch -------------------------------------------------------------
     def put(self, cid: str, owner: str, payload: Any, retries: int = 0,
             pinned: str | None = None) -> bool:
@@ -282,15 +278,6 @@ class ClosureQueue:
                 if n > most:
                     best, most = session, n
         return None if best is None else (best, (most + 1) // 2)
-
-    def has_work_for(self, session: str) -> bool:
-        """Whether ``dispatch(session, n)`` would return anything now."""
-        if self._pinned.get(session):
-            return True
-        if not self.is_active(session):
-            return False
-        return any(c is not None and c.state == PENDING and c.owner not in self.held
-                   for c in map(self.closures.get, self._queue))
 
     # -- results --------------------------------------------------------------------
     def finish(self, session: str, cid: str, ok: bool, value: Any = None,
@@ -376,9 +363,6 @@ class ClosureQueue:
         return sum(1 for c in self.closures.values()
                    if c.state == PENDING and c.pinned is None)
 
-    def running_on(self, session: str) -> frozenset[str]:
-        return frozenset(self._running.get(session, ()))
-
     def cancel_pending(self, owner: str | None = None) -> list[Outcome]:
         """Cancel every queued closure (of ``owner``, or all)."""
         out = []
@@ -404,32 +388,11 @@ class ClosureQueue:
         return sum(1 for leased in self._running.values() for cid in leased
                    if self.closures[cid].owner == owner)
 
-    def owners(self) -> set[str]:
-        """Owners with closures not yet final."""
-        return {c.owner for c in self.closures.values()}
-
     def unfinished(self, owner: str | None = None) -> int:
         """Closures not yet final (of ``owner``, or all)."""
         if owner is None:
             return len(self.closures)
         return sum(1 for c in self.closures.values() if c.owner == owner)
-
-    def check_invariants(self) -> None:
-        """Assert the internal indexes agree (used by tests)."""
-        running = {cid for s in self._running.values() for cid in s}
-        for cid, c in self.closures.items():
-            assert c.state in (PENDING, RUNNING), (cid, c.state)
-            if c.state == RUNNING:
-                assert cid in self._running.get(c.session, ()), cid
-            elif c.pinned is not None:
-                assert cid in self._pinned.get(c.pinned, ()), cid
-            else:
-                assert cid not in running and cid in self._queue, cid
-        for session, cids in self._running.items():
-            for cid in cids:
-                assert self.closures[cid].session == session
-        assert set(self._running) <= self._sessions | set(self._running)
-
 
 def _order(cid: str) -> tuple[int, str]:
     """Sort key that keeps a session's closures in submission order when put back."""

@@ -222,10 +222,11 @@ class Sampler:
 _collector: MetricsCollector | None = None
 
 
-def install(plugin: Any, scheduler: Any) -> None:
-    """Add the pages to the scheduler's HTTP server and the metrics to Prometheus."""
+def install(plugin: Any, scheduler: Any) -> Sampler:
+    """Add the pages to the scheduler's HTTP server and the metrics to Prometheus; the
+    history sampler, started (the plugin stops it when it closes)."""
     global _collector
-    plugin._daskdist_sampler = sampler = Sampler(plugin, scheduler)
+    sampler = Sampler(plugin, scheduler)
     sampler.tick()
     sampler.callback.start()
     app = getattr(scheduler, "http_application", None)
@@ -244,9 +245,10 @@ def install(plugin: Any, scheduler: Any) -> None:
     try:
         import prometheus_client
     except ImportError:
-        return
+        return sampler
     if _collector is None:
         _collector = MetricsCollector(plugin)
         prometheus_client.REGISTRY.register(_collector)
     else:
         _collector.plugin = plugin  # a later scheduler in the same process
+    return sampler

@@ -60,6 +60,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         # cut off); Dask logs the event just before it calls remove_worker
         self._expected: dict[str, bool] = {}
         self._liveness_task: asyncio.Task | None = None
+        self._sampler: observe.Sampler | None = None  # dashboard history, until close
 
     async def start(self, scheduler) -> None:
         self.scheduler = self.names.scheduler = scheduler
@@ -102,7 +103,7 @@ class CoordinatorPlugin(SchedulerPlugin):
             }
         )
         scheduler.extensions["daskdist"] = self
-        observe.install(self, scheduler)
+        self._sampler = observe.install(self, scheduler)
         self._liveness_task = asyncio.create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:
@@ -192,6 +193,9 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         self.names.close()
+        if self._sampler is not None:
+            self._sampler.callback.stop()
+            self._sampler = None
         if self._liveness_task is not None:
             self._liveness_task.cancel()
             self._liveness_task = None

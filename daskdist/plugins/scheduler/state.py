@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from daskdist.core import checks
 from daskdist.core.commits import CommitBook
 from daskdist.core.gang import INTERRUPTING, GangBook
 from daskdist.core.leases import EpochFailed, LeaseTable, SessionExpired
@@ -26,19 +27,12 @@ from daskdist.core.membership import Membership
 from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
-    MAX_EPOCH,
-    MAX_RANGES,
-    MAX_ROWS,
-    MAX_RUNS,
     READY,
     UNSTARTED,
     CommitKey,
     DatasetDef,
     EpochLedger,
     Outcome,
-    arg_int,
-    arg_pairs,
-    arg_str,
 )
 from daskdist.core.queue import ClosureQueue
 from daskdist.plugins.scheduler.stats import CoordinatorStats
@@ -352,7 +346,7 @@ class CoordinatorState:
         ``expected`` is Dask's word on a removed worker: retired or closed (True), or
         killed, crashed, cut off (False: counted as a lost worker).
         """
-        self.stats.on_session_end(self, session, expected)
+        self.stats.on_session_end(self, session)
         self.departing.discard(session)
         self.members.leave(session)
         self.liveness.forget(session)
@@ -496,18 +490,18 @@ class CoordinatorState:
             raise TypeError(f"dataset must be a DatasetDef {DatasetDef._fields}, got "
                             f"{type(dataset).__name__}")
         d = DatasetDef._make(dataset)
-        dataset_id = arg_str("dataset_id", d.dataset_id)
-        label = arg_str("label", d.label, empty=True)
-        runs = None if d.runs is None else arg_pairs("runs", d.runs, MAX_RUNS, 0, MAX_ROWS)
-        seed = arg_int("seed", d.seed, -(1 << 63), (1 << 63) - 1)
-        if runs is not None and sum(r * n for r, n in runs) > MAX_ROWS:
-            raise ValueError(f"dataset {dataset_id!r} has more than {MAX_ROWS} rows")
+        dataset_id = checks.text(d.dataset_id, "dataset_id")
+        label = checks.text(d.label, "label", empty=True)
+        runs = checks.optional(checks.pairs, d.runs, "runs", checks.MAX_RUNS)
+        seed = checks.integer(d.seed, "seed", -(1 << 63), (1 << 63) - 1)
+        if runs is not None and sum(r * n for r, n in runs) > checks.MAX_ROWS:
+            raise ValueError(f"dataset {dataset_id!r} has more than {checks.MAX_ROWS} rows")
         if session is not None:
-            if arg_str("session", session) not in self.members:
+            if checks.text(session, "session") not in self.members:
                 return {"expired": True}
             owner = ""
         else:
-            self.owner_box(arg_str("owner", owner), arg_str("token", token))
+            self.owner_box(checks.text(owner, "owner"), checks.text(token, "token"))
         if runs is None:
             self.leases.register(dataset_id, label, owner, seed)
         else:
@@ -520,11 +514,11 @@ class CoordinatorState:
         """Lease ``rows`` rows of an epoch to ``session`` (fewer, not under ``least``,
         near the epoch's end): ``{"lease": intervals or None}``, ``{"expired": True}``
         for an ended session, ``{"failed": why}`` when the epoch cannot complete."""
-        session = arg_str("session", session)
-        dataset_id = arg_str("dataset_id", dataset_id)
-        epoch = arg_int("epoch", epoch, 0, MAX_EPOCH)
-        rows = arg_int("rows", rows, 1, MAX_ROWS)
-        least = arg_int("least", least, 1, MAX_ROWS)
+        session = checks.text(session, "session")
+        dataset_id = checks.text(dataset_id, "dataset_id")
+        epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
+        rows = checks.integer(rows, "rows", 1, checks.MAX_ROWS)
+        least = checks.integer(least, "least", 1, checks.MAX_ROWS)
         if not self.renew(session, time.monotonic()):
             return {"expired": True}
         try:
@@ -538,30 +532,30 @@ class CoordinatorState:
 
     def lease_progress(self, dataset_id: str, epoch: int) -> dict:
         """An epoch's counts (read-only: never defines a table)."""
-        return self.leases.progress(arg_str("dataset_id", dataset_id),
-                                    arg_int("epoch", epoch, 0, MAX_EPOCH))
+        return self.leases.progress(checks.text(dataset_id, "dataset_id"),
+                                    checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH))
 
     def lease_release(self, session: str, dataset_id: str, epoch: int, ranges: Any,
                       failure: Any = None) -> int:
         """Rows a session gives back (``failure``: ``[file, message]`` of a failed read);
         refused (0) from a session that ended. Rows freed."""
-        session = arg_str("session", session)
-        dataset_id = arg_str("dataset_id", dataset_id)
-        epoch = arg_int("epoch", epoch, 0, MAX_EPOCH)
-        ranges = arg_pairs("ranges", ranges, MAX_RANGES)
+        session = checks.text(session, "session")
+        dataset_id = checks.text(dataset_id, "dataset_id")
+        epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
+        ranges = checks.pairs(ranges, "ranges", checks.MAX_RANGES)
         if failure is not None:
             if not isinstance(failure, (list, tuple)) or len(failure) != 2:
                 raise TypeError(f"failure must be [file, message], got {failure!r:.80}")
-            failure = (arg_str("failure file", failure[0], 4096),
-                       arg_str("failure message", failure[1], 16384))
+            failure = (checks.text(failure[0], "failure file", 4096),
+                       checks.text(failure[1], "failure message", 16384))
         if session not in self.members:
             return 0
         return self.leases.release(session, dataset_id, epoch, ranges, failure)
 
     def dataset_state(self, dataset_id: str, epoch: int) -> tuple:
         """The epoch's acknowledged rows (an :class:`EpochLedger`), for resuming."""
-        dataset_id = arg_str("dataset_id", dataset_id)
-        epoch = arg_int("epoch", epoch, 0, MAX_EPOCH)
+        dataset_id = checks.text(dataset_id, "dataset_id")
+        epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
         p = self.leases.progress(dataset_id, epoch)
         return tuple(EpochLedger(dataset_id, epoch,
                                  self.leases.acknowledged(dataset_id, epoch), p["total"]))
@@ -569,15 +563,15 @@ class CoordinatorState:
     def dataset_start(self, owner: str, token: str, ledger: Any) -> dict:
         """Start an epoch with the rows of ``ledger`` (an :class:`EpochLedger`) already
         acknowledged; refused once the epoch has started. Its progress."""
-        self.owner_box(arg_str("owner", owner), arg_str("token", token))
+        self.owner_box(checks.text(owner, "owner"), checks.text(token, "token"))
         if not isinstance(ledger, (list, tuple)) or len(ledger) != len(EpochLedger._fields):
             raise TypeError(f"ledger must be an EpochLedger {EpochLedger._fields}")
         led = EpochLedger._make(ledger)
-        dataset_id = arg_str("dataset_id", led.dataset_id)
-        epoch = arg_int("epoch", led.epoch, 0, MAX_EPOCH)
-        acked = arg_pairs("acknowledged", led.acknowledged, MAX_RANGES)
+        dataset_id = checks.text(led.dataset_id, "dataset_id")
+        epoch = checks.integer(led.epoch, "epoch", 0, checks.MAX_EPOCH)
+        acked = checks.pairs(led.acknowledged, "acknowledged", checks.MAX_RANGES)
         total = self.leases.progress(dataset_id, epoch)["total"]
-        if arg_int("total", led.total, 0, MAX_ROWS) != total:
+        if checks.integer(led.total, "total", 0, checks.MAX_ROWS) != total:
             raise ValueError(f"the ledger is of {led.total} rows; dataset {dataset_id!r} "
                              f"has {total}")
         self.leases.start_epoch(dataset_id, epoch, acked)
@@ -585,7 +579,7 @@ class CoordinatorState:
 
     # -- durable commits: checkpoint ledgers (SPEC §4.3) ----------------------------------
     def _live(self, session: Any) -> str:
-        session = arg_str("session", session)
+        session = checks.text(session, "session")
         if session not in self.members:
             raise ValueError(f"session {session!r} of coordinator {self.name!r} ended")
         return session
@@ -594,7 +588,7 @@ class CoordinatorState:
         """The ledger of State ``state``'s dynamic datasets now, by name (a checkpoint
         written at the State's current commit keeps it)."""
         self._live(session)
-        return self.ledgers.export(arg_str("state", state, 1024), self.leases)
+        return self.ledgers.export(checks.text(state, "state", 1024), self.leases)
 
     def restore_ledger(self, session: str, state: str, ledger: Any) -> list:
         """State ``state`` resumed from a checkpoint: its datasets' epochs go on from
@@ -603,15 +597,17 @@ class CoordinatorState:
         if not isinstance(ledger, dict) or len(ledger) > 1024:
             raise TypeError(f"ledger must be a dict of at most 1024 datasets, got "
                             f"{type(ledger).__name__}")
-        return self.ledgers.restore(arg_str("state", state, 1024), ledger, self.leases)
+        return self.ledgers.restore(checks.text(state, "state", 1024), ledger, self.leases)
 
     def checkpoint_written(self, session: str, state: str, url: str, commits: int,
                            seconds: float, nbytes: int) -> None:
         """A State's writer reports a complete checkpoint (dashboard and metrics)."""
-        if arg_str("session", session) in self.members:
-            self.stats.on_checkpoint(arg_str("state", state, 1024), arg_str("url", url, 4096),
-                                     arg_int("commits", commits, 0, MAX_ROWS),
-                                     float(seconds), arg_int("nbytes", nbytes, 0, MAX_ROWS))
+        if checks.text(session, "session") in self.members:
+            self.stats.on_checkpoint(checks.text(state, "state", 1024),
+                                     checks.text(url, "url", 4096),
+                                     checks.integer(commits, "commits", 0, checks.MAX_ROWS),
+                                     float(seconds),
+                                     checks.integer(nbytes, "nbytes", 0, checks.MAX_ROWS))
 
     def forget_datasets(self, dataset_ids: list[str]) -> None:
         """Their handles were dropped: their lease tables and completed epochs go."""

@@ -105,7 +105,7 @@ class CoordinatorStats:
         self._worker(co, session).rows += rows
         self.dataset_rows[dataset_id] = self.dataset_rows.get(dataset_id, 0) + rows
 
-    def on_session_end(self, co: Any, session: str, expected: bool) -> None:
+    def on_session_end(self, co: Any, session: str) -> None:
         """Before ``session`` leaves: a loss event when it was a member of the group."""
         group = co.gangs.group
         if session in group.sessions:

@@ -1,0 +1,59 @@
+"""Test-side views of the core state machines' internals: the invariant checks the
+property tests run after every step, and queries only tests need (the package never
+asks them, so they live here, not on the tables)."""
+
+from __future__ import annotations
+
+from daskdist.core.intervals import Interval, normalize
+from daskdist.core.leases import LeaseTable
+from daskdist.core.protocol import PENDING, RUNNING
+from daskdist.core.queue import ClosureQueue
+
+
+def check_queue(q: ClosureQueue) -> None:
+    """Assert the queue's indexes agree: a running closure is in its session's running
+    set (and only there), a pinned one in its session's pins, the rest queued."""
+    running = {cid for s in q._running.values() for cid in s}
+    for cid, c in q.closures.items():
+        assert c.state in (PENDING, RUNNING), (cid, c.state)
+        if c.state == RUNNING:
+            assert cid in q._running.get(c.session, ()), cid
+        elif c.pinned is not None:
+            assert cid in q._pinned.get(c.pinned, ()), cid
+        else:
+            assert cid not in running and cid in q._queue, cid
+    for session, cids in q._running.items():
+        for cid in cids:
+            assert q.closures[cid].session == session
+    assert set(q._running) <= q._sessions, set(q._running) - q._sessions
+
+
+def check_leases(t: LeaseTable) -> None:
+    """Assert the invariant on every epoch: acked ∪ leased ∪ free ∪ deferred = all
+    rows, pairwise disjoint, each set well formed, counters consistent."""
+    for dataset_id, ds in t.datasets.items():
+        for epoch, ep in ds.epochs.items():
+            key = (dataset_id, epoch)
+            sets = [ep.free, ep.deferred, ep.acked, *ep.leased.values()]
+            for rs in sets:
+                items = rs.items()
+                assert items == normalize(items), f"{key}: not normalized: {items}"
+                assert rs.size == sum(b - a for a, b in items), f"{key}: size"
+            pos = 0
+            for a, b in sorted(iv for rs in sets for iv in rs):
+                assert a == pos, f"{key}: gap or overlap at {pos} (next {a})"
+                pos = b
+            assert pos == ep.total, f"{key}: rows up to {ep.total} not covered"
+            assert all(ep.leased.values()), f"{key}: empty lease kept"
+            assert ep.n_leased == sum(rs.size for rs in ep.leased.values()), \
+                f"{key}: leased counter"
+            for session in ep.leased:
+                assert key in t._session_keys.get(session, ()), f"{key}: keys"
+
+
+def leased_to(t: LeaseTable, session: str, dataset_id: str, epoch: int) -> list[Interval]:
+    """The rows leased to ``session`` in one epoch now (global intervals)."""
+    ds = t.datasets.get(dataset_id)
+    ep = ds.epochs.get(int(epoch)) if ds is not None else None
+    held = ep.leased.get(session) if ep is not None else None
+    return [] if held is None else held.items()
