@@ -1,9 +1,17 @@
 """HPC: dask-jobqueue on a real one-node Slurm, started by the test without systemd.
 
 The fixture starts Debian's munged (as user ``munge``), ``slurmctld -D`` and ``slurmd -D``
-(as root) on a minimal ``slurm.conf`` in a tmp dir (``SLURM_CONF``); the test runs
-``examples/jobqueue_slurm.py``'s ``train`` on two jobs, cancelling one mid-epoch. It
-skips, saying why, where the packages (``.ci/run`` installs them) or root are missing.
+(as root) on a minimal ``slurm.conf`` in a tmp dir (``SLURM_CONF``). The tests run
+``examples/jobqueue_slurm.py``:
+
+- ``train`` on two jobs, cancelling one mid-epoch: the epoch completes, every row once;
+- the resumable epoch (``State.checkpoint_to`` on a shared directory, a named dynamic
+  dataset): every job of a first allocation is ``scancel``ed mid-epoch and its
+  scheduler closed, then a second SLURMCluster (new scheduler, client, coordinator and
+  jobs of another shape) resumes from the newest complete checkpoint: the committed
+  per-row counts hold every row of the epoch exactly once across the two.
+
+They skip, saying why, where the packages (``.ci/run`` installs them) or root are missing.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import wait_until
@@ -159,8 +170,26 @@ def load_example():
     return module
 
 
-def test_jobqueue_workers_train_and_survive_a_cancelled_job(slurm, tmp_path):
+def slurm_cluster(example, tmp_path: Path, cores: int = 1, processes: int = 1):
+    """A SLURMCluster of CPU jobs on the test's Slurm (the node has 2 CPUs)."""
     from dask_jobqueue import SLURMCluster
+
+    return SLURMCluster(
+        cores=cores, memory=f"{2 * processes}GB", processes=processes, interface="lo",
+        walltime="00:20:00", python=sys.executable, local_directory=str(tmp_path),
+        log_directory=str(tmp_path), job_script_prologue=[f"export PYTHONPATH={ROOT}"],
+        scheduler_options={**example.SCHEDULER_PRELOAD, "dashboard_address": None},
+    )
+
+
+def queued(env: dict) -> set[str]:
+    """The ids of the jobs Slurm still lists (running, pending or completing)."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True,
+                         text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_jobqueue_workers_train_and_survive_a_cancelled_job(slurm, tmp_path):
     from distributed import Client
 
     from daskdist.cli import write_shards
@@ -169,12 +198,7 @@ def test_jobqueue_workers_train_and_survive_a_cancelled_job(slurm, tmp_path):
     data = tmp_path / "shards"
     data.mkdir()
     write_shards(data, 6000, 3)
-    cluster = SLURMCluster(
-        cores=1, memory="2GB", processes=1, interface="lo", walltime="00:20:00",
-        python=sys.executable, local_directory=str(tmp_path), log_directory=str(tmp_path),
-        job_script_prologue=[f"export PYTHONPATH={ROOT}"],
-        scheduler_options={**example.SCHEDULER_PRELOAD, "dashboard_address": None},
-    )
+    cluster = slurm_cluster(example, tmp_path)
     try:
         assert "#SBATCH" in cluster.job_script() and sys.executable in cluster.job_script()
         t = time.monotonic()
@@ -195,8 +219,94 @@ def test_jobqueue_workers_train_and_survive_a_cancelled_job(slurm, tmp_path):
         assert out["rows"] == 6000  # every row of the epoch exactly once
         p = out["progress"]
         assert p["complete"] and p["acknowledged"] == p["total"] == 6000
-        squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm["env"],
-                                capture_output=True, text=True).stdout.split()
-        assert jobs[-1] not in squeue  # the cancelled job is gone
+        # the cancelled job ends (it may still be completing: its processes exiting)
+        wait_until(lambda: jobs[-1] not in queued(slurm["env"]), 60,
+                   "the cancelled job to leave the queue")
     finally:
         cluster.close()
+
+
+ROWS = 3000  # the resumable epoch: 50 steps of 60 rows on two workers
+EVERY = 4  # a checkpoint every 4 commits
+
+
+def write_id_shards(root: Path) -> str:
+    """Regression shards with a row ``id`` (0 .. ROWS-1): the state counts each row."""
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for f in range(3):
+        ids = np.arange(f * ROWS // 3, (f + 1) * ROWS // 3, dtype=np.int64)
+        x = rng.standard_normal((len(ids), 16)).astype(np.float32)
+        table = pa.table({"id": ids, "x": pa.FixedSizeListArray.from_arrays(x.ravel(), 16),
+                          "y": x.sum(axis=1)})
+        pq.write_table(table, root / f"part-{f}.parquet", row_group_size=100)
+    return str(root / "*.parquet")
+
+
+def test_a_new_allocation_resumes_an_epoch_whose_jobs_were_all_cancelled(slurm, tmp_path):
+    from distributed import Client
+
+    from daskdist.collective.checkpoint import CheckpointStore
+
+    example = load_example()
+    data = write_id_shards(tmp_path / "ids")
+    url = str(tmp_path / "checkpoints")  # shared: every job's node writes and reads it
+    store = CheckpointStore(url)
+
+    # the first allocation: two jobs train part of the epoch, then all are cancelled
+    first = slurm_cluster(example, tmp_path)
+    try:
+        first.scale(jobs=2)
+        with Client(first) as client:
+            client.wait_for_workers(2, timeout=120)
+            jobs = sorted(j.job_id for j in first.workers.values())
+            run = example.start_resumable(client, data, 2, url, ROWS, every=EVERY)
+            try:
+                run.coord.schedule_on_all(example.epoch_steps,
+                                          args=(run.state, run.iterator, 0.2))
+                wait_until(lambda: len(store.complete()) >= 2
+                           or run.dataset.progress()["complete"], 120,
+                           "two complete checkpoints of the first allocation")
+                t = time.monotonic()
+                subprocess.run(["scancel", *jobs], env=slurm["env"], check=True)
+                cancelled = run.dataset.progress()
+                wait_until(lambda: not queued(slurm["env"]) & set(jobs), 120,
+                           "every cancelled job to leave the queue")
+                print(f"{len(jobs)} cancelled jobs gone in {time.monotonic() - t:.1f} s")
+                after = run.dataset.progress()
+            finally:
+                run.coord.close()
+    finally:
+        first.close()  # the first allocation's scheduler: its state goes with it
+    assert 0 < cancelled["acknowledged"] < cancelled["total"] == ROWS  # cut mid-epoch
+    assert not after["complete"] and after["acknowledged"] < ROWS
+    newest = store.latest()
+    assert newest is not None and newest.commits >= 2 * EVERY
+
+    # a new allocation: new scheduler, client, coordinator; one job of two workers
+    second = slurm_cluster(example, tmp_path, cores=2, processes=2)
+    try:
+        t = time.monotonic()
+        second.scale(jobs=1)
+        with Client(second) as client:
+            client.wait_for_workers(2, timeout=120)
+            assert len({w.job_id for w in second.workers.values()}) == 1
+            run = example.start_resumable(client, data, 2, url, ROWS, every=EVERY)
+            try:
+                runs = example.run_epoch(run)
+                print(f"resumed and completed the epoch in {time.monotonic() - t:.1f} s")
+                commits, seen = run.coord.fetch(run.coord.schedule_on_all(
+                    example.committed, args=(run.state,)))[0]
+                progress = run.dataset.progress()
+            finally:
+                run.coord.close()
+    finally:
+        second.close()
+    resumed_at = runs[0][0][0]
+    assert resumed_at == newest.commits  # from the newest complete checkpoint, not 0
+    c = np.asarray(seen)
+    assert (c == 1).all(), (f"rows trained 0 times: {int((c == 0).sum())}, more than "
+                            f"once: {int((c > 1).sum())}")
+    assert progress["complete"] and progress["acknowledged"] == progress["total"] == ROWS
+    assert commits == resumed_at + sum(r[0][1] for r in runs)
+    assert store.latest().commits > resumed_at  # it went on checkpointing
