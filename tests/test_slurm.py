@@ -170,15 +170,25 @@ def load_example():
     return module
 
 
-def slurm_cluster(example, tmp_path: Path, cores: int = 1, processes: int = 1):
-    """A SLURMCluster of CPU jobs on the test's Slurm (the node has 2 CPUs)."""
+NOTICE = {  # the README's preemption-notice settings: the worker *is* the batch shell
+    "nanny": False, "python": f"exec {sys.executable}",
+    "job_extra_directives": ["--signal=B:TERM@60"],
+}
+
+
+def slurm_cluster(example, tmp_path: Path, cores: int = 1, processes: int = 1,
+                  notice: bool = False):
+    """A SLURMCluster of CPU jobs on the test's Slurm (the node has 2 CPUs); with
+    ``notice``, one worker per job started with the README's notice settings."""
     from dask_jobqueue import SLURMCluster
 
+    options = {"python": sys.executable, **(NOTICE if notice else {})}
     return SLURMCluster(
         cores=cores, memory=f"{2 * processes}GB", processes=processes, interface="lo",
-        walltime="00:20:00", python=sys.executable, local_directory=str(tmp_path),
-        log_directory=str(tmp_path), job_script_prologue=[f"export PYTHONPATH={ROOT}"],
+        walltime="00:20:00", local_directory=str(tmp_path), log_directory=str(tmp_path),
+        job_script_prologue=[f"export PYTHONPATH={ROOT}"],
         scheduler_options={**example.SCHEDULER_PRELOAD, "dashboard_address": None},
+        **options,
     )
 
 
@@ -254,7 +264,9 @@ def test_a_new_allocation_resumes_an_epoch_whose_jobs_were_all_cancelled(slurm, 
     store = CheckpointStore(url)
 
     # the first allocation: two jobs train part of the epoch, then all are cancelled
-    first = slurm_cluster(example, tmp_path)
+    # (started as the README says, so scancel's SIGTERM is a notice to each worker
+    # process: the test passes whether the worker leaves gracefully or just dies)
+    first = slurm_cluster(example, tmp_path, notice=True)
     try:
         first.scale(jobs=2)
         with Client(first) as client:
@@ -310,3 +322,53 @@ def test_a_new_allocation_resumes_an_epoch_whose_jobs_were_all_cancelled(slurm, 
     assert progress["complete"] and progress["acknowledged"] == progress["total"] == ROWS
     assert commits == resumed_at + sum(r[0][1] for r in runs)
     assert store.latest().commits > resumed_at  # it went on checkpointing
+
+
+def test_the_readme_notice_settings_signal_the_worker_process_itself(slurm, tmp_path):
+    """``--signal=B:TERM@N`` signals the batch shell only; with the README's settings
+    (``nanny=False``, ``exec``) that process is the worker. ``scancel --batch
+    --signal=TERM`` sends what ``B:TERM@N`` sends, now instead of N s before the end."""
+    from distributed import Client
+
+    def record_sigterm(path: str) -> tuple[int, str]:
+        """In the worker process (a closure: pickled by value): append this pid to
+        ``path`` on each SIGTERM, then do what the handler before did. Returns the pid
+        and the parent process's name."""
+        import signal
+
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum, frame):
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.close(fd)
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_term)
+        return os.getpid(), Path(f"/proc/{os.getppid()}/comm").read_text().strip()
+
+    example = load_example()
+    cluster = slurm_cluster(example, tmp_path, notice=True)
+    try:
+        script = cluster.job_script()
+        assert "#SBATCH --signal=B:TERM@60" in script and "--no-nanny" in script
+        assert f"exec {sys.executable} -m distributed.cli.dask_worker" in script
+        cluster.scale(jobs=1)
+        with Client(cluster) as client:
+            client.wait_for_workers(1, timeout=120)
+            job = next(iter(cluster.workers.values())).job_id
+            record = tmp_path / "sigterm.log"
+            (pid, parent), = client.run(record_sigterm, str(record)).values()
+            assert parent == "slurmstepd"  # no batch shell between Slurm and the worker
+            subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm["env"],
+                           check=True)
+            wait_until(lambda: record.exists() and record.read_text().split() == [str(pid)],
+                       60, "the worker process to receive SIGTERM")
+            wait_until(lambda: job not in queued(slurm["env"]), 60,
+                       "the job to end with its worker")
+    finally:
+        cluster.close()
