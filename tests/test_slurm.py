@@ -315,6 +315,9 @@ def test_a_new_allocation_resumes_an_epoch_whose_jobs_were_all_cancelled(slurm, 
     finally:
         second.close()
     resumed_at = runs[0][0][0]
+    print(f"rows acknowledged at the scancel: {cancelled['acknowledged']}, once the jobs "
+          f"were gone: {after['acknowledged']}; resumed at commit {resumed_at} "
+          f"({resumed_at * ROWS // 50} rows)")
     assert resumed_at == newest.commits  # from the newest complete checkpoint, not 0
     c = np.asarray(seen)
     assert (c == 1).all(), (f"rows trained 0 times: {int((c == 0).sum())}, more than "
