@@ -9,7 +9,9 @@ The fixture starts Debian's munged (as user ``munge``), ``slurmctld -D`` and ``s
   dataset): every job of a first allocation is ``scancel``ed mid-epoch and its
   scheduler closed, then a second SLURMCluster (new scheduler, client, coordinator and
   jobs of another shape) resumes from the newest complete checkpoint: the committed
-  per-row counts hold every row of the epoch exactly once across the two.
+  per-row counts hold every row of the epoch exactly once across the two;
+- the README's preemption-notice settings: Slurm's batch-step SIGTERM (what
+  ``--signal=B:TERM@N`` sends) reaches the worker process itself.
 
 They skip, saying why, where the packages (``.ci/run`` installs them) or root are missing.
 """
@@ -236,7 +238,8 @@ def test_jobqueue_workers_train_and_survive_a_cancelled_job(slurm, tmp_path):
         cluster.close()
 
 
-ROWS = 3000  # the resumable epoch: 50 steps of 60 rows on two workers
+ROWS = 3000  # the resumable epoch: 50 steps
+STEP = 60  # rows of a step, over both workers
 EVERY = 4  # a checkpoint every 4 commits
 
 
@@ -272,7 +275,8 @@ def test_a_new_allocation_resumes_an_epoch_whose_jobs_were_all_cancelled(slurm, 
         with Client(first) as client:
             client.wait_for_workers(2, timeout=120)
             jobs = sorted(j.job_id for j in first.workers.values())
-            run = example.start_resumable(client, data, 2, url, ROWS, every=EVERY)
+            run = example.start_resumable(client, data, 2, url, ROWS, every=EVERY,
+                                          batch_size=STEP // 2)
             try:
                 run.coord.schedule_on_all(example.epoch_steps,
                                           args=(run.state, run.iterator, 0.2))
@@ -303,7 +307,8 @@ def test_a_new_allocation_resumes_an_epoch_whose_jobs_were_all_cancelled(slurm, 
         with Client(second) as client:
             client.wait_for_workers(2, timeout=120)
             assert len({w.job_id for w in second.workers.values()}) == 1
-            run = example.start_resumable(client, data, 2, url, ROWS, every=EVERY)
+            run = example.start_resumable(client, data, 2, url, ROWS, every=EVERY,
+                                          batch_size=STEP // 2)
             try:
                 runs = example.run_epoch(run)
                 print(f"resumed and completed the epoch in {time.monotonic() - t:.1f} s")
@@ -317,7 +322,7 @@ def test_a_new_allocation_resumes_an_epoch_whose_jobs_were_all_cancelled(slurm, 
     resumed_at = runs[0][0][0]
     print(f"rows acknowledged at the scancel: {cancelled['acknowledged']}, once the jobs "
           f"were gone: {after['acknowledged']}; resumed at commit {resumed_at} "
-          f"({resumed_at * ROWS // 50} rows)")
+          f"({resumed_at * STEP} rows)")
     assert resumed_at == newest.commits  # from the newest complete checkpoint, not 0
     c = np.asarray(seen)
     assert (c == 1).all(), (f"rows trained 0 times: {int((c == 0).sum())}, more than "
