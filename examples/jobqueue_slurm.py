@@ -22,12 +22,16 @@ a ``name=``, so running the same command again, on new jobs with any number of
 workers, resumes from the newest complete checkpoint and trains every row of the epoch
 exactly once across the two runs (:func:`start_resumable`, :func:`run_epoch`; the CI
 test cancels every job of the first run and closes its scheduler). Its shards need an
-``id`` column (0 .. rows-1): the state counts how often each row was trained.
+``id`` column (0 .. rows-1): the state counts how often each row was trained. Its jobs
+hold one worker each, started so that Slurm's SIGTERM (``scancel``, or
+``--signal=B:TERM@120`` before the walltime) reaches the worker process itself, which
+then leaves gracefully (the README's HPC section says why these settings).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 
@@ -198,16 +202,31 @@ def main() -> None:
                     "an id column); run again to resume")
     ap.add_argument("--rows", type=int, help="rows of the epoch (with --checkpoint)")
     args = ap.parse_args()
+    if args.checkpoint and not args.rows:
+        ap.error("--checkpoint needs --rows (the epoch's rows, ids 0 .. rows-1)")
     gpus = args.gpus_per_job
-    cluster = SLURMCluster(
-        cores=gpus, processes=gpus, memory=f"{16 * gpus}GB", walltime=args.walltime,
-        job_extra_directives=[f"--gres=gpu:{gpus}"],
-        # worker i of a job sees only GPU i (SLURM_LOCALID is not per worker process,
-        # so use the worker name's suffix that dask-jobqueue appends: -0, -1, ...)
-        worker_extra_args=["--preload", "daskdist.plugins.gpu_pin"],
-        scheduler_options=SCHEDULER_PRELOAD,
-    )
-    cluster.scale(jobs=args.jobs)
+    if args.checkpoint:
+        # one worker (one GPU) per job, no nanny, exec'd as the batch shell, told 120 s
+        # before the walltime: each worker gets Slurm's SIGTERM itself and leaves
+        # gracefully, checkpointing when it holds the last copy (README: HPC)
+        cluster = SLURMCluster(
+            cores=8, processes=1, memory="64GB", walltime=args.walltime, nanny=False,
+            python=f"exec {sys.executable}",
+            job_extra_directives=["--gres=gpu:1", "--signal=B:TERM@120"],
+            scheduler_options=SCHEDULER_PRELOAD,
+        )
+        jobs = args.jobs * gpus
+    else:
+        cluster = SLURMCluster(
+            cores=gpus, processes=gpus, memory=f"{16 * gpus}GB", walltime=args.walltime,
+            job_extra_directives=[f"--gres=gpu:{gpus}"],
+            # worker i of a job sees only GPU i (SLURM_LOCALID is not per worker process,
+            # so use the worker name's suffix that dask-jobqueue appends: -0, -1, ...)
+            worker_extra_args=["--preload", "daskdist.plugins.gpu_pin"],
+            scheduler_options=SCHEDULER_PRELOAD,
+        )
+        jobs = args.jobs
+    cluster.scale(jobs=jobs)
     with Client(cluster) as client:
         if args.checkpoint:
             run = start_resumable(client, args.data, args.jobs * gpus, args.checkpoint,
