@@ -109,6 +109,15 @@ def slow(i: int, seconds: float) -> tuple[int, int]:
     return i, os.getpid()
 
 
+def _replace_handler() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _ours() -> bool:
+    handler = signal.getsignal(signal.SIGTERM)
+    return type(getattr(handler, "__self__", None)).__name__ == "PreemptionNotice"
+
+
 def test_sigterm_finishes_running_closures_and_hands_back_the_rest():
     with dask.config.set({"daskdist.preemption.grace": f"{GRACE}s"}), \
             make_cluster(2, threads=2) as cluster, Client(cluster) as client:
@@ -116,6 +125,12 @@ def test_sigterm_finishes_running_closures_and_hands_back_the_rest():
         wait_for_workers(client, coord, 2)
         pids = client.run(os.getpid)
         victim = sorted(pids.values())[0]
+        addr = next(a for a, p in pids.items() if p == victim)
+        # a handler installed after ours (``dask worker --no-nanny`` installs one once
+        # the worker started) is replaced again: the notice stays a graceful leave
+        client.run(_replace_handler, workers=[addr])
+        wait_until(lambda: client.run(_ours, workers=[addr])[addr], 30,
+                   "daskdist's SIGTERM handler back")
         values = [coord.schedule(slow, args=(i, 1.0)) for i in range(12)]
         wait_until(lambda: coord.status()["running"] >= 3, 30, "closures running")
         os.kill(victim, signal.SIGTERM)

@@ -18,13 +18,15 @@ worker leaves the way a retirement does:
    coordinator plugin's teardown reports its last results and which closures started,
    so the scheduler counts nothing as lost.
 
-Every wait has an end: ``daskdist.preemption.grace`` (25 s) from the notice, a watchdog
-thread ends the process whatever is still running. A second SIGTERM, or one that comes
+``daskdist.preemption.notice: false`` leaves SIGTERM to Python (and to the user's own
+handler). Every wait has an end: ``daskdist.preemption.grace`` (25 s) from the notice,
+a watchdog thread ends the process whatever is still running. A second SIGTERM, or one that comes
 while the worker is already closing, takes Python's default action (the process ends
 at once), as Dask's own CLI does for a repeated signal.
 
 Threads: the signal handler (main thread) only hands the notice to the worker's event
-loop, which runs the leave; the watchdog is a daemon timer thread.
+loop, which runs the leave and, until then, takes SIGTERM back from a handler installed
+after ours once a second; the watchdog is a daemon timer thread.
 """
 
 from __future__ import annotations
@@ -59,9 +61,24 @@ class PreemptionNotice:
         self.noticed: float | None = None  # time.monotonic() of the notice
         self.left = asyncio.Event()  # set when the leave finished (the worker closed)
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        self._keeper = asyncio.ensure_future(self._keep())
+
+    async def _keep(self) -> None:
+        """Take SIGTERM back from a handler installed after this one: ``dask worker
+        --no-nanny`` installs its own (closing the worker at once) once the worker has
+        started, which may be after this plugin's setup. Ends at the notice or at
+        :meth:`uninstall`."""
+        while self.noticed is None:
+            await asyncio.sleep(1.0)
+            current = signal.getsignal(signal.SIGTERM)
+            if self.noticed is None and current != self._on_signal:
+                logger.debug("daskdist: SIGTERM handler %r replaced ours: taken back",
+                             current)
+                self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
     def uninstall(self) -> None:
         """Put back the handler this one replaced (no coordinator is left here)."""
+        self._keeper.cancel()
         if signal.getsignal(signal.SIGTERM) == self._on_signal:
             signal.signal(signal.SIGTERM, self._previous)
 
@@ -134,6 +151,8 @@ def install(worker: Any, runners: Callable[[], list]) -> PreemptionNotice | None
     notice = getattr(worker, _ATTR, None)
     if notice is not None:
         return notice
+    if not config.get("preemption.notice"):
+        return None
     if threading.current_thread() is not threading.main_thread():
         logger.debug("daskdist: worker %s runs off the main thread: no SIGTERM handler",
                      worker.address)
