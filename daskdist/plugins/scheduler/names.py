@@ -46,7 +46,7 @@ class Coordinators:
         self._send = send
         self._next_generation = next_generation
         self._life: dict[str, asyncio.Lock] = {}  # name -> held while created / torn down
-        self._teardowns: set[asyncio.Task] = set()
+        self._teardowns: dict[str, asyncio.Task] = {}  # by coordinator name
         # client -> the pending drop of its owners (a cut connection may come back)
         self._orphaned: dict[str, asyncio.TimerHandle] = {}
 
@@ -128,10 +128,25 @@ class Coordinators:
         last owner. The outcomes the owner had not read."""
         items = co.drop_owner(owner)
         if not co.outboxes:
-            task = asyncio.ensure_future(self._teardown(co.name))
-            self._teardowns.add(task)
-            task.add_done_callback(self._teardowns.discard)
+            name = co.name
+            task = asyncio.ensure_future(self._teardown(name))
+            self._teardowns[name] = task
+            task.add_done_callback(
+                lambda t: self._teardowns.pop(name) if self._teardowns.get(name) is t else None)
         return items
+
+    async def torn_down(self, name: str, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, for the teardown of ``name`` under way (if
+        any) to remove its worker plugin: a ``close()`` that returns after it leaves no
+        plugin to race with a cluster closed right after (Dask's ``plugin_remove`` of
+        the same plugin from both sides raises ``KeyError``). The teardown goes on if
+        the wait ends first."""
+        task = self._teardowns.get(name)
+        if task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+            except Exception:  # noqa: BLE001 - a timeout; the task logs its own errors
+                pass
 
     # -- teardown --------------------------------------------------------------------------
     def _forget(self, name: str) -> CoordinatorState | None:
@@ -194,7 +209,7 @@ class Coordinators:
 
     def close(self) -> None:
         """The scheduler closes: stop teardowns, drivers and client timers."""
-        for task in list(self._teardowns):
+        for task in list(self._teardowns.values()):
             task.cancel()
         for driver in self.drivers.values():
             driver.stop()

@@ -224,15 +224,18 @@ class CoordinatorPlugin(SchedulerPlugin):
         return await self.names.create(name, client, max_worker_failures, torch_threads,
                                        lease_timeout)
 
-    def detach(self, name: str, owner: str, token: str) -> dict:
+    async def detach(self, name: str, owner: str, token: str) -> dict:
         """The owner closes: its queued closures are cancelled, its per-worker resources
         released on every worker; ``{"items": outcomes it had not read}``. The last
-        owner's detach closes the coordinator."""
+        owner's detach closes the coordinator, and returns once its worker plugin is
+        gone from the workers (or after 5 s, the teardown going on)."""
         co = self.coordinators.get(checks.text(name, "daskdist_detach: name"))
         if co is None:
             return {"items": []}
         co = self._owned("daskdist_detach", name, owner, token)
-        return {"items": self.names.drop_owner(co, owner)}
+        items = self.names.drop_owner(co, owner)
+        await self.names.torn_down(co.name, 5.0)
+        return {"items": items}
 
     def put(self, name: str, owner: str, token: str, closures: list) -> None:
         """Queue ``closures`` (each a :class:`Submission`) for ``owner`` (one-way).
