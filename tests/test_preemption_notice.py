@@ -90,6 +90,7 @@ def test_sigterm_on_rank0_mid_epoch_is_a_graceful_leave(tmp_path):
         assert "exited" in noticed, noticed
         assert noticed["acked"] < N_ROWS  # it came mid-epoch
         assert noticed["exited"] < GRACE  # within the grace, counted from the notice
+        print(f"SIGTERM -> the worker process gone: {noticed['exited']:.2f} s")
         status = coord.status()
         assert status["workers_lost"] == 0 and status["retried"] == 0, status
         assert status["failed"] == 0

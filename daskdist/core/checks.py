@@ -85,9 +85,18 @@ def items(value: Any, what: str, limit: int = MAX_ITEMS) -> list | tuple:
     return value
 
 
+def _is_text(v: Any) -> bool:
+    return type(v) is str and 0 < len(v) <= MAX_TEXT
+
+
 def texts(value: Any, what: str, limit: int = MAX_ITEMS) -> list[str]:
-    """A list of ids (each checked by :func:`text`)."""
-    return [text(v, f"{what}[{i}]") for i, v in enumerate(items(value, what, limit))]
+    """A list of ids (each checked by :func:`text`; the error message is only built
+    for a bad one: lists of ids come with every worker exchange)."""
+    value = items(value, what, limit)
+    for i, v in enumerate(value):
+        if not _is_text(v):
+            text(v, f"{what}[{i}]")  # raises, naming the item
+    return list(value)
 
 
 def pairs(value: Any, what: str, limit: int = MAX_ITEMS, lo: int = 0, hi: int = MAX_ROWS
@@ -115,6 +124,20 @@ def record(value: Any, what: str, size: int) -> list | tuple:
     return value
 
 
+def submission_ok(item: Any, prefix: str) -> bool:
+    """Whether ``item`` is a well-formed :class:`Submission` whose id starts with
+    ``prefix`` (the fast path of ``daskdist_put``: its checks build messages only for
+    a bad one)."""
+    return (type(item) in (list, tuple) and len(item) == 3
+            and _is_text(item[0]) and item[0].startswith(prefix)
+            and type(item[1]) in (list, tuple) and len(item[1]) == 2
+            and type(item[1][0]) is bytes and (item[1][1] is None or type(item[1][1]) is bytes)
+            and type(item[2]) is int and 0 <= item[2] <= MAX_RETRIES)
+
+
+MAX_RETRIES = 1_000_000  # a closure's retries
+
+
 def payload(value: Any, what: str) -> list | tuple:
     """A closure's payload: ``[function bytes, argument bytes or None]``."""
     if (not isinstance(value, (list, tuple)) or len(value) != 2
@@ -130,10 +153,25 @@ def payload(value: Any, what: str) -> list | tuple:
 WORKER_STATES = frozenset({READY, FAILED, PENDING})  # what a worker may report
 
 
+def _is_outcome(item: Any) -> bool:
+    """Whether ``item`` passes :func:`outcomes`' checks (the fast path, no messages)."""
+    return (type(item) in (list, tuple) and len(item) == _OUTCOME_FIELDS
+            and _is_text(item[0]) and type(item[1]) is str and item[1] in WORKER_STATES
+            and (item[3] is None or _is_text(item[3]))
+            and type(item[4]) is int and 0 <= item[4] <= 2**31
+            and type(item[6]) in (list, tuple) and len(item[6]) <= MAX_ITEMS)
+
+
+_OUTCOME_FIELDS = len(Outcome._fields)
+
+
 def outcomes(op: str, results: Any) -> list[Outcome]:
     """A worker's results, checked as a whole (nothing is applied if one is malformed)."""
     out = []
     for i, item in enumerate(items(results, f"{op}: results")):
+        if _is_outcome(item):
+            out.append(Outcome._make(item))
+            continue
         o = Outcome._make(record(item, f"{op}: results[{i}]", len(Outcome._fields)))
         text(o.cid, f"{op}: results[{i}].cid")
         if o.state not in WORKER_STATES:

@@ -252,12 +252,15 @@ class CoordinatorPlugin(SchedulerPlugin):
         prefix = f"{owner}-"
         subs = []
         for i, item in enumerate(checks.items(closures, f"{op}: closures")):
+            if checks.submission_ok(item, prefix):
+                subs.append(Submission._make(item))
+                continue
             sub = Submission._make(checks.record(item, f"{op}: closures[{i}]", 3))
             if not checks.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
                 raise PermissionError(f"{op}: closure id {sub.cid!r} is not one of owner "
                                       f"{owner!r}'s")
             checks.payload(sub.payload, f"{op}: closures[{i}].payload")
-            checks.integer(sub.retries, f"{op}: closures[{i}].retries", 0, 1_000_000)
+            checks.integer(sub.retries, f"{op}: closures[{i}].retries", 0, checks.MAX_RETRIES)
             subs.append(sub)
         q = co.queue
         for sub in subs:
