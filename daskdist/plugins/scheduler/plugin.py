@@ -38,7 +38,7 @@ from daskdist.core.protocol import PLUGIN_NAME, CommitKey, Dispatch, Submission
 from daskdist.plugins.scheduler import observe
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.names import Coordinators
-from daskdist.plugins.scheduler.state import CoordinatorState, wait_event
+from daskdist.plugins.scheduler.state import STATE_HANDLERS, CoordinatorState, wait_event
 
 logger = logging.getLogger(__name__)
 
@@ -84,22 +84,12 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_schedule_gang": self.schedule_gang,
                 "daskdist_group_form": self.group_form,
                 "daskdist_group_info": self.group_info,
-                # dynamic datasets: CoordinatorState's methods, as they are
-                "daskdist_dataset_define": self._on_state(CoordinatorState.dataset_define),
-                "daskdist_dataset_state": self._on_state(CoordinatorState.dataset_state),
-                "daskdist_dataset_start": self._on_state(CoordinatorState.dataset_start),
-                "daskdist_lease_acquire": self._on_state(CoordinatorState.lease_acquire),
-                "daskdist_lease_progress": self._on_state(CoordinatorState.lease_progress),
-                "daskdist_lease_release": self._on_state(CoordinatorState.lease_release),
                 # elastic commits (SPEC §4.2)
                 "daskdist_gang_commit_part": self.gang_commit_part,
                 "daskdist_commit_outcome": self.commit_outcome,
                 "daskdist_state_commits": self.state_commits,
-                # durable commits (SPEC §4.3)
-                "daskdist_dataset_ledger": self._on_state(CoordinatorState.dataset_ledger),
-                "daskdist_restore_ledger": self._on_state(CoordinatorState.restore_ledger),
-                "daskdist_checkpoint_written":
-                    self._on_state(CoordinatorState.checkpoint_written),
+                # dynamic datasets and checkpoint ledgers: CoordinatorState's methods
+                **{op: self._on_state(method) for op, method in STATE_HANDLERS.items()},
             }
         )
         scheduler.extensions["daskdist"] = self

@@ -732,3 +732,18 @@ class CoordinatorState:
             "group_size": len(group.sessions),
             "gangs_pending": len(self.gangs.pending),
         }
+
+
+# Handlers that are CoordinatorState's methods as they are (the plugin registers each
+# as ``method(state_of(name), **kwargs)``): a message's name leads here, beside its method.
+STATE_HANDLERS = {
+    "daskdist_dataset_define": CoordinatorState.dataset_define,
+    "daskdist_dataset_state": CoordinatorState.dataset_state,
+    "daskdist_dataset_start": CoordinatorState.dataset_start,
+    "daskdist_lease_acquire": CoordinatorState.lease_acquire,
+    "daskdist_lease_progress": CoordinatorState.lease_progress,
+    "daskdist_lease_release": CoordinatorState.lease_release,
+    "daskdist_dataset_ledger": CoordinatorState.dataset_ledger,
+    "daskdist_restore_ledger": CoordinatorState.restore_ledger,
+    "daskdist_checkpoint_written": CoordinatorState.checkpoint_written,
+}
