@@ -8,11 +8,11 @@ or the epoch completes. Its functions are also the tests' own (pickled by refere
 from __future__ import annotations
 
 import sys
-import time
-
-import torch
 
 import daskdist as dd
+from tests.row_ledger import final_counts, make_counts, train_rows
+
+__all__ = ["BATCH", "EVERY", "N_ROWS", "MakeCounts", "final_counts", "train_rows"]
 
 N_ROWS = 3000
 EVERY = 4
@@ -20,36 +20,13 @@ BATCH = 60  # rows of a step, over all ranks
 
 
 class MakeCounts:
-    """A State holding a float64 count per row, checkpointed to ``url`` every EVERY."""
+    """A row-count State (tests/row_ledger.py) checkpointed to ``url`` every EVERY."""
 
     def __init__(self, url: str, every: int = EVERY):
         self.url, self.every = url, every
 
     def __call__(self, ctx):
-        state = dd.collective.State(counts=torch.zeros(N_ROWS, dtype=torch.float64))
-        return state.checkpoint_to(self.url, every=self.every)
-
-
-def train_rows(state, it, pause: float = 0.02):
-    """Every step adds the allreduced bincount of the ranks' batch ids to the state;
-    returns the commit the State resumed at and the steps taken."""
-    g = dd.collective.get_group()
-    state.sync()
-    resumed = state.commits
-    steps = 0
-    for batch in dd.collective.synced(it):
-        c = torch.bincount(batch["id"], minlength=N_ROWS).to(torch.float64)
-        g.allreduce(c)
-        state.counts += c
-        time.sleep(pause)
-        state.commit()
-        steps += 1
-    return resumed, steps
-
-
-def final_counts(state):
-    state.sync()
-    return state.commits, state.counts.tolist()
+        return make_counts(ctx, N_ROWS).checkpoint_to(self.url, every=self.every)
 
 
 def main(url: str, data: str, workers: int) -> None:

@@ -5,6 +5,7 @@ always fails."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -20,6 +21,7 @@ from distributed import Client
 
 import daskdist as dd
 from tests.conftest import THREADS, make_cluster, sigkill, wait_for_workers, wait_until
+from tests.row_ledger import assert_every_row_once, final_counts, make_counts, train_rows
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")]
@@ -178,36 +180,12 @@ def _write_rows(root: Path) -> dd.data.ArrowShards:
     return dd.data.ArrowShards(str(root / "*.parquet"))
 
 
-def make_counts(ctx):
-    return dd.collective.State(counts=torch.zeros(N_ROWS, dtype=torch.float64))
-
-
-def train_rows(state, it):
-    """Every step adds the allreduced bincount of the ranks' batch ids to the state."""
-    g = dd.collective.get_group()
-    state.sync()
-    steps = 0
-    for batch in dd.collective.synced(it):
-        c = torch.bincount(batch["id"], minlength=N_ROWS).to(torch.float64)
-        g.allreduce(c)
-        state.counts += c
-        time.sleep(0.05)
-        state.commit()
-        steps += 1
-    return steps
-
-
-def final_counts(state):
-    state.sync()
-    return state.counts.tolist()
-
-
 @pytest.mark.parametrize("cluster3", THREADS, indirect=True)
 def test_row_ledger_every_row_once_across_kills_and_a_retirement(cluster3, tmp_path):
     cluster, client, coord = cluster3
     shards = _write_rows(tmp_path)
     coord.collective_group(timeout=30)
-    state = coord.create_per_worker_resource(make_counts)
+    state = coord.create_per_worker_resource(functools.partial(make_counts, n=N_ROWS))
     ds = coord.distribute_dataset(shards, global_batch_size=60, policy="dynamic",
                                   shuffle=True, seed=3, prefetch=0)
     it = iter(ds)
@@ -250,17 +228,14 @@ def test_row_ledger_every_row_once_across_kills_and_a_retirement(cluster3, tmp_p
         deadline = time.monotonic() + 150
         while not ds.progress()["complete"]:
             assert time.monotonic() < deadline, ds.progress()
-            coord.fetch(coord.schedule_on_all(train_rows, args=(state, it)))
+            coord.fetch(coord.schedule_on_all(train_rows, args=(state, it, 0.05)))
             gangs += 1
     finally:
         stop.set()
         injector.join(60)
     assert faults == ["kill", "kill", "retire"], faults
-    counts = coord.fetch(coord.schedule_on_all(final_counts, args=(state,)))
-    assert all(c == counts[0] for c in counts)
-    c = np.asarray(counts[0])
-    assert (c == 1).all(), (f"rows trained 0 times: {int((c == 0).sum())}, "
-                            f"more than once: {int((c > 1).sum())}")
+    assert_every_row_once(coord.fetch(coord.schedule_on_all(final_counts, args=(state,))),
+                          N_ROWS)
     p = ds.progress()
     assert p["acknowledged"] == p["total"] == N_ROWS
 

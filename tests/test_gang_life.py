@@ -29,6 +29,7 @@ from distributed import Client
 
 import daskdist as dd
 from tests.conftest import make_cluster, sigkill, wait_for_workers, wait_until
+from tests.row_ledger import assert_every_row_once, final_counts, make_counts, train_rows
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")]
@@ -59,45 +60,15 @@ def _write_rows(root: Path, n: int, files: int = 3, row_group: int = 100) -> str
     return str(root / "*.parquet")
 
 
-def make_counts(ctx, n):
-    """A State whose "model" counts how often each row id was trained on."""
-    return dd.collective.State(counts=torch.zeros(n, dtype=torch.float64))
-
-
-def train_rows(state, it, n, pause=0.0):
-    """Every step adds the allreduced bincount of the ranks' batch ids; commit per step."""
-    g = dd.collective.get_group()
-    state.sync()
-    steps = 0
-    for batch in dd.collective.synced(it):
-        c = torch.bincount(batch["id"], minlength=n).to(torch.float64)
-        g.allreduce(c)
-        state.counts += c
-        time.sleep(pause)
-        state.commit()
-        steps += 1
-    return steps
-
-
-def final_counts(state):
-    state.sync()
-    return state.counts.tolist()
-
-
 def _assert_every_row_once(coord, state, n):
-    counts = coord.fetch(coord.schedule_on_all(final_counts, args=(state,)))
-    assert all(c == counts[0] for c in counts)
-    c = np.asarray(counts[0])
-    assert len(c) == n
-    assert (c == 1).all(), (f"rows trained 0 times: {int((c == 0).sum())}, "
-                            f"more than once: {int((c > 1).sum())}")
+    assert_every_row_once(coord.fetch(coord.schedule_on_all(final_counts, args=(state,))), n)
 
 
 def _train_until_complete(coord, ds, state, it, n, gangs=20):
     for _ in range(gangs):
         if ds.progress()["complete"]:
             break
-        coord.fetch(coord.schedule_on_all(train_rows, args=(state, it, n)))
+        coord.fetch(coord.schedule_on_all(train_rows, args=(state, it)))
     return ds.progress()
 
 
@@ -255,7 +226,7 @@ def test_all_members_lost_sync_raises_instead_of_a_fresh_start(coord3, tmp_path)
         for _ in range(20):
             if ds.progress()["complete"]:
                 break
-            coord.fetch(coord.schedule_on_all(train_rows, args=(state, it, n, 0.02)))
+            coord.fetch(coord.schedule_on_all(train_rows, args=(state, it, 0.02)))
     killer.join(60)
     assert len(killed) == 3
     acknowledged = ds.progress()["acknowledged"]

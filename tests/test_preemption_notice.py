@@ -18,7 +18,6 @@ import threading
 import time
 
 import dask
-import numpy as np
 import psutil
 import pytest
 from distributed import Client
@@ -26,6 +25,7 @@ from distributed import Client
 import daskdist as dd
 from tests.checkpoint_job import BATCH, N_ROWS, MakeCounts, final_counts, train_rows
 from tests.conftest import make_cluster, wait_for_workers, wait_until
+from tests.row_ledger import assert_every_row_once
 from tests.test_checkpoint import complete, write_rows
 
 pytestmark = [pytest.mark.timeout(240),
@@ -51,12 +51,6 @@ def _train_until_complete(coord, ds, state, it, seconds: float = 150.0) -> list:
         assert time.monotonic() < deadline, ds.progress()
         runs.append(coord.fetch(coord.schedule_on_all(train_rows, args=(state, it, 0.05))))
     return runs
-
-
-def _every_row_once(counts) -> None:
-    c = np.asarray(counts)
-    assert (c == 1).all(), (f"rows trained 0 times: {int((c == 0).sum())}, more than "
-                            f"once: {int((c > 1).sum())}")
 
 
 def test_sigterm_on_rank0_mid_epoch_is_a_graceful_leave(tmp_path):
@@ -97,9 +91,7 @@ def test_sigterm_on_rank0_mid_epoch_is_a_graceful_leave(tmp_path):
         assert noticed["pid"] not in client.run(os.getpid).values()
         # the notice came to a group of 3 (see notice()); the others went on as 2
         assert [len(r) for r in runs][-1] == 2 and status["group_size"] == 2
-        counts = coord.fetch(coord.schedule_on_all(final_counts, args=(state,)))
-        assert all(c == counts[0] for c in counts)
-        _every_row_once(counts[0][1])
+        assert_every_row_once(coord.fetch(coord.schedule_on_all(final_counts, args=(state,))))
         p = ds.progress()
         assert p["acknowledged"] == p["total"] == N_ROWS
         coord.close()
@@ -179,7 +171,6 @@ def test_sole_holder_retired_with_a_checkpoint_loses_nothing(tmp_path):
         assert moved["acked"] < N_ROWS
         # the gang re-ran on the fresh worker, whose sync() loaded that checkpoint
         assert moved["written"][-1] in [r[0][0] for r in runs], (runs, moved)
-        commits, counts = coord.fetch(coord.schedule_on_all(final_counts, args=(state,)))[0]
-        _every_row_once(counts)
+        assert_every_row_once(coord.fetch(coord.schedule_on_all(final_counts, args=(state,))))
         assert coord.status()["workers_lost"] == 0
         coord.close()
