@@ -797,7 +797,7 @@ class LeaseTable:
         if ds is None or ds.units is None:
             return out
         total = ds.units.total
-        out.update(known=True, total=total, units=ds.units.units)
+        out.update(known=True, total=total, units=ds.units.units, ids=total)
         ep = ds.epochs.get(epoch)
         if isinstance(ds.units, StridedUnits):
             return self._collection_progress(ds, ep, epoch, out)

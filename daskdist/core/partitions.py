@@ -21,9 +21,10 @@ from array import array
 
 __all__ = ["MAX_UNITS", "STRIDE", "Permutation", "StridedUnits"]
 
-STRIDE = 1 << 32  # row ids per partition of unknown length (one of STRIDE rows or more
+STRIDE = 1 << 30  # row ids per partition of unknown length (one of STRIDE rows or more
 #                   is an error naming it)
-MAX_UNITS = 1 << 30  # partitions of one such collection (ids stay below 2**62)
+MAX_UNITS = 1 << 20  # partitions of one such collection: ids stay below the wire's
+#                      limit on row ids (core.checks.MAX_ROWS, 2**50)
 
 
 class StridedUnits:

@@ -123,23 +123,46 @@ def _stack(names: tuple, *blocks: Any) -> dict:
     return dict(zip(names, blocks, strict=True))
 
 
-def _persisted_keys(obj: Any, n: int) -> list | None:
-    """Per partition, the key of the data the user persisted for it (``None`` when
-    the collection holds no futures): where its partition can be read with no
-    transfer. Keys are ``(name, i, ...)`` with ``i`` the index along axis 0."""
+def _deps(graph: Any, key: Any, value: Any) -> list:
+    """The keys ``graph[key]`` (``value``) depends on: a task spec's, or a legacy
+    task's or alias's (a key as a value)."""
+    deps = getattr(value, "dependencies", None)
+    if deps is not None:
+        return list(deps)
+    from dask.core import get_dependencies
+
     try:
-        from distributed import futures_of
+        return list(get_dependencies(graph, key))
+    except Exception:  # noqa: BLE001 - not a task: no dependencies
+        return []
+
+
+def _persisted_keys(parts: list) -> list | None:
+    """Per partition, the key of a future its graph reads (data the user persisted or
+    scattered: ``None`` when there is none): where the partition can be read with no
+    transfer. One walk of each partition's own dependencies, on the client."""
+    try:
+        from distributed import Future
     except ImportError:  # pragma: no cover - distributed is a dependency
         return None
-    keys: list = [None] * n
-    found = False
-    for f in futures_of(obj):
-        k = f.key
-        if isinstance(k, tuple) and len(k) >= 2 and isinstance(k[1], int) \
-                and 0 <= k[1] < n and keys[k[1]] is None and all(i == 0 for i in k[2:]):
-            keys[k[1]] = k
-            found = True
-    return keys if found else None
+    keys: list = []
+    found_any = False
+    for part in parts:
+        graph = part.__dask_graph__()
+        stack, seen, found = [part.key], set(), None
+        while stack and found is None:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            v = graph.get(k)
+            if isinstance(v, Future):
+                found = v.key
+            elif v is not None:
+                stack.extend(_deps(graph, k, v))
+        keys.append(found)
+        found_any = found_any or found is not None
+    return keys if found_any else None
 
 
 class DaskCollection:
@@ -180,7 +203,7 @@ class DaskCollection:
                 names = list(columns)
             parts = list(obj.to_delayed())
             n = len(parts)
-            return cls("dataframe", names, parts, None, _token(obj), _persisted_keys(obj, n),
+            return cls("dataframe", names, parts, None, _token(obj), _persisted_keys(parts),
                        f"dask DataFrame ({n} partitions)")
         if not is_collection(obj):
             as_source(obj)  # raises the TypeError naming what was given
@@ -212,7 +235,7 @@ class DaskCollection:
             blocks.append(x.to_delayed().reshape(len(lengths)))
         stack = dask.delayed(_stack, pure=True)
         parts = [stack(names, *(b[p] for b in blocks)) for p in range(len(lengths))]
-        holders = _persisted_keys(list(arrays.values())[0], len(lengths))
+        holders = _persisted_keys(parts)
         return cls("arrays", list(names), parts, lengths, _token(*arrays.items()), holders,
                    f"dict of {len(names)} dask Arrays ({len(lengths)} row chunks)")
 

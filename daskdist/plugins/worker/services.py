@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from typing import Any
 
 from distributed.utils import sync
 
 from daskdist.core.leases import group_tokens
-from daskdist.core.protocol import CommitKey, DatasetDef
+from daskdist.core.protocol import CollectionDef, CommitKey, DatasetDef
 from daskdist.errors import CollectiveError, InputError
 
 Interval = tuple[int, int]
@@ -36,6 +37,7 @@ class SessionServices:
         self.name = name
         self.session = session
         self.ended = False
+        self._helpers: tuple[float, list[str]] | None = None  # (when asked, addresses)
 
     def end(self) -> None:
         """The session ended: every later call is refused without asking the scheduler."""
@@ -109,6 +111,40 @@ class SessionServices:
         session move, acknowledged rows stay acknowledged. Rows freed."""
         return sum(self.release(ds, epoch, ranges)
                    for (ds, epoch), ranges in group_tokens(tokens).items())
+
+    # -- Dask collections (data.collections.PartitionSource) ---------------------------
+    def define_collection(self, definition: CollectionDef) -> None:
+        """Define a collection's partitions (once per loader; ``ValueError`` if the
+        definition differs from the scheduler's)."""
+        if not self.ended:
+            self._call("daskdist_collection_define", dataset=tuple(definition))
+
+    def acquire_partition(self, dataset_id: str, epoch: int) -> list[Interval] | None:
+        """Lease one partition's free rows (one this worker holds first); ``None`` when
+        none is free now or the session ended. ``InputError`` when the epoch failed."""
+        if self.ended:
+            return None
+        return _lease(self._call("daskdist_partition_acquire", dataset_id=dataset_id,
+                                 epoch=int(epoch)))
+
+    def report_length(self, dataset_id: str, epoch: int, unit: int, length: int) -> None:
+        """A computed partition's length; ``InputError`` naming it when it differs from
+        the length learned before (the epoch failed)."""
+        if self.ended:
+            return
+        reply = self._call("daskdist_partition_length", dataset_id=dataset_id,
+                           epoch=int(epoch), unit=int(unit), length=int(length))
+        if reply.get("failed"):
+            raise InputError(reply["failed"])
+
+    def collection_helpers(self) -> list[str]:
+        """Workers that compute partitions for the members (not members themselves,
+        under ``Coordinator(resources=...)``); asked at most every 5 s."""
+        now = time.monotonic()
+        if self._helpers is None or now - self._helpers[0] > 5.0:
+            helpers = [] if self.ended else list(self._call("daskdist_collection_helpers"))
+            self._helpers = (now, helpers)
+        return self._helpers[1]
 
     # -- elastic commits (collective.elastic) ----------------------------------------
     def send_commit_part(self, key: CommitKey, rank: int, world: int, tokens: list,
