@@ -137,19 +137,32 @@ def _deps(graph: Any, key: Any, value: Any) -> list:
         return []
 
 
-def _persisted_keys(parts: list) -> list | None:
+def _is_alias(graph: Any, value: Any) -> bool:
+    """Whether a graph value only names another key (a task spec ``Alias``, or a
+    legacy key as a value): the partition *is* that key's data."""
+    if type(value).__name__ == "Alias":
+        return True
+    try:
+        return isinstance(value, (str, tuple)) and value in graph
+    except TypeError:
+        return False
+
+
+def _persisted_keys(parts: list) -> tuple[list | None, list[bool] | None]:
     """Per partition, the key of a future its graph reads (data the user persisted or
-    scattered: ``None`` when there is none): where the partition can be read with no
-    transfer. One walk of each partition's own dependencies, on the client."""
+    scattered: ``None`` when there is none), where the partition can be read with no
+    transfer; and whether the partition is that future's data as it is (only aliases
+    between: read it from the worker's memory, no task at all). One walk of each
+    partition's own dependencies, on the client."""
     try:
         from distributed import Future
     except ImportError:  # pragma: no cover - distributed is a dependency
-        return None
+        return None, None
     keys: list = []
-    found_any = False
+    direct: list[bool] = []
     for part in parts:
         graph = part.__dask_graph__()
-        stack, seen, found = [part.key], set(), None
+        stack, seen, found, chain = [part.key], set(), None, True
         while stack and found is None:
             k = stack.pop()
             if k in seen:
@@ -159,10 +172,13 @@ def _persisted_keys(parts: list) -> list | None:
             if isinstance(v, Future):
                 found = v.key
             elif v is not None:
+                chain = chain and _is_alias(graph, v)
                 stack.extend(_deps(graph, k, v))
         keys.append(found)
-        found_any = found_any or found is not None
-    return keys if found_any else None
+        direct.append(found is not None and chain)
+    if all(k is None for k in keys):
+        return None, None
+    return keys, direct
 
 
 class DaskCollection:
@@ -175,13 +191,16 @@ class DaskCollection:
     """
 
     def __init__(self, kind: str, columns: list[str], parts: list, lengths: list[int] | None,
-                 token: str, holders: list | None, what: str) -> None:
+                 token: str, holders: list | None, what: str,
+                 direct: list[bool] | None = None) -> None:
         self.kind = kind
         self.columns = columns
         self.parts = parts
         self.lengths = lengths
         self.token = token
         self.holders = holders
+        # per partition: it is its holder key's data as it is (read in place, no task)
+        self.direct = direct
         self.what = what
 
     @classmethod
@@ -203,8 +222,9 @@ class DaskCollection:
                 names = list(columns)
             parts = list(obj.to_delayed())
             n = len(parts)
-            return cls("dataframe", names, parts, None, _token(obj), _persisted_keys(parts),
-                       f"dask DataFrame ({n} partitions)")
+            holders, direct = _persisted_keys(parts)
+            return cls("dataframe", names, parts, None, _token(obj), holders,
+                       f"dask DataFrame ({n} partitions)", direct)
         if not is_collection(obj):
             as_source(obj)  # raises the TypeError naming what was given
         import dask
@@ -235,7 +255,7 @@ class DaskCollection:
             blocks.append(x.to_delayed().reshape(len(lengths)))
         stack = dask.delayed(_stack, pure=True)
         parts = [stack(names, *(b[p] for b in blocks)) for p in range(len(lengths))]
-        holders = _persisted_keys(parts)
+        holders, _ = _persisted_keys(parts)  # a row chunk is a dict of blocks: a task
         return cls("arrays", list(names), parts, lengths, _token(*arrays.items()), holders,
                    f"dict of {len(names)} dask Arrays ({len(lengths)} row chunks)")
 
@@ -315,13 +335,15 @@ def convert_part(coll: DaskCollection, data: Any, rows: np.ndarray | None,
 
 # -- computing partitions ---------------------------------------------------------------
 class _Computed:
-    """A partition asked of Dask: its future (or local future) until released."""
+    """A partition asked of Dask: its future (or local future) until released, or its
+    data read in place from this worker's memory (``future`` None)."""
 
-    __slots__ = ("future", "unit")
+    __slots__ = ("data", "future", "unit")
 
-    def __init__(self, unit: int, future: Any) -> None:
+    def __init__(self, unit: int, future: Any, data: Any = None) -> None:
         self.unit = unit
         self.future = future
+        self.data = data
 
 
 class DaskComputer:
@@ -339,26 +361,39 @@ class DaskComputer:
         self.helpers = helpers
 
     def submit(self, coll: DaskCollection, unit: int) -> _Computed:
+        if coll.direct is not None and coll.direct[unit]:
+            # a persisted partition as it is: read in place if this worker holds it
+            from distributed.utils import sync
+
+            found = sync(self.worker.loop, _local, self.worker, coll.holders[unit])
+            if found is not _MISSING:
+                return _Computed(unit, None, found)
         workers = self.helpers() if self.helpers is not None else None
         kw = {"workers": workers, "allow_other_workers": True} if workers else {}
         return _Computed(unit, self.client.compute(coll.parts[unit], **kw))
 
     def result(self, c: _Computed) -> tuple[Any, bool]:
         """The partition's data (waits for Dask; the user's error if its graph raised),
-        and whether it is Dask's own object (read from this worker's memory)."""
+        and whether it is the user's own object (persisted data read in place: its
+        tensors get buffers of their own). A partition this loader computed is its
+        own, read in place when computed here, and forgotten once released."""
         from distributed import wait
         from distributed.utils import sync
 
+        if c.future is None:
+            return c.data, True
         fut = c.future
         wait(fut)
         if fut.status == "finished":
             found = sync(self.worker.loop, _local, self.worker, fut.key)
             if found is not _MISSING:
-                return found, True
+                return found, False
         return fut.result(), False
 
     def release(self, c: _Computed) -> None:
-        c.future.release()
+        if c.future is not None:
+            c.future.release()
+        c.data = None
 
     def close(self) -> None:
         """Nothing to close: the client is the worker's own."""
@@ -456,18 +491,30 @@ class PartitionSource:
         return out
 
     def chunks(self) -> Iterator[ChunkItem]:
-        """Lease, compute (ahead), convert partitions until none is free right now."""
+        """Lease, compute (ahead), convert partitions until none is free right now.
+
+        ``partitions_ahead`` partitions are leased (and being computed) at any time:
+        when one is taken to be read, its replacement is asked for without waiting
+        (when the service can), so the lease's round trip overlaps the read. Lengths
+        are reported without waiting too; a differing one raises at the next one."""
         ld = self.loader
         svc = ld.ctx.leases
         coll = ld.shards
         ld._define()
         computer = ld._computer()
+        ask_ahead = getattr(svc, "acquire_partition_async", None)
+        report_ahead = getattr(svc, "report_length_async", None)
         pending: deque[tuple[int, list[Interval], _Computed]] = deque()
+        reports: deque = deque()  # length reports on their way
+        ask = None  # a lease asked for, not yet taken
         exhausted = False
         try:
             while True:
                 while not exhausted and len(pending) < ld.partitions_ahead:
-                    ranges = svc.acquire_partition(ld.dataset_id, self.epoch)
+                    if ask is not None:
+                        ranges, ask = ask.result(), None
+                    else:
+                        ranges = svc.acquire_partition(ld.dataset_id, self.epoch)
                     if not ranges:
                         exhausted = True
                         break
@@ -476,9 +523,15 @@ class PartitionSource:
                         self._leases.append(RowSet(ranges))
                     for unit, rows in self._by_unit(ranges):
                         pending.append((unit, rows, computer.submit(coll, unit)))
+                while reports and reports[0].done():
+                    reports.popleft().result()  # InputError: a length differed
                 if not pending:
+                    for f in reports:  # the last lengths reached the table
+                        f.result()
                     return
                 unit, rows, comp = pending.popleft()
+                if ask_ahead is not None and not exhausted:
+                    ask = ask_ahead(ld.dataset_id, self.epoch)
                 try:
                     data, shared = computer.result(comp)
                 except Exception as e:  # noqa: BLE001 - the user's graph: given back, raised
@@ -489,7 +542,12 @@ class PartitionSource:
                     if failed:  # its last allowed failure: the epoch cannot complete
                         raise InputError(failed, e) from e
                     raise err from e
-                item = self._item(unit, rows, data, shared)
+                n = part_rows(data)
+                if report_ahead is not None:
+                    reports.append(report_ahead(ld.dataset_id, self.epoch, unit, n))
+                else:
+                    svc.report_length(ld.dataset_id, self.epoch, unit, n)  # InputError
+                item = self._item(unit, rows, data, shared, n)
                 computer.release(comp)  # converted: Dask may forget the partition
                 del data
                 if item is not None:
@@ -497,14 +555,19 @@ class PartitionSource:
         finally:
             for _, _, comp in pending:  # closed early: their rows are given back by close()
                 computer.release(comp)
+            if ask is not None:  # asked ahead, never read: given back
+                try:
+                    rest = ask.result()
+                except Exception:  # noqa: BLE001 - no lease came
+                    rest = None
+                if rest:
+                    svc.release(ld.dataset_id, self.epoch, rest)
 
-    def _item(self, unit: int, rows: list[Interval], data: Any,
-              shared: bool) -> ChunkItem | None:
-        """Report the computed partition's length, then convert its leased rows."""
+    def _item(self, unit: int, rows: list[Interval], data: Any, shared: bool,
+              n: int) -> ChunkItem | None:
+        """The computed partition's leased rows (of its ``n``), converted."""
         ld = self.loader
-        n = part_rows(data)
         first = self._first(unit)
-        ld.ctx.leases.report_length(ld.dataset_id, self.epoch, unit, n)  # InputError: differs
         end = first + n
         if ld.shards.lengths is None and rows and rows[-1][1] > end:
             with self._lock:  # ids past its end do not exist: the table dropped them

@@ -117,8 +117,11 @@ class CollectionHandlers:
     def acquire(self, name: str, session: str, dataset_id: str, epoch: int) -> dict:
         """Lease one partition's free rows to ``session``: one its worker holds if any
         (read from its own memory), else the next in the collection's order.
-        ``{"lease": intervals or None}``, ``{"expired": True}``, ``{"failed": why}``."""
-        co = self.plugin._get(name)
+        ``{"lease": intervals or None}``, ``{"expired": True}`` (also once the
+        coordinator closed), ``{"failed": why}``."""
+        co = self.plugin.coordinators.get(checks.text(name, "name"))
+        if co is None:
+            return {"expired": True}
         session = checks.text(session, "session")
         dataset_id = checks.text(dataset_id, "dataset_id")
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
@@ -143,11 +146,11 @@ class CollectionHandlers:
                                    held_there)
                 if lease is not None:
                     self.local_leases += 1
-                else:
-                    self.other_leases += 1
             if lease is None:
                 lease = table.acquire(session, dataset_id, epoch, 1,
                                       parts=max(1, len(co.members)), least=1)
+                if lease is not None and found is not None:
+                    self.other_leases += 1
         except SessionExpired:
             return {"expired": True}
         except EpochFailed as e:
@@ -158,8 +161,10 @@ class CollectionHandlers:
                length: int) -> dict:
         """``session`` computed partition ``unit``: ``length`` rows. ``{"failed": why}``
         when it differs from the length learned before (the epoch fails);
-        ``{"expired": True}`` from an ended session."""
-        co = self.plugin._get(name)
+        ``{"expired": True}`` from an ended session or a closed coordinator."""
+        co = self.plugin.coordinators.get(checks.text(name, "name"))
+        if co is None:
+            return {"expired": True}
         session = checks.text(session, "session")
         dataset_id = checks.text(dataset_id, "dataset_id")
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)

@@ -132,10 +132,42 @@ class SessionServices:
         the length learned before (the epoch failed)."""
         if self.ended:
             return
-        reply = self._call("daskdist_partition_length", dataset_id=dataset_id,
-                           epoch=int(epoch), unit=int(unit), length=int(length))
-        if reply.get("failed"):
-            raise InputError(reply["failed"])
+        _length_reply(self._call("daskdist_partition_length", dataset_id=dataset_id,
+                                 epoch=int(epoch), unit=int(unit), length=int(length)))
+
+    def acquire_partition_async(self, dataset_id: str,
+                                epoch: int) -> concurrent.futures.Future:
+        """:meth:`acquire_partition` without waiting (asked while a partition is read)."""
+        return self._async(_lease, "daskdist_partition_acquire", dataset_id=dataset_id,
+                           epoch=int(epoch))
+
+    def report_length_async(self, dataset_id: str, epoch: int, unit: int,
+                            length: int) -> concurrent.futures.Future:
+        """:meth:`report_length` without waiting: a future that raises ``InputError``
+        when the length differs."""
+        return self._async(_length_reply, "daskdist_partition_length",
+                           dataset_id=dataset_id, epoch=int(epoch), unit=int(unit),
+                           length=int(length))
+
+    def _async(self, parse: Any, op: str, **kwargs: Any) -> concurrent.futures.Future:
+        """A scheduler call sent from any thread without waiting: a future of
+        ``parse(reply)`` (``None`` at once for an ended session)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if self.ended:
+            out.set_result(None)
+            return out
+        coro = getattr(self.worker.scheduler, op)(name=self.name, session=self.session,
+                                                  **kwargs)
+        reply = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+
+        def done(f: concurrent.futures.Future) -> None:
+            try:
+                out.set_result(parse(f.result()))
+            except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
+                out.set_exception(e)
+
+        reply.add_done_callback(done)
+        return out
 
     def collection_helpers(self) -> list[str]:
         """Workers that compute partitions for the members (not members themselves,
@@ -198,6 +230,12 @@ class SessionServices:
         if not self.ended:
             self._call("daskdist_checkpoint_written", state=state, url=url,
                        commits=int(commits), seconds=float(seconds), nbytes=int(nbytes))
+
+
+def _length_reply(reply: dict) -> None:
+    """``InputError`` when a reported partition length differs from the learned one."""
+    if reply and reply.get("failed"):
+        raise InputError(reply["failed"])
 
 
 def _lease(reply: dict) -> list[Interval] | None:
