@@ -14,7 +14,7 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "torch==2.13.0"
   # torch pinned again: no other requirement may swap in a different (CUDA) build
-  "$PY" -m pip install -q -e ".[test]" "torch==2.13.0"
+  "$PY" -m pip install -q -e ".[test,dataframe]" "torch==2.13.0"
   touch "$STAMP"
 fi
 cmd="${1:-test}"

@@ -95,6 +95,11 @@ class Coordinator:
     and CPU training; the first Coordinator of a name decides). ``lease_timeout``
     (default ``daskdist.liveness.lease-timeout``, 30 s) is how long a worker may send
     nothing before its work is taken back (the first Coordinator of a name decides).
+    ``resources`` (e.g. ``{"GPU": 1}``) makes only the workers that declare those Dask
+    resources (``dask worker --resources GPU=1``) members: closures, gangs, the
+    collective group and loaders run there; the other workers stay free for Dask's own
+    tasks, such as computing a collection's partitions (the first Coordinator of a name
+    decides; another asking for other resources gets a ``ValueError``).
 
     Each Coordinator is an *owner* of the named queue: its closures, its errors and its
     per-worker resources are its own. ``close()`` (or its client staying away longer
@@ -112,6 +117,7 @@ class Coordinator:
         max_worker_failures: int | None = None,
         torch_threads: int | None = None,
         lease_timeout: float | None = None,
+        resources: dict[str, float] | None = None,
     ):
         if max_queued is not None:
             checks.integer(max_queued, "max_queued", 1, 2**62)
@@ -121,6 +127,7 @@ class Coordinator:
                 "daskdist.coordinator.max-worker-failures")
         max_worker_failures = checks.max_worker_failures(max_worker_failures)
         lease_timeout = checks.optional(checks.lease_timeout, lease_timeout)
+        resources = checks.optional(checks.resources, resources)
         self.client = client if client is not None else get_client()
         if self.client.asynchronous:
             raise TypeError("Coordinator needs a synchronous Client (asynchronous=False)")
@@ -133,7 +140,8 @@ class Coordinator:
             self.client.register_plugin(_SchedulerPluginRef(), name=PLUGIN_NAME)
         info = self._call("daskdist_create", client=self.client.id,
                           max_worker_failures=max_worker_failures,
-                          torch_threads=torch_threads, lease_timeout=lease_timeout)
+                          torch_threads=torch_threads, lease_timeout=lease_timeout,
+                          **({"resources": resources} if resources else {}))
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "
@@ -538,8 +546,11 @@ class Coordinator:
 
         ``loader_options`` are ArrowLoader's (``shuffle``, ``seed``, ``policy``,
         ``name``, ...). The shards are opened here first, so a bad source fails on the
-        client. Each call is a new dataset (``name`` is a label): re-running it, or two
-        datasets over one directory, each read every row; resuming an epoch is explicit
+        client. ``shards`` may also be a dask DataFrame or a dict of dask Arrays chunked
+        alike along axis 0 (SPEC §3.2): its partitions are computed by Dask as members
+        lease them, never all first (``policy`` defaults to ``"dynamic"``). Each call
+        is a new dataset (``name`` is a label): re-running it, or two datasets over one
+        directory, each read every row; resuming an epoch is explicit
         (``DistributedDataset.state_dict`` / ``load_state_dict``).
         """
         from daskdist.context import InputContext
@@ -553,6 +564,10 @@ class Coordinator:
                              f"{global_batch_size!r}")
         global_batch_size = gbs()
         if not isinstance(shards, ArrowShards):
+            from daskdist.data.collections import is_collection
+
+            if is_collection(shards):
+                return self._distribute_collection(shards, global_batch_size, loader_options)
             shards = ArrowShards(shards)
         shards.units  # noqa: B018 - reads every footer: a bad file raises here
         workers = max(1, self._workers)
@@ -565,6 +580,28 @@ class Coordinator:
                                         unit_runs(u.num_rows for u in shards.units),
                                         int(loader_options.get("seed", 0))))
         return DistributedDataset(self, values, shards, name, loader_options.get("seed", 0))
+
+    def _distribute_collection(self, collection: Any, global_batch_size: int,
+                               loader_options: dict) -> DistributedDataset:
+        """``distribute_dataset`` of a dask DataFrame or dict of dask Arrays: its
+        partitions (and their persisted keys) are described here, the lease table
+        defines them, each member's loader computes the ones it leases."""
+        from daskdist.context import InputContext
+        from daskdist.data.collections import DaskCollection
+
+        options = dict(loader_options)
+        options.setdefault("policy", "dynamic")
+        source = DaskCollection.of(collection, options.get("columns"))
+        InputContext(num_replicas_in_sync=max(1, self._workers)).get_per_replica_batch_size(
+            global_batch_size)
+        values = self._register_resource(
+            "dataset", _LoaderFactory(source, global_batch_size, options))
+        name = options.get("name") or ""
+        seed = int(options.get("seed", 0))
+        if options["policy"] == "dynamic":
+            self._owned("daskdist_collection_define", dataset=tuple(source.definition(
+                values.rid, name, seed, bool(options.get("shuffle", False)))))
+        return DistributedDataset(self, values, source, name, seed)
 
     def _define_dataset(self, dataset: DatasetDef) -> None:
         self._owned("daskdist_dataset_define", dataset=tuple(dataset))

@@ -198,3 +198,26 @@ def max_worker_failures(value: Any, what: str = "max_worker_failures") -> int:
 
 def lease_timeout(value: Any, what: str = "lease_timeout") -> float:
     return number(value, what, 0.0, MAX_LEASE_TIMEOUT, lo_open=True)
+
+
+# -- members by Dask resources (Coordinator(resources=...)) ------------------------------
+
+def satisfies(worker_resources: dict | None, required: dict | None) -> bool:
+    """Whether a worker declaring ``worker_resources`` may be a member of a coordinator
+    that requires ``required`` (``None``: every worker)."""
+    if not required:
+        return True
+    have = worker_resources or {}
+    return all(float(have.get(k, 0)) >= float(v) for k, v in required.items())
+
+
+def resources(value: Any, what: str = "resources") -> dict[str, float]:
+    """``resources=`` as ``{name: positive amount}``."""
+    if not isinstance(value, dict) or not value or len(value) > 64:
+        raise TypeError(f"{what} must be a non-empty dict of Dask resources such as "
+                        f"{{'GPU': 1}}, got {value!r:.80}")
+    out = {}
+    for k, v in value.items():
+        text(k, f"{what} name")
+        out[k] = number(v, f"{what}[{k!r}]", 0.0, 1e12, lo_open=True)
+    return out

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from daskdist.core.intervals import Interval, RowSet, intersect, normalize, size_of, subtract, union
+from daskdist.core.partitions import Permutation, StridedUnits
 from daskdist.core.protocol import LeaseToken
 
 __all__ = [
@@ -114,17 +115,22 @@ class _Units:
     """A dataset's units from their runs: where each run starts (rows) and its units'
     size, 16 bytes per run. Finds the end of the unit holding a row by bisection."""
 
-    __slots__ = ("runs", "size", "start", "total", "units")
+    __slots__ = ("_r0", "_sz", "_u0", "runs", "size", "start", "total", "units")
 
     def __init__(self, runs: Sequence[Sequence[int]]) -> None:
         self.runs = [(int(r), int(n)) for r, n in runs]
         self.start = array("q", [0])
         self.size = array("q")
+        # per run, zero-row runs included: its first unit, first row and unit size
+        self._u0, self._r0, self._sz = array("q"), array("q"), array("q")
         pos = units = 0
         for rows, count in self.runs:
             if rows < 0 or count < 1:
                 raise ValueError(f"a run of units must have rows >= 0 and units >= 1, "
                                  f"got {(rows, count)}")
+            self._u0.append(units)
+            self._r0.append(pos)
+            self._sz.append(rows)
             if rows:  # units of no rows hold no ids: nothing to find
                 self.size.append(rows)
                 pos += rows * count
@@ -132,6 +138,17 @@ class _Units:
             units += count
         self.total = pos
         self.units = units
+
+    def bounds(self, unit: int) -> tuple[int, int]:
+        """The rows of ``unit`` (``0 <= unit < units``) as ``(start, stop)``."""
+        i = bisect_right(self._u0, unit) - 1
+        a = self._r0[i] + (unit - self._u0[i]) * self._sz[i]
+        return a, a + self._sz[i]
+
+    def unit_of(self, row: int) -> int:
+        """The unit holding ``row`` (``0 <= row < total``)."""
+        i = bisect_right(self._r0, row) - 1
+        return self._u0[i] + (row - self._r0[i]) // self._sz[i]
 
     def stop_of(self, row: int) -> int:
         """The end of the unit holding ``row`` (``0 <= row < total``)."""
@@ -142,6 +159,11 @@ class _Units:
 
     def nbytes(self) -> int:
         return self.start.itemsize * (len(self.start) + len(self.size))
+
+    def learn(self, unit: int, length: int) -> int | None:
+        """A computed unit's length: ``None`` if it is the defined one, else that one."""
+        a, b = self.bounds(unit)
+        return None if length == b - a else b - a
 
 
 @dataclass
@@ -154,6 +176,12 @@ class _Epoch:
     n_leased: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # file -> failed reads
     failed: str | None = None  # why the epoch cannot complete
+    # shuffled collections: units are leased in a seeded order, this far along it
+    order: Permutation | None = None
+    cursor: int = 0
+    # strided collections: ids of leased rows that may not exist (a unit of unknown
+    # length, or the tail of one learned since it was leased); ``total`` counts them
+    phantom_leased: int = 0
 
 
 @dataclass
@@ -161,13 +189,20 @@ class _Dataset:
     label: str
     owner: str
     seed: int = 0
-    units: _Units | None = None  # None: registered, its units not defined yet
+    units: _Units | StridedUnits | None = None  # None: registered, not defined yet
     epochs: dict[int, _Epoch] = field(default_factory=dict)
     completed: list[Interval] = field(default_factory=list)  # intervals of epochs
+    shuffle: bool = False  # a collection's units are leased in a seeded order
+    absent: RowSet = field(default_factory=RowSet)  # ids learned not to exist (strided)
+
+    def universe(self) -> list[Interval]:
+        """Every row id that may exist: all ids minus those learned not to."""
+        total = self.units.total if self.units is not None else 0
+        return subtract([(0, total)], self.absent.items()) if total else []
 
     def is_complete(self, epoch: int) -> bool:
-        if self.units is not None and self.units.total == 0:
-            return True
+        if self.units is not None and self.units.total == self.absent.size:
+            return True  # no row at all (an empty collection's learned lengths too)
         i = bisect_right(self.completed, (epoch, float("inf"))) - 1
         return i >= 0 and self.completed[i][0] <= epoch < self.completed[i][1]
 
@@ -236,6 +271,152 @@ class LeaseTable:
                 f"({units.units} units / {units.total} rows given, {ds.units.units} units "
                 f"/ {ds.units.total} rows defined); build one loader per dataset call")
 
+    def define_collection(self, dataset_id: str, units: int,
+                          runs: Sequence[Sequence[int]] | None = None, label: str = "",
+                          owner: str = "", seed: int = 0, shuffle: bool = False) -> None:
+        """Define a Dask collection's partitions as units: ``runs`` when their lengths
+        are known (dense ids, as files), else ``units`` partitions of strided ids whose
+        lengths are learned (:meth:`set_length`). ``shuffle``: units are leased in an
+        order seeded by ``(seed, epoch)``. A later definition must agree."""
+        if runs is not None:
+            self.define(dataset_id, runs, label, owner, seed)
+            if self.datasets[dataset_id].units.units != int(units):  # type: ignore[union-attr]
+                raise ValueError(f"dataset {self._name(dataset_id)}: its runs hold "
+                                 f"{self.datasets[dataset_id].units.units} units, "  # type: ignore[union-attr]
+                                 f"not {units}")
+        else:
+            ds = self.datasets.get(dataset_id)
+            new = StridedUnits(units)
+            if ds is not None and ds.units is not None:
+                if ds.units.runs != new.runs:
+                    raise ValueError(
+                        f"dataset {self._name(dataset_id)}: {units} partitions of unknown "
+                        f"length given, its definition differs ({ds.units.units} units)")
+            else:
+                self.register(dataset_id, label, owner, seed)
+                ds = self.datasets[dataset_id]
+                ds.units = new
+                ds.seed = seed
+        self.datasets[dataset_id].shuffle = bool(shuffle)
+
+    def set_length(self, session: str, dataset_id: str, epoch: int, unit: int,
+                   length: int) -> str | None:
+        """``session`` computed ``unit`` of a collection and found ``length`` rows.
+
+        The first time, ids past its end go from every live epoch (from the free and
+        deferred rows and from ``session``'s lease; rows of the tail leased to another
+        session go when they come back) and from every epoch started later. A length
+        that differs from the one learned (or defined) before fails ``epoch``: its
+        message naming the partition is returned (``None`` when all is well).
+        ``ValueError`` for a unit or length out of range."""
+        ds = self._dataset(dataset_id)
+        units = ds.units
+        unit, length, epoch = int(unit), int(length), int(epoch)
+        if not 0 <= unit < units.units:  # type: ignore[union-attr]
+            raise ValueError(f"dataset {self._name(dataset_id)} has no partition {unit} "
+                             f"(it has {units.units})")  # type: ignore[union-attr]
+        if length < 0:
+            raise ValueError(f"partition {unit}: a length must be >= 0, got {length}")
+        old = units.learn(unit, length)  # type: ignore[union-attr]
+        if old is not None:
+            why = (f"partition {unit} of dataset {self._name(dataset_id)} has {length} rows "
+                   f"now and had {old} before: a recomputed partition must be the same "
+                   f"(partitions must be deterministic); epoch {epoch} cannot complete")
+            ep = ds.epochs.get(epoch)
+            if ep is not None and ep.failed is None:
+                ep.failed = why
+            return why
+        if not isinstance(units, StridedUnits):
+            return None
+        a, b = unit * units.stride + length, (unit + 1) * units.stride
+        if not ds.absent.covers(a, b):
+            ds.absent.add(a, b)
+        for ep_no, ep in list(ds.epochs.items()):
+            held = ep.leased.get(session)
+            if held is not None and held.intersect(a, b):
+                ep.phantom_leased -= units.stride
+                self._drop_rows(ep, held, a, b)
+                if not held:
+                    del ep.leased[session]
+                    self._unkey(session, (dataset_id, ep_no))
+            for pool in (ep.free, ep.deferred):
+                self._drop_rows(ep, pool, a, b)
+            if ep.acked.size == ep.total:  # the last rows were ids that do not exist
+                self._complete(dataset_id, ds, ep_no, ep)
+        return None
+
+    @staticmethod
+    def _drop_rows(ep: _Epoch, rows: RowSet, a: int, b: int) -> None:
+        """Ids ``[a, b)`` learned not to exist leave ``rows`` (and the epoch's total)."""
+        n = 0
+        for lo, hi in rows.intersect(a, b):
+            rows.remove(lo, hi)
+            n += hi - lo
+        ep.total -= n
+        if rows is not ep.free and rows is not ep.deferred:
+            ep.n_leased -= n
+
+    def _phantoms(self, ds: _Dataset, ranges: Iterable[Interval]) -> int:
+        """Ids of ``ranges`` that may not exist, counted as ``stride`` per unit of unknown
+        length, or known length whose tail they hold (strided collections only)."""
+        units = ds.units
+        if not isinstance(units, StridedUnits):
+            return 0
+        s = units.stride
+        n = 0
+        for a, b in ranges:
+            for u in range(a // s, (b - 1) // s + 1):
+                length = units.lengths[u]
+                if length < 0 or (u * s + length < b and a < (u + 1) * s
+                                  and u * s + length < (u + 1) * s):
+                    n += s
+        return n
+
+    def _returned(self, ds: _Dataset, ep: _Epoch, a: int, b: int) -> list[Interval]:
+        """Rows ``[a, b)`` coming back to a pool, minus ids learned not to exist (those
+        leave the epoch's total)."""
+        if not ds.absent:
+            return [(a, b)]
+        gone = ds.absent.intersect(a, b)
+        if not gone:
+            return [(a, b)]
+        ep.total -= size_of(gone)
+        return subtract([(a, b)], gone)
+
+    def acquire_unit(self, session: str, dataset_id: str, epoch: int,
+                     unit: int) -> list[Interval] | None:
+        """Lease the free rows of one unit to ``session`` (a partition its worker holds:
+        no transfer), or ``None`` if none of them is free. Raises as :meth:`acquire`."""
+        if session in self._expired:
+            raise SessionExpired(f"session {session!r} expired; its worker was lost")
+        ds = self._dataset(dataset_id)
+        epoch = int(epoch)
+        if ds.is_complete(epoch):
+            return None
+        ep = ds.epochs.get(epoch) or self._new_epoch(dataset_id, ds, epoch)
+        if ep.failed is not None:
+            raise EpochFailed(ep.failed)
+        a, b = ds.units.bounds(int(unit))  # type: ignore[union-attr]
+        out = ep.free.intersect(a, b)
+        for lo, hi in out:
+            ep.free.remove(lo, hi)
+        return self._lease(session, dataset_id, epoch, ds, ep, out) or None
+
+    def _lease(self, session: str, dataset_id: str, epoch: int, ds: _Dataset, ep: _Epoch,
+               out: list[Interval]) -> list[Interval]:
+        """Rows taken from a pool become ``session``'s."""
+        if not out:
+            return out
+        held = ep.leased.get(session)
+        if held is None:
+            held = ep.leased[session] = RowSet()
+            self._session_keys.setdefault(session, set()).add((dataset_id, epoch))
+        for a, c in out:
+            held.add(a, c)
+            ep.n_leased += c - a
+        ep.phantom_leased += self._phantoms(ds, out)
+        return out
+
     def _name(self, dataset_id: str) -> str:
         ds = self.datasets.get(dataset_id)
         label = ds.label if ds is not None else ""
@@ -290,7 +471,10 @@ class LeaseTable:
         if acked and (acked[0][0] < 0 or acked[-1][1] > total):
             raise ValueError(f"acknowledged rows {acked[0]}..{acked[-1]} are outside "
                              f"dataset {self._name(dataset_id)}'s [0, {total})")
-        ep = _Epoch(total, RowSet(subtract([(0, total)], acked)), RowSet(acked))
+        if ds.absent:  # rows learned not to exist are in no epoch
+            acked = subtract(acked, ds.absent.items())
+        universe = ds.universe()
+        ep = _Epoch(size_of(universe), RowSet(subtract(universe, acked)), RowSet(acked))
         ds.epochs[epoch] = ep
         return ep
 
@@ -328,10 +512,11 @@ class LeaseTable:
         if acked and (acked[0][0] < 0 or acked[-1][1] > total):
             raise ValueError(f"acknowledged rows {acked[0]}..{acked[-1]} are outside "
                              f"dataset {self._name(dataset_id)}'s [0, {total})")
+        if ds.absent:
+            acked = subtract(acked, ds.absent.items())
         if ds.is_complete(epoch):  # its table was dropped: every row was acknowledged
             ds.completed = subtract(ds.completed, [(epoch, epoch + 1)])
-            before = [(0, total)] if total else []
-            ep = self._new_epoch(dataset_id, ds, epoch, before)
+            ep = self._new_epoch(dataset_id, ds, epoch, ds.universe())
         else:
             ep = ds.epochs.get(epoch) or self._new_epoch(dataset_id, ds, epoch)
         held = [iv for rs in (*ep.leased.values(), ep.deferred) for iv in rs]
@@ -342,7 +527,8 @@ class LeaseTable:
                              "being restored; restore it before the epoch's first lease")
         freed = subtract(ep.acked.items(), acked)
         ep.acked = RowSet(acked)
-        ep.free = RowSet(subtract(subtract([(0, total)], acked), normalize(held)))
+        universe = ds.universe() if ds.absent else ([(0, total)] if total else [])
+        ep.free = RowSet(subtract(subtract(universe, acked), normalize(held)))
         if ep.acked.size == ep.total:
             self._complete(dataset_id, ds, epoch, ep)
         return size_of(freed)
@@ -352,8 +538,7 @@ class LeaseTable:
         ds = self._dataset(dataset_id)
         epoch = int(epoch)
         if ds.is_complete(epoch):
-            total = ds.units.total  # type: ignore[union-attr]
-            return [(0, total)] if total else []
+            return ds.universe()
         ep = ds.epochs.get(epoch)
         return [] if ep is None else ep.acked.items()
 
@@ -389,6 +574,10 @@ class LeaseTable:
         share = -(-n_free // (2 * max(1, parts)))
         need = min(max(1, int(rows)), max(1, int(least), share))
         pool = ep.free if ep.free else ep.deferred
+        if ds.shuffle and pool is ep.free:  # a shuffled collection: units in seeded order
+            picked = self._permuted(ds, ep, epoch, need)
+            if picked:
+                return self._lease(session, dataset_id, epoch, ds, ep, picked)
         units = ds.units
         out: list[Interval] = []
         while need > 0 and pool:
@@ -404,6 +593,25 @@ class LeaseTable:
         for a, c in out:
             held.add(a, c)
             ep.n_leased += c - a
+        if ds.absent or isinstance(units, StridedUnits):
+            ep.phantom_leased += self._phantoms(ds, out)
+        return out
+
+    def _permuted(self, ds: _Dataset, ep: _Epoch, epoch: int, need: int) -> list[Interval]:
+        """Take the free rows of whole units, in the order seeded by ``(seed, epoch)``,
+        until ``need`` rows are taken; ``[]`` once the order is walked through (rows
+        that came back since are served lowest first). O(1) amortized per unit."""
+        units = ds.units
+        if ep.order is None:
+            ep.order = Permutation(units.units, ds.seed, epoch)  # type: ignore[union-attr]
+        out: list[Interval] = []
+        while need > 0 and ep.cursor < ep.order.n:
+            a, b = units.bounds(ep.order[ep.cursor])  # type: ignore[union-attr]
+            ep.cursor += 1
+            for lo, hi in ep.free.intersect(a, b):
+                ep.free.remove(lo, hi)
+                out.append((lo, hi))
+                need -= hi - lo
         return out
 
     def _held(self, session: str, dataset_id: str, epoch: int,
@@ -521,12 +729,18 @@ class LeaseTable:
         for a, b in normalize(ranges):
             for lo, hi in held.intersect(a, b):
                 held.remove(lo, hi)
-                pool.add(lo, hi)
+                if ep.phantom_leased:
+                    ep.phantom_leased -= self._phantoms(ds, [(lo, hi)])
+                for x, y in self._returned(ds, ep, lo, hi):
+                    pool.add(x, y)
                 moved += hi - lo
         ep.n_leased -= moved
         if not held:
             del ep.leased[session]
             self._unkey(session, (dataset_id, int(epoch)))
+        if ds.absent and ep.acked.size == ep.total:  # only ids that do not exist came back
+            self._complete(dataset_id, ds, int(epoch), ep)
+            return moved
         if failure is not None and moved:
             source, message = failure
             n = ep.failures[source] = ep.failures.get(source, 0) + 1
@@ -549,10 +763,15 @@ class LeaseTable:
             held = ep.leased.pop(session, None) if ep is not None else None
             if held is None:
                 continue
+            if ep.phantom_leased:
+                ep.phantom_leased -= self._phantoms(ds, held)
             for a, b in held:
-                ep.free.add(a, b)
+                for x, y in self._returned(ds, ep, a, b):
+                    ep.free.add(x, y)
             ep.n_leased -= held.size
             moved += held.size
+            if ds.absent and ep.acked.size == ep.total:
+                self._complete(dataset_id, ds, epoch, ep)
         return moved
 
     # -- queries -----------------------------------------------------------------------
@@ -578,8 +797,10 @@ class LeaseTable:
         if ds is None or ds.units is None:
             return out
         total = ds.units.total
-        out.update(known=True, total=total, units=ds.units.units)
+        out.update(known=True, total=total, units=ds.units.units, ids=total)
         ep = ds.epochs.get(epoch)
+        if isinstance(ds.units, StridedUnits):
+            return self._collection_progress(ds, ep, epoch, out)
         if ds.is_complete(epoch):
             out.update(acknowledged=total, complete=True)
         elif ep is None:
@@ -587,4 +808,27 @@ class LeaseTable:
         else:
             out.update(acknowledged=ep.acked.size, leased=ep.n_leased,
                        free=ep.free.size + ep.deferred.size, failed=ep.failed)
+        return out
+
+    @staticmethod
+    def _collection_progress(ds: _Dataset, ep: _Epoch | None, epoch: int,
+                             out: dict) -> dict:
+        """Progress of a collection whose lengths are learned: ``total`` counts the rows
+        of partitions computed so far, ``known`` is False until every length is known,
+        ``units_known`` counts those partitions; ids that may not exist are in no
+        count."""
+        units: StridedUnits = ds.units  # type: ignore[assignment]
+        real = units.known_rows
+        out.update(known=units.known == units.units, total=real,
+                   units_known=units.known)
+        if ds.is_complete(epoch):
+            out.update(acknowledged=real, complete=True)
+        elif ep is None:
+            out.update(free=real)
+        else:
+            phantom = ep.total - real  # ids of unknown lengths (and stale tails)
+            leased = ep.n_leased - ep.phantom_leased
+            out.update(acknowledged=ep.acked.size, leased=leased,
+                       free=ep.free.size + ep.deferred.size - (phantom - ep.phantom_leased),
+                       failed=ep.failed)
         return out

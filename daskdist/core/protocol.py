@@ -174,3 +174,22 @@ class EpochLedger(NamedTuple):
     acknowledged: list  # [(start, stop), ...] row intervals
     total: int  # rows of the epoch
 
+
+
+class CollectionDef(NamedTuple):
+    """A Dask collection's partitions as a ``"dynamic"`` dataset's units
+    (``daskdist_collection_define``): ``units`` partitions, with ``runs`` their lengths
+    run-length encoded when known (dense row ids, as files), or ``None`` (each partition
+    gets ``core.partitions.STRIDE`` ids: its index times STRIDE plus the row's position;
+    lengths are learned as partitions are computed). ``shuffle``: partitions are leased
+    in an order seeded by ``(seed, epoch)``. ``holders``: per partition, the Dask key of
+    the data the user persisted for it (or ``None``): it is leased first to the member
+    that holds that key."""
+
+    dataset_id: str
+    label: str
+    units: int
+    runs: list | None
+    seed: int = 0
+    shuffle: bool = False
+    holders: list | None = None

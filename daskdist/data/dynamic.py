@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from daskdist.core.leases import EpochFailed, LeaseTable
-from daskdist.core.protocol import LEASE_TOKEN, DatasetDef, LeaseToken
+from daskdist.core.protocol import LEASE_TOKEN, CollectionDef, DatasetDef, LeaseToken
 from daskdist.errors import InputError
 
 __all__ = ["LEASE_TOKEN", "LeaseService", "LocalLeaseService", "lease_token"]
@@ -59,6 +59,11 @@ class LeaseService(Protocol):
     # Optional (used when present): ``acquire_async(dataset_id, epoch, rows, least)``, a
     # ``concurrent.futures.Future`` of what ``acquire`` returns, so the loader asks for
     # its next lease while it reads the current one.
+    #
+    # For Dask collections (data/collections.py): ``define_collection(CollectionDef)``,
+    # ``acquire_partition(dataset_id, epoch)`` (one partition's free rows; the scheduler
+    # prefers one this worker holds) and ``report_length(dataset_id, epoch, partition,
+    # rows)`` (``InputError`` when a recomputed partition's length differs).
 
 
 class LocalLeaseService:
@@ -83,6 +88,24 @@ class LocalLeaseService:
         d = DatasetDef._make(dataset)
         with self._lock:
             self.table.define(d.dataset_id, d.runs, d.label)
+
+    def define_collection(self, definition: CollectionDef) -> None:
+        d = CollectionDef._make(definition)
+        with self._lock:
+            self.table.define_collection(d.dataset_id, d.units, d.runs, d.label,
+                                         seed=d.seed, shuffle=d.shuffle)
+
+    def acquire_partition(self, dataset_id: str, epoch: int) -> list[Interval] | None:
+        """Lease one partition of a collection (its free rows)."""
+        return self.acquire(dataset_id, epoch, 1)
+
+    def report_length(self, dataset_id: str, epoch: int, unit: int, length: int) -> None:
+        """A computed partition's length; ``InputError`` when it differs from the one
+        learned before (the epoch failed)."""
+        with self._lock:
+            why = self.table.set_length(self.session, dataset_id, epoch, unit, length)
+        if why is not None:
+            raise InputError(why)
 
     def acquire(self, dataset_id: str, epoch: int, rows: int,
                 least: int = 1) -> list[Interval] | None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,13 @@ from daskdist.core.intervals import normalize
 from daskdist.core.leases import unit_runs
 from daskdist.core.protocol import DatasetDef
 from daskdist.data import batching
+from daskdist.data.collections import (
+    DaskCollection,
+    PartitionSource,
+    StaticPartitionSource,
+    as_source,
+    make_computer,
+)
 from daskdist.data.convert import concat_cols, slice_cols, to_device
 from daskdist.data.prefetch import CLOSED, END, Failure, Feed
 from daskdist.data.sharding import POLICIES, assign
@@ -97,20 +105,26 @@ class ArrowLoader:
     builds), else a fresh id. Under ``policy="dynamic"`` a lease covers at least
     ``lease_rows`` rows (default ``daskdist.data.lease-rows``) and 2 batches.
 
+    ``shards`` may also be a dask DataFrame or a dict of dask Arrays chunked alike along
+    axis 0 (SPEC §3.2, :mod:`.collections`): its partitions are the units, computed by
+    Dask at most ``partitions_ahead`` (default ``daskdist.data.partitions-ahead``) ahead
+    of consumption; the default policy is then ``"dynamic"`` when ``ctx`` has a lease
+    service. Anything else is a ``TypeError`` naming what was given.
+
     ``iter(loader)`` closes the previous iterator and returns one that several threads
     may call ``next()`` on at once (see the module doc for the rule and the shutdown).
     """
 
     def __init__(
         self,
-        shards: ArrowShards | str | os.PathLike | Sequence[str] | pads.Dataset,
+        shards: ArrowShards | str | os.PathLike | Sequence[str] | pads.Dataset | Any,
         ctx: InputContext | None = None,
         batch_size: int = 256,
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
         columns: Sequence[str] | None = None,
-        policy: str = "auto",
+        policy: str | None = None,
         prefetch: int = 2,
         fill_null: Any = None,
         collate: Callable[[pa.Table], Any] | None = None,
@@ -118,11 +132,14 @@ class ArrowLoader:
         shuffle_buffer: int = 65536,
         name: str | None = None,
         lease_rows: int | None = None,
+        partitions_ahead: int | None = None,
     ) -> None:
-        if not isinstance(shards, ArrowShards):
-            shards = ArrowShards(shards)
+        shards = as_source(shards)
         self.shards = shards
         self.ctx = ctx if ctx is not None else InputContext()
+        collection = isinstance(shards, DaskCollection)
+        if policy is None:  # collections stream through leases when there is a service
+            policy = "dynamic" if collection and self.ctx.leases is not None else "auto"
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if int(prefetch) < 0:
@@ -149,12 +166,17 @@ class ArrowLoader:
         self.device = torch.device(device) if device is not None else self.ctx.device
         _check_device(self.device, self.ctx)
 
-        units = shards.units  # reads footers: a bad file raises here, before any batch
-        names = shards.schema.names
+        if collection:
+            units = []
+            names = shards.columns
+        else:
+            units = shards.units  # reads footers: a bad file raises here, before any batch
+            names = shards.schema.names
         self.columns = list(columns) if columns is not None else list(names)
         missing = [c for c in self.columns if c not in names]
         if missing:
-            raise ValueError(f"column(s) {missing} not in the shards' schema {names}")
+            what = "the collection's columns" if collection else "the shards' schema"
+            raise ValueError(f"column(s) {missing} not in {what} {names}")
         self.name = name or ""
         self.dataset_id = (self.ctx.next_dataset_id()
                            or f"{name or 'arrow'}-{uuid.uuid4().hex[:12]}")
@@ -165,11 +187,22 @@ class ArrowLoader:
         self.lease_rows = max(int(lease_rows), 2 * self.batch_size)
         self._unit_rows = [u.num_rows for u in units]
         self._starts = [u.start for u in units]
+        if collection and shards.lengths is not None:  # known lengths: dense ids
+            self._unit_rows = list(shards.lengths)
+            self._starts = [0]
+            for n in self._unit_rows[:-1]:
+                self._starts.append(self._starts[-1] + n)
+        if partitions_ahead is None:
+            partitions_ahead = int(config.get("data.partitions-ahead", 2))
+        if int(partitions_ahead) < 1:
+            raise ValueError(f"partitions_ahead must be >= 1, got {partitions_ahead}")
+        self.partitions_ahead = int(partitions_ahead)
+        self._partition_computer: Any = None
         self._defined = False
         self._define_lock = threading.Lock()
         self._files: str | None = None  # the shards' fingerprint, once asked for
-        if policy == "dynamic":
-            self.policy, self._pieces = "dynamic", []
+        if policy == "dynamic" or collection:
+            self.policy, self._pieces = policy, []
         else:
             self.policy, self._pieces = assign(
                 [u.file_index for u in units], self._unit_rows,
@@ -182,8 +215,16 @@ class ArrowLoader:
     # -- public API ----------------------------------------------------------------------
     @property
     def num_rows(self) -> int:
-        """Rows this pipeline reads per epoch (all rows under ``"dynamic"``)."""
-        if self.policy == "dynamic":
+        """Rows this pipeline reads per epoch (all rows under ``"dynamic"``). A
+        collection whose lengths are not known yet: ``TypeError``."""
+        if isinstance(self.shards, DaskCollection):
+            if self.shards.lengths is None:
+                raise TypeError(f"the {self.shards.what} has partitions of unknown length "
+                                "(learned as they are computed, never by a pass first)")
+            if self.policy not in ("dynamic", "off") and self.ctx.num_input_pipelines > 1:
+                raise TypeError("a collection's rows per pipeline are known only under "
+                                "'dynamic' or 'off'")
+        if self.policy == "dynamic" or isinstance(self.shards, DaskCollection):
             return sum(self._unit_rows)
         return sum(p.rows for p in self._pieces)
 
@@ -280,12 +321,31 @@ class ArrowLoader:
         scheduler checks that every worker's loader agrees)."""
         with self._define_lock:
             if not self._defined:
-                self.ctx.leases.define(DatasetDef(self.dataset_id, self.name,
-                                                  unit_runs(self._unit_rows), self.seed))
+                if isinstance(self.shards, DaskCollection):
+                    self.ctx.leases.define_collection(self.shards.definition(
+                        self.dataset_id, self.name, self.seed, self.shuffle))
+                else:
+                    self.ctx.leases.define(DatasetDef(self.dataset_id, self.name,
+                                                      unit_runs(self._unit_rows), self.seed))
                 self._defined = True
+
+    def _computer(self) -> Any:
+        """What computes a collection's partitions (built once, by the prefetch thread)."""
+        with self._define_lock:
+            if self._partition_computer is None:
+                self._partition_computer = make_computer(self)
+            return self._partition_computer
+
+    def _unit_of(self, row: int) -> int:
+        """The unit (partition) holding dense row id ``row``."""
+        return bisect_right(self._starts, row) - 1
 
     # -- the pipeline's stages, built per iterator -----------------------------------------
     def _source(self, epoch: int, position: int) -> ChunkSource:
+        if isinstance(self.shards, DaskCollection):
+            if self.policy == "dynamic":
+                return PartitionSource(self, epoch)
+            return StaticPartitionSource(self, epoch, position)
         if self.policy == "dynamic":
             return DynamicSource(self, epoch)
         return StaticSource(self, epoch, position)

@@ -63,12 +63,21 @@ class Coordinators:
 
     # -- creation and owners -------------------------------------------------------------
     async def create(self, name: str, client: str | None, max_worker_failures: int | None,
-                     torch_threads: int | None, lease_timeout: float | None) -> dict:
+                     torch_threads: int | None, lease_timeout: float | None,
+                     resources: dict | None = None) -> dict:
         """Create ``name`` if new (its settings: the first caller's; arguments already
         checked), make sure workers run its plugin, attach a new owner:
-        ``{"workers", "owner", "token"}``."""
+        ``{"workers", "owner", "token"}``. ``resources``: the Dask resources a worker must
+        declare to be a member (the first caller's; another asking for others gets a
+        ``ValueError`` naming both)."""
         async with self._lock(name):
             co = self.states.get(name)
+            if co is not None and resources is not None and \
+                    resources != getattr(co, "member_resources", None):
+                raise ValueError(
+                    f"coordinator {name!r} makes workers with resources "
+                    f"{getattr(co, 'member_resources', None)} its members; a Coordinator "
+                    f"asking for resources={resources} needs another name")
             if co is None:
                 if max_worker_failures is None:
                     max_worker_failures = checks.max_worker_failures(
@@ -80,10 +89,12 @@ class Coordinators:
                         "daskdist.liveness.lease-timeout")
                 co = CoordinatorState(name, max_worker_failures, send=self._send,
                                       lease_timeout=lease_timeout)
+                co.member_resources = resources  # only these workers are members
                 self.states[name] = co
                 self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
             try:
-                started = await self._register_worker_plugin(name, torch_threads)
+                started = await self._register_worker_plugin(
+                    name, torch_threads, getattr(co, "member_resources", None))
             except BaseException:
                 if not co.outboxes:  # nobody uses it: the next attempt starts afresh
                     self._forget(name)
@@ -99,15 +110,18 @@ class Coordinators:
                 break
         return {"workers": len(co.members), "owner": owner, "token": token}
 
-    async def _register_worker_plugin(self, name: str, torch_threads: int | None) -> int:
+    async def _register_worker_plugin(self, name: str, torch_threads: int | None,
+                                      resources: dict | None = None) -> int:
         """Register the worker plugin of ``name`` unless it is; how many workers set it
-        up now (0 if it was there)."""
+        up now (0 if it was there). With ``resources``, it runs closures only on workers
+        that declare them; the others count as not started."""
         plugin_name = worker_plugin_name(name)
         if plugin_name in self.scheduler.worker_plugins:
             return 0
         replies = await self.scheduler.register_worker_plugin(
             comm=None,
-            plugin=dumps(PluginRef(WORKER_PLUGIN, name=name, torch_threads=torch_threads)),
+            plugin=dumps(PluginRef(WORKER_PLUGIN, name=name, torch_threads=torch_threads,
+                                   resources=resources)),
             name=plugin_name,
             idempotent=True,
         )
@@ -121,6 +135,9 @@ class Coordinators:
                 f"the daskdist worker plugin of coordinator {name!r} failed to set up "
                 f"on {len(failed)} of {len(replies)} workers; {worker}: "
                 f"{reply.get('exception_text') or reply}")
+        if resources:  # only members register a session
+            return sum(checks.satisfies(ws.resources, resources)
+                       for ws in self.scheduler.workers.values())
         return len(replies or {})
 
     def drop_owner(self, co: CoordinatorState, owner: str) -> list:

@@ -36,6 +36,7 @@ from daskdist import config
 from daskdist.core import checks
 from daskdist.core.protocol import PLUGIN_NAME, CommitKey, Dispatch, Submission
 from daskdist.plugins.scheduler import observe
+from daskdist.plugins.scheduler.collections import CollectionHandlers
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.names import Coordinators
 from daskdist.plugins.scheduler.state import STATE_HANDLERS, CoordinatorState, wait_event
@@ -61,6 +62,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         self._expected: dict[str, bool] = {}
         self._liveness_task: asyncio.Task | None = None
         self._sampler: observe.Sampler | None = None  # dashboard history, until close
+        self.collections = CollectionHandlers(self)  # Dask collections' partitions
 
     async def start(self, scheduler) -> None:
         self.scheduler = self.names.scheduler = scheduler
@@ -90,6 +92,8 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_state_commits": self.state_commits,
                 # dynamic datasets and checkpoint ledgers: CoordinatorState's methods
                 **{op: self._on_state(method) for op, method in STATE_HANDLERS.items()},
+                # Dask collections: definitions, partition leases, lengths, helpers
+                **self.collections.handlers(),
             }
         )
         scheduler.extensions["daskdist"] = self
@@ -120,7 +124,11 @@ class CoordinatorPlugin(SchedulerPlugin):
                                    co.liveness.timeout)
 
     # -- Dask events ------------------------------------------------------------------
+    def add_worker(self, scheduler, worker: str) -> None:
+        self.collections.worker_added(worker)
+
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
+        self.collections.worker_removed(worker)
         for co in self.coordinators.values():
             session = co.members.session_of(worker)
             if session is not None:
@@ -198,10 +206,13 @@ class CoordinatorPlugin(SchedulerPlugin):
     async def create(self, name: str, client: str | None = None,
                      max_worker_failures: int | None = None,
                      torch_threads: int | None = None,
-                     lease_timeout: float | None = None) -> dict:
+                     lease_timeout: float | None = None,
+                     resources: dict | None = None) -> dict:
         """Create the named coordinator if new (its settings: the first caller's), make
         sure workers run its plugin, and attach the caller as a new owner: its id and
-        secret token (``{"workers", "owner", "token"}``)."""
+        secret token (``{"workers", "owner", "token"}``). ``resources``: only workers
+        declaring those Dask resources are members (a later caller asking for others
+        is refused)."""
         op = "daskdist_create"
         checks.text(name, f"{op}: name")
         client = checks.optional(checks.text, client, f"{op}: client")
@@ -211,8 +222,9 @@ class CoordinatorPlugin(SchedulerPlugin):
                                         -(2**31), 2**31)
         lease_timeout = checks.optional(checks.lease_timeout, lease_timeout,
                                         f"{op}: lease_timeout")
+        resources = checks.optional(checks.resources, resources, f"{op}: resources")
         return await self.names.create(name, client, max_worker_failures, torch_threads,
-                                       lease_timeout)
+                                       lease_timeout, resources=resources)
 
     async def detach(self, name: str, owner: str, token: str) -> dict:
         """The owner closes: its queued closures are cancelled, its per-worker resources

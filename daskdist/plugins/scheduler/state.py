@@ -557,8 +557,10 @@ class CoordinatorState:
         dataset_id = checks.text(dataset_id, "dataset_id")
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
         p = self.leases.progress(dataset_id, epoch)
-        return tuple(EpochLedger(dataset_id, epoch,
-                                 self.leases.acknowledged(dataset_id, epoch), p["total"]))
+        return tuple(EpochLedger(dataset_id, epoch,  # total: its row ids (a collection's
+                                 # of unknown lengths: STRIDE per partition)
+                                 self.leases.acknowledged(dataset_id, epoch),
+                                 p.get("ids", p["total"])))
 
     def dataset_start(self, owner: str, token: str, ledger: Any) -> dict:
         """Start an epoch with the rows of ``ledger`` (an :class:`EpochLedger`) already
@@ -570,7 +572,8 @@ class CoordinatorState:
         dataset_id = checks.text(led.dataset_id, "dataset_id")
         epoch = checks.integer(led.epoch, "epoch", 0, checks.MAX_EPOCH)
         acked = checks.pairs(led.acknowledged, "acknowledged", checks.MAX_RANGES)
-        total = self.leases.progress(dataset_id, epoch)["total"]
+        p = self.leases.progress(dataset_id, epoch)
+        total = p.get("ids", p["total"])
         if checks.integer(led.total, "total", 0, checks.MAX_ROWS) != total:
             raise ValueError(f"the ledger is of {led.total} rows; dataset {dataset_id!r} "
                              f"has {total}")

@@ -19,6 +19,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from daskdist.context import _set_formation_version, _set_membership
+from daskdist.core import checks
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins.worker import preemption
 from daskdist.plugins.worker.runner import ClosureRunner
@@ -117,13 +118,16 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
     idempotent = True
 
     def __init__(self, name: str = "default", prefetch: int | None = None,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, resources: dict | None = None):
         self.name = name
         self.prefetch = prefetch
         self.torch_threads = torch_threads
+        self.resources = resources  # only workers declaring these are members
         self.runner: ClosureRunner | None = None
 
     async def setup(self, worker) -> None:
+        if not checks.satisfies(worker.state.total_resources, self.resources):
+            return  # not a member (Coordinator(resources=...)): free for Dask's own tasks
         install_handlers(worker)
         preemption.install(worker, lambda: _runners(worker))
         self.runner = ClosureRunner(worker, self.name, self.prefetch)
@@ -138,4 +142,5 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
 
     def __getstate__(self):
         return {"name": self.name, "prefetch": self.prefetch,
-                "torch_threads": self.torch_threads, "runner": None}
+                "torch_threads": self.torch_threads, "resources": self.resources,
+                "runner": None}

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from typing import Any
 
 from distributed.utils import sync
 
 from daskdist.core.leases import group_tokens
-from daskdist.core.protocol import CommitKey, DatasetDef
+from daskdist.core.protocol import CollectionDef, CommitKey, DatasetDef
 from daskdist.errors import CollectiveError, InputError
 
 Interval = tuple[int, int]
@@ -36,6 +37,7 @@ class SessionServices:
         self.name = name
         self.session = session
         self.ended = False
+        self._helpers: tuple[float, list[str]] | None = None  # (when asked, addresses)
 
     def end(self) -> None:
         """The session ended: every later call is refused without asking the scheduler."""
@@ -110,6 +112,72 @@ class SessionServices:
         return sum(self.release(ds, epoch, ranges)
                    for (ds, epoch), ranges in group_tokens(tokens).items())
 
+    # -- Dask collections (data.collections.PartitionSource) ---------------------------
+    def define_collection(self, definition: CollectionDef) -> None:
+        """Define a collection's partitions (once per loader; ``ValueError`` if the
+        definition differs from the scheduler's)."""
+        if not self.ended:
+            self._call("daskdist_collection_define", dataset=tuple(definition))
+
+    def acquire_partition(self, dataset_id: str, epoch: int) -> list[Interval] | None:
+        """Lease one partition's free rows (one this worker holds first); ``None`` when
+        none is free now or the session ended. ``InputError`` when the epoch failed."""
+        if self.ended:
+            return None
+        return _lease(self._call("daskdist_partition_acquire", dataset_id=dataset_id,
+                                 epoch=int(epoch)))
+
+    def report_length(self, dataset_id: str, epoch: int, unit: int, length: int) -> None:
+        """A computed partition's length; ``InputError`` naming it when it differs from
+        the length learned before (the epoch failed)."""
+        if self.ended:
+            return
+        _length_reply(self._call("daskdist_partition_length", dataset_id=dataset_id,
+                                 epoch=int(epoch), unit=int(unit), length=int(length)))
+
+    def acquire_partition_async(self, dataset_id: str,
+                                epoch: int) -> concurrent.futures.Future:
+        """:meth:`acquire_partition` without waiting (asked while a partition is read)."""
+        return self._async(_lease, "daskdist_partition_acquire", dataset_id=dataset_id,
+                           epoch=int(epoch))
+
+    def report_length_async(self, dataset_id: str, epoch: int, unit: int,
+                            length: int) -> concurrent.futures.Future:
+        """:meth:`report_length` without waiting: a future that raises ``InputError``
+        when the length differs."""
+        return self._async(_length_reply, "daskdist_partition_length",
+                           dataset_id=dataset_id, epoch=int(epoch), unit=int(unit),
+                           length=int(length))
+
+    def _async(self, parse: Any, op: str, **kwargs: Any) -> concurrent.futures.Future:
+        """A scheduler call sent from any thread without waiting: a future of
+        ``parse(reply)`` (``None`` at once for an ended session)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if self.ended:
+            out.set_result(None)
+            return out
+        coro = getattr(self.worker.scheduler, op)(name=self.name, session=self.session,
+                                                  **kwargs)
+        reply = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+
+        def done(f: concurrent.futures.Future) -> None:
+            try:
+                out.set_result(parse(f.result()))
+            except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
+                out.set_exception(e)
+
+        reply.add_done_callback(done)
+        return out
+
+    def collection_helpers(self) -> list[str]:
+        """Workers that compute partitions for the members (not members themselves,
+        under ``Coordinator(resources=...)``); asked at most every 5 s."""
+        now = time.monotonic()
+        if self._helpers is None or now - self._helpers[0] > 5.0:
+            helpers = [] if self.ended else list(self._call("daskdist_collection_helpers"))
+            self._helpers = (now, helpers)
+        return self._helpers[1]
+
     # -- elastic commits (collective.elastic) ----------------------------------------
     def send_commit_part(self, key: CommitKey, rank: int, world: int, tokens: list,
                          timeout: float) -> concurrent.futures.Future:
@@ -162,6 +230,12 @@ class SessionServices:
         if not self.ended:
             self._call("daskdist_checkpoint_written", state=state, url=url,
                        commits=int(commits), seconds=float(seconds), nbytes=int(nbytes))
+
+
+def _length_reply(reply: dict) -> None:
+    """``InputError`` when a reported partition length differs from the learned one."""
+    if reply and reply.get("failed"):
+        raise InputError(reply["failed"])
 
 
 def _lease(reply: dict) -> list[Interval] | None:

@@ -1,0 +1,68 @@
+"""The collection examples, run at a small size on real LocalClusters (2 threads per
+worker): the tabular ETL + MLP with async closures, and the images with a CNN, sync
+training and a SIGKILL mid-epoch."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pandas")
+pytest.importorskip("dask.dataframe")
+
+import daskdist as dd  # noqa: E402
+from tests.conftest import make_cluster, wait_for_workers  # noqa: E402
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(autouse=True)
+def examples_importable(monkeypatch):
+    """The examples import as modules here and in the workers (which inherit
+    PYTHONPATH), as they would for a user who runs them."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    path = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", f"{EXAMPLES}{os.pathsep}{path}" if path else str(EXAMPLES))
+
+
+def load(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    return importlib.import_module(name)
+
+
+def test_tabular_dataframe_example_trains_every_row_once_per_epoch():
+    from distributed import Client
+
+    tabular = load("tabular_dataframe")
+    with make_cluster(2, threads=2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="tabular")
+        wait_for_workers(client, coord, 2)
+        report = tabular.train(coord, partitions=6, rows=300, epochs=2, global_batch_size=64)
+        kept = len(tabular.make_frame(6, 300))  # rows whose label is known
+        for r in report:
+            counts = Counter(r["ids"])
+            assert r["rows"] == kept == len(counts) and set(counts.values()) == {1}
+            assert np.isfinite(r["loss"])
+        coord.close()
+
+
+def test_images_array_example_survives_a_sigkill_every_image_once():
+    from distributed import Client
+
+    images = load("images_array")
+    with make_cluster(3, threads=2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="images")
+        wait_for_workers(client, coord, 3)
+        r = images.train(coord, client, images=768, chunk=64, epochs=1,
+                         global_batch_size=48, kill=True, pause=0.05)
+        assert len(r["kills"]) == 1
+        seen = np.asarray(r["seen"])
+        assert (seen == 1).all(), (int((seen == 0).sum()), int((seen > 1).sum()))
+        coord.close()

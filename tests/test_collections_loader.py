@@ -1,0 +1,249 @@
+"""ArrowLoader over Dask collections in one process (a LocalLeaseService, Dask's
+synchronous scheduler): every row once under "dynamic", N-D array batches, shuffle,
+static policies, columns, fill_null, collate, state_dict, errors that name the
+partition, and a TypeError for anything that is not a source."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+pd = pytest.importorskip("pandas")
+ddf = pytest.importorskip("dask.dataframe")
+da = pytest.importorskip("dask.array")
+
+from daskdist.context import ClosureScope, InputContext, closure_scope  # noqa: E402
+from daskdist.core.partitions import STRIDE  # noqa: E402
+from daskdist.data import ArrowLoader, LocalLeaseService  # noqa: E402
+from daskdist.data.collections import DaskCollection, as_source  # noqa: E402
+from daskdist.errors import InputError  # noqa: E402
+
+PARTS = 12
+ROWS = 37  # rows per partition (the last partitions shorter, below)
+
+
+def part_len(i: int) -> int:
+    return ROWS - (i % 3) * 5
+
+
+def make_part(i: int) -> pd.DataFrame:
+    n = part_len(i)
+    return pd.DataFrame({"id": np.arange(n) + 1000 * i, "x": np.full(n, float(i)),
+                         "name": [f"p{i}r{k}" for k in range(n)]})
+
+
+def frame(parts: int = PARTS):
+    return ddf.from_map(make_part, range(parts))
+
+
+def all_ids(parts: int = PARTS) -> set[int]:
+    return {1000 * i + k for i in range(parts) for k in range(part_len(i))}
+
+
+def drain(loader, svc):
+    """Run every batch as a completed closure (acknowledged); ids seen."""
+    seen: Counter = Counter()
+    it = iter(loader)
+    while True:
+        scope = ClosureScope()
+        with closure_scope(scope):
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+        assert svc.ack_tokens(scope.tokens)
+        seen.update(batch["id"].tolist())
+    return seen
+
+
+def test_a_lazy_frame_streams_every_row_once_under_dynamic():
+    svc = LocalLeaseService()
+    ld = ArrowLoader(frame(), InputContext(leases=svc), batch_size=16)
+    assert ld.policy == "dynamic"  # the default for a collection with a lease service
+    p = ld.progress()
+    assert not p["known"] and p["total"] == 0 and p["units"] == PARTS
+    seen = drain(ld, svc)
+    assert set(seen) == all_ids() and set(seen.values()) == {1}
+    p = ld.progress()
+    assert p["complete"] and p["known"] and p["total"] == len(all_ids())
+
+
+def test_batches_keep_types_strings_become_lists():
+    svc = LocalLeaseService()
+    ld = ArrowLoader(frame(2), InputContext(leases=svc), batch_size=10)
+    b = next(iter(ld))
+    assert b["id"].dtype == torch.int64 and b["x"].dtype == torch.float64
+    assert isinstance(b["name"], list) and b["name"][0] == "p0r0"
+    ld.close()
+
+
+def test_columns_and_shuffle_are_deterministic_per_seed_and_epoch():
+    def order(seed, epoch):
+        svc = LocalLeaseService()
+        ld = ArrowLoader(frame(), InputContext(leases=svc), batch_size=8, shuffle=True,
+                         seed=seed, columns=["id"])
+        ld.set_epoch(epoch)
+        out = []
+        it = iter(ld)
+        for b in it:
+            assert list(b) == ["id"]
+            out += b["id"].tolist()
+        return out
+
+    a = order(0, 0)
+    assert sorted(a) == sorted(all_ids()) and a != sorted(a)
+    assert order(0, 0) == a and order(0, 1) != a and order(1, 0) != a
+    # the partition order is shuffled too, not only rows inside each
+    firsts = [i // 1000 for i in a[:: ROWS]]
+    assert firsts[:4] != sorted(firsts[:4]) or firsts[0] != 0
+
+
+def test_a_dict_of_arrays_gives_nd_batches_and_dense_ids():
+    x = da.arange(90 * 6, chunks=60).reshape(90, 2, 3).rechunk((20, 1, 3))
+    y = da.arange(90, chunks=20)
+    svc = LocalLeaseService()
+    ld = ArrowLoader({"image": x, "label": y}, InputContext(leases=svc), batch_size=16)
+    assert ld.num_rows == 90
+    p = ld.progress()
+    assert p["known"] and p["total"] == 90  # lengths known from the chunks
+    labels = []
+    it = iter(ld)
+    while True:
+        scope = ClosureScope()
+        with closure_scope(scope):
+            try:
+                b = next(it)
+            except StopIteration:
+                break
+        assert svc.ack_tokens(scope.tokens)
+        assert b["image"].shape[1:] == (2, 3) and b["image"].dim() == 3
+        assert torch.equal(b["image"][:, 0, 0], b["label"] * 6)
+        labels += b["label"].tolist()
+    assert sorted(labels) == list(range(90))
+
+
+def test_static_policies_split_partitions_like_files():
+    got = []
+    for i in range(3):
+        ld = ArrowLoader(frame(), InputContext(3, i, 3), batch_size=10, policy="file")
+        got += [v for b in ld for v in b["id"].tolist()]
+    assert sorted(got) == sorted(all_ids())
+    data = []
+    for i in range(2):
+        ld = ArrowLoader(frame(), InputContext(2, i, 2), batch_size=10, policy="data")
+        data += [v for b in ld for v in b["id"].tolist()]
+    assert sorted(data) == sorted(all_ids())
+    off = ArrowLoader(frame(), batch_size=10)  # no lease service: "auto"
+    assert off.policy == "auto"
+
+
+def test_state_dict_resumes_a_static_epoch_and_checks_the_collection():
+    ld = ArrowLoader(frame(), batch_size=10, shuffle=True, policy="off")
+    it = iter(ld)
+    first = [v for _ in range(5) for v in next(it)["id"].tolist()]
+    state = ld.state_dict()
+    ld2 = ArrowLoader(frame(), batch_size=10, shuffle=True, policy="off")
+    ld2.load_state_dict(state)
+    rest = [v for b in ld2 for v in b["id"].tolist()]
+    assert sorted(first + rest) == sorted(all_ids())
+    other = ArrowLoader(frame(3), batch_size=10)
+    with pytest.raises(ValueError, match="fingerprint"):
+        other.load_state_dict(state)
+
+
+def test_fill_null_and_collate_work_as_for_files():
+    def with_nulls(i):
+        return pd.DataFrame({"id": [i, i + 100], "v": [1.0, None]})
+
+    df = ddf.from_map(with_nulls, range(3))
+    with pytest.raises(ValueError, match="'v'"):
+        list(ArrowLoader(df, batch_size=4))
+    got = [b for b in ArrowLoader(df, batch_size=6, fill_null=0.0)]
+    assert sorted(got[0]["v"].tolist()) == [0.0] * 3 + [1.0] * 3
+    tables = list(ArrowLoader(df, batch_size=6, fill_null=0.0, collate=lambda t: t.num_rows))
+    assert tables == [6]
+
+
+def boom_at_3(df):
+    if int(df["id"].iloc[0]) // 1000 == 3:
+        raise ZeroDivisionError("bad partition")
+    return df
+
+
+def test_an_error_in_the_users_graph_names_the_partition_and_gives_its_rows_back():
+    svc = LocalLeaseService()
+    df = frame(6).map_partitions(boom_at_3)
+    ld = ArrowLoader(df, InputContext(leases=svc), batch_size=1000)
+    it = iter(ld)
+    seen = []
+    with pytest.raises(InputError, match="partition 3 .*ZeroDivisionError: bad partition") as e:
+        while True:
+            scope = ClosureScope()
+            with closure_scope(scope):
+                b = next(it)
+            svc.ack_tokens(scope.tokens)
+            seen += b["id"].tolist()
+    assert isinstance(e.value.original, ZeroDivisionError)
+    ld.close()
+    p = ld.progress()
+    assert p["leased"] == 0 and not p["complete"]  # nothing stays leased; it goes back
+
+
+CALLS: Counter = Counter()
+CALLS_LOCK = threading.Lock()
+
+
+def grows_when_recomputed(i):
+    """Partition i has one more row each time it is computed (not deterministic)."""
+    with CALLS_LOCK:
+        CALLS[i] += 1
+        n = CALLS[i]
+    return pd.DataFrame({"id": np.arange(4 + n) + 1000 * i})
+
+
+def test_a_recomputed_partition_of_another_length_fails_the_epoch():
+    CALLS.clear()
+    svc = LocalLeaseService()
+    df = ddf.from_map(grows_when_recomputed, range(2))
+    ld = ArrowLoader(df, InputContext(leases=svc), batch_size=2, partitions_ahead=1)
+    it = iter(ld)
+    next(it)  # partition 0 computed (5 rows); this closure fails, its worker is lost
+    ld.close()
+    svc.drop_session()  # its rows go back
+    ld2 = ArrowLoader(df, InputContext(leases=svc.for_session("b")), batch_size=2)
+    ld2.dataset_id = ld.dataset_id
+    with pytest.raises(InputError, match=r"partition 0 .* has \d+ rows now and had \d+"):
+        list(ld2)
+    assert "partition 0" in ld2.progress()["failed"]
+
+
+def test_anything_else_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="pandas.*DataFrame.*from_pandas"):
+        as_source(make_part(0))
+    with pytest.raises(TypeError, match="builtins.int"):
+        ArrowLoader(3)
+    with pytest.raises(TypeError, match="dask Arrays.*'a': 'numpy.ndarray'"):
+        as_source({"a": np.zeros(3)})
+    with pytest.raises(ValueError, match="chunked differently"):
+        DaskCollection.of({"a": da.zeros(10, chunks=5), "b": da.zeros(10, chunks=4)})
+    with pytest.raises(ValueError, match=r"\['nope'\] not in"):
+        ArrowLoader(frame(), batch_size=2, columns=["nope"])
+
+
+def test_unknown_lengths_use_strided_ids():
+    svc = LocalLeaseService()
+    ld = ArrowLoader(frame(3), InputContext(leases=svc), batch_size=ROWS)
+    it = iter(ld)
+    scope = ClosureScope()
+    with closure_scope(scope):
+        next(it)
+    (tok,) = scope.tokens
+    assert tok.ranges == [(0, ROWS)]
+    with closure_scope(ClosureScope()) as s2:
+        next(it)
+    assert s2.tokens[0].ranges[0][0] == STRIDE  # partition 1's first row
+    ld.close()

@@ -1,0 +1,258 @@
+"""The lease table's units for Dask collections (pure): partitions of unknown length
+(strided ids, lengths learned as they are computed), a seeded partition order, leasing
+a given partition (locality), and a recomputed partition whose length differs."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from daskdist.core.intervals import normalize, size_of
+from daskdist.core.leases import EpochFailed, LeaseTable
+from daskdist.core.partitions import STRIDE, Permutation, StridedUnits
+from tests.tables import check_leases, leased_to
+
+DS = "frame"
+S = STRIDE
+
+
+def collection(n: int, **kw) -> LeaseTable:
+    t = LeaseTable()
+    t.define_collection(DS, n, label="train", seed=kw.pop("seed", 0), **kw)
+    return t
+
+
+def test_a_partition_of_unknown_length_is_leased_whole_and_its_tail_dropped_when_learned():
+    t = collection(3)
+    p = t.progress(DS, 0)
+    assert (p["known"], p["total"], p["units"], p["units_known"]) == (False, 0, 3, 0)
+    assert t.acquire("a", DS, 0, 1) == [(0, S)]  # partition 0, every id it may have
+    assert t.acquire("b", DS, 0, 1) == [(S, 2 * S)]
+    assert t.set_length("a", DS, 0, 0, 7) is None
+    assert leased_to(t, "a", DS, 0) == [(0, 7)]
+    p = t.progress(DS, 0)
+    assert (p["known"], p["total"], p["leased"], p["free"]) == (False, 7, 7, 0)
+    check_leases(t)
+    assert t.ack("a", DS, 0, [(0, 7)])
+    assert t.set_length("b", DS, 0, 1, 0) is None  # an empty partition: no row at all
+    assert leased_to(t, "b", DS, 0) == []
+    assert t.acquire("a", DS, 0, 1) == [(2 * S, 3 * S)]
+    assert t.set_length("a", DS, 0, 2, 5) is None
+    p = t.progress(DS, 0)
+    assert (p["known"], p["total"], p["acknowledged"], p["leased"], p["complete"]) == (
+        True, 12, 7, 5, False)
+    assert t.ack("a", DS, 0, [(2 * S, 2 * S + 5)])
+    p = t.progress(DS, 0)
+    assert p["complete"] and p["acknowledged"] == 12
+    # the next epoch starts with what was learned: only rows that exist are leased
+    assert t.acquire("a", DS, 1, 1) == [(0, 7)]
+    assert t.acquire("a", DS, 1, 1) == [(2 * S, 2 * S + 5)]
+    assert t.acquire("a", DS, 1, 1) is None
+    check_leases(t)
+
+
+def test_a_recomputed_partition_whose_length_differs_fails_the_epoch_naming_it():
+    t = collection(4)
+    t.acquire("a", DS, 0, 1)
+    assert t.set_length("a", DS, 0, 0, 10) is None
+    assert t.set_length("a", DS, 0, 0, 10) is None  # the same again: fine
+    why = t.set_length("b", DS, 0, 0, 11)
+    assert "partition 0" in why and "11 rows now and had 10" in why and "'train'" in why
+    with pytest.raises(EpochFailed, match="partition 0"):
+        t.acquire("b", DS, 0, 1)
+    assert t.progress(DS, 0)["failed"] == why
+    with pytest.raises(ValueError, match="partition 9"):
+        t.set_length("a", DS, 0, 9, 1)
+    with pytest.raises(ValueError, match="at most"):
+        t.set_length("a", DS, 0, 1, S)
+
+
+def test_known_lengths_use_dense_ids_and_a_differing_computed_length_fails():
+    t = LeaseTable()
+    t.define_collection(DS, 3, runs=[(4, 2), (2, 1)])
+    assert t.acquire("a", DS, 0, 1) == [(0, 4)]
+    assert t.set_length("a", DS, 0, 0, 4) is None
+    assert "has 3 rows now and had 4" in t.set_length("a", DS, 0, 1, 3)
+    with pytest.raises(ValueError, match="runs hold 3 units, not 5"):
+        t.define_collection("x", 5, runs=[(4, 2), (2, 1)])
+
+
+def test_a_shuffled_collection_leases_its_partitions_in_a_seeded_order():
+    def order(seed: int, epoch: int, n: int = 50) -> list[int]:
+        t = collection(n, seed=seed, shuffle=True)
+        out = []
+        while (lease := t.acquire("a", DS, epoch, 1)) is not None:
+            out.append(lease[0][0] // S)
+        return out
+
+    first = order(0, 0)
+    assert sorted(first) == list(range(50)) and first != list(range(50))
+    assert order(0, 0) == first  # deterministic for (seed, epoch)
+    assert order(0, 1) != first and order(1, 0) != first
+    # rows given back after the order went past them are served too
+    t = collection(3, shuffle=True)
+    leases = [t.acquire("a", DS, 0, 1) for _ in range(3)]
+    t.release("a", DS, 0, leases[0])
+    assert t.acquire("b", DS, 0, 1) == leases[0]
+
+
+@given(st.integers(1, 3000), st.integers(0, 2**40), st.integers(0, 5))
+@settings(max_examples=60, deadline=None)
+def test_permutation_is_a_permutation(n, seed, epoch):
+    p = Permutation(n, seed, epoch)
+    seen = [p[k] for k in range(n)]
+    assert sorted(seen) == list(range(n))
+
+
+def test_a_given_partition_can_be_leased_where_it_is_held():
+    t = collection(4)
+    assert t.acquire_unit("a", DS, 0, 2) == [(2 * S, 3 * S)]
+    assert t.acquire_unit("b", DS, 0, 2) is None  # leased already
+    t.set_length("a", DS, 0, 2, 3)
+    t.ack("a", DS, 0, [(2 * S, 2 * S + 3)])
+    assert t.acquire_unit("a", DS, 0, 2) is None
+    assert t.acquire("b", DS, 0, 1) == [(0, S)]  # the lowest free partition
+    check_leases(t)
+
+
+def test_a_lost_session_gives_back_a_partition_of_unknown_length_whole():
+    t = collection(2)
+    t.acquire("a", DS, 0, 1)
+    t.acquire("a", DS, 0, 1)
+    t.set_length("a", DS, 0, 0, 4)
+    assert t.drop_session("a") == 4 + S
+    p = t.progress(DS, 0)
+    assert (p["free"], p["leased"], p["total"]) == (4, 0, 4)
+    assert t.acquire("b", DS, 0, 1) == [(0, 4)]
+    assert t.acquire("b", DS, 0, 1) == [(S, 2 * S)]
+    check_leases(t)
+
+
+def test_strided_units_refuse_sizes_out_of_range():
+    with pytest.raises(ValueError, match="partitions"):
+        StridedUnits(-1)
+    u = StridedUnits(3)
+    assert u.runs == [(-S, 3)] and u.bounds(1) == (S, 2 * S)
+    assert u.learn(1, 5) is None and u.bounds(1) == (S, S + 5) and u.learn(1, 6) == 5
+    t = collection(3)
+    with pytest.raises(ValueError, match="differs"):
+        t.define_collection(DS, 4)
+
+
+class CollectionMachine(RuleBasedStateMachine):
+    """Sessions lease partitions of unknown length, compute them (learning their true
+    length), take rows, complete or fail closures, give leases back, get lost; several
+    epochs at once. After every step the table's invariant holds and progress adds up;
+    at the end every row of every epoch was acknowledged exactly once."""
+
+    @initialize(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=8),
+                shuffle=st.booleans())
+    def setup(self, lengths, shuffle):
+        self.lengths = lengths
+        self.t = collection(len(lengths), shuffle=shuffle, seed=3)
+        self.sessions = ["s0", "s1", "s2"]
+        self.next_session = 3
+        self.acked: dict[int, Counter] = {0: Counter(), 1: Counter()}
+        self.computed: dict[tuple[str, int], set[int]] = {}  # partitions a session knows
+
+    def _held(self, session, epoch):
+        return leased_to(self.t, session, DS, epoch)
+
+    @rule(i=st.integers(0, 2), epoch=st.integers(0, 1), local=st.booleans(),
+          unit=st.integers(0, 7))
+    def lease(self, i, epoch, local, unit):
+        s = self.sessions[i]
+        if local and unit < len(self.lengths):
+            self.t.acquire_unit(s, DS, epoch, unit)
+        else:
+            self.t.acquire(s, DS, epoch, 1)
+
+    @rule(i=st.integers(0, 2), epoch=st.integers(0, 1))
+    def compute(self, i, epoch):
+        """The session computes every partition it holds rows of and reports lengths."""
+        s = self.sessions[i]
+        for a, b in self._held(s, epoch):
+            for u in range(a // S, (b - 1) // S + 1):
+                assert self.t.set_length(s, DS, epoch, u, self.lengths[u]) is None
+                self.computed.setdefault((s, epoch), set()).add(u)
+
+    @rule(i=st.integers(0, 2), epoch=st.integers(0, 1), ok=st.booleans(),
+          take=st.integers(1, 4))
+    def consume(self, i, epoch, ok, take):
+        """A closure takes up to ``take`` existing rows of a computed partition."""
+        s = self.sessions[i]
+        rows = []
+        for a, b in self._held(s, epoch):
+            u = a // S
+            if u not in self.computed.get((s, epoch), ()):
+                continue
+            hi = min(b, u * S + self.lengths[u])
+            rows += list(range(a, hi))[: take - len(rows)]
+            if len(rows) >= take:
+                break
+        if not rows:
+            return
+        ranges = normalize((r, r + 1) for r in rows)
+        if ok:
+            assert self.t.ack(s, DS, epoch, ranges)
+            self.acked[epoch].update(rows)
+        else:
+            self.t.release(s, DS, epoch, ranges)
+
+    @rule(i=st.integers(0, 2), epoch=st.integers(0, 1))
+    def give_back(self, i, epoch):
+        s = self.sessions[i]
+        self.t.release(s, DS, epoch, self._held(s, epoch))
+
+    @rule(i=st.integers(0, 2))
+    def lose(self, i):
+        self.t.drop_session(self.sessions[i])
+        self.sessions[i] = f"s{self.next_session}"
+        self.next_session += 1
+
+    @invariant()
+    def consistent(self):
+        check_leases(self.t)
+        for epoch in (0, 1):
+            p = self.t.progress(DS, epoch)
+            assert p["acknowledged"] + p["leased"] + p["free"] == p["total"], p
+            assert p["leased"] >= 0 and p["free"] >= 0, p
+            assert all(n == 1 for n in self.acked[epoch].values())
+
+    @rule()
+    def finish(self):
+        """Drive both epochs to completion with a fresh session: every row once."""
+        s = f"s{self.next_session}"
+        self.next_session += 1
+        for epoch in (0, 1):
+            for other in self.sessions:  # their closures failed: rows back to the pool
+                self.t.release(other, DS, epoch, self._held(other, epoch))
+            while (lease := self.t.acquire(s, DS, epoch, 1)) is not None:
+                for a, b in lease:
+                    for u in range(a // S, (b - 1) // S + 1):
+                        self.t.set_length(s, DS, epoch, u, self.lengths[u])
+                held = self._held(s, epoch)
+                if held:
+                    assert self.t.ack(s, DS, epoch, held)
+                    self.acked[epoch].update(r for a, b in held for r in range(a, b))
+            p = self.t.progress(DS, epoch)
+            assert p["complete"], p
+            want = {u * S + k for u, n in enumerate(self.lengths) for k in range(n)}
+            assert set(self.acked[epoch]) == want
+            assert p["known"] and p["total"] == sum(self.lengths)
+
+
+TestCollectionMachine = CollectionMachine.TestCase
+TestCollectionMachine.settings = settings(max_examples=150, stateful_step_count=40,
+                                          deadline=None)
+
+
+def test_universe_sizes():
+    t = collection(2)
+    t.acquire("a", DS, 0, 1)
+    t.set_length("a", DS, 0, 0, 3)
+    assert size_of(t.datasets[DS].universe()) == 3 + S
