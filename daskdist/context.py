@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +156,29 @@ def mint_state_id() -> str:
         scope.minted += 1
         return f"{scope.origin}/{scope.minted - 1}"
     return f"local-{uuid.uuid4().hex}"
+
+
+# Per-worker resources as built on this worker -> their resource id (the call that made
+# them, the same on every worker and replacement), so code handed the object (a
+# framework integration given the user's module) can name State ids after it.
+_resource_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def note_resource(obj: Any, rid: str) -> None:
+    """Record that ``obj`` is per-worker resource ``rid`` (the worker's resource registry,
+    once built); objects that cannot be weakly referenced or hashed are not recorded."""
+    try:
+        _resource_ids[obj] = rid
+    except TypeError:
+        pass
+
+
+def resource_id(obj: Any) -> str | None:
+    """The id of the per-worker resource ``obj`` is on this worker, or ``None``."""
+    try:
+        return _resource_ids.get(obj)
+    except TypeError:
+        return None
 
 
 def session_services() -> Any:
