@@ -63,3 +63,36 @@ def committed_counts(module) -> tuple[int, list[float]]:
     state = committed_state(module)
     state.sync()
     return int(state.global_step), state.model.counts.tolist()
+
+
+def hf_row_model(ctx, n: int, logdir: str | None = None, pause: float = 0.0):
+    """A tiny Hugging Face model built from its config (no hub download): y = a x + b,
+    counting the ids it trained on (a per-worker resource factory)."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class RowConfig(PretrainedConfig):
+        model_type = "daskdist-rows"
+
+        def __init__(self, n_rows: int = 1, **kwargs):
+            self.n_rows = n_rows
+            super().__init__(**kwargs)
+
+    class RowModel(PreTrainedModel):
+        config_class = RowConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.net = torch.nn.Linear(1, 1)
+            self.register_buffer("counts", torch.zeros(config.n_rows, dtype=torch.float64))
+            self.post_init()
+
+        def forward(self, x, y, id):  # noqa: A002 - the batch's column
+            count_ids(self.counts, id)
+            time.sleep(pause)
+            pred = self.net(x.unsqueeze(-1)).squeeze(-1)
+            return {"loss": (pred - y).pow(2).sum() / max(1, len(id))}
+
+    torch.manual_seed(200 + ctx.worker_index)
+    model = RowModel(RowConfig(n_rows=n))
+    model.logdir = logdir
+    return model

@@ -147,6 +147,16 @@ class GroupHook:
         ddp.register_comm_hook(state=self, hook=_group_hook)
 
 
+def disarm(model: Any) -> None:
+    """Remove the autograd hooks of ``model``'s DDP reducer (no-op for other modules).
+
+    A run that ended (a commit's interrupt, a lost peer mid-backward) may leave its DDP
+    wrapper alive for a while (the exception's traceback holds it) with hooks on the
+    user's parameters: the next run's backward would fire them in the stale reducer."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model._remove_autograd_hooks()
+
+
 def _group_hook(state, bucket):  # no annotations: DDP checks them against its own types
     return state.reduce(bucket)
 

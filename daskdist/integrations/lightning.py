@@ -45,7 +45,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from daskdist.collective.elastic import State
 from daskdist.collective.group import Group, get_group
-from daskdist.integrations.common import GroupHook, Optimizers, TokenHold, failures, state_for
+from daskdist.integrations.common import (
+    GroupHook,
+    Optimizers,
+    TokenHold,
+    disarm,
+    failures,
+    state_for,
+)
 
 __all__ = ["DaskdistEnvironment", "DaskdistStrategy"]
 
@@ -177,6 +184,7 @@ class DaskdistStrategy(DDPStrategy):
     def teardown(self) -> None:
         fit, self._fit = self._fit, None
         try:
+            disarm(self.model)  # before DDP is unwrapped: the module outlives this fit
             if fit is not None:
                 fit.release()
         finally:
