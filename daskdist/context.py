@@ -199,42 +199,76 @@ def take_consumed(since: int = 0) -> list:
     return out
 
 
-# Membership as this worker last heard it from the scheduler plugin, per coordinator
-# name (coordinators of different names have their own members and counters). The
-# worker plugin updates it; collective code (elastic State.commit) reads it to see that
-# hosts changed.
-_membership: dict[str, int] = {}
+# Membership as this worker last heard it from the scheduler plugin, per worker *session*
+# (one registration of one coordinator's plugin on this worker): a coordinator's
+# counters are its own, so a new coordinator of the same name on the same workers (or a
+# session registered anew after fencing) starts from the scheduler's count, never from
+# an older coordinator's. The worker plugin updates it and forgets a session when it
+# ends; collective code (elastic State.commit) reads the entry of its closure's session.
+# ``(version, joins)``: ``version`` grows on every join, leave or retirement, ``joins``
+# on joins only (a change without a join is "members only left": Horovod's skip_sync).
+_membership: dict[str, tuple[int, int]] = {}
 
 
-def _current_name() -> str:
-    """The coordinator name of the closure running in this thread (else "default")."""
+def _session_key(session: str | None = None) -> str:
+    """``session``, else the session of the closure running in this thread ("" outside
+    one: a group used without a coordinator)."""
+    if session is not None:
+        return session
     scope = _scope()
-    ctx = scope.context if scope is not None else None
-    return ctx.name if ctx is not None else "default"
+    services = scope.services if scope is not None else None
+    return getattr(services, "session", "") or ""
 
 
-def membership_version(name: str | None = None) -> int:
-    """A counter the scheduler plugin bumps whenever a worker joins or leaves coordinator
-    ``name`` (default: the coordinator whose closure runs in this thread)."""
-    return _membership.get(_current_name() if name is None else name, 0)
+def membership_version(session: str | None = None) -> int:
+    """A counter the scheduler plugin bumps whenever a worker joins or leaves the
+    coordinator of worker session ``session`` (default: the session of the closure
+    running in this thread)."""
+    return _membership.get(_session_key(session), (0, 0))[0]
 
 
-def _set_membership(version: int, name: str | None = None) -> None:
-    key = _current_name() if name is None else name
-    if version > _membership.get(key, 0):
-        _membership[key] = version
+def membership_joins(session: str | None = None) -> int:
+    """How many workers ever joined that coordinator (the part of
+    :func:`membership_version` that counts joins)."""
+    return _membership.get(_session_key(session), (0, 0))[1]
 
 
-_formations: dict[int, int] = {}  # group generation -> membership version it was formed at
+def _set_membership(version: int, joins: int | None = None,
+                    session: str | None = None) -> None:
+    """Record the scheduler's counters for ``session``; they never go back (a late
+    message with older counts changes nothing)."""
+    key = _session_key(session)
+    old_version, old_joins = _membership.get(key, (0, 0))
+    _membership[key] = (max(old_version, int(version)),
+                        old_joins if joins is None else max(old_joins, int(joins)))
+
+
+def _forget_membership(session: str) -> None:
+    """``session`` ended: its counters go (a worker lives through many sessions)."""
+    _membership.pop(session, None)
+
+
+# group generation -> the membership (version, joins) the scheduler formed it at;
+# generations are unique across coordinators (the scheduler numbers them above any a
+# worker has seen), so one table serves every session of this process
+_formations: dict[int, tuple[int, int]] = {}
 
 
 def formation_version(generation: int) -> int | None:
     """The membership version the scheduler formed ``generation`` at (``None``: unknown)."""
-    return _formations.get(generation)
+    counts = _formations.get(generation)
+    return None if counts is None else counts[0]
 
 
-def _set_formation_version(generation: int, version: int | None) -> None:
+def formation_joins(generation: int) -> int | None:
+    """The joins count the scheduler formed ``generation`` at (``None``: unknown)."""
+    counts = _formations.get(generation)
+    return None if counts is None or counts[1] < 0 else counts[1]
+
+
+def _set_formation_version(generation: int, version: int | None,
+                           joins: int | None = None) -> None:
     if version is not None:
-        _formations[int(generation)] = int(version)
+        _formations[int(generation)] = (int(version), -1 if joins is None else int(joins))
         for g in [g for g in _formations if g < generation - 8]:
             del _formations[g]

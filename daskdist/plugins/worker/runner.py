@@ -39,6 +39,7 @@ from daskdist.context import (
     ClosureScope,
     InputContext,
     WorkerContext,
+    _forget_membership,
     _set_membership,
     closure_scope,
 )
@@ -124,6 +125,7 @@ class Session:
         """Refuse the session's calls from now on, and close its resources in a thread
         of their own (a loader's producer may be in the middle of a read); the thread."""
         self.services.end()
+        _forget_membership(self.id)
         closer = threading.Thread(target=self.resources.close, daemon=True,
                                   name=f"daskdist-close-{self.id[:8]}")
         closer.start()
@@ -220,8 +222,8 @@ class ClosureRunner:
             raise CoordinatorGone(self.name)
         self.index = reply["index"]
         self.num_workers = reply["num_workers"]
-        _set_membership(reply["version"], name=self.name)
         self._end_session()
+        _set_membership(reply["version"], reply.get("joins"), session=sid)
         services = SessionServices(self.worker, self.name, sid)
         self.session = Session(sid, services, ResourceRegistry(
             functools.partial(self._fetch_spec, sid), self._contexts_for(services)))
@@ -377,7 +379,7 @@ class ClosureRunner:
                 self.held.discard(r.cid)
             self.num_workers = reply["num_workers"]
             self.set_hold(reply["hold"])
-            _set_membership(reply["version"], name=self.name)
+            _set_membership(reply["version"], reply.get("joins"), session=self.session_id)
             session = self.session
             work = []
             for cid, payload, attempt, gang, owner in map(Dispatch._make, reply["closures"]):
