@@ -65,7 +65,17 @@ class HostsUpdatedInterrupt(RuntimeError):
 
     Raised by ``State.commit()`` on every rank at the same commit; the gang closure
     then runs again on a group re-formed from the current workers.
+
+    ``skip_sync`` (Horovod's): ``True`` when members only left (retired) since the
+    group formed, no worker joined: every member that goes on holds the same committed
+    state, so the next ``State.sync()`` skips its broadcast (it still makes one small
+    allgather, so a rank that joined meanwhile is synced all the same: calling
+    ``sync()`` is always safe). ``False`` when a worker joined.
     """
+
+    def __init__(self, message: str = "workers joined or left", skip_sync: bool = False):
+        super().__init__(message)
+        self.skip_sync = bool(skip_sync)
 
 
 def dump_error(exc: BaseException) -> bytes:
