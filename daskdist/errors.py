@@ -9,7 +9,7 @@ from typing import Any
 
 import cloudpickle
 
-from daskdist.core.protocol import INPUT_ERROR, WORKER_LOST
+from daskdist.core.protocol import COLLECTIVE_REPEATED, INPUT_ERROR, WORKER_LOST
 
 
 class CancelledError(_FuturesCancelledError):
@@ -93,6 +93,13 @@ def load_error(payload: Any, kind: str | None) -> BaseException:
         return WorkerLostError(
             payload or "the closure's workers died too many times while running it"
         )
+    if kind == COLLECTIVE_REPEATED:  # the gang's budget of repeated failures ran out
+        summary, first = payload
+        cause = load_error(first, None)
+        err = CollectiveError(f"{summary}: {type(cause).__name__}: {cause}")
+        err.transient = False
+        err.__cause__ = cause
+        return err
     try:
         exc, tb = pickle.loads(payload)
     except Exception as e:  # an exception class missing on the client, say

@@ -273,6 +273,7 @@ class CoordinatorState:
             self.send(m.address, {"op": "daskdist-membership", "name": self.name,
                                   "session": m.session, "version": self.members.version,
                                   "joins": self.members.joins})
+        self.gangs.membership_changed()
         self.gangs_changed.set()
 
     def start_session(self, session: str, address: str, slots: int, device: str, gpu: str,
