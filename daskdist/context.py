@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-_local = threading.local()
+_local = threading.local()  # what a per-worker resource being built mints States after
+# The closure a thread runs, as a context variable: a thread the closure starts in its
+# context (``threading.Thread(target=contextvars.copy_context().run, args=(fn,))``)
+# belongs to the closure too, so the rows it takes count for it.
+_current: contextvars.ContextVar[ClosureScope | None] = contextvars.ContextVar(
+    "daskdist_closure_scope", default=None)
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class InputContext:
 
 def get_worker_context() -> WorkerContext:
     """The context of the closure running in this thread; ``RuntimeError`` outside one."""
-    scope = getattr(_local, "scope", None)
+    scope = _current.get()
     if scope is None or scope.context is None:
         raise RuntimeError("get_worker_context() must be called inside a daskdist closure")
     return scope.context
@@ -104,6 +110,8 @@ class ClosureScope:
     The worker runner enters one per closure (:func:`closure_scope`); data and collective
     code reach the services through :func:`session_services`, never through the worker
     plugin, so a closure of an ended session can only make calls the scheduler refuses.
+    Threads the closure starts in its context share the scope (``tokens`` under
+    ``lock``); once the closure ended (:meth:`end`) the scope takes no more tokens.
     """
 
     context: WorkerContext | None = None
@@ -111,21 +119,35 @@ class ClosureScope:
     tokens: list = field(default_factory=list)
     origin: str = ""  # what States made here are named after (see mint_state_id)
     minted: int = 0  # States made here so far
+    ended: bool = False  # the closure returned: its tokens went with its result
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def end(self) -> list:
+        """The closure ended: its tokens (sent with its result); later ones are refused."""
+        with self.lock:
+            self.ended = True
+            out, self.tokens = list(self.tokens), []
+        return out
+
+
+class ClosureEndedError(RuntimeError):
+    """A thread the closure started consumed rows after the closure returned: no closure
+    can acknowledge them any more."""
 
 
 @contextlib.contextmanager
 def closure_scope(scope: ClosureScope) -> Iterator[ClosureScope]:
-    """Bind ``scope`` to this thread while the block runs (the runner, and tests)."""
-    prev = getattr(_local, "scope", None)
-    _local.scope = scope
+    """Bind ``scope`` to this thread's context while the block runs (the runner, and
+    tests); threads started in a copy of that context share it."""
+    token = _current.set(scope)
     try:
         yield scope
     finally:
-        _local.scope = prev
+        _current.reset(token)
 
 
 def _scope() -> ClosureScope | None:
-    return getattr(_local, "scope", None)
+    return _current.get()
 
 
 @contextlib.contextmanager
@@ -166,22 +188,34 @@ def session_services() -> Any:
     return scope.services
 
 
-def record_consumed(token: Any) -> None:
+def record_consumed(token: Any) -> bool:
     """Record that the closure running in this thread consumed ``token`` (e.g. leased rows).
 
     The worker plugin sends every recorded token with the closure's result, in one
-    message, so the scheduler acknowledges them only if the closure completes. Outside
-    a closure this does nothing.
+    message, so the scheduler acknowledges them only if the closure completes. Returns
+    ``False`` (recording nothing) in a thread that runs no closure, and raises
+    :class:`ClosureEndedError` in a thread the closure started once the closure ended:
+    the caller gives such rows back (no closure could acknowledge them).
     """
     scope = _scope()
-    if scope is not None:
+    if scope is None:
+        return False
+    with scope.lock:
+        if scope.ended:
+            raise ClosureEndedError(
+                f"thread {threading.current_thread().name!r} consumed rows after the "
+                f"closure it was started in ended")
         scope.tokens.append(token)
+    return True
 
 
 def consumed_mark() -> int:
     """How many tokens the closure in this thread has recorded so far (0 outside one)."""
     scope = _scope()
-    return 0 if scope is None else len(scope.tokens)
+    if scope is None:
+        return 0
+    with scope.lock:
+        return len(scope.tokens)
 
 
 def take_consumed(since: int = 0) -> list:
@@ -194,8 +228,9 @@ def take_consumed(since: int = 0) -> list:
     scope = _scope()
     if scope is None:
         return []
-    out = scope.tokens[since:]
-    del scope.tokens[since:]
+    with scope.lock:
+        out = scope.tokens[since:]
+        del scope.tokens[since:]
     return out
 
 

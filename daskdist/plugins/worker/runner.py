@@ -542,12 +542,14 @@ class ClosureRunner:
                 if args or kwargs:
                     args, kwargs = session.resources.resolve((args, kwargs))
                 value = fn(*args, **kwargs)
-                result = Outcome(item.cid, READY, dumps(value), None, item.attempt,
-                                 tokens=merge_tokens(scope.tokens))
+                state, payload, kind = READY, dumps(value), None
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
-                result = Outcome(item.cid, FAILED, dump_error(e), _error_kind(e),
-                                 item.attempt, tokens=merge_tokens(scope.tokens))
-        self._finished(item, result)
+                state, payload, kind = FAILED, dump_error(e), _error_kind(e)
+        # sealed: a thread the closure started takes no more rows for it (they would
+        # never be acknowledged), so the tokens sent now are all it consumed
+        tokens = merge_tokens(scope.end())
+        self._finished(item, Outcome(item.cid, state, payload, kind, item.attempt,
+                                     tokens=tokens))
 
     def _run_gang(self, item: Work) -> None:
         """A gang member's thread: run it, then count it finished (event loop)."""
