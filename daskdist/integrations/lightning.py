@@ -277,8 +277,8 @@ class _ElasticFit:
         state = state_for(module, "lightning", lambda: _new_state(module, s))
         state.optimizer = Optimizers(trainer.optimizers,
                                      [c.scheduler for c in trainer.lr_scheduler_configs])
-        # (w-day2's State.register_reset_callbacks would run here too: every fit begins
-        # after a re-formation, on a fresh Trainer, so nothing else needs resetting)
+        # a re-formation's reset callbacks (State.register_reset_callbacks) run in sync();
+        # the strategy needs none: every fit after a re-formation is a fresh Trainer
         state.sync()
         if state.loops is not None:
             trainer.fit_loop.load_state_dict(copy.deepcopy(state.loops))
