@@ -10,8 +10,12 @@ example's ``train`` on daskdist.
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import torch
+
+DEVICES = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's processes on this node
 
 
 class Regression(L.LightningModule):
@@ -35,7 +39,7 @@ class Regression(L.LightningModule):
 
 
 def train(module, batches, commit_every=1, callbacks=()):
-    trainer = L.Trainer(strategy="ddp", max_epochs=1,
+    trainer = L.Trainer(strategy="ddp", devices=DEVICES, max_epochs=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=list(callbacks))
     trainer.fit(module, train_dataloaders=batches)
