@@ -205,6 +205,7 @@ def main(argv=None) -> None:
     p.add_argument("--features", type=int, default=256)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--hf-steps", type=int, default=120)
+    p.add_argument("--only", choices=["lightning", "hf"], help="one framework's sides")
     p.add_argument("--child", choices=["lightning", "hf"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -234,22 +235,24 @@ def main(argv=None) -> None:
         coord.collective_group(backend="gloo", timeout=120)
         for r in range(args.rounds):
             t0 = time.perf_counter()
-            sides["lightning torchrun"].append(torchrun("lightning", args))
-            sides["lightning commit_every=1"].append(
-                daskdist_side(coord, "lightning", 1, args, modules))
-            sides["lightning commit_every=10"].append(
-                daskdist_side(coord, "lightning", 10, args, modules))
-            sides["hf torchrun"].append(torchrun("hf", hf_args))
-            sides["hf commit_every=10"].append(daskdist_side(coord, "hf", 10, hf_args,
-                                                             modules))
+            if args.only != "hf":
+                sides["lightning torchrun"].append(torchrun("lightning", args))
+                sides["lightning commit_every=1"].append(
+                    daskdist_side(coord, "lightning", 1, args, modules))
+                sides["lightning commit_every=10"].append(
+                    daskdist_side(coord, "lightning", 10, args, modules))
+            if args.only != "lightning":
+                sides["hf torchrun"].append(torchrun("hf", hf_args))
+                sides["hf commit_every=10"].append(
+                    daskdist_side(coord, "hf", 10, hf_args, modules))
             print(f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.0f} s): "
-                  + ", ".join(f"{k} {v[-1] * 1e3:.2f} ms" for k, v in sides.items()))
+                  + ", ".join(f"{k} {v[-1] * 1e3:.2f} ms" for k, v in sides.items() if v))
         coord.close()
-    best = {k: min(v) for k, v in sides.items()}
+    best = {k: min(v) for k, v in sides.items() if v}
     print(f"\n2 ranks, gloo, CPU; Lightning: {args.steps} steps of {args.batch} rows a rank, "
           f"MLP {args.features}-{args.hidden}-1; HF: {args.hf_steps} steps of 16 "
           f"sequences a rank, GPT-2 2x64. Best of {args.rounds} rounds, median step:")
-    for framework in ("lightning", "hf"):
+    for framework in [f for f in ("lightning", "hf") if f"{f} torchrun" in best]:
         anchor = best[f"{framework} torchrun"]
         print(f"  {framework} torchrun (anchor): {anchor * 1e3:.2f} ms")
         for k, v in best.items():

@@ -202,6 +202,52 @@ def test_worker_joining_mid_fit_is_taken_in_at_the_next_commit(tmp_path):
         coord.close()
 
 
+def test_sigterm_notice_mid_fit_leaves_at_a_commit(tmp_path):
+    """Daskdist's SIGTERM handler (Lightning's own is installed on the main thread
+    only): the member leaves at its next commit, nothing counts as lost, every row once."""
+    import signal
+
+    import dask
+
+    n = 3000
+    glob = write_rows(tmp_path, n)
+    logdir = tmp_path / "log"
+    logdir.mkdir()
+    with dask.config.set({"daskdist.preemption.grace": "20s"}), \
+            make_cluster(3) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="lightning-sigterm")
+        wait_for_workers(client, coord, 3)
+        coord.collective_group(timeout=30)
+        module = coord.create_per_worker_resource(
+            functools.partial(make_module, n=n, logdir=str(logdir), pause=0.02))
+        ds = coord.distribute_dataset(glob, global_batch_size=30, policy="dynamic",
+                                      shuffle=True, seed=8, prefetch=0)
+        it = iter(ds)
+        noticed: list[int] = []
+
+        def notice():
+            wait_until(lambda: sum(e[1] == "step" for e in read_events(logdir)) > 15,
+                       120, "steps")
+            addr = _members(coord)[0]
+            pid = client.run(os.getpid, workers=[addr])[addr]
+            noticed.append(pid)
+            os.kill(pid, signal.SIGTERM)
+
+        t = threading.Thread(target=notice, daemon=True)
+        t.start()
+        drive(coord, ds, module, it, commit_every=2)
+        t.join(60)
+        assert noticed
+        status = coord.status()
+        assert status["workers_lost"] == 0 and status["failed"] == 0, status
+        wait_until(lambda: noticed[0] not in client.run(os.getpid).values(), 30,
+                   "the notified worker to leave")
+        out = coord.fetch(coord.schedule_on_all(committed_counts, args=(module,)))
+        assert len(out) == 2
+        assert_every_row_once(out, n)
+        coord.close()
+
+
 def _rss_and_threads() -> tuple[int, list[str]]:
     import psutil
 
