@@ -30,9 +30,9 @@ def write_rows(root: Path, n: int, files: int = 4) -> str:
 
 def count_ids(counts: torch.Tensor, ids: torch.Tensor) -> None:
     """Add every rank's ``ids`` of this step to ``counts`` (the same on every rank)."""
-    c = torch.bincount(ids.cpu(), minlength=counts.numel()).to(torch.float64)
-    dd.collective.get_group().allreduce(c)
-    counts += c.to(counts.device)
+    c = torch.bincount(ids.to(counts.device), minlength=counts.numel()).to(torch.float64)
+    dd.collective.get_group().allreduce(c)  # on the module's device (NCCL: its GPU)
+    counts += c
 
 
 def log_event(logdir: str | None, kind: str, step: int) -> None:

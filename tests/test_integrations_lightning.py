@@ -248,6 +248,26 @@ def test_sigterm_notice_mid_fit_leaves_at_a_commit(tmp_path):
         coord.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fit_with_nccl_on_the_workers_gpu(tmp_path):
+    """One worker on its GPU, an NCCL group: the module, the batches and the group's
+    calls on cuda:0, every row once (a second GPU is not needed for the device path)."""
+    n = 1000
+    glob = write_rows(tmp_path, n)
+    with make_cluster(1) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="lightning-nccl")
+        wait_for_workers(client, coord, 1)
+        assert coord.collective_group(backend="nccl", timeout=60).backend == "nccl"
+        module = coord.create_per_worker_resource(functools.partial(make_module, n=n))
+        ds = coord.distribute_dataset(glob, global_batch_size=50, policy="dynamic",
+                                      shuffle=True, seed=9)
+        drive(coord, ds, module, iter(ds), commit_every=2)
+        assert_every_row_once(coord.fetch(coord.schedule_on_all(committed_counts,
+                                                                args=(module,))), n)
+        coord.close()
+
+
 def _rss_and_threads() -> tuple[int, list[str]]:
     import psutil
 
