@@ -55,12 +55,12 @@ def read_events(logdir: Path) -> list[tuple]:
     return sorted(out)
 
 
-def committed_counts(module) -> tuple[int, list[float]]:
+def committed_counts(module, label: str = "lightning") -> tuple[int, list[float]]:
     """A gang closure: the newest commit's ``global_step`` and per-row counts (every rank
-    takes it with ``sync()``)."""
+    takes it with ``sync()``), of the adapter ``label``'s State."""
     from daskdist.integrations.common import committed_state
 
-    state = committed_state(module)
+    state = committed_state(module, label)
     state.sync()
     return int(state.global_step), state.model.counts.tolist()
 

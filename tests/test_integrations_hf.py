@@ -94,7 +94,7 @@ def test_train_over_a_dynamic_dataset_trains_every_row_once(tmp_path):
         runs = drive(coord, ds, model, it, str(tmp_path / "out"), commit_every=3)
         # Accelerate saw daskdist's group: 2 processes, this rank, a CPU DDP run
         assert [r[2:] for r in runs[-1]] == [(2, 0, "MULTI_CPU"), (2, 1, "MULTI_CPU")]
-        out = coord.fetch(coord.schedule_on_all(committed_counts, args=(model,)))
+        out = coord.fetch(coord.schedule_on_all(committed_counts, args=(model, "transformers")))
         assert out[0][0] == out[1][0] == runs[-1][0][1] > 0
         assert_every_row_once(out, n)
         # a second run on the same workers (a notebook cell run again) starts clean
@@ -102,8 +102,8 @@ def test_train_over_a_dynamic_dataset_trains_every_row_once(tmp_path):
         ds2 = coord.distribute_dataset(glob, global_batch_size=40, policy="dynamic",
                                        shuffle=True, seed=6, prefetch=0)
         drive(coord, ds2, model2, iter(ds2), str(tmp_path / "out2"))
-        assert_every_row_once(coord.fetch(coord.schedule_on_all(committed_counts,
-                                                                args=(model2,))), n)
+        assert_every_row_once(coord.fetch(coord.schedule_on_all(
+            committed_counts, args=(model2, "transformers"))), n)
         coord.close()
 
 
@@ -149,7 +149,7 @@ def test_member_sigkilled_mid_train_resumes_from_the_committed_step(tmp_path):
         assert victim not in {e[6] for e in rerun}
         print(f"killed rank 1 after step {committed}; train() ran again on "
               f"{rerun[0][5]} ranks from global_step {rerun[0][2]}")
-        out = coord.fetch(coord.schedule_on_all(committed_counts, args=(model,)))
+        out = coord.fetch(coord.schedule_on_all(committed_counts, args=(model, "transformers")))
         assert_every_row_once(out, n)
         coord.close()
 

@@ -219,12 +219,10 @@ def rank_device(group: Group) -> torch.device:
     return torch.device(group.device)
 
 
-def committed_state(owner: Any) -> State:
-    """The ``State`` an adapter keeps for ``owner`` (the per-worker module) on this
-    worker: ``sync()`` it in a gang closure to read the newest commit. ``LookupError``
-    when no fit ran with ``owner`` here."""
-    state = owner.__dict__.get(_STATE_ATTR)
-    if state is None:
-        raise LookupError(f"no daskdist fit ran with this {type(owner).__name__} on this "
-                          f"worker")
-    return state
+def committed_state(owner: Any, label: str) -> State:
+    """The ``State`` adapter ``label`` (``"lightning"``, ``"transformers"``) keeps for
+    ``owner`` (the per-worker module) on this worker: ``sync()`` it in a gang closure to
+    read the newest commit. On a worker that ran no fit with it (one that joined after
+    the last), a State of the same id, which ``sync()`` fills from a holder."""
+    return state_for(owner, label, lambda: State(model=owner, optimizer=Optimizers(),
+                                                 global_step=0))
