@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import uuid
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-_local = threading.local()
+_local = threading.local()  # what a per-worker resource being built mints States after
+# The closure a thread runs, as a context variable: a thread the closure starts in its
+# context (``threading.Thread(target=contextvars.copy_context().run, args=(fn,))``)
+# belongs to the closure too, so the rows it takes count for it.
+_current: contextvars.ContextVar[ClosureScope | None] = contextvars.ContextVar(
+    "daskdist_closure_scope", default=None)
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,7 @@ class InputContext:
 
 def get_worker_context() -> WorkerContext:
     """The context of the closure running in this thread; ``RuntimeError`` outside one."""
-    scope = getattr(_local, "scope", None)
+    scope = _current.get()
     if scope is None or scope.context is None:
         raise RuntimeError("get_worker_context() must be called inside a daskdist closure")
     return scope.context
@@ -104,6 +111,8 @@ class ClosureScope:
     The worker runner enters one per closure (:func:`closure_scope`); data and collective
     code reach the services through :func:`session_services`, never through the worker
     plugin, so a closure of an ended session can only make calls the scheduler refuses.
+    Threads the closure starts in its context share the scope (``tokens`` under
+    ``lock``); once the closure ended (:meth:`end`) the scope takes no more tokens.
     """
 
     context: WorkerContext | None = None
@@ -111,21 +120,35 @@ class ClosureScope:
     tokens: list = field(default_factory=list)
     origin: str = ""  # what States made here are named after (see mint_state_id)
     minted: int = 0  # States made here so far
+    ended: bool = False  # the closure returned: its tokens went with its result
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def end(self) -> list:
+        """The closure ended: its tokens (sent with its result); later ones are refused."""
+        with self.lock:
+            self.ended = True
+            out, self.tokens = list(self.tokens), []
+        return out
+
+
+class ClosureEndedError(RuntimeError):
+    """A thread the closure started consumed rows after the closure returned: no closure
+    can acknowledge them any more."""
 
 
 @contextlib.contextmanager
 def closure_scope(scope: ClosureScope) -> Iterator[ClosureScope]:
-    """Bind ``scope`` to this thread while the block runs (the runner, and tests)."""
-    prev = getattr(_local, "scope", None)
-    _local.scope = scope
+    """Bind ``scope`` to this thread's context while the block runs (the runner, and
+    tests); threads started in a copy of that context share it."""
+    token = _current.set(scope)
     try:
         yield scope
     finally:
-        _local.scope = prev
+        _current.reset(token)
 
 
 def _scope() -> ClosureScope | None:
-    return getattr(_local, "scope", None)
+    return _current.get()
 
 
 @contextlib.contextmanager
@@ -157,6 +180,29 @@ def mint_state_id() -> str:
     return f"local-{uuid.uuid4().hex}"
 
 
+# Per-worker resources as built on this worker -> their resource id (the call that made
+# them, the same on every worker and replacement), so code handed the object (a
+# framework integration given the user's module) can name State ids after it.
+_resource_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def note_resource(obj: Any, rid: str) -> None:
+    """Record that ``obj`` is per-worker resource ``rid`` (the worker's resource registry,
+    once built); objects that cannot be weakly referenced or hashed are not recorded."""
+    try:
+        _resource_ids[obj] = rid
+    except TypeError:
+        pass
+
+
+def resource_id(obj: Any) -> str | None:
+    """The id of the per-worker resource ``obj`` is on this worker, or ``None``."""
+    try:
+        return _resource_ids.get(obj)
+    except TypeError:
+        return None
+
+
 def session_services() -> Any:
     """The scheduler services of the running closure's session (lease release, commit
     parts, commit outcomes); ``RuntimeError`` outside a closure run by a worker plugin."""
@@ -166,22 +212,34 @@ def session_services() -> Any:
     return scope.services
 
 
-def record_consumed(token: Any) -> None:
+def record_consumed(token: Any) -> bool:
     """Record that the closure running in this thread consumed ``token`` (e.g. leased rows).
 
     The worker plugin sends every recorded token with the closure's result, in one
-    message, so the scheduler acknowledges them only if the closure completes. Outside
-    a closure this does nothing.
+    message, so the scheduler acknowledges them only if the closure completes. Returns
+    ``False`` (recording nothing) in a thread that runs no closure, and raises
+    :class:`ClosureEndedError` in a thread the closure started once the closure ended:
+    the caller gives such rows back (no closure could acknowledge them).
     """
     scope = _scope()
-    if scope is not None:
+    if scope is None:
+        return False
+    with scope.lock:
+        if scope.ended:
+            raise ClosureEndedError(
+                f"thread {threading.current_thread().name!r} consumed rows after the "
+                f"closure it was started in ended")
         scope.tokens.append(token)
+    return True
 
 
 def consumed_mark() -> int:
     """How many tokens the closure in this thread has recorded so far (0 outside one)."""
     scope = _scope()
-    return 0 if scope is None else len(scope.tokens)
+    if scope is None:
+        return 0
+    with scope.lock:
+        return len(scope.tokens)
 
 
 def take_consumed(since: int = 0) -> list:
@@ -194,47 +252,82 @@ def take_consumed(since: int = 0) -> list:
     scope = _scope()
     if scope is None:
         return []
-    out = scope.tokens[since:]
-    del scope.tokens[since:]
+    with scope.lock:
+        out = scope.tokens[since:]
+        del scope.tokens[since:]
     return out
 
 
-# Membership as this worker last heard it from the scheduler plugin, per coordinator
-# name (coordinators of different names have their own members and counters). The
-# worker plugin updates it; collective code (elastic State.commit) reads it to see that
-# hosts changed.
-_membership: dict[str, int] = {}
+# Membership as this worker last heard it from the scheduler plugin, per worker *session*
+# (one registration of one coordinator's plugin on this worker): a coordinator's
+# counters are its own, so a new coordinator of the same name on the same workers (or a
+# session registered anew after fencing) starts from the scheduler's count, never from
+# an older coordinator's. The worker plugin updates it and forgets a session when it
+# ends; collective code (elastic State.commit) reads the entry of its closure's session.
+# ``(version, joins)``: ``version`` grows on every join, leave or retirement, ``joins``
+# on joins only (a change without a join is "members only left": Horovod's skip_sync).
+_membership: dict[str, tuple[int, int]] = {}
 
 
-def _current_name() -> str:
-    """The coordinator name of the closure running in this thread (else "default")."""
+def _session_key(session: str | None = None) -> str:
+    """``session``, else the session of the closure running in this thread ("" outside
+    one: a group used without a coordinator)."""
+    if session is not None:
+        return session
     scope = _scope()
-    ctx = scope.context if scope is not None else None
-    return ctx.name if ctx is not None else "default"
+    services = scope.services if scope is not None else None
+    return getattr(services, "session", "") or ""
 
 
-def membership_version(name: str | None = None) -> int:
-    """A counter the scheduler plugin bumps whenever a worker joins or leaves coordinator
-    ``name`` (default: the coordinator whose closure runs in this thread)."""
-    return _membership.get(_current_name() if name is None else name, 0)
+def membership_version(session: str | None = None) -> int:
+    """A counter the scheduler plugin bumps whenever a worker joins or leaves the
+    coordinator of worker session ``session`` (default: the session of the closure
+    running in this thread)."""
+    return _membership.get(_session_key(session), (0, 0))[0]
 
 
-def _set_membership(version: int, name: str | None = None) -> None:
-    key = _current_name() if name is None else name
-    if version > _membership.get(key, 0):
-        _membership[key] = version
+def membership_joins(session: str | None = None) -> int:
+    """How many workers ever joined that coordinator (the part of
+    :func:`membership_version` that counts joins)."""
+    return _membership.get(_session_key(session), (0, 0))[1]
 
 
-_formations: dict[int, int] = {}  # group generation -> membership version it was formed at
+def _set_membership(version: int, joins: int | None = None,
+                    session: str | None = None) -> None:
+    """Record the scheduler's counters for ``session``; they never go back (a late
+    message with older counts changes nothing)."""
+    key = _session_key(session)
+    old_version, old_joins = _membership.get(key, (0, 0))
+    _membership[key] = (max(old_version, int(version)),
+                        old_joins if joins is None else max(old_joins, int(joins)))
+
+
+def _forget_membership(session: str) -> None:
+    """``session`` ended: its counters go (a worker lives through many sessions)."""
+    _membership.pop(session, None)
+
+
+# group generation -> the membership (version, joins) the scheduler formed it at;
+# generations are unique across coordinators (the scheduler numbers them above any a
+# worker has seen), so one table serves every session of this process
+_formations: dict[int, tuple[int, int]] = {}
 
 
 def formation_version(generation: int) -> int | None:
     """The membership version the scheduler formed ``generation`` at (``None``: unknown)."""
-    return _formations.get(generation)
+    counts = _formations.get(generation)
+    return None if counts is None else counts[0]
 
 
-def _set_formation_version(generation: int, version: int | None) -> None:
+def formation_joins(generation: int) -> int | None:
+    """The joins count the scheduler formed ``generation`` at (``None``: unknown)."""
+    counts = _formations.get(generation)
+    return None if counts is None or counts[1] < 0 else counts[1]
+
+
+def _set_formation_version(generation: int, version: int | None,
+                           joins: int | None = None) -> None:
     if version is not None:
-        _formations[int(generation)] = int(version)
+        _formations[int(generation)] = (int(version), -1 if joins is None else int(joins))
         for g in [g for g in _formations if g < generation - 8]:
             del _formations[g]

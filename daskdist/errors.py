@@ -9,7 +9,7 @@ from typing import Any
 
 import cloudpickle
 
-from daskdist.core.protocol import INPUT_ERROR, WORKER_LOST
+from daskdist.core.protocol import COLLECTIVE_REPEATED, INPUT_ERROR, WORKER_LOST
 
 
 class CancelledError(_FuturesCancelledError):
@@ -65,7 +65,17 @@ class HostsUpdatedInterrupt(RuntimeError):
 
     Raised by ``State.commit()`` on every rank at the same commit; the gang closure
     then runs again on a group re-formed from the current workers.
+
+    ``skip_sync`` (Horovod's): ``True`` when members only left (retired) since the
+    group formed, no worker joined: every member that goes on holds the same committed
+    state, so the next ``State.sync()`` skips its broadcast (it still makes one small
+    allgather, so a rank that joined meanwhile is synced all the same: calling
+    ``sync()`` is always safe). ``False`` when a worker joined.
     """
+
+    def __init__(self, message: str = "workers joined or left", skip_sync: bool = False):
+        super().__init__(message)
+        self.skip_sync = bool(skip_sync)
 
 
 def dump_error(exc: BaseException) -> bytes:
@@ -83,6 +93,13 @@ def load_error(payload: Any, kind: str | None) -> BaseException:
         return WorkerLostError(
             payload or "the closure's workers died too many times while running it"
         )
+    if kind == COLLECTIVE_REPEATED:  # the gang's budget of repeated failures ran out
+        summary, first = payload
+        cause = load_error(first, None)
+        err = CollectiveError(f"{summary}: {type(cause).__name__}: {cause}")
+        err.transient = False
+        err.__cause__ = cause
+        return err
     try:
         exc, tb = pickle.loads(payload)
     except Exception as e:  # an exception class missing on the client, say

@@ -158,3 +158,75 @@ def test_every_rank_and_attempt_of_a_gang_has_the_same_origin():
     assert origin_of(member_cid("owner-g3", 7, 2)) == origin_of(member_cid("owner-g3", 8, 0))
     assert origin_of(member_cid("owner-g3", 7, 2)) == "owner-g3"
     assert origin_of("owner-12") == "owner-12"  # any other closure: its own id
+
+
+# -- the repeat budget (issue 23 item 3) ---------------------------------------------
+
+
+def _divergent_run(book: GangBook, failing: int = 0, kind: str = "collective"):
+    """One run: rank ``failing``'s collective call fails (its peers returned); then the
+    group re-forms over the same sessions. Returns the outcome (``None``: runs again)."""
+    gang, members = book.start_next()
+    outcome = None
+    for cid, _s, rank in members:
+        ok = rank != failing
+        outcome = book.member_finished(cid, ok, rank if ok else f"boom@{gang.attempt}",
+                                       None if ok else kind)
+    if outcome is None:
+        _formed(book, book.group.sessions)
+    return outcome
+
+
+@given(st.integers(1, 5), st.integers(0, 2))
+def test_a_collective_failure_that_repeats_fails_after_the_budget(budget, failing):
+    book = GangBook(max_losses=budget)
+    _formed(book, ("a", "b", "c"))
+    book.submit("g", "owner", b"")
+    outcomes = [_divergent_run(book, failing) for _ in range(budget)]
+    assert outcomes[:-1] == [None] * (budget - 1)
+    out = outcomes[-1]
+    assert out.state == FAILED and out.kind == "collective-repeated" and out.attempt == budget
+    summary, first = out.value
+    assert f"rank {failing} failed first" in summary and "repeats" in summary
+    assert first == f"boom@{budget}"  # the last run's first failure, kept whole
+    assert book.running is None and not book.pending
+
+
+def test_membership_changes_do_not_use_up_the_repeat_budget():
+    book = GangBook(max_losses=2)
+    _formed(book, ("a", "b"))
+    book.submit("g", "owner", b"")
+    assert _divergent_run(book) is None  # 1 of 2
+    # a worker joins during the next run: it does not count, nor does the one before
+    gang, members = book.start_next()
+    book.membership_changed()
+    for cid, _s, rank in members:
+        assert book.member_finished(cid, rank != 0, None, None if rank else "collective") is None
+    _formed(book, ("a", "b"))
+    assert _divergent_run(book) is None  # 1 of 2 again
+    # a run over other members starts the count again
+    _formed(book, ("a", "b", "c"))
+    assert _divergent_run(book) is None
+    # a hosts-updated interrupt is a membership change too
+    assert _divergent_run(book, kind="hosts-updated") is None
+    assert _divergent_run(book) is None
+    # a member lost: not counted either (it is the loss budget's)
+    gang, members = book.start_next()
+    book.session_lost("c")
+    for cid, _s, rank in members:
+        book.member_finished(cid, False, None, "worker-lost" if rank == 2 else "collective")
+    _formed(book, ("a", "b", "d"))
+    assert _divergent_run(book) is None
+    out = _divergent_run(book)
+    assert out is not None and out.kind == "collective-repeated"
+
+
+def test_a_repeated_failure_reaches_the_client_as_a_collective_error():
+    from daskdist.errors import CollectiveError, dump_error, load_error
+
+    first = dump_error(CollectiveError("allreduce timed out after 5 s on rank 0"))
+    err = load_error(["gang g failed 3 runs in a row ...: rank 0 failed first", first],
+                     "collective-repeated")
+    assert isinstance(err, CollectiveError) and not err.transient
+    assert "rank 0 failed first" in str(err) and "allreduce timed out" in str(err)
+    assert isinstance(err.__cause__, CollectiveError)

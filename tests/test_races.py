@@ -9,8 +9,10 @@ import threading
 from daskdist.context import (
     ClosureScope,
     WorkerContext,
+    _forget_membership,
     _set_membership,
     closure_scope,
+    membership_joins,
     membership_version,
 )
 from daskdist.core.protocol import READY, USER_ERROR, Outcome
@@ -18,23 +20,38 @@ from daskdist.plugins.scheduler import CoordinatorPlugin
 from daskdist.plugins.scheduler.state import CoordinatorState
 
 
-def test_membership_counter_is_per_coordinator_name():
-    _set_membership(7, name="race-a")
-    _set_membership(3, name="race-b")
-    _set_membership(2, name="race-a")  # never goes back
+class _Services:
+    """What a closure's scope carries for the counters: its worker session's id."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+
+
+def test_membership_counter_is_per_worker_session():
+    """Counters belong to a worker session (one coordinator's registration on a worker):
+    two coordinators on a worker, or a closed coordinator and a new one of the same
+    name, never share them (issue 23 item 1)."""
+    _set_membership(7, 2, session="race-a")
+    _set_membership(3, 1, session="race-b")
+    _set_membership(2, 1, session="race-a")  # never goes back
     assert membership_version("race-a") == 7 and membership_version("race-b") == 3
+    assert membership_joins("race-a") == 2
     seen = {}
 
-    def closure_thread(name):
-        # what elastic State.commit() calls: the version of the closure's coordinator
-        with closure_scope(ClosureScope(WorkerContext(0, 1, "cpu", "tcp://w", 1, name))):
-            seen[name] = membership_version()
+    def closure_thread(session):
+        # what elastic State.commit() calls: the counters of the closure's session
+        scope = ClosureScope(WorkerContext(0, 1, "cpu", "tcp://w", 1, "same-name"),
+                             _Services(session))
+        with closure_scope(scope):
+            seen[session] = membership_version()
 
-    for name in ("race-a", "race-b"):
-        t = threading.Thread(target=closure_thread, args=(name,))
+    for session in ("race-a", "race-b", "race-c"):
+        t = threading.Thread(target=closure_thread, args=(session,))
         t.start()
         t.join()
-    assert seen == {"race-a": 7, "race-b": 3}
+    assert seen == {"race-a": 7, "race-b": 3, "race-c": 0}  # a new session starts clean
+    _forget_membership("race-a")
+    assert membership_version("race-a") == 0
 
 
 def test_two_error_raises_do_not_interleave():

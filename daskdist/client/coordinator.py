@@ -573,7 +573,7 @@ class Coordinator:
         workers = max(1, self._workers)
         InputContext(num_replicas_in_sync=workers).get_per_replica_batch_size(global_batch_size)
         values = self._register_resource(
-            "dataset", _LoaderFactory(shards, global_batch_size, loader_options))
+            "dataset", _LoaderFactory(shards, global_batch_size, loader_options, workers))
         name = loader_options.get("name") or ""
         # a new dataset, whatever its files or name: its units defined once, here
         self._define_dataset(DatasetDef(values.rid, name,

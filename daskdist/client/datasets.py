@@ -73,31 +73,46 @@ class PerWorkerDataset:
 
 
 class _LoaderFactory:
-    """Builds a worker's ArrowLoader with the per-replica share of the global batch."""
+    """Builds a worker's ArrowLoader with the per-replica share of the global batch, as
+    it was when the dataset was made (``replicas``): a worker that joins later uses the
+    same batch size (TensorFlow fixes it when the dataset is distributed), so a global
+    batch that does not divide by the grown count is no error, and ranks never get
+    different batch sizes."""
 
-    def __init__(self, shards: Any, global_batch_size: int, options: dict):
+    def __init__(self, shards: Any, global_batch_size: int, options: dict,
+                 replicas: int = 1):
         self.shards = shards
         self.global_batch_size = global_batch_size
         self.options = options
+        self.replicas = max(1, int(replicas))
 
     def __call__(self, ctx: Any) -> Any:
+        from daskdist.context import InputContext
         from daskdist.data import ArrowLoader
 
-        batch = ctx.get_per_replica_batch_size(self.global_batch_size)
+        batch = InputContext(num_replicas_in_sync=self.replicas).get_per_replica_batch_size(
+            self.global_batch_size)
         return ArrowLoader(self.shards, ctx, batch_size=batch, **self.options)
 
 
 class _EpochIterator:
     """Starts a worker's loader on ``epoch`` (with the dataset's shuffle ``seed``) and
-    iterates it."""
+    iterates it. A static policy reads the share of ``pipelines`` (the workers when the
+    epoch was set) of the worker's index; a worker that joined since reads none until the
+    next epoch, so no file is read twice or skipped when the cluster grows."""
 
-    def __init__(self, epoch: int, seed: int | None = None):
+    def __init__(self, epoch: int, seed: int | None = None, pipelines: int | None = None):
         self.epoch = epoch
         self.seed = seed
+        self.pipelines = pipelines
 
     def __call__(self, loader: Any) -> Iterator:
         if self.seed is not None:
             loader.seed = int(self.seed)
+        if self.pipelines is not None and loader.policy != "dynamic":
+            worker = loader.ctx.worker
+            index = worker.worker_index if worker is not None else loader.ctx.input_pipeline_id
+            loader.split(self.pipelines, index if index < self.pipelines else None)
         loader.set_epoch(self.epoch)
         return iter(loader)
 
@@ -118,13 +133,19 @@ class DistributedDataset(PerWorkerDataset):
         self.shards = shards
         self.seed = int(seed)
         self.epoch = 0
+        self._pipelines = max(1, coordinator._workers)  # static policies' split, per epoch
 
     def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next ``iter()`` reads. Static policies split the files
+        over the workers there now (a worker that joins later reads nothing until the
+        next ``set_epoch``); ``"dynamic"`` needs no split."""
         self.epoch = int(epoch)
+        self._pipelines = max(1, self._coordinator.num_workers)
 
     def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
         return self._coordinator._register_resource(
-            "iterator", _EpochIterator(self.epoch, self.seed), parent=self.values)
+            "iterator", _EpochIterator(self.epoch, self.seed, self._pipelines),
+            parent=self.values)
 
     def progress(self, epoch: int | None = None, bar: bool = False) -> dict:
         """The dynamic policy's counts for ``epoch``: total, acknowledged, leased, free,

@@ -4,11 +4,14 @@
 
 - ``commit()`` saves a copy, then checks for host updates: one allgather of every
   rank's ``[rows to acknowledge?, membership counter, the previous commit's outcome,
-  commit counter]`` (the membership counter is
-  ``daskdist.context.membership_version()``, bumped by the scheduler plugin on every
-  join, leave or retirement), so every rank takes rank 0's decision and
-  ``HostsUpdatedInterrupt`` is raised on **all** ranks at the same commit, never on
-  some ranks only (which would deadlock the next collective).
+  commit counter, leaving?, joins counter]`` (the counters are those of the closure's
+  worker session, ``daskdist.context.membership_version()`` / ``membership_joins()``,
+  bumped by the scheduler plugin on every join, leave or retirement), so every rank
+  takes rank 0's decision and ``HostsUpdatedInterrupt`` is raised on **all** ranks at
+  the same commit, never on some ranks only (which would deadlock the next
+  collective). Its ``skip_sync`` is Horovod's: set when members only left since the
+  group formed (no join), so the survivors hold the same commit and the next
+  ``sync()`` skips its broadcast.
 - With a ``"dynamic"`` dataset inside the gang, the same commit acknowledges the rows
   each rank consumed since its last commit (see ``daskdist.core.commits``): once
   the allgather shows every rank reached the commit, each rank sends its lease tokens
@@ -21,6 +24,11 @@
   plain commit's only collective call, so acknowledging rows adds no collective call.
 - ``restore()`` returns model, optimizer and objects to the last commit and gives back
   the rows consumed since it.
+- ``register_reset_callbacks(fns)`` (Horovod's): ``fns`` are called on a rank after
+  every re-formation the State lives through (the first ``sync()`` or ``commit()`` on a
+  newer generation than the one it last took part in), before the state is
+  synchronised: rescale the learning rate to ``get_group().world_size`` there. A State
+  made fresh (a replacement's, one made inside the gang closure) calls none.
 - ``sync()`` goes back to this rank's last commit, then broadcasts the state of the rank
   holding the *newest* commit (ties: the lowest rank), never a fresh replacement's, and
   records it as the last commit on every rank. When no rank holds a commit although
@@ -50,7 +58,9 @@ import torch
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import broadcast_parameters, to_cpu
 from daskdist.context import (
+    formation_joins,
     formation_version,
+    membership_joins,
     membership_version,
     mint_state_id,
     record_consumed,
@@ -65,7 +75,8 @@ from daskdist.errors import (  # defined there: the worker plugin knows them
 )
 
 _OWN = ("model", "optimizer", "_objects", "_saved", "_last_version", "_commits", "_synced",
-        "_ledger", "_id", "_seq", "_announced", "_durable")
+        "_ledger", "_id", "_seq", "_announced", "_durable", "_last_joins", "_generation",
+        "_skip", "_reset_callbacks")
 
 
 class State:
@@ -85,6 +96,10 @@ class State:
         object.__setattr__(self, "_objects", dict(objects))
         object.__setattr__(self, "_saved", None)
         object.__setattr__(self, "_last_version", membership_version())
+        object.__setattr__(self, "_last_joins", membership_joins())
+        object.__setattr__(self, "_generation", None)  # the last generation it took part in
+        object.__setattr__(self, "_skip", False)  # its last interrupt said skip_sync
+        object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_commits", 0)  # commits behind the saved copy
         object.__setattr__(self, "_synced", False)  # took part in a sync or commit
         object.__setattr__(self, "_ledger", RankLedger())  # a commit in flight
@@ -110,6 +125,40 @@ class State:
 
         object.__setattr__(self, "_durable", Durable(url, every))
         return self
+
+    def register_reset_callbacks(self, callbacks) -> None:
+        """Call each of ``callbacks`` (no arguments) on this rank after every
+        re-formation of the group this State lives through, before the state is
+        synchronised (Horovod's ``State.register_reset_callbacks``): the place to
+        rescale a learning rate to the new ``get_group().world_size`` or re-split data.
+        Not called on a State's first generation (a fresh State, a replacement's)."""
+        if callable(callbacks):
+            raise TypeError("register_reset_callbacks takes a list of functions, not one")
+        callbacks = list(callbacks)
+        for fn in callbacks:
+            if not callable(fn):
+                raise TypeError(f"reset callback {fn!r} is not callable")
+        self._reset_callbacks.extend(callbacks)
+
+    def _enter(self, g: Group) -> bool:
+        """The first call of this State on generation ``g.generation``: the membership
+        it checks commits against is the one the group formed at (a ``sync()`` skipped
+        after a ``skip_sync`` interrupt must not make the next commit interrupt again).
+        Whether that is a re-formation it lives through (its reset callbacks are due)."""
+        if self._generation == g.generation:
+            return False
+        renewed = self._generation is not None
+        self._generation = g.generation
+        version, joins = formation_version(g.generation), formation_joins(g.generation)
+        if version is not None:
+            self._last_version = version
+        if joins is not None:
+            self._last_joins = joins
+        return renewed
+
+    def _reset(self) -> None:
+        for fn in self._reset_callbacks:
+            fn()
 
     # -- objects as attributes ---------------------------------------------------
 
@@ -151,6 +200,8 @@ class State:
         """Save (acknowledging rows consumed since the last commit), then raise
         ``HostsUpdatedInterrupt`` on all ranks if hosts changed."""
         g = get_group()
+        if self._enter(g):  # a sync() skipped after a skip_sync interrupt
+            self._reset()
         snapshot = self._snapshot()
         tokens = take_consumed()
         ledger = self._ledger
@@ -158,13 +209,13 @@ class State:
         dev = g._wire_device()
         leaving = int(self._durable is not None and _leaving())
         head = torch.tensor([int(bool(tokens)), membership_version(), prev, self._seq,
-                             leaving], dtype=torch.int64, device=dev)
+                             leaving, membership_joins()], dtype=torch.int64, device=dev)
         try:
             heads = g.allgather(head)  # one small call: commit() runs every step
         except BaseException:
             _give_back(tokens)
             raise
-        version = int(heads[0][1])
+        version, joins = int(heads[0][1]), int(heads[0][5])
         # every rank takes the same counter, above any key this State ever used
         self._seq = max(int(h[3]) for h in heads) + 1
         if ledger.in_flight:  # the previous commit's outcome, as every rank saw it
@@ -192,7 +243,7 @@ class State:
             self._promote(snapshot)
         if leaving and min(int(h[4]) for h in heads) and g.rank == 0:
             self._checkpoint_last(g)  # every member leaves: none would hold the state
-        self._check(version)
+        self._check(version, joins)
 
     def _promote(self, snapshot: tuple) -> None:
         self._saved = snapshot
@@ -206,13 +257,17 @@ class State:
                 services.state_commits(self._id, committed=True)
             self._announced = True
 
-    def _check(self, version: int) -> None:
+    def _check(self, version: int, joins: int) -> None:
+        """Rank 0's counters against the last ones seen: a change interrupts every rank
+        (``skip_sync`` when no worker joined: members only left)."""
         changed = version != self._last_version
-        self._last_version = version
+        skip = joins == self._last_joins
+        self._last_version, self._last_joins = version, joins
+        self._skip = changed and skip
         if changed:
+            what = "workers left" if skip else "workers joined"
             raise HostsUpdatedInterrupt(
-                f"workers joined or left (membership version {version}); re-form and sync()"
-            )
+                f"{what} (membership version {version}); re-form and sync()", skip_sync=skip)
 
     def restore(self) -> None:
         """Return model, optimizer and objects to the last commit (no collective call);
@@ -254,9 +309,12 @@ class State:
         commit although commits of this State happened, raises ``CollectiveError``
         (never a silent fresh start)."""
         g = get_group()
+        renewed = self._enter(g)
         self._settle_pending()
         if self._synced:
             self._load(self._saved)
+        if renewed:  # Horovod's order: back to the commit, callbacks, then the broadcast
+            self._reset()
         # a rank holding no commit asks whether any happened (all lost, or retired)
         known = 0
         if self._commits == 0:
@@ -265,11 +323,17 @@ class State:
         dev = g._wire_device()
         # rank 0 looks for the newest complete checkpoint (it writes them too)
         newest = self._durable.newest() if self._durable is not None and g.rank == 0 else 0
-        head = torch.tensor([self._commits, membership_version(), self._seq, known, newest],
-                            dtype=torch.int64, device=dev)
+        # skip_sync: this rank's last interrupt said members only left, and it holds a commit
+        skip = int(self._skip and self._commits > 0)
+        head = torch.tensor([self._commits, membership_version(), self._seq, known, newest,
+                             skip, membership_joins()], dtype=torch.int64, device=dev)
         heads = g.allgather(head)
         counts = [int(h[0]) for h in heads]
         newest = int(heads[0][4])
+        # every rank holds the same commit (all were interrupted with skip_sync, none is
+        # a newcomer): nothing to broadcast
+        same = (all(int(h[5]) for h in heads) and len(set(counts)) == 1
+                and newest <= counts[0])
         if newest > max(counts):  # no member holds a newer commit: resume from it
             if g.rank == 0:
                 self._resume(newest)
@@ -277,6 +341,22 @@ class State:
         elif max(counts) == 0 and max(int(h[3]) for h in heads) > 0:
             self._no_holder(g, max(int(h[3]) for h in heads))
         src = counts.index(max(counts))
+        if not same:
+            self._broadcast_from(g, src)
+        version = formation_version(g.generation)
+        if version is None:
+            version = max(int(h[1]) for h in heads)
+        joins = formation_joins(g.generation)
+        if joins is None:
+            joins = max(int(h[6]) for h in heads)
+        self._last_version, self._last_joins, self._skip = version, joins, False
+        self._commits = counts[src]
+        self._seq = max(int(h[2]) for h in heads)
+        self._synced = True
+        self.save()
+
+    def _broadcast_from(self, g: Group, src: int) -> None:
+        """Every rank takes rank ``src``'s model, optimizer and objects."""
         if self.model is not None:
             broadcast_parameters(self.model, src=src, group=g)
         payload = None
@@ -291,14 +371,6 @@ class State:
                 self.optimizer.load_state_dict(opt_sd)
             self._objects.clear()
             self._objects.update(objects)
-        version = formation_version(g.generation)
-        if version is None:
-            version = max(int(h[1]) for h in heads)
-        self._last_version = version
-        self._commits = counts[src]
-        self._seq = max(int(h[2]) for h in heads)
-        self._synced = True
-        self.save()
 
     def _resume(self, commits: int) -> None:
         """Rank 0: load checkpoint ``commits`` into this rank's model, optimizer and

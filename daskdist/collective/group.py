@@ -94,7 +94,7 @@ class Group:
             rop = _OPS[op.lower()]
         except (KeyError, AttributeError):
             raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(_OPS)}") from None
-        _check_tensor(tensor)
+        _check_tensor(tensor, self.backend)
         self._run("allreduce", lambda pg: dist.all_reduce(tensor, op=rop, group=pg, async_op=True))
         if op.lower() == "mean" and self.world_size > 1:
             if tensor.is_floating_point() or tensor.is_complex():
@@ -105,14 +105,14 @@ class Group:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s, in place; returns it."""
-        _check_tensor(tensor)
+        _check_tensor(tensor, self.backend)
         self._check_rank(src)
         self._run("broadcast", lambda pg: dist.broadcast(tensor, src=src, group=pg, async_op=True))
         return tensor
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order."""
-        _check_tensor(tensor)
+        _check_tensor(tensor, self.backend)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._run("allgather", lambda pg: dist.all_gather(out, tensor, group=pg, async_op=True))
         return out
@@ -279,9 +279,15 @@ class Group:
         return left
 
 
-def _check_tensor(t: Any) -> None:
+def _check_tensor(t: Any, backend: str = "gloo") -> None:
+    """A caller's mistake is a ``TypeError``/``ValueError`` (a user error: the gang fails
+    at once), never a transport failure that would re-run the gang on a re-formed
+    group only to meet it again."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if backend == "nccl" and t.device.type != "cuda":
+        raise ValueError(f"NCCL collectives take CUDA tensors, got one on {t.device}: "
+                         f"move it to get_group().device first")
     if not t.is_contiguous():
         # Checked here: torch's own complaint would come as a RuntimeError and break
         # the group for what is a caller's mistake.

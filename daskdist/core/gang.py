@@ -24,6 +24,14 @@ member that left as Dask expected (retired, closed) costs nothing. The result of
 gang is the values of the generation that completed it, in rank order (its length is
 that generation's size): a member that left is not an error.
 
+Repeat budget (issue 23): a gang whose runs keep failing with a ``CollectiveError`` while
+no worker joins or leaves (rank-dependent control flow: rank 0 calls ``allreduce``, the
+others do not; a CPU tensor handed to NCCL) would fail the same way on every re-formed
+group. After ``max_losses`` such runs in a row it fails with the first failure of the
+last run, naming its rank and saying that it repeats. A run that saw a member lost, a
+hosts-updated interrupt or any membership change (:meth:`GangBook.membership_changed`),
+or a run over other members than the last one, starts the count again.
+
 No Dask, no I/O: the scheduler plugin asks :meth:`GangBook.next_step` what to do
 (form a group, dispatch a gang) and feeds back what happened. Member closures live
 in the :class:`~daskdist.core.queue.ClosureQueue` pinned to their sessions.
@@ -37,6 +45,7 @@ from typing import Any
 
 from daskdist.core.protocol import (
     COLLECTIVE_ERROR,
+    COLLECTIVE_REPEATED,
     FAILED,
     HOSTS_UPDATED,
     READY,
@@ -73,6 +82,12 @@ class Gang:
     errors: dict[int, tuple[Any, str]] = field(default_factory=dict)
     interrupted: bool = False
     failed: int | None = None  # the rank whose user error fails this attempt
+    # the repeat budget: runs in a row that failed with a collective error alone, over
+    # ``sessions``; the first such error of this run; membership changed during this run
+    repeats: int = 0
+    sessions: tuple[str, ...] = ()
+    first_collective: tuple[int, Any] | None = None
+    changed: bool = False
 
 
 @dataclass
@@ -135,6 +150,11 @@ class GangBook:
         gang.generation = self.group.generation
         gang.interrupted = False
         gang.failed = None
+        if gang.sessions != self.group.sessions:  # other members: the count starts again
+            gang.repeats = 0
+        gang.sessions = self.group.sessions
+        gang.first_collective = None
+        gang.changed = False
         gang.spared.clear()
         gang.results.clear()
         gang.errors.clear()
@@ -157,6 +177,8 @@ class GangBook:
             return self._maybe_final(gang)
         kind = kind or USER_ERROR
         gang.errors[rank] = (value, kind)
+        if kind == COLLECTIVE_ERROR and gang.first_collective is None:
+            gang.first_collective = (rank, value)
         if kind == WORKER_LOST or (gang.failed is None and (kind in INTERRUPTING
                                                              or self.group.broken)):
             gang.interrupted = True
@@ -184,6 +206,12 @@ class GangBook:
                 self.running.spared.add(rank)
         return True
 
+    def membership_changed(self) -> None:
+        """A worker joined, left or started retiring: the running gang's run does not
+        count against the repeat budget (the next run meets other members)."""
+        if self.running is not None:
+            self.running.changed = True
+
     def _break(self, why: str) -> None:
         if not self.group.broken:
             self.group.broken = True
@@ -206,6 +234,9 @@ class GangBook:
                 return Outcome(gang.cid, FAILED, f"the workers running rank {rank} of the "
                                f"gang were lost {worst} times", WORKER_LOST, gang.attempt,
                                gang.owner)
+            repeated = self._repeated(gang)
+            if repeated is not None:
+                return repeated
             self.pending.appendleft(gang)  # runs again on the re-formed group
             return None
         if gang.failed is not None:
@@ -213,6 +244,26 @@ class GangBook:
             return Outcome(gang.cid, FAILED, value, kind, gang.attempt, gang.owner)
         values = [gang.results[r] for r in sorted(gang.results)]
         return Outcome(gang.cid, READY, values, None, gang.attempt, gang.owner)
+
+    def _repeated(self, gang: Gang) -> Outcome | None:
+        """Count an interrupted run against the repeat budget; the gang's failure once
+        ``max_losses`` runs in a row failed with a collective error alone."""
+        membership = gang.changed or gang.spared or any(
+            kind in (WORKER_LOST, HOSTS_UPDATED) for _, kind in gang.errors.values())
+        if membership or gang.first_collective is None:
+            gang.repeats = 0
+            return None
+        gang.repeats += 1
+        if gang.repeats < self.max_losses:
+            return None
+        rank, first = gang.first_collective
+        summary = (f"gang {gang.cid} failed {gang.repeats} runs in a row with a collective "
+                   f"error while no worker joined or left (max_worker_failures="
+                   f"{self.max_losses}): the failure repeats, so running it again cannot "
+                   f"help (do all ranks make the same collective calls, on tensors of the "
+                   f"group's device?); rank {rank} failed first in the last run")
+        return Outcome(gang.cid, FAILED, [summary, first], COLLECTIVE_REPEATED, gang.attempt,
+                       gang.owner)
 
     def cancel_pending(self, owner: str | None = None) -> list[Gang]:
         """Drop gangs not yet dispatched (of ``owner``, or all)."""

@@ -23,6 +23,9 @@ INPUT_ERROR = "input-error"  # a per-worker resource could not be built on the w
 WORKER_LOST = "worker-lost"  # its workers died ``max_worker_failures`` times
 COLLECTIVE_ERROR = "collective"  # a gang member's collective call failed (peer lost, timeout)
 HOSTS_UPDATED = "hosts-updated"  # elastic State.commit saw membership change
+# A gang failed the same way (CollectiveError) ``max_worker_failures`` runs in a row with
+# no membership change: the value is ``[summary, the first failure's error payload]``.
+COLLECTIVE_REPEATED = "collective-repeated"
 # A worker gives back a prefetched closure it did not start (not an error).
 UNSTARTED = "unstarted"
 

@@ -656,7 +656,9 @@ class StaticPartitionSource:
         order = list(range(n))
         if ld.shuffle:
             order = [int(k) for k in batching.block_permutation(n, ld.seed, self.epoch, -1)]
-        k, i = ld.ctx.num_input_pipelines, ld.ctx.input_pipeline_id
+        i, k = ld._pipeline  # i < 0: no share (a worker that joined after the split)
+        if i < 0:
+            return []
         if ld.policy in ("file", "auto") and k > 1:
             order = order[i::k]
         return order
@@ -665,7 +667,7 @@ class StaticPartitionSource:
         ld = self.loader
         computer = ld._computer()
         order = self._plan()
-        k, i = ld.ctx.num_input_pipelines, ld.ctx.input_pipeline_id
+        i, k = ld._pipeline
         stride = k if ld.policy == "data" else 1
         skip = self.start
         pending: deque[_Computed] = deque()

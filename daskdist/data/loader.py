@@ -201,7 +201,9 @@ class ArrowLoader:
         self._defined = False
         self._define_lock = threading.Lock()
         self._files: str | None = None  # the shards' fingerprint, once asked for
-        if policy == "dynamic" or collection:
+        self._asked = policy  # as given: "auto" resolves anew at each split
+        self._pipeline = (self.ctx.input_pipeline_id, self.ctx.num_input_pipelines)
+        if policy == "dynamic" or collection:  # a collection's split is its source's
             self.policy, self._pieces = policy, []
         else:
             self.policy, self._pieces = assign(
@@ -221,7 +223,7 @@ class ArrowLoader:
             if self.shards.lengths is None:
                 raise TypeError(f"the {self.shards.what} has partitions of unknown length "
                                 "(learned as they are computed, never by a pass first)")
-            if self.policy not in ("dynamic", "off") and self.ctx.num_input_pipelines > 1:
+            if self.policy not in ("dynamic", "off") and self._pipeline[1] > 1:
                 raise TypeError("a collection's rows per pipeline are known only under "
                                 "'dynamic' or 'off'")
         if self.policy == "dynamic" or isinstance(self.shards, DaskCollection):
@@ -233,6 +235,26 @@ class ArrowLoader:
             raise TypeError("a dynamic loader has no fixed length (workers share units)")
         n = self.num_rows
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def split(self, num_pipelines: int, pipeline_id: int | None) -> None:
+        """Static policies: read pipeline ``pipeline_id``'s share of ``num_pipelines``
+        from the next ``iter()`` on (``None``: no share, the iterator yields nothing: a
+        worker that joined after its dataset's epoch was split). Every pipeline of an
+        epoch must split alike. ``"dynamic"`` needs no split (a no-op)."""
+        if self.policy == "dynamic":
+            return
+        pipeline = (-1 if pipeline_id is None else int(pipeline_id), int(num_pipelines))
+        if pipeline == self._pipeline:
+            return
+        self.close()
+        self._active = None
+        self._pipeline = pipeline
+        if pipeline_id is None or isinstance(self.shards, DaskCollection):
+            self._pieces = []
+            return
+        self.policy, self._pieces = assign(
+            [u.file_index for u in self.shards.units], self._unit_rows,
+            int(num_pipelines), int(pipeline_id), self._asked)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (shuffle order, lease table); a change restarts iteration."""
@@ -266,7 +288,7 @@ class ArrowLoader:
             "dataset_id": self.dataset_id,
             "files": self._fingerprint(),
             "policy": self.policy,
-            "pipeline": [self.ctx.input_pipeline_id, self.ctx.num_input_pipelines],
+            "pipeline": list(self._pipeline),
             "epoch": self.epoch,
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -284,7 +306,7 @@ class ArrowLoader:
                 f"(fingerprint {state.get('files')!r}), this loader reads "
                 f"{self.shards!r} (fingerprint {self._fingerprint()!r})"
             )
-        mine = [self.ctx.input_pipeline_id, self.ctx.num_input_pipelines]
+        mine = list(self._pipeline)
         if self.policy != "dynamic" and list(state.get("pipeline", mine)) != mine:
             raise ValueError(f"state is for pipeline {state['pipeline']}, this is {mine}")
         self.close()
@@ -308,8 +330,8 @@ class ArrowLoader:
 
     def __repr__(self) -> str:
         return (f"ArrowLoader({self.shards!r}, batch_size={self.batch_size}, "
-                f"policy={self.policy!r}, pipeline={self.ctx.input_pipeline_id}/"
-                f"{self.ctx.num_input_pipelines}, epoch={self.epoch})")
+                f"policy={self.policy!r}, pipeline={self._pipeline[0]}/"
+                f"{self._pipeline[1]}, epoch={self.epoch})")
 
     def _fingerprint(self) -> str:
         if self._files is None:

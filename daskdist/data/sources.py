@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
-from daskdist.context import record_consumed
+from daskdist.context import ClosureEndedError, record_consumed
 from daskdist.core.intervals import Interval, RowSet
 from daskdist.core.protocol import LeaseToken
 from daskdist.data import batching
@@ -416,7 +416,23 @@ class DynamicSource:
                         break
             if emptied:
                 self._leases = [held for held in self._leases if held]
-        record_consumed(LeaseToken.of(self.loader.dataset_id, self.epoch, rows))
+        try:
+            token = LeaseToken.of(self.loader.dataset_id, self.epoch, rows)
+            if record_consumed(token) or self.loader.ctx.worker is None:
+                return  # outside a coordinator the caller acknowledges (LocalLeaseService)
+            problem = "which runs no daskdist closure"
+        except ClosureEndedError:
+            problem = "after the closure it was started in ended"
+        # no closure will acknowledge these rows: back to the pool now, never stranded
+        self.loader.ctx.leases.release(self.loader.dataset_id, self.epoch, rows)
+        label = self.loader.name or self.loader.dataset_id
+        raise RuntimeError(
+            f"thread {threading.current_thread().name!r} took a batch of dataset "
+            f"{label!r} {problem}: no closure could acknowledge its rows, so "
+            f"they went back to the pool. Take batches in the closure's own thread, or "
+            f"start the thread in the closure's context (threading.Thread(target="
+            f"contextvars.copy_context().run, args=(fn,))) and join it before the "
+            f"closure returns: its rows then count for the closure")
 
     def close(self) -> None:
         """Give back leased rows no caller received (when the service supports it)."""

@@ -123,6 +123,7 @@ class GroupDriver:
                 return False
             self._hopeless = False
             version = co.members.version  # what State.sync() records: later joins interrupt
+            joins = co.members.joins  # a change later without a join: members only left
             generation = book.begin_formation(sessions, self.next_generation())
             group = book.group
             members = [co.members.members[s] for s in sessions]
@@ -138,7 +139,7 @@ class GroupDriver:
                     self.rpc(m.address).daskdist_collective(
                         action="init", name=co.name, rank=rank, world_size=len(members),
                         host=host, port=port, backend=backend, generation=generation,
-                        timeout=group.timeout, version=version,
+                        timeout=group.timeout, version=version, joins=joins,
                     )
                     for rank, m in enumerate(members)
                 ])

@@ -568,6 +568,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                          for c in closures],
             "num_workers": len(co.members),
             "version": co.members.version,
+            "joins": co.members.joins,
             "hold": co.hold,
         }
 

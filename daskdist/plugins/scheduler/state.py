@@ -267,8 +267,13 @@ class CoordinatorState:
                        set(group.sessions))
 
     def membership_changed(self) -> None:
-        self.broadcast({"op": "daskdist-membership", "name": self.name,
-                        "version": self.members.version})
+        """Tell every member the new counters, addressed to its session (a worker's
+        counters are per session: a new coordinator of this name starts afresh)."""
+        for m in list(self.members.members.values()):
+            self.send(m.address, {"op": "daskdist-membership", "name": self.name,
+                                  "session": m.session, "version": self.members.version,
+                                  "joins": self.members.joins})
+        self.gangs.membership_changed()
         self.gangs_changed.set()
 
     def start_session(self, session: str, address: str, slots: int, device: str, gpu: str,
@@ -291,6 +296,7 @@ class CoordinatorState:
             "index": member.index,
             "num_workers": len(self.members),
             "version": self.members.version,
+            "joins": self.members.joins,
         }
 
     def stop_session(self, session: str, results: list | None = None) -> None:
@@ -320,6 +326,8 @@ class CoordinatorState:
         if (was_retiring != retiring
                 and (session in self.gangs.group.sessions) == retiring):
             self.members.version += 1
+            if not retiring:  # back in service: it joins the group (it needs the state)
+                self.members.joins += 1
             self.membership_changed()
         if retiring and not was_retiring:  # its gang members leave at their next commit
             self.send(address, {"op": "daskdist-leaving", "name": self.name})

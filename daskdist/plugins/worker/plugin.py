@@ -49,8 +49,14 @@ def install_handlers(worker) -> None:
         if collective is not None:
             collective.mark_peer_lost(generation, reason or "a peer left the group")
 
-    def membership(name: str, version: int) -> None:
-        _set_membership(version, name=name)
+    def membership(name: str, version: int, joins: int | None = None,
+                   session: str | None = None) -> None:
+        # the counters of the session the scheduler addressed (a message for a session
+        # that ended, say of a coordinator closed before, changes nothing)
+        runner = _runner(worker, name)
+        current = runner.session_id if runner is not None else ""
+        if current and session in (None, current):
+            _set_membership(version, joins, session=current)
 
     def hold(name: str, owners: list) -> None:
         runner = _runner(worker, name)
@@ -81,7 +87,7 @@ def install_handlers(worker) -> None:
             return list(await asyncio.to_thread(coll.create_store, kw["generation"], host,
                                                 kw["timeout"]))
         if action == "init":
-            _set_formation_version(kw["generation"], kw.get("version"))
+            _set_formation_version(kw["generation"], kw.get("version"), kw.get("joins"))
             await asyncio.to_thread(
                 coll.init_member, kw["rank"], kw["world_size"], kw["host"], kw["port"],
                 kw["backend"], kw["generation"], kw["timeout"],

@@ -21,7 +21,7 @@ from typing import Any
 
 from distributed.protocol.pickle import loads
 
-from daskdist.context import InputContext, WorkerContext, minting
+from daskdist.context import InputContext, WorkerContext, minting, note_resource
 from daskdist.core.nest import map_structure
 from daskdist.core.protocol import ResourceRef, ResourceSpec
 from daskdist.errors import InputError
@@ -59,6 +59,7 @@ class ResourceRegistry:
                         raise InputError(f"per-worker resource {rid}: its worker session "
                                          "ended")
                     self._objects[rid] = obj
+                note_resource(obj, rid)  # integrations name their States after it
             return self._objects[rid]
 
     def _build(self, rid: str) -> Any:

@@ -39,6 +39,7 @@ from daskdist.context import (
     ClosureScope,
     InputContext,
     WorkerContext,
+    _forget_membership,
     _set_membership,
     closure_scope,
 )
@@ -124,6 +125,7 @@ class Session:
         """Refuse the session's calls from now on, and close its resources in a thread
         of their own (a loader's producer may be in the middle of a read); the thread."""
         self.services.end()
+        _forget_membership(self.id)
         closer = threading.Thread(target=self.resources.close, daemon=True,
                                   name=f"daskdist-close-{self.id[:8]}")
         closer.start()
@@ -220,8 +222,8 @@ class ClosureRunner:
             raise CoordinatorGone(self.name)
         self.index = reply["index"]
         self.num_workers = reply["num_workers"]
-        _set_membership(reply["version"], name=self.name)
         self._end_session()
+        _set_membership(reply["version"], reply.get("joins"), session=sid)
         services = SessionServices(self.worker, self.name, sid)
         self.session = Session(sid, services, ResourceRegistry(
             functools.partial(self._fetch_spec, sid), self._contexts_for(services)))
@@ -377,7 +379,7 @@ class ClosureRunner:
                 self.held.discard(r.cid)
             self.num_workers = reply["num_workers"]
             self.set_hold(reply["hold"])
-            _set_membership(reply["version"], name=self.name)
+            _set_membership(reply["version"], reply.get("joins"), session=self.session_id)
             session = self.session
             work = []
             for cid, payload, attempt, gang, owner in map(Dispatch._make, reply["closures"]):
@@ -540,12 +542,14 @@ class ClosureRunner:
                 if args or kwargs:
                     args, kwargs = session.resources.resolve((args, kwargs))
                 value = fn(*args, **kwargs)
-                result = Outcome(item.cid, READY, dumps(value), None, item.attempt,
-                                 tokens=merge_tokens(scope.tokens))
+                state, payload, kind = READY, dumps(value), None
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
-                result = Outcome(item.cid, FAILED, dump_error(e), _error_kind(e),
-                                 item.attempt, tokens=merge_tokens(scope.tokens))
-        self._finished(item, result)
+                state, payload, kind = FAILED, dump_error(e), _error_kind(e)
+        # sealed: a thread the closure started takes no more rows for it (they would
+        # never be acknowledged), so the tokens sent now are all it consumed
+        tokens = merge_tokens(scope.end())
+        self._finished(item, Outcome(item.cid, state, payload, kind, item.attempt,
+                                     tokens=tokens))
 
     def _run_gang(self, item: Work) -> None:
         """A gang member's thread: run it, then count it finished (event loop)."""

@@ -1,0 +1,216 @@
+"""Hugging Face ``transformers.Trainer`` on daskdist's gangs, elastic and exactly once
+(SPEC §4.4).
+
+``prepare_trainer(trainer, batches)`` (Ray Train's name and pattern) adds a
+:class:`DaskdistCallback` to a ``Trainer`` made as usual, inside the gang closure:
+
+- **The group as its process group.** At each ``train()`` Accelerate's process-wide
+  state (``PartialState``, ``AcceleratorState``, ``GradientState``) is reset and set
+  from the group (rank, world size, the worker's device; the process group exists, so
+  Accelerate initializes nothing), and the Trainer's ``Accelerator`` is made again on
+  it: running ``train()`` again on a re-formed group, or a notebook cell again, starts
+  clean. DDP's gradient buckets are averaged through daskdist's ``Group.allreduce``,
+  and a peer lost in any collective call of ``train()`` raises ``CollectiveError`` (the
+  gang runs again).
+- **The per-worker batches as its training data.** ``batches`` (``dd.collective.
+  synced(it)``) replaces ``get_train_dataloader``: no ``DataLoader`` re-batches them and
+  Accelerate neither dispatches nor re-splits them (its ``IterableDatasetShard`` would
+  keep one rank's share of each worker's own rows). Set ``max_steps`` (the data has no
+  length: HF's rule for streams); training ends when the data does, on every rank.
+- **Commits at steps, resume from the newest.** The model's weights, the optimizer and
+  LR scheduler and ``global_step`` live in a ``dd.collective.State`` kept with the model
+  (a per-worker resource), committed every ``commit_every`` optimizer steps and at the
+  end; a re-run ``train()`` starts from the newest commit. Under a ``"dynamic"`` dataset
+  the commits acknowledge the rows (every row trained once in the committed model).
+
+A ``TrainerCallback`` alone cannot do this: callbacks are handed neither the Trainer
+nor its data loader before it is prepared, nor see the exceptions ``train()`` raises.
+
+Threads: everything runs in the gang closure's thread; the environment variables
+Accelerate reads (see :func:`_configure_accelerate`) are set only for the ``PartialState``
+construction and put back at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from transformers import Trainer, TrainerCallback
+
+from daskdist.collective.elastic import State
+from daskdist.collective.group import Group, get_group
+from daskdist.integrations.common import GroupHook, Optimizers, disarm, failures, state_for
+
+__all__ = ["DaskdistCallback", "prepare_trainer"]
+
+
+def prepare_trainer(trainer: Trainer, batches: Iterable, commit_every: int = 1,
+                    checkpoint_to: str | None = None, every: int = 100) -> Trainer:
+    """Make ``trainer`` train on daskdist's group from ``batches`` (this worker's
+    batches, e.g. ``dd.collective.synced(it)``), elastic and exactly once; returns it.
+
+    ``commit_every``: optimizer steps between commits. ``checkpoint_to``, ``every``:
+    ``State.checkpoint_to(url, every)``. Call it inside the gang closure, on a
+    ``Trainer`` made there, with ``TrainingArguments(max_steps=...)``.
+    """
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"prepare_trainer: expected a transformers.Trainer, got "
+                        f"{type(trainer).__name__}")
+    if trainer.args.max_steps is None or trainer.args.max_steps <= 0:
+        raise ValueError("prepare_trainer: the per-worker batches have no length: set "
+                         "TrainingArguments(max_steps=...) (an upper bound: training "
+                         "ends when the data does)")
+    if getattr(trainer, "_daskdist", None) is not None:
+        raise ValueError("prepare_trainer: this Trainer is prepared already")
+    callback = DaskdistCallback(trainer, batches, commit_every, checkpoint_to, every)
+    trainer.add_callback(callback)
+    trainer._daskdist = callback
+    trainer.__class__ = _prepared_class(type(trainer))
+    return trainer
+
+
+class DaskdistCallback(TrainerCallback):
+    """The commits of a prepared Trainer (see :func:`prepare_trainer`, which adds it):
+    ``sync()`` at the start of training, a commit every ``commit_every`` optimizer steps
+    and at the end."""
+
+    def __init__(self, trainer: Trainer, batches: Iterable, commit_every: int = 1,
+                 checkpoint_to: str | None = None, every: int = 100):
+        if not isinstance(commit_every, int) or commit_every < 1:
+            raise ValueError(f"commit_every must be an int >= 1, got {commit_every!r}")
+        if checkpoint_to is not None and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        self.trainer = trainer
+        self.batches = batches
+        self.commit_every = commit_every
+        self.checkpoint_to = checkpoint_to
+        self.every = every
+        self.state: State | None = None
+        self.hook: GroupHook | None = None
+        self.committed_step = -1
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Model wrapped, optimizer and scheduler made: take the newest commit."""
+        trainer = self.trainer
+        g = get_group()
+        wrapped = trainer.model_wrapped
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            self.hook = GroupHook(g)
+            self.hook.install(wrapped)
+        model = trainer.model
+        st = state_for(model, "transformers", lambda: self._new_state(model))
+        schedulers = [trainer.lr_scheduler] if trainer.lr_scheduler is not None else []
+        st.optimizer = Optimizers([trainer.optimizer], schedulers)
+        st.sync()
+        state.global_step = int(st.global_step)
+        self.state = st
+        self.committed_step = state.global_step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.commit_every == 0:
+            self._commit(state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._commit(state.global_step)  # the steps since the last commit (end of data)
+
+    def _commit(self, step: int) -> None:
+        if self.state is None or step == self.committed_step:
+            return
+        self.state.global_step = step
+        self.committed_step = step
+        self.state.commit()  # HostsUpdatedInterrupt ends train(); the gang runs it again
+
+    def _new_state(self, model: torch.nn.Module) -> State:
+        st = State(model=model, optimizer=Optimizers(), global_step=0)
+        if self.checkpoint_to is not None:
+            st.checkpoint_to(self.checkpoint_to, self.every)
+        return st
+
+
+class _PerWorkerBatches:
+    """The training data of a prepared Trainer: this worker's batches as they come (one
+    pass); when they run out, training stops (on every rank at the same step: synced)."""
+
+    def __init__(self, trainer: Trainer, batches: Iterable):
+        self.trainer = trainer
+        self.batches = batches
+
+    def __iter__(self) -> Iterator:
+        yield from self.batches
+        self.trainer.control.should_training_stop = True
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _prepared_class(base: type) -> type:
+    """``base`` (Trainer or a user's subclass) with daskdist's data and ``train()``."""
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_Prepared, base), {"__module__": base.__module__})
+        _CLASSES[base] = cls
+    return cls
+
+
+class _Prepared:
+    """Mixed into a prepared Trainer's class (before the Trainer's own)."""
+
+    _daskdist: DaskdistCallback
+
+    def get_train_dataloader(self) -> Any:
+        return _PerWorkerBatches(self, self._daskdist.batches)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        g = get_group()
+        _configure_accelerate(g)
+        self.create_accelerator_and_postprocess()  # on the state just set
+        disarm(self.model_wrapped)  # a DDP of an earlier train(), maybe another group's
+        self.model_wrapped = self.model  # wrapped again, on this group
+        try:
+            with failures(g, lambda: self._daskdist.hook):
+                return super().train(*args, **kwargs)
+        finally:
+            disarm(self.model_wrapped)  # the model outlives this run (see disarm)
+
+
+def _configure_accelerate(g: Group) -> None:
+    """Reset Accelerate's process-wide state and set it from the group.
+
+    Accelerate reads a distributed run from torchrun's variables (``LOCAL_RANK``,
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), and on the CPU refuses several
+    ranks without ``MASTER_ADDR``; it never uses the address (the process group
+    exists: it skips ``init_process_group`` and takes rank and size from it). So they
+    are set for the ``PartialState`` construction only, and put back right after
+    (Accelerate itself sets ``MASTER_PORT`` there: put back too).
+    """
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    device = torch.device(g.device)
+    env = {"LOCAL_RANK": "0", "RANK": str(g.rank), "WORLD_SIZE": str(g.world_size),
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    with _environ(env):
+        state = PartialState(cpu=device.type == "cpu")
+    if state.num_processes != g.world_size or state.process_index != g.rank:
+        raise RuntimeError(
+            f"Accelerate's state (process {state.process_index} of {state.num_processes}) "
+            f"is not daskdist's group (rank {g.rank} of {g.world_size})")
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    names = list(values) + ["MASTER_PORT"]
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

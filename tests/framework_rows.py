@@ -1,0 +1,98 @@
+"""What the framework integration tests train (pickled by reference): Parquet rows with
+an ``id``, and a Lightning module and a Hugging Face model that count the ids they
+trained on in a buffer allreduced over the group in every step, so the committed
+module's counts say whether every row of the epoch was trained exactly once."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+import daskdist as dd
+
+
+def write_rows(root: Path, n: int, files: int = 4) -> str:
+    """``n`` rows (``id``, ``x``, ``y = 2x + 1``) in ``files`` Parquet files; the glob."""
+    per = n // files
+    for f in range(files):
+        ids = np.arange(f * per, n if f == files - 1 else (f + 1) * per, dtype=np.int64)
+        x = (ids % 97).astype(np.float32) / 97.0
+        pq.write_table(pa.table({"id": ids, "x": x, "y": 2 * x + 1}),
+                       root / f"rows-{f}.parquet", row_group_size=50)
+    return str(root / "*.parquet")
+
+
+def count_ids(counts: torch.Tensor, ids: torch.Tensor) -> None:
+    """Add every rank's ``ids`` of this step to ``counts`` (the same on every rank)."""
+    c = torch.bincount(ids.to(counts.device), minlength=counts.numel()).to(torch.float64)
+    dd.collective.get_group().allreduce(c)  # on the module's device (NCCL: its GPU)
+    counts += c
+
+
+def log_event(logdir: str | None, kind: str, step: int) -> None:
+    """One line per event in ``logdir/<pid>.log``: time, kind, step, generation, rank."""
+    if logdir is None:
+        return
+    g = dd.collective.get_group()
+    with open(Path(logdir) / f"{os.getpid()}.log", "a") as f:
+        f.write(f"{time.time()} {kind} {step} {g.generation} {g.rank} {g.world_size}\n")
+
+
+def read_events(logdir: Path) -> list[tuple]:
+    """Every logged event: (time, kind, step, generation, rank, world, pid), by time."""
+    out = []
+    for p in Path(logdir).glob("*.log"):
+        for line in p.read_text().splitlines():
+            t, kind, step, gen, rank, world = line.split()
+            out.append((float(t), kind, int(step), int(gen), int(rank), int(world),
+                        int(p.stem)))
+    return sorted(out)
+
+
+def committed_counts(module, label: str = "lightning") -> tuple[int, list[float]]:
+    """A gang closure: the newest commit's ``global_step`` and per-row counts (every rank
+    takes it with ``sync()``), of the adapter ``label``'s State."""
+    from daskdist.integrations.common import committed_state
+
+    state = committed_state(module, label)
+    state.sync()
+    return int(state.global_step), state.model.counts.tolist()
+
+
+def hf_row_model(ctx, n: int, logdir: str | None = None, pause: float = 0.0):
+    """A tiny Hugging Face model built from its config (no hub download): y = a x + b,
+    counting the ids it trained on (a per-worker resource factory)."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class RowConfig(PretrainedConfig):
+        model_type = "daskdist-rows"
+
+        def __init__(self, n_rows: int = 1, **kwargs):
+            self.n_rows = n_rows
+            super().__init__(**kwargs)
+
+    class RowModel(PreTrainedModel):
+        config_class = RowConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.net = torch.nn.Linear(1, 1)
+            self.register_buffer("counts", torch.zeros(config.n_rows, dtype=torch.float64))
+            self.post_init()
+
+        def forward(self, x, y, id):  # noqa: A002 - the batch's column
+            count_ids(self.counts, id)
+            time.sleep(pause)
+            pred = self.net(x.unsqueeze(-1)).squeeze(-1)
+            return {"loss": (pred - y).pow(2).sum() / max(1, len(id))}
+
+    torch.manual_seed(200 + ctx.worker_index)
+    model = RowModel(RowConfig(n_rows=n))
+    model.logdir = logdir
+    return model

@@ -1,0 +1,161 @@
+"""prepare_trainer / DaskdistCallback (SPEC §4.4) on real LocalClusters with worker
+processes and gloo: transformers.Trainer.train with a tiny config-built model over a
+"dynamic" dataset trains every row exactly once in the committed model; a member
+SIGKILLed mid-train (3 workers) re-runs train() from the committed global_step on every
+rank; Accelerate's process-wide state is set afresh for every run."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are built from configs: no hub
+
+import torch  # noqa: E402
+from distributed import Client  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+import daskdist as dd  # noqa: E402
+from daskdist.integrations.transformers import prepare_trainer  # noqa: E402
+from tests.conftest import make_cluster, sigkill, wait_for_workers, wait_until  # noqa: E402
+from tests.framework_rows import (  # noqa: E402
+    committed_counts,
+    hf_row_model,
+    log_event,
+    read_events,
+    write_rows,
+)
+from tests.row_ledger import assert_every_row_once  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.filterwarnings("ignore:The given NumPy array is not writable"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+class StepLog(TrainerCallback):
+    """Logs where training began and every optimizer step (before daskdist's commit)."""
+
+    def __init__(self, logdir):
+        self.logdir = logdir
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.started:  # after every callback's on_train_begin: the resumed step
+            self.started = True
+            log_event(self.logdir, "start", state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        log_event(self.logdir, "step", state.global_step)
+
+
+def train(model, it, outdir, commit_every=1):
+    """The gang closure: a plain Trainer made here, prepared, trained."""
+    args = TrainingArguments(output_dir=outdir, max_steps=10_000, learning_rate=0.01,
+                             per_device_train_batch_size=8, save_strategy="no",
+                             report_to="none", disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=model, args=args, callbacks=[StepLog(model.logdir)])
+    trainer = prepare_trainer(trainer, dd.collective.synced(it), commit_every=commit_every)
+    out = trainer.train()
+    state = trainer.accelerator.state
+    return (dd.collective.get_group().rank, out.global_step, state.num_processes,
+            state.process_index, state.distributed_type.value)
+
+
+def drive(coord, ds, model, it, outdir, commit_every=1, deadline=240.0):
+    end = time.monotonic() + deadline
+    runs = []
+    while not ds.progress()["complete"]:
+        assert time.monotonic() < end, ds.progress()
+        runs.append(coord.fetch(coord.schedule_on_all(
+            train, args=(model, it, outdir, commit_every))))
+    return runs
+
+
+def test_train_over_a_dynamic_dataset_trains_every_row_once(tmp_path):
+    n = 2000
+    glob = write_rows(tmp_path, n)
+    with make_cluster(2, threads=2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="hf-once")
+        wait_for_workers(client, coord, 2)
+        coord.collective_group(timeout=30)
+        model = coord.create_per_worker_resource(functools.partial(hf_row_model, n=n))
+        ds = coord.distribute_dataset(glob, global_batch_size=40, policy="dynamic",
+                                      shuffle=True, seed=5, prefetch=0)
+        it = iter(ds)
+        runs = drive(coord, ds, model, it, str(tmp_path / "out"), commit_every=3)
+        # Accelerate saw daskdist's group: 2 processes, this rank, a CPU DDP run
+        assert [r[2:] for r in runs[-1]] == [(2, 0, "MULTI_CPU"), (2, 1, "MULTI_CPU")]
+        out = coord.fetch(coord.schedule_on_all(committed_counts, args=(model, "transformers")))
+        assert out[0][0] == out[1][0] == runs[-1][0][1] > 0
+        assert_every_row_once(out, n)
+        # a second run on the same workers (a notebook cell run again) starts clean
+        model2 = coord.create_per_worker_resource(functools.partial(hf_row_model, n=n))
+        ds2 = coord.distribute_dataset(glob, global_batch_size=40, policy="dynamic",
+                                       shuffle=True, seed=6, prefetch=0)
+        drive(coord, ds2, model2, iter(ds2), str(tmp_path / "out2"))
+        assert_every_row_once(coord.fetch(coord.schedule_on_all(
+            committed_counts, args=(model2, "transformers"))), n)
+        coord.close()
+
+
+def test_member_sigkilled_mid_train_resumes_from_the_committed_step(tmp_path):
+    n = 3000
+    glob = write_rows(tmp_path, n)
+    logdir = tmp_path / "log"
+    logdir.mkdir()
+    with make_cluster(3) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="hf-kill")
+        wait_for_workers(client, coord, 3)
+        coord.collective_group(timeout=30)
+        model = coord.create_per_worker_resource(
+            functools.partial(hf_row_model, n=n, logdir=str(logdir), pause=0.02))
+        ds = coord.distribute_dataset(glob, global_batch_size=30, policy="dynamic",
+                                      shuffle=True, seed=7, prefetch=0)
+        it = iter(ds)
+        killed: list[tuple[float, int]] = []
+
+        def kill_rank1_mid_train():
+            wait_until(lambda: sum(e[1] == "step" for e in read_events(logdir)) > 30,
+                       120, "steps")
+            addr = coord._call("daskdist_group_info")["members"][1]
+            pid = client.run(os.getpid, workers=[addr])[addr]
+            killed.append((time.time(), pid))
+            sigkill(pid)
+
+        killer = threading.Thread(target=kill_rank1_mid_train, daemon=True)
+        killer.start()
+        drive(coord, ds, model, it, str(tmp_path / "out"))
+        killer.join(60)
+        assert killed, "the member was not killed"
+        t_kill, victim = killed[0]
+        events = read_events(logdir)
+        committed = max(e[2] for e in events if e[1] == "step" and e[0] < t_kill)
+        starts = [e for e in events if e[1] == "start" and e[0] > t_kill]
+        assert starts, "train() did not run again after the kill"
+        first_gen = min(e[3] for e in starts)
+        rerun = [e for e in starts if e[3] == first_gen]
+        assert len({e[4] for e in rerun}) == rerun[0][5]  # every rank of it started ...
+        assert {e[2] for e in rerun} == {rerun[0][2]}  # ... at the same step ...
+        assert committed - 1 <= rerun[0][2] <= committed and rerun[0][2] > 0  # committed
+        assert victim not in {e[6] for e in rerun}
+        print(f"killed rank 1 after step {committed}; train() ran again on "
+              f"{rerun[0][5]} ranks from global_step {rerun[0][2]}")
+        out = coord.fetch(coord.schedule_on_all(committed_counts, args=(model, "transformers")))
+        assert_every_row_once(out, n)
+        coord.close()
+
+
+def test_prepare_trainer_refuses_a_stream_without_max_steps(tmp_path):
+    model = torch.nn.Linear(1, 1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="max_steps"):
+        prepare_trainer(Trainer(model=model, args=args), iter([]))
