@@ -592,10 +592,10 @@ class Coordinator:
         options = dict(loader_options)
         options.setdefault("policy", "dynamic")
         source = DaskCollection.of(collection, options.get("columns"))
-        InputContext(num_replicas_in_sync=max(1, self._workers)).get_per_replica_batch_size(
-            global_batch_size)
+        workers = max(1, self._workers)  # the batch size is fixed now (issue 23 item 2)
+        InputContext(num_replicas_in_sync=workers).get_per_replica_batch_size(global_batch_size)
         values = self._register_resource(
-            "dataset", _LoaderFactory(source, global_batch_size, options))
+            "dataset", _LoaderFactory(source, global_batch_size, options, workers))
         name = options.get("name") or ""
         seed = int(options.get("seed", 0))
         if options["policy"] == "dynamic":
