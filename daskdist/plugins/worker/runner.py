@@ -27,7 +27,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from distributed.comm.core import CommClosedError
@@ -61,6 +60,7 @@ from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, 
 from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
 from daskdist.plugins.worker.resources import ResourceRegistry
 from daskdist.plugins.worker.services import SessionServices
+from daskdist.plugins.worker.threads import DaemonPool
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +153,10 @@ class ClosureRunner:
         if prefetch is None:
             prefetch = int(config.get("worker.prefetch"))
         self.capacity = self.nthreads + max(0, prefetch)
-        self.executor = ThreadPoolExecutor(self.nthreads, thread_name_prefix=f"daskdist-{name}")
+        # daemon threads: a closure running when the process exits does not hold the exit
+        self.executor = DaemonPool(self.nthreads, f"daskdist-{name}")
         # a slot of its own for gang members, so they start even when all threads are busy
-        self.gang_executor = ThreadPoolExecutor(1, thread_name_prefix=f"daskdist-gang-{name}")
+        self.gang_executor = DaemonPool(1, f"daskdist-gang-{name}")
         self.session: Session | None = None
         self.index = -1
         self.num_workers = 0
@@ -266,8 +267,8 @@ class ClosureRunner:
         except Exception as e:  # the scheduler is gone too: it will see the worker leave
             logger.debug("daskdist: unregister failed: %r", e)
         self._end_session()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.gang_executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown()
+        self.gang_executor.shutdown()
 
     def poke(self) -> None:
         self.poked = True
