@@ -316,7 +316,8 @@ class ArrowLoader:
         """Staging through pinned buffers for CUDA (not with ``collate``: host tables)."""
         if self.device.type != "cuda" or self.collate is not None:
             return None
-        return DeviceStage(CudaTransfer(self.device), int(config.get("data.staging-slots", 2)))
+        return DeviceStage(CudaTransfer(self.device), int(config.get("data.staging-slots", 2)),
+                           config.nbytes("data.staging-bytes"))
 
 
 def _ranges(item: ChunkItem, a: int, b: int) -> list[tuple[int, int]] | None:
