@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from distributed.comm.core import CommClosedError
-from distributed.protocol.pickle import dumps, loads
+from distributed.protocol.pickle import loads
 from distributed.utils import sync
 
 from daskdist import config
@@ -59,6 +59,7 @@ from daskdist.core.protocol import (
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
 from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
 from daskdist.plugins.worker.resources import ResourceRegistry
+from daskdist.plugins.worker.results import dump_result
 from daskdist.plugins.worker.services import SessionServices
 from daskdist.plugins.worker.threads import DaemonPool
 
@@ -185,6 +186,8 @@ class ClosureRunner:
         self.poked = False  # the scheduler has pinned work for us: exchange now
         self.task: asyncio.Task | None = None
         self.closers: list[threading.Thread] = []  # closing ended sessions' resources
+        # results leave with their tensors on the host (a client may have no CUDA)
+        self.results_host = "cpu" if config.get("worker.results-to-cpu", True) else None
 
     @property
     def session_id(self) -> str:
@@ -543,7 +546,7 @@ class ClosureRunner:
                 if args or kwargs:
                     args, kwargs = session.resources.resolve((args, kwargs))
                 value = fn(*args, **kwargs)
-                state, payload, kind = READY, dumps(value), None
+                state, payload, kind = READY, dump_result(value, self.results_host), None
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
                 state, payload, kind = FAILED, dump_error(e), _error_kind(e)
         # sealed: a thread the closure started takes no more rows for it (they would
