@@ -1,4 +1,5 @@
-"""The elastic State's copy cost per commit (issue 23 item 7), on the CPU.
+"""The GPU paths' copies and pinned memory, measured on the CPU (issue 23 item 7): the
+elastic State's copy cost per commit, and the CUDA loader's staging ring in bytes.
 
 Run: ``python benchmarks/bench_state.py [--params 10_000_000] [--commits 20]``.
 
@@ -16,6 +17,12 @@ before/after of the State itself: before, a commit in flight kept a second deep 
 (and ``State`` 3-4 copies at worst: committed, in flight, the snapshot taken before the
 allgather); now one host copy, plus the spare buffers a dynamic dataset's commit in
 flight fills.
+
+**Staging ring.** Blocks of image rows (3x64x64 float32, 48 KiB a row; 2,048-row blocks
+of 96 MiB) through the CUDA loader's device stage with a host stand-in for the copies:
+the ring's pinned bytes with ``daskdist.data.staging-bytes`` (64 MiB here) against the
+ring sized by blocks (before: ``slots x`` the largest block; a 65,536-row lease of such
+rows is 3 GiB a slot).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import time
 import torch
 
 from daskdist.collective.snapshot import HostCopy
+from daskdist.data.convert import Chunk
+from daskdist.data.staging import DeviceStage
 
 
 def model_of(params: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -81,5 +90,52 @@ def main() -> None:
     print(f"  ours / anchor = {o / a:.2f}x")
 
 
+class _HostCopies:
+    """A stand-in for CudaTransfer: "device" tensors are host copies, fences are done."""
+
+    class _Done:
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    def host_buffer(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype)
+
+    def copy(self, host):
+        return host.clone()
+
+    def record(self):
+        return self._Done()
+
+    def wait(self, staged) -> None:
+        pass
+
+
+def staging(bound: int, blocks: int = 4, rows: int = 2048) -> None:
+    from collections import namedtuple
+
+    Item = namedtuple("Item", "cols ids rows staged ascending")
+    pixels = 3 * 64 * 64
+    chunk = Chunk(["img", "id"], {"img": torch.ones(rows, pixels),
+                                  "id": torch.arange(rows)})
+    out = {}
+    for name, limit in (("bounded", bound), ("by blocks (before)", None)):
+        stage = DeviceStage(_HostCopies(), slots=2, max_bytes=limit)
+        items = (Item(chunk, None, rows, None, False) for _ in range(blocks))
+        n = sum(1 for _ in stage.stage_all(items))
+        out[name] = (stage.ring.host_bytes, n)
+    block = rows * (pixels * 4 + 8)
+    (b, nb), (u, nu) = out["bounded"], out["by blocks (before)"]
+    print(f"\nStaging ring, {blocks} blocks of {rows:,} image rows ({block / 2**20:.0f} MiB "
+          f"each), 2 slots:")
+    print(f"  ours, staging-bytes {bound / 2**20:.0f} MiB: {b / 2**20:6.1f} MiB pinned "
+          f"({nb} pieces staged)")
+    print(f"  anchor, sized by blocks:    {u / 2**20:6.1f} MiB pinned ({nu} blocks staged)")
+    print(f"  ours / anchor = {b / u:.2f}x")
+
+
 if __name__ == "__main__":
     main()
+    staging(64 * 2**20)

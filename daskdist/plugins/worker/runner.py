@@ -520,7 +520,7 @@ class ClosureRunner:
         def contexts(rid: str) -> tuple[WorkerContext, InputContext]:
             wctx = self._worker_context()
             n = max(1, self.num_workers)
-            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, leases=services,
+            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, services=services,
                                 dataset_id=rid)
             return wctx, ictx
 
