@@ -451,5 +451,19 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, previous)
 
 
+def run() -> None:
+    """The ``daskdist`` command (and ``python -m daskdist.cli``): :func:`main`, then exit.
+
+    After a Ctrl-C everything is closed (the cluster, its worker processes, the
+    synthetic shards), so the process ends at once instead of tearing down every module
+    torch imported, which took 1.4-3 s more on a loaded machine."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
