@@ -16,7 +16,8 @@ Printed: each program's median and worst seconds, and ours / anchor. Target (iss
 ours within 3 s on a quiet machine, and never a hang (the demo's watchdog ends it after
 ``daskdist.demo.stop-timeout``, 20 s). Before the fix: 4.1-4.4 s here (a closure thread
 held each worker process's exit until its nanny SIGKILLed it, 0.8 x 5 s), 5.6-12.6 s on a
-loaded machine, and once a 90 s hang.
+loaded machine, and once a 90 s hang. After (2-core VM, load 2.6): 1.27 s, plain Dask
+0.77 s, 1.66x (the rest: closing the coordinator, and a Ctrl-C mid-step).
 """
 
 from __future__ import annotations
