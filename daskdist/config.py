@@ -30,6 +30,14 @@ def seconds(key: str) -> float:
     return float(parse_timedelta(get(key), default="seconds"))
 
 
+def nbytes(key: str) -> int:
+    """A size setting (``"256MiB"``, ``"1 GB"`` or a number of bytes) in bytes."""
+    from dask.utils import parse_bytes
+
+    value = get(key)
+    return int(parse_bytes(value)) if isinstance(value, str) else int(value)
+
+
 def integer(key: str) -> Any:
     """An integer setting: ``int`` for an int or a string of digits (``"3"`` from a
     YAML file or an environment variable); anything else as is, for the caller's

@@ -7,8 +7,9 @@ import contextvars
 import threading
 import uuid
 import weakref
+import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 _local = threading.local()  # what a per-worker resource being built mints States after
@@ -38,8 +39,10 @@ class InputContext:
     ``num_input_pipelines`` pipelines in all (one per worker), this one is
     ``input_pipeline_id``; ``num_replicas_in_sync`` replicas consume the global batch.
     ``worker`` is the worker's :class:`WorkerContext` when built by a worker plugin.
-    ``leases`` is the lease service for the ``"dynamic"`` sharding policy (set by the
-    worker plugin; ``None`` when the pipeline runs outside a coordinator).
+    ``services`` are the scheduler services of the worker session the dataset is built
+    for (the ``"dynamic"`` policy's leases, among them: set by the worker plugin), or a
+    :class:`~daskdist.data.LocalLeaseService` outside a coordinator, or ``None``.
+    ``leases=`` is its former, deprecated name.
     ``dataset_id`` is the identity of the per-worker dataset being built (the call that
     made it, the same on every worker; ``None`` outside a coordinator): loaders take
     theirs from it (:meth:`next_dataset_id`).
@@ -49,12 +52,18 @@ class InputContext:
     input_pipeline_id: int = 0
     num_replicas_in_sync: int = 1
     worker: WorkerContext | None = None
-    leases: Any = None
+    services: Any = None
     extra: dict = field(default_factory=dict)
     dataset_id: str | None = None
     _loaders: int = field(default=0, repr=False, compare=False)
+    leases: InitVar[Any] = None  # deprecated: services=
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, leases: Any = None) -> None:
+        if leases is not None and leases is not self.services:  # (replace() passes both)
+            warnings.warn("InputContext(leases=...) is deprecated; pass services=...",
+                          DeprecationWarning, stacklevel=3)
+            if self.services is None:
+                self.services = leases
         if self.num_input_pipelines < 1:
             raise ValueError(f"num_input_pipelines must be >= 1, got {self.num_input_pipelines}")
         if not 0 <= self.input_pipeline_id < self.num_input_pipelines:
@@ -92,6 +101,15 @@ class InputContext:
                 f"num_replicas_in_sync {self.num_replicas_in_sync}"
             )
         return global_batch_size // self.num_replicas_in_sync
+
+
+def _deprecated_leases(self: InputContext) -> Any:
+    """``ctx.leases``: the former name of :attr:`InputContext.services` (deprecated; read
+    without a warning, since ``dataclasses.replace`` reads it too)."""
+    return self.services
+
+
+InputContext.leases = property(_deprecated_leases)  # type: ignore[assignment]
 
 
 def get_worker_context() -> WorkerContext:

@@ -174,19 +174,19 @@ def test_sigkill_member_during_gang_loop(coord, client):
 def test_dead_peer_raises_collective_error(coord, client):
     """Rank 1 dies mid-gang: rank 0's allreduce raises CollectiveError (no hang); the
     gang then re-runs on the group re-formed with the replacement worker."""
-    coord.collective_group(timeout=60)
+    # a timeout past the test's own (pytest-timeout): only the loss can end the call
+    coord.collective_group(timeout=600)
     seen = coord.create_per_worker_resource(lambda ctx: [])
 
     def probe(log):
         g = dd.collective.get_group()
         if g.generation == first_generation and g.rank == 1:
             os.kill(os.getpid(), 9)
-        t = time.monotonic()
         try:
             g.allreduce(torch.ones(1))
             log.append(("ok", g.generation))
-        except dd.CollectiveError:
-            log.append(("collective-error", time.monotonic() - t))
+        except dd.CollectiveError as e:
+            log.append(("collective-error", str(e)))
             raise
         return list(log)
 
@@ -194,7 +194,7 @@ def test_dead_peer_raises_collective_error(coord, client):
     out = coord.fetch(coord.schedule_on_all(probe, args=(seen,)))
     logs = [entry for log in out for entry in log]
     errors = [e for e in logs if e[0] == "collective-error"]
-    assert errors and all(seconds < 20 for _, seconds in errors)  # not the 60 s timeout
+    assert errors and all("timed out" not in text.lower() for _, text in errors), errors
     # the re-run succeeded on every rank of the generation that completed it: the
     # survivor alone (the group shrinks at once), or with the replacement if it was quick
     assert 1 <= len(out) <= 2 and all(log[-1][0] == "ok" for log in out)

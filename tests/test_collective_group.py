@@ -24,11 +24,11 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.timeout(60)
 
 WORLD = 3
-# A call that ends because a peer was lost (or a newer generation came) must end well
-# before the group's timeout: that is what these tests check. How fast it ends is a
-# figure of benchmarks/bench_collective.py, not a bound here (a loaded machine is slow).
-TIMEOUT = 30.0
-WELL_BEFORE = TIMEOUT / 3
+# A call that ends because a peer was lost (or a newer generation came) must not wait
+# for the group's timeout: these tests give the group a timeout longer than the test's
+# own (pytest-timeout, 60 s), so only the lost-peer path can end the call in time, and
+# check what it raised, never how fast (a figure of benchmarks/bench_collective.py).
+TIMEOUT = 600.0
 _generations = itertools.count(1)
 
 
@@ -376,17 +376,17 @@ def _lost_then_call(_slot):
     mark_peer_lost(g.generation - 1)  # a stale notice for an older generation: no effect
     g.allreduce(t)
     mark_peer_lost(g.generation, "worker tcp://x left")
-    t0 = time.monotonic()
-    with pytest.raises(CollectiveError, match="left"):
+    with pytest.raises(CollectiveError, match="left") as first:
         g.allreduce(t)
-    with pytest.raises(CollectiveError):
+    with pytest.raises(CollectiveError) as second:
         g.broadcast_object("x")
-    return time.monotonic() - t0
+    return [str(first.value), str(second.value)]
 
 
 def _mark_lost_while_waiting(wait, generation):
     """Run ``wait()`` in a thread until it waits on its peers, then ``mark_peer_lost``:
-    it must end with CollectiveError at once. Returns seconds from the mark to the end."""
+    it must end with CollectiveError (its group's timeout is far away). Returns the
+    error's text."""
     from daskdist.collective import bootstrap, mark_peer_lost
     from daskdist.errors import CollectiveError
 
@@ -406,12 +406,11 @@ def _mark_lost_while_waiting(wait, generation):
     while not set(bootstrap.PROCESS.waiters) - before and time.monotonic() < deadline:
         time.sleep(0.001)  # condition poll with a deadline: the call is now waiting
     assert set(bootstrap.PROCESS.waiters) - before, "the call never started waiting"
-    t0 = time.monotonic()
     mark_peer_lost(generation)
-    th.join(5)
+    th.join(60)
     assert not th.is_alive()
     assert isinstance(box.get("err"), CollectiveError), box
-    return box["at"] - t0
+    return str(box["err"])
 
 
 def _lost_wakes_inflight(_slot):
@@ -473,7 +472,7 @@ def _rendezvous_abort(_slot, host, port, generation):
     from daskdist.collective import init_member
 
     return _mark_lost_while_waiting(
-        lambda: init_member(_slot, 3, host, port, "gloo", generation, 30.0), generation)
+        lambda: init_member(_slot, 3, host, port, "gloo", generation, TIMEOUT), generation)
 
 
 def _rendezvous_timeout(_slot, host, port, generation):
@@ -497,7 +496,7 @@ def _start_zombie_init(_slot, host, port, generation):
 
     def join():
         try:
-            init_member(_slot, 3, host, port, "gloo", generation, 30.0)
+            init_member(_slot, 3, host, port, "gloo", generation, TIMEOUT)
             box["result"] = "formed"
         except BaseException as e:
             box["result"] = e
@@ -627,38 +626,36 @@ def test_a_call_outlasting_the_fast_path_still_succeeds(pool):
 
 def test_mark_peer_lost_makes_next_call_raise_at_once(pool):
     form(pool, timeout=TIMEOUT)
-    elapsed = pool.run(_lost_then_call)
-    assert max(elapsed) < WELL_BEFORE
+    for first, second in pool.run(_lost_then_call):
+        assert "worker tcp://x left" in first and "timed out" not in first + second
 
 
 def test_mark_peer_lost_wakes_a_waiting_call(pool):
     form(pool, timeout=TIMEOUT)
-    [elapsed] = pool.run(_lost_wakes_inflight, ranks=[0])
-    assert elapsed < WELL_BEFORE
+    [text] = pool.run(_lost_wakes_inflight, ranks=[0])
+    assert "a peer left the group" in text and "timed out" not in text
     pool.run(_destroy)
 
 
 def test_rendezvous_aborts_when_a_peer_is_lost(pool):
     gen = next(_generations)
     (host, port) = pool.run(_create_store, ranks=[0], args=(gen,))[0]
-    elapsed = pool.run(_rendezvous_abort, ranks=[0, 1], args=(host, port, gen))
-    assert max(elapsed) < WELL_BEFORE
+    texts = pool.run(_rendezvous_abort, ranks=[0, 1], args=(host, port, gen))
+    assert all("did not arrive" not in t and "timed out" not in t for t in texts), texts
 
 
 def test_rendezvous_times_out_naming_the_missing_rank(pool):
     gen = next(_generations)
     (host, port) = pool.run(_create_store, ranks=[0], args=(gen,))[0]
     elapsed = pool.run(_rendezvous_timeout, ranks=[0, 1], args=(host, port, gen))
-    assert all(1.0 <= e < 1.0 + WELL_BEFORE for e in elapsed), elapsed
+    assert all(e >= 1.0 for e in elapsed), elapsed  # never gives up before its timeout
 
 
 def test_newer_generation_supersedes_an_init_still_waiting(pool):
     gen = next(_generations)
     (host, port) = pool.run(_create_store, ranks=[0], args=(gen,))[0]
     pool.run(_start_zombie_init, ranks=[0, 1], args=(host, port, gen))
-    t0 = time.monotonic()
-    form(pool, ranks=[0, 1])  # does not wait for the stuck init's 30 s timeout
-    assert time.monotonic() - t0 < WELL_BEFORE
+    form(pool, ranks=[0, 1])  # in the test's time: the stuck init's timeout is 600 s
     for name, msg in pool.run(_zombie_outcome, ranks=[0, 1]):
         assert name == "CollectiveError" and "generation" in msg
     out = pool.run(_stale_group_refuses, ranks=[0, 1], args=(gen,))
@@ -685,7 +682,7 @@ def test_hung_peer_raises_collective_error_by_timeout(pool):
     assert out[2] == "idle"
     for status, elapsed, msg in out[:2]:
         assert status == "raised", msg
-        assert elapsed < 1.5 + WELL_BEFORE, elapsed
+        assert elapsed >= 1.5 and ("timed out" in msg or "Timed out" in msg), (elapsed, msg)
 
 
 def test_sigkilled_peer_raises_collective_error_quickly(pool):
@@ -694,9 +691,9 @@ def test_sigkilled_peer_raises_collective_error_quickly(pool):
     # rank 2 dies without answering: collect the survivors only.
     out = pool.collect((h[0], [0, 1]), timeout=20)
     for r in (0, 1):
-        status, elapsed, msg = out[r]
-        assert status == "raised", msg
-        assert elapsed < WELL_BEFORE, elapsed
+        status, _elapsed, msg = out[r]
+        assert status == "raised", msg  # within the collect's 20 s: the timeout is 600 s
+        assert "timed out" not in msg.lower(), msg
     pool.procs[2].join(10)
     assert not pool.procs[2].is_alive()
     # The survivors re-form as generation + 1 and work.
@@ -709,9 +706,8 @@ def test_elastic_loop_survives_a_sigkill_and_resumes_on_the_new_group(pool):
     h = pool.submit(_elastic_train, [0, 1, 2], (2, 3, 6))
     out = pool.collect((h[0], [0, 1]), timeout=30)
     for r in (0, 1):
-        status, step, elapsed = out[r]
-        assert (status, step) == ("interrupted", 3)  # back to the last commit
-        assert elapsed < WELL_BEFORE
+        status, step, _elapsed = out[r]
+        assert (status, step) == ("interrupted", 3)  # back to the last commit, in time
     pool.procs[2].join(10)
     form(pool, ranks=[0, 1])  # the re-formed group; the same State objects go on
     done = pool.run(_elastic_train, ranks=[0, 1], args=(-1, -1, 6))

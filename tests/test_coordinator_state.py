@@ -39,14 +39,16 @@ def start(co: CoordinatorState, session: str, address: str, slots: int = 1,
 def test_start_session_takes_the_lowest_free_index_and_a_lease():
     sent: list = []
     co = make(sent)
-    assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1}
+    assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1, "joins": 1}
     reply = start(co, "s2", "w2")
     assert reply["index"] == 1 and reply["num_workers"] == 2
     assert co.renew("s1", 1.0) and co.renew("s2", 1.0)
     co.stop_session("s1")
     assert start(co, "s3", "w3")["index"] == 0  # a replacement reuses the lost index
-    # members hear of every change on their stream
-    assert any(msg["op"] == "daskdist-membership" for _, msg in sent)
+    # members hear of every change on their stream, addressed to their own session
+    told = [msg for _, msg in sent if msg["op"] == "daskdist-membership"]
+    assert told and {msg["session"] for msg in told} <= {"s1", "s2", "s3"}
+    assert told[-1]["version"] == co.members.version and told[-1]["joins"] == 3
     check_queue(co.queue)
 
 

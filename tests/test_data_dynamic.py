@@ -46,7 +46,7 @@ def rows_of(tokens):
 def make(shards, svc, n=1, i=0, dataset_id="ds", **kw):
     """A dynamic loader of pipeline ``i`` of ``n``: loaders made with one ``dataset_id``
     are the workers' loaders of one dataset (as a coordinator's workers build them)."""
-    ctx = InputContext(num_input_pipelines=n, input_pipeline_id=i, leases=svc,
+    ctx = InputContext(num_input_pipelines=n, input_pipeline_id=i, services=svc,
                        dataset_id=dataset_id)
     kw.setdefault("batch_size", 64)
     return ArrowLoader(shards, ctx, policy="dynamic", **kw)
@@ -254,8 +254,8 @@ def test_each_loader_is_a_dataset_of_its_own(shards):
     """Two loaders over the same files (train and eval) each read every row; outside a
     coordinator each loader gets a fresh id, inside one the per-worker dataset's."""
     svc = LocalLeaseService()
-    a = ArrowLoader(shards, InputContext(leases=svc), batch_size=100, policy="dynamic")
-    b = ArrowLoader(shards, InputContext(leases=svc), batch_size=100, policy="dynamic")
+    a = ArrowLoader(shards, InputContext(services=svc), batch_size=100, policy="dynamic")
+    b = ArrowLoader(shards, InputContext(services=svc), batch_size=100, policy="dynamic")
     assert a.dataset_id != b.dataset_id
     for ld in (a, b):
         it = iter(ld)
@@ -264,7 +264,7 @@ def test_each_loader_is_a_dataset_of_its_own(shards):
             assert svc.ack_tokens(got[1])
             ids += got[0]["id"].tolist()
         assert sorted(ids) == list(range(TOTAL)) and ld.progress()["complete"]
-    ctx = InputContext(leases=svc, dataset_id="rid")
+    ctx = InputContext(services=svc, dataset_id="rid")
     train = ArrowLoader(shards, ctx, policy="dynamic", name="train")
     evaluation = ArrowLoader(shards, ctx, policy="dynamic", name="eval")
     assert (train.dataset_id, evaluation.dataset_id) == ("rid", "rid.1")

@@ -99,7 +99,7 @@ def rows_of(tokens):
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_dynamic_policy_rows_recorded_to_the_caller(shards, n_threads, shuffle, prefetch):
     svc = LocalLeaseService()
-    ld = ArrowLoader(shards, InputContext(leases=svc), batch_size=50, policy="dynamic",
+    ld = ArrowLoader(shards, InputContext(services=svc), batch_size=50, policy="dynamic",
                      shuffle=shuffle, seed=1, prefetch=prefetch)
     it = iter(ld)
     got = [[] for _ in range(n_threads)]
@@ -131,7 +131,7 @@ def test_dynamic_next_after_stop_picks_up_returned_rows_from_threads(shards, pre
     """Closures fail now and then (their rows go back to the pool); the threads keep
     calling next() until the epoch is complete, also after StopIteration."""
     svc = LocalLeaseService()
-    ld = ArrowLoader(shards, InputContext(leases=svc), batch_size=64, policy="dynamic",
+    ld = ArrowLoader(shards, InputContext(services=svc), batch_size=64, policy="dynamic",
                      shuffle=True, seed=2, prefetch=prefetch)
     it = iter(ld)
     acked = Counter()
@@ -189,7 +189,7 @@ class GatedLeases(LocalLeaseService):
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_close_from_another_thread_ends_waiting_consumers(shards, prefetch):
     svc = GatedLeases(free=1)
-    ld = ArrowLoader(shards, InputContext(leases=svc), batch_size=40, policy="dynamic",
+    ld = ArrowLoader(shards, InputContext(services=svc), batch_size=40, policy="dynamic",
                      prefetch=prefetch, lease_rows=1)  # a lease: 2 batches, in one unit
     it = iter(ld)
     first = closure(it, [])  # one unit (100 rows) leased, 40 delivered

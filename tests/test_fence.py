@@ -74,12 +74,21 @@ def open_shards() -> list[str]:
 STARTED: list[float] = []  # in each worker process: napping closures that started
 
 
-def nap_then_take(it, nap: float, batches: int) -> list[int]:
-    """Nap (a worker stopped meanwhile wakes here with its session gone), then take up
-    to ``batches`` batches: a closure of an ended session that goes on reading."""
+def nap_then_take(it, nap: float, batches: int, victim: int) -> list[int]:
+    """Nap (the closure's work: the victim is stopped during it), then take up to
+    ``batches`` batches. On the victim, woken, first wait until its session has ended
+    (the scheduler fenced it and the worker registered a new one): a closure of an
+    ended session that goes on reading."""
     STARTED.append(time.time())
     time.sleep(nap)
-    time.sleep(0.5)  # after a SIGCONT: the worker has registered its new session by now
+    if os.getpid() == victim:
+        from daskdist.context import session_services
+
+        services = session_services()  # this closure's session, not the worker's new one
+        deadline = time.monotonic() + 120
+        while not services.ended and time.monotonic() < deadline:
+            time.sleep(0.01)  # a condition with a deadline: the re-registration ends it
+        assert services.ended, "the woken worker's session was never replaced"
     out: list[int] = []
     for _ in range(batches):
         try:
@@ -142,7 +151,8 @@ def test_a_fence_mid_read_closes_the_old_sessions_loaders(shards):
         # closures in flight (napping), the producer mid-read: stop the worker past its
         # lease. When it wakes, its napping closures read on from the old iterator: past
         # what was prefetched they would lease rows, which must be refused
-        rvs = [coord.schedule(nap_then_take, args=(it, 1.0, 8)) for _ in range(2 * WORKERS)]
+        rvs = [coord.schedule(nap_then_take, args=(it, 1.0, 8, victim))
+               for _ in range(2 * WORKERS)]
         wait_until(lambda: client.run(napping, workers=[victim_addr])[victim_addr] >= 1, 30,
                    "a closure napping on the victim")
         os.kill(victim, signal.SIGSTOP)

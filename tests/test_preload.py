@@ -64,12 +64,46 @@ def test_preloaded_scheduler_plugin_serves_coordinator(preloaded_cluster):
         coord.close()
 
 
-def test_gpu_pin_picks_the_workers_own_gpu():
+def test_gpu_pin_picks_the_gpu_of_the_workers_slot():
     from daskdist.plugins.gpu_pin import local_gpu
 
-    assert local_gpu("SLURMCluster-3-0", None, 4) == "0"
-    assert local_gpu("SLURMCluster-3-2", None, 4) == "2"
-    assert local_gpu("job-1", "4,5,6,7", 0) == "5"
-    assert local_gpu("job-5", "4,5", 0) == "5"  # wraps around
-    assert local_gpu("worker", "0,1", 0) is None  # no index in the name: leave it
-    assert local_gpu("job-0", None, 0) is None  # no GPU at all
+    assert local_gpu(0, None, 4) == "0"
+    assert local_gpu(2, None, 4) == "2"
+    assert local_gpu(1, "4,5,6,7", 0) == "5"
+    assert local_gpu(5, "4,5", 0) == "5"  # wraps around
+    assert local_gpu(0, None, 0) is None  # no GPU at all
+
+
+def test_host_slots_are_the_lowest_free_and_freed_with_their_holder(tmp_path):
+    from daskdist.plugins import gpu_pin
+
+    try:
+        assert [gpu_pin.host_slot(str(tmp_path)) for _ in range(3)] == [0, 1, 2]
+        gpu_pin._held.pop(1).close()  # slot 1's holder ended: its successor takes it
+        assert gpu_pin.host_slot(str(tmp_path)) == 1
+        assert gpu_pin.host_slot(str(tmp_path)) == 3
+    finally:
+        gpu_pin.release_slots()
+    assert gpu_pin.host_slot(str(tmp_path)) == 0
+    gpu_pin.release_slots()
+
+
+def _visible():
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_gpu_pin_on_a_local_cluster_whose_workers_are_named_0_1_2(tmp_path, monkeypatch):
+    """LocalCluster names its workers 0, 1, 2 (no ``-N`` suffix): each still gets its
+    own device (here among 3 devices made visible, as a 3-GPU host shows them)."""
+    import dask
+
+    from tests.conftest import make_cluster
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    with dask.config.set({"daskdist.gpu-pin.slots-dir": str(tmp_path / "slots")}):
+        with make_cluster(3, preload=["daskdist.plugins.gpu_pin"]) as cluster, \
+                Client(cluster) as client:
+            client.wait_for_workers(3)
+            names = client.run(lambda dask_worker: dask_worker.name)
+            assert sorted(names.values()) == [0, 1, 2]
+            assert sorted(client.run(_visible).values()) == ["4", "6", "7"]

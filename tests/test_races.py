@@ -85,3 +85,24 @@ def test_two_error_raises_do_not_interleave():
         assert again == {"error": None, "cancelled": []}
 
     asyncio.run(main())
+
+
+def test_input_context_services_and_its_deprecated_name():
+    """``InputContext.services`` is the session's whole services object (issue 23 item
+    9); ``leases`` was its name and stays as a deprecated alias."""
+    import dataclasses
+    import warnings
+
+    import pytest
+
+    from daskdist.context import InputContext
+
+    svc = object()
+    assert InputContext(services=svc).services is svc
+    with pytest.warns(DeprecationWarning, match="services"):
+        ctx = InputContext(leases=svc)
+    assert ctx.services is svc and ctx.leases is svc
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = dataclasses.replace(ctx, num_replicas_in_sync=2)  # not the user's: silent
+    assert again.services is svc and again.num_replicas_in_sync == 2

@@ -17,7 +17,7 @@ from daskdist.context import InputContext, WorkerContext
 from daskdist.data import ArrowLoader
 from daskdist.data.convert import convert_chunk
 from daskdist.data.loader import _LoaderIterator
-from daskdist.data.staging import DeviceStage, StagingRing, plan_layout
+from daskdist.data.staging import DeviceStage, StagingRing, piece_rows, plan_layout
 from daskdist.errors import InputError
 
 pytestmark = [
@@ -254,3 +254,50 @@ def test_cuda_loader_from_two_threads_on_their_own_streams(tmp_path):
         t.join(60)
     assert not errors and not any(t.is_alive() for t in ts)
     assert sorted(seen[0] + seen[1]) == list(range(900))
+
+
+def image_table(ids, pixels=3 * 32 * 32):
+    """Image-like rows: ``pixels`` float32 values (12 KiB) beside the id."""
+    img = np.repeat(ids.astype(np.float32), pixels)
+    return pa.table({"id": ids,
+                     "img": pa.FixedSizeListArray.from_arrays(pa.array(img), pixels)})
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_the_ring_is_bounded_in_bytes_whatever_the_rows_hold(tmp_path, slots):
+    """Image rows: a 1,000-row block takes 12 MiB; a 1 MiB bound stages it in pieces of
+    at most ``1 MiB / slots``, the ring never holds more than the bound, and the batches
+    are the CPU loader's, values and order."""
+    root = tmp_path / "img"
+    root.mkdir()
+    for f in range(2):
+        pq.write_table(image_table(np.arange(f * 1000, (f + 1) * 1000, dtype=np.int64)),
+                       root / f"p{f}.parquet", row_group_size=1000)
+    bound = 2**20
+
+    def loader():
+        return ArrowLoader(root, batch_size=100, shuffle=True, seed=1, prefetch=2)
+
+    expected = [b["id"].tolist() for b in loader()]
+    tr = LateTransfer()
+    stage = DeviceStage(tr, slots=slots, max_bytes=bound)
+    it = _LoaderIterator(loader(), 0, stage=stage)
+    held = list(it)
+    assert [b["id"].tolist() for b in held] == expected
+    for b in held:
+        assert torch.equal(b["img"][:, 0], b["id"].float())
+        assert torch.equal(b["img"][:, -1], b["id"].float())
+    assert 0 < stage.ring.host_bytes <= bound + slots * 2 * 128  # the bound (+ alignment)
+    assert len(tr.fences) >= 2 * 12  # each 12 MiB block went in pieces
+    unbounded = DeviceStage(LateTransfer(), slots=slots)
+    list(_LoaderIterator(loader(), 0, stage=unbounded))
+    assert unbounded.ring.host_bytes >= 12 * 2**20  # what the bound prevents
+
+
+def test_piece_rows_keeps_at_least_one_row():
+    ids = np.arange(10, dtype=np.int64)
+    chunk = convert_chunk(image_table(ids))
+    row = 8 + 3 * 32 * 32 * 4
+    assert piece_rows(chunk, 10 * row) == 10  # fits whole
+    assert piece_rows(chunk, 3 * row + 5) == 3
+    assert piece_rows(chunk, 100) == 1  # a row larger than the share: alone

@@ -50,13 +50,13 @@ The state always talks to the group formed *now* (``get_group()`` per call), so 
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import broadcast_parameters, to_cpu
+from daskdist.collective.snapshot import HostCopy, like
 from daskdist.context import (
     formation_joins,
     formation_version,
@@ -68,13 +68,15 @@ from daskdist.context import (
     take_consumed,
 )
 from daskdist.core.commits import RankLedger
+from daskdist.core.nest import map_instances
 from daskdist.core.protocol import CommitKey
 from daskdist.errors import (  # defined there: the worker plugin knows them
     CollectiveError,
     HostsUpdatedInterrupt,
 )
 
-_OWN = ("model", "optimizer", "_objects", "_saved", "_last_version", "_commits", "_synced",
+_OWN = ("model", "optimizer", "_objects", "_saved", "_spare", "_last_version", "_commits",
+        "_synced",
         "_ledger", "_id", "_seq", "_announced", "_durable", "_last_joins", "_generation",
         "_skip", "_reset_callbacks")
 
@@ -94,7 +96,10 @@ class State:
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "_objects", dict(objects))
-        object.__setattr__(self, "_saved", None)
+        # the committed copy, in host memory (collective.snapshot), and the buffers the
+        # next commit in flight fills (swapped in when it is confirmed): nothing on the device
+        object.__setattr__(self, "_saved", HostCopy())
+        object.__setattr__(self, "_spare", HostCopy())
         object.__setattr__(self, "_last_version", membership_version())
         object.__setattr__(self, "_last_joins", membership_joins())
         object.__setattr__(self, "_generation", None)  # the last generation it took part in
@@ -185,16 +190,23 @@ class State:
 
     # -- Horovod's API -----------------------------------------------------------
 
-    def _snapshot(self) -> tuple:
+    def _live(self) -> tuple:
+        """Model and optimizer state dicts and objects as they are now (references)."""
         return (
-            _copy_state_dict(self.model),
-            _copy_state_dict(self.optimizer),
-            copy.deepcopy(self._objects),
+            None if self.model is None else self.model.state_dict(),
+            None if self.optimizer is None else self.optimizer.state_dict(),
+            self._objects,
         )
 
+    def _candidate(self) -> HostCopy:
+        """The current state copied into the spare buffers: a commit in flight."""
+        spare, self._spare = self._spare, None
+        return (spare or HostCopy()).fill(self._live())
+
     def save(self) -> None:
-        """Keep a deep copy of the current state (no communication)."""
-        self._saved = self._snapshot()
+        """Copy the current state into the committed copy (no communication): one copy,
+        in host memory, refilled in place; from CUDA asynchronously (pinned buffers)."""
+        self._saved.fill(self._live())
 
     def commit(self) -> None:
         """Save (acknowledging rows consumed since the last commit), then raise
@@ -202,7 +214,6 @@ class State:
         g = get_group()
         if self._enter(g):  # a sync() skipped after a skip_sync interrupt
             self._reset()
-        snapshot = self._snapshot()
         tokens = take_consumed()
         ledger = self._ledger
         prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout)
@@ -237,20 +248,23 @@ class State:
             except BaseException:
                 _give_back(tokens)
                 raise
-            ledger.begin(key, tokens, snapshot, reply)
+            # the state copied after the allgather: it did not change since, and the
+            # previous commit's buffers are free now (promoted above, or none in flight)
+            ledger.begin(key, tokens, self._candidate(), reply)
             self._synced = True
         else:
-            self._promote(snapshot)
+            self._promote(self._saved.fill(self._live()))  # in place: nothing in flight
         if leaving and min(int(h[4]) for h in heads) and g.rank == 0:
             self._checkpoint_last(g)  # every member leaves: none would hold the state
         self._check(version, joins)
 
-    def _promote(self, snapshot: tuple) -> None:
-        self._saved = snapshot
+    def _promote(self, snapshot: HostCopy) -> None:
+        if snapshot is not self._saved:  # a commit in flight confirmed: swap the buffers
+            self._spare, self._saved = self._saved, snapshot
         self._commits += 1
         self._synced = True
         if self._durable is not None and self._durable.due(self._commits) and _rank() == 0:
-            self._durable.write(self._id, self._commits, snapshot, _services())
+            self._write_durable(wait=False)
         if not self._announced:  # once: the scheduler's record that this State committed
             services = _services()
             if services is not None:
@@ -278,14 +292,27 @@ class State:
         if back:
             session_services().release_tokens(back)
 
-    def _load(self, saved: tuple) -> None:
-        model_sd, opt_sd, objects = saved
+    def _write_durable(self, wait: bool) -> None:
+        """Rank 0: the committed copy to the checkpoint store. The write runs in the
+        background while later commits refill the buffers, so it gets a copy of its own."""
+        model_sd, opt_sd, objects = self._saved.value()
+        snapshot = (_clone(model_sd), _clone(opt_sd), _clone(objects))
+        self._durable.write(self._id, self._commits, snapshot, _services(), wait=wait)
+
+    def _load(self, saved: HostCopy) -> None:
+        """Model, optimizer and objects back to ``saved``: the model copies out of the
+        host buffers; the optimizer and the objects, which keep what they are given,
+        get fresh tensors on the devices they had."""
+        if saved.skeleton is None:
+            return
+        model_sd, _, _ = saved.value()
+        _, opt_sd, objects = saved.value(to_devices=True)
         if self.model is not None and model_sd is not None:
             self.model.load_state_dict(model_sd)
         if self.optimizer is not None and opt_sd is not None:
-            self.optimizer.load_state_dict(copy.deepcopy(opt_sd))
+            self.optimizer.load_state_dict(opt_sd)
         self._objects.clear()
-        self._objects.update(copy.deepcopy(objects))
+        self._objects.update(objects)
 
     def _settle_pending(self) -> None:
         """A commit in flight: promote it if the scheduler applied it, else give its
@@ -296,11 +323,14 @@ class State:
         outcome = _outcome(ledger.reply, 60.0)
         if outcome != _OK:
             outcome = _OK if session_services().commit_outcome(ledger.key) else _REFUSED
+        candidate = ledger.state
         state, back = ledger.settle(outcome == _OK)
         if state is not None:
             self._promote(state)
-        elif back:
-            session_services().release_tokens(back)
+        else:
+            self._spare = candidate  # refused: its buffers serve the next commit
+            if back:
+                session_services().release_tokens(back)
 
     def sync(self) -> None:
         """Make every rank equal to the newest commit among them, and record that as the
@@ -381,6 +411,8 @@ class State:
         opt_sd, objects, record = self._durable.load(commits, model_sd)
         if self.optimizer is not None and opt_sd is not None:
             self.optimizer.load_state_dict(opt_sd)
+        # read onto the CPU: each object's tensors go back where this State keeps them
+        objects = like(objects, self._objects)
         self._objects.clear()
         self._objects.update(objects)
         services = _services()
@@ -395,8 +427,7 @@ class State:
         from it and not from an older checkpoint."""
         self._settle_pending()
         if self._durable.newest() < self._commits:
-            self._durable.write(self._id, self._commits, self._saved, _services(),
-                                wait=True)
+            self._write_durable(wait=True)
 
     def _no_holder(self, g: Group, known: int) -> None:
         """No member of ``g`` holds a commit of this State, yet the scheduler recorded
@@ -454,7 +485,6 @@ def _give_back(tokens: list) -> None:
         record_consumed(t)
 
 
-def _copy_state_dict(obj: Any) -> Any:
-    if obj is None:
-        return None
-    return copy.deepcopy(obj.state_dict())
+def _clone(value: Any) -> Any:
+    """``value`` with every tensor cloned (a checkpoint's own copy of host buffers)."""
+    return map_instances(lambda t: t.clone(), value, torch.Tensor)

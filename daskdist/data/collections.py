@@ -434,7 +434,7 @@ class LocalComputer:
 def make_computer(loader: ArrowLoader) -> Any:
     """The computer for a loader: the worker's Dask client inside a coordinator (its
     lease service knows the worker), else local threads."""
-    svc = loader.ctx.leases
+    svc = loader.ctx.services
     worker = getattr(svc, "worker", None)
     if worker is not None and hasattr(worker, "_get_client"):
         helpers = getattr(svc, "collection_helpers", None)
@@ -498,7 +498,7 @@ class PartitionSource:
         (when the service can), so the lease's round trip overlaps the read. Lengths
         are reported without waiting too; a differing one raises at the next one."""
         ld = self.loader
-        svc = ld.ctx.leases
+        svc = ld.ctx.services
         coll = ld.shards
         ld._define()
         computer = ld._computer()
@@ -607,7 +607,7 @@ class PartitionSource:
                     for lo, hi in held.intersect(a, b):
                         held.remove(lo, hi)
             self._leases = [h for h in self._leases if h]
-        svc = ld.ctx.leases
+        svc = ld.ctx.services
         if rest:
             svc.release(ld.dataset_id, self.epoch, rest)
         svc.release(ld.dataset_id, self.epoch, rows,
@@ -630,7 +630,7 @@ class PartitionSource:
             rest = [iv for held in self._leases for iv in held]
             self._leases = []
         if rest:
-            self.loader.ctx.leases.release(self.loader.dataset_id, self.epoch, rest)
+            self.loader.ctx.services.release(self.loader.dataset_id, self.epoch, rest)
 
     def state(self) -> dict:
         with self._lock:

@@ -5,7 +5,7 @@ The pipeline, in stages with one job each:
 1. a *source* (:mod:`.sources`) yields converted blocks: :class:`~.sources.StaticSource`
    reads the pipeline's pieces (a sharding policy, :mod:`.sharding`) in the epoch plan's
    order (:mod:`.batching`: shuffled pieces, each block's rows permuted by one gather);
-   :class:`~.sources.DynamicSource` leases rows from ``ctx.leases`` (``"dynamic"``);
+   :class:`~.sources.DynamicSource` leases rows from ``ctx.services`` (``"dynamic"``);
 2. for a CUDA device, the *device stage* (:mod:`.staging`) copies each whole block to
    the device through a ring of reused pinned buffers, one copy per dtype;
 3. a *feed* (:mod:`.prefetch`) runs 1-2 in a prefetch thread and hands blocks over
@@ -139,7 +139,7 @@ class ArrowLoader:
         self.ctx = ctx if ctx is not None else InputContext()
         collection = isinstance(shards, DaskCollection)
         if policy is None:  # collections stream through leases when there is a service
-            policy = "dynamic" if collection and self.ctx.leases is not None else "auto"
+            policy = "dynamic" if collection and self.ctx.services is not None else "auto"
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if int(prefetch) < 0:
@@ -150,10 +150,10 @@ class ArrowLoader:
             if drop_last:
                 raise ValueError("drop_last=True cannot be used with policy='dynamic' "
                                  "(every row of the epoch must be delivered)")
-            if self.ctx.leases is None:
+            if self.ctx.services is None:
                 raise ValueError(
-                    "policy='dynamic' needs a lease service in ctx.leases (set by the "
-                    "coordinator; outside one use InputContext(leases=LocalLeaseService()))"
+                    "policy='dynamic' needs a lease service in ctx.services (set by the "
+                    "coordinator; outside one use InputContext(services=LocalLeaseService()))"
                 )
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
@@ -323,7 +323,7 @@ class ArrowLoader:
         this pipeline's own rows consumed against its total."""
         if self.policy == "dynamic":
             self._define()
-            return self.ctx.leases.progress(self.dataset_id, self.epoch)
+            return self.ctx.services.progress(self.dataset_id, self.epoch)
         total = self.num_rows
         pos = self.state_dict()["position"]
         return {"total": total, "consumed": pos, "complete": pos >= total}
@@ -344,10 +344,10 @@ class ArrowLoader:
         with self._define_lock:
             if not self._defined:
                 if isinstance(self.shards, DaskCollection):
-                    self.ctx.leases.define_collection(self.shards.definition(
+                    self.ctx.services.define_collection(self.shards.definition(
                         self.dataset_id, self.name, self.seed, self.shuffle))
                 else:
-                    self.ctx.leases.define(DatasetDef(self.dataset_id, self.name,
+                    self.ctx.services.define(DatasetDef(self.dataset_id, self.name,
                                                       unit_runs(self._unit_rows), self.seed))
                 self._defined = True
 
@@ -376,7 +376,8 @@ class ArrowLoader:
         """Staging through pinned buffers for CUDA (not with ``collate``: host tables)."""
         if self.device.type != "cuda" or self.collate is not None:
             return None
-        return DeviceStage(CudaTransfer(self.device), int(config.get("data.staging-slots", 2)))
+        return DeviceStage(CudaTransfer(self.device), int(config.get("data.staging-slots", 2)),
+                           config.nbytes("data.staging-bytes"))
 
 
 def _ranges(item: ChunkItem, a: int, b: int) -> list[tuple[int, int]] | None:

@@ -13,11 +13,11 @@ Both sources implement one small interface (:class:`ChunkSource`):
 
 :class:`StaticSource` reads the pipeline's pieces in the epoch plan's order from a
 position (:mod:`.batching`); its ``chunks()`` runs once. :class:`DynamicSource` leases
-rows from ``ctx.leases`` until none are free *right now*; ``chunks()`` may run again
+rows from ``ctx.services`` until none are free *right now*; ``chunks()`` may run again
 later (after the previous generator ended) to pick up rows that came back to the pool.
 
 The path of a dynamic row, end to end: ``DynamicSource.chunks`` asks
-``ctx.leases.acquire`` (:class:`~daskdist.plugins.worker.services.SessionServices`, an
+``ctx.services.acquire`` (:class:`~daskdist.plugins.worker.services.SessionServices`, an
 RPC to ``CoordinatorState.lease_acquire`` on the scheduler, which asks its
 :class:`~daskdist.core.leases.LeaseTable`); ``DynamicSource.delivered`` records the
 batch's ``LeaseToken`` for the closure that took it
@@ -259,7 +259,7 @@ class _Ask:
 
 
 class DynamicSource:
-    """Rows leased from ``ctx.leases``, read unit by unit (under ``shuffle``, in blocks
+    """Rows leased from ``ctx.services``, read unit by unit (under ``shuffle``, in blocks
     of at least ``shuffle_buffer`` rows, tile-permuted).
 
     Keeps, per lease, the rows not yet delivered (its own lock: the prefetch thread
@@ -279,7 +279,7 @@ class DynamicSource:
     def chunks(self) -> Iterator[ChunkItem]:
         """Lease, read and convert rows until none are free right now."""
         ld = self.loader
-        svc = ld.ctx.leases
+        svc = ld.ctx.services
         ld._define()
         reader = ld.shards.reader()
         ask: _Ask | None = _Ask(svc, ld.dataset_id, self.epoch, ld.lease_rows,
@@ -389,7 +389,7 @@ class DynamicSource:
             if not held and held in self._leases:
                 self._leases.remove(held)
         ld = self.loader
-        svc = ld.ctx.leases
+        svc = ld.ctx.services
         if rest:
             svc.release(ld.dataset_id, self.epoch, rest)
         if bad:
@@ -424,7 +424,7 @@ class DynamicSource:
         except ClosureEndedError:
             problem = "after the closure it was started in ended"
         # no closure will acknowledge these rows: back to the pool now, never stranded
-        self.loader.ctx.leases.release(self.loader.dataset_id, self.epoch, rows)
+        self.loader.ctx.services.release(self.loader.dataset_id, self.epoch, rows)
         label = self.loader.name or self.loader.dataset_id
         raise RuntimeError(
             f"thread {threading.current_thread().name!r} took a batch of dataset "
@@ -440,7 +440,7 @@ class DynamicSource:
             rest = [iv for held in self._leases for iv in held]
             self._leases = []
         if rest:
-            release = getattr(self.loader.ctx.leases, "release", None)
+            release = getattr(self.loader.ctx.services, "release", None)
             if release is not None:
                 release(self.loader.dataset_id, self.epoch, rest)
 

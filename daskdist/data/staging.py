@@ -21,12 +21,17 @@ stream): the caller's current stream waits for the block's event (a GPU-side wai
 CPU block) and the device tensors are recorded as used on that stream, so the caching
 allocator does not reuse their memory while work queued there may still read it.
 
-Memory bound: pinned host memory is at most ``slots x`` the tensor bytes of the largest
-block (each slot keeps its buffers, grown to the largest block it held). Device memory
-holds the blocks not yet dropped: those queued for consumers (about ``prefetch``
-batches plus one block), the one being cut, and the one being staged, plus whatever
-batches the user keeps. Host memory beyond the ring: the block being decoded and the
-one being staged (the CPU loader's own, plus one block).
+Memory bound, in bytes (``daskdist.data.staging-bytes``, default 256 MiB): a block
+whose tensors take more than ``staging-bytes / slots`` is staged in row pieces that
+each fit (at least one row a piece), so pinned host memory is at most
+``staging-bytes`` (plus 128 bytes of alignment per dtype segment; a single row larger
+than a slot's share is staged alone), whatever the rows hold: the ring used to be sized
+by the loader's blocks in rows (a lease or a shuffle buffer, 65,536 rows), and image
+rows made blocks of ~10 GB. Each slot keeps its buffers, grown to the largest piece it
+held. Device memory holds the pieces not yet dropped: those queued for consumers (about
+``prefetch`` batches plus one piece), the one being cut, and the one being staged, plus
+whatever batches the user keeps. Host memory beyond the ring: the block being decoded
+and the one being staged (the CPU loader's own, plus one block).
 
 Threads: a :class:`StagingRing` is owned by the one staging thread of
 :meth:`DeviceStage.stage_all` (one block at a time, in order); :meth:`DeviceStage.ready`
@@ -55,6 +60,7 @@ __all__ = [
     "Layout",
     "StagingRing",
     "Transfer",
+    "piece_rows",
     "plan_layout",
 ]
 
@@ -141,6 +147,29 @@ def plan_layout(chunk: Chunk) -> Layout:
     rest = {k: place(v.dtype, tuple(v.shape)) for k, v in chunk.rest.items()
             if isinstance(v, torch.Tensor) and k not in grouped}
     return Layout(stacks, groups, rest, sizes)
+
+
+def tensor_bytes(chunk: Chunk) -> int:
+    """Bytes of the chunk's tensors (what staging copies; lists stay on the host)."""
+    tensors = [m for _keys, m in chunk.stacks]
+    tensors += [v for v in chunk.rest.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def piece_rows(chunk: Chunk, limit: int) -> int:
+    """Rows a staged piece of ``chunk`` may hold for its tensors to take at most
+    ``limit`` bytes (at least 1; every row when the whole chunk fits)."""
+    total = tensor_bytes(chunk)
+    if chunk.rows <= 1 or total <= limit:
+        return max(1, chunk.rows)
+    return max(1, int(limit // -(-total // chunk.rows)))
+
+
+def _rows_of(chunk: Chunk, a: int, b: int) -> Chunk:
+    """Rows ``[a, b)`` of ``chunk`` as a chunk of views (stacks stay ``[columns, rows]``)."""
+    rest = {k: v[a:b] for k, v in chunk.rest.items()}
+    stacks = [(keys, m[:, a:b]) for keys, m in chunk.stacks]
+    return Chunk(chunk.names, rest, stacks, b - a)
 
 
 def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -263,11 +292,30 @@ class CudaTransfer:
 
 
 class DeviceStage:
-    """The step after batching: stage blocks (producer side), ready batches (consumer)."""
+    """The step after batching: stage blocks (producer side), ready batches (consumer).
 
-    def __init__(self, transfer: Transfer, slots: int = 2) -> None:
+    ``max_bytes`` bounds the ring's pinned memory (``None``: no bound, a slot grows to
+    the largest block): blocks above ``max_bytes / slots`` are staged in row pieces."""
+
+    def __init__(self, transfer: Transfer, slots: int = 2,
+                 max_bytes: int | None = None) -> None:
         self.ring = StagingRing(transfer, slots)
         self.transfer = transfer
+        self.limit = None if max_bytes is None else max(1, int(max_bytes) // max(1, slots))
+
+    def pieces(self, item: Any) -> list[Any]:
+        """``item`` cut by rows so that each piece's tensors fit a slot's share of the
+        bound (the row ids cut alike); itself when it fits."""
+        cols = item.cols
+        if self.limit is None or not isinstance(cols, Chunk):
+            return [item]
+        step = piece_rows(cols, self.limit)
+        if step >= cols.rows:
+            return [item]
+        return [item._replace(cols=_rows_of(cols, a, min(a + step, cols.rows)),
+                              ids=None if item.ids is None else item.ids[a:a + step],
+                              rows=min(a + step, cols.rows) - a)
+                for a in range(0, cols.rows, step)]
 
     def stage(self, item: Any) -> Any:
         """A ``ChunkItem`` whose ``Chunk`` lives on the device (others pass through)."""
@@ -283,11 +331,12 @@ class DeviceStage:
         pool = ThreadPoolExecutor(1, "daskdist-stage")
         pending = None
         try:
-            for item in items:
-                fut = pool.submit(self.stage, item)
-                if pending is not None:
-                    yield pending.result()
-                pending = fut
+            for whole in items:
+                for item in self.pieces(whole):
+                    fut = pool.submit(self.stage, item)
+                    if pending is not None:
+                        yield pending.result()
+                    pending = fut
             if pending is not None:
                 yield pending.result()
         finally:

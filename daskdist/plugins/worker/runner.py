@@ -27,11 +27,10 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from distributed.comm.core import CommClosedError
-from distributed.protocol.pickle import dumps, loads
+from distributed.protocol.pickle import loads
 from distributed.utils import sync
 
 from daskdist import config
@@ -60,7 +59,9 @@ from daskdist.core.protocol import (
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
 from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
 from daskdist.plugins.worker.resources import ResourceRegistry
+from daskdist.plugins.worker.results import dump_result
 from daskdist.plugins.worker.services import SessionServices
+from daskdist.plugins.worker.threads import DaemonPool
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +154,10 @@ class ClosureRunner:
         if prefetch is None:
             prefetch = int(config.get("worker.prefetch"))
         self.capacity = self.nthreads + max(0, prefetch)
-        self.executor = ThreadPoolExecutor(self.nthreads, thread_name_prefix=f"daskdist-{name}")
+        # daemon threads: a closure running when the process exits does not hold the exit
+        self.executor = DaemonPool(self.nthreads, f"daskdist-{name}")
         # a slot of its own for gang members, so they start even when all threads are busy
-        self.gang_executor = ThreadPoolExecutor(1, thread_name_prefix=f"daskdist-gang-{name}")
+        self.gang_executor = DaemonPool(1, f"daskdist-gang-{name}")
         self.session: Session | None = None
         self.index = -1
         self.num_workers = 0
@@ -184,6 +186,8 @@ class ClosureRunner:
         self.poked = False  # the scheduler has pinned work for us: exchange now
         self.task: asyncio.Task | None = None
         self.closers: list[threading.Thread] = []  # closing ended sessions' resources
+        # results leave with their tensors on the host (a client may have no CUDA)
+        self.results_host = "cpu" if config.get("worker.results-to-cpu", True) else None
 
     @property
     def session_id(self) -> str:
@@ -266,8 +270,8 @@ class ClosureRunner:
         except Exception as e:  # the scheduler is gone too: it will see the worker leave
             logger.debug("daskdist: unregister failed: %r", e)
         self._end_session()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.gang_executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown()
+        self.gang_executor.shutdown()
 
     def poke(self) -> None:
         self.poked = True
@@ -516,7 +520,7 @@ class ClosureRunner:
         def contexts(rid: str) -> tuple[WorkerContext, InputContext]:
             wctx = self._worker_context()
             n = max(1, self.num_workers)
-            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, leases=services,
+            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, services=services,
                                 dataset_id=rid)
             return wctx, ictx
 
@@ -542,7 +546,7 @@ class ClosureRunner:
                 if args or kwargs:
                     args, kwargs = session.resources.resolve((args, kwargs))
                 value = fn(*args, **kwargs)
-                state, payload, kind = READY, dumps(value), None
+                state, payload, kind = READY, dump_result(value, self.results_host), None
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
                 state, payload, kind = FAILED, dump_error(e), _error_kind(e)
         # sealed: a thread the closure started takes no more rows for it (they would

@@ -2,7 +2,7 @@
 
 TensorFlow hands a closure its ``coordinator_context``; daskdist hands each closure
 (through :func:`daskdist.context.session_services`) and each per-worker resource built
-for a session (``InputContext.leases``) the services of the session it belongs to:
+for a session (``InputContext.services``) the services of the session it belongs to:
 lease acquire, progress and release for the ``"dynamic"`` policy, commit parts and
 commit outcomes for elastic state. Every call names that session, so once the session
 ended (the scheduler fenced it, or the plugin was torn down) its calls are refused, here
