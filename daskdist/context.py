@@ -6,8 +6,8 @@ import contextlib
 import contextvars
 import threading
 import uuid
-import weakref
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import InitVar, dataclass, field
 from typing import Any
