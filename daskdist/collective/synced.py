@@ -16,7 +16,10 @@ agreed on: one small allreduce (min and max of "I got a batch") per step.
   tail finish: the rows left in one leased unit could otherwise never feed every rank.
 - A batch taken but never trained (the loop body raised, or the generator was closed
   before the step) is given back: its lease tokens are taken out of the closure's list
-  and released to the pool, never acknowledged.
+  and released to the pool, never acknowledged. They are found by identity: a
+  generator finalized late (by the garbage collector, in the thread of a later closure)
+  gives back nothing of that closure's, and a wrapper that took the tokens out first
+  (``integrations.common.TokenHold``) keeps the give-back to itself.
 
 Batches are tensors or (nested) dicts, lists and tuples of tensors with the rows on
 the first dimension. The driver loops ``schedule_on_all`` until
@@ -32,7 +35,7 @@ import torch
 
 from daskdist.collective.group import get_group
 from daskdist.collective.replicas import to_cpu
-from daskdist.context import consumed_mark, session_services, take_consumed
+from daskdist.context import consumed_mark, consumed_since, session_services, take_tokens
 from daskdist.core.nest import map_instances
 
 T = TypeVar("T")
@@ -48,6 +51,9 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
     while True:
         mark = consumed_mark()
         item: Any = next(it, _END)
+        # this batch's tokens, given back by identity if it is not trained (a position
+        # in the closure's list would be stale: see take_tokens)
+        mine = consumed_since(mark)
         g = get_group()
         have = 0 if item is _END else 1
         flags = torch.tensor([have, -have], dtype=torch.int64, device=g._wire_device())
@@ -64,8 +70,8 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
             yield item
             trained = True
         finally:
-            if not trained and have:
-                back = take_consumed(mark)  # taken, not trained: back to the pool
+            if not trained and mine:
+                back = take_tokens(mine)  # taken, not trained: back to the pool
                 if back:
                     session_services().release_tokens(back)
         if not every:
