@@ -1,8 +1,9 @@
-"""prepare_trainer / DaskdistCallback (SPEC §4.4) on real LocalClusters with worker
+"""DaskdistCallback / prepare_trainer (SPEC §4.4) on real LocalClusters with worker
 processes and gloo: transformers.Trainer.train with a tiny config-built model over a
-"dynamic" dataset trains every row exactly once in the committed model; a member
-SIGKILLed mid-train (3 workers) re-runs train() from the committed global_step on every
-rank; Accelerate's process-wide state is set afresh for every run."""
+"dynamic" dataset, given ``callbacks=[DaskdistCallback(it)]`` as HF users add callbacks
+(and through prepare_trainer), trains every row exactly once in the committed model; a
+member SIGKILLed mid-train (3 workers) re-runs train() from the committed global_step
+on every rank; Accelerate's process-wide state is set afresh for every run."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ from distributed import Client  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import daskdist as dd  # noqa: E402
-from daskdist.integrations.transformers import prepare_trainer  # noqa: E402
+from daskdist.integrations.transformers import (  # noqa: E402
+    DaskdistCallback,
+    prepare_trainer,
+)
 from tests.conftest import make_cluster, sigkill, wait_for_workers, wait_until  # noqa: E402
 from tests.framework_rows import (  # noqa: E402
     committed_counts,
@@ -57,26 +61,31 @@ class StepLog(TrainerCallback):
         log_event(self.logdir, "step", state.global_step)
 
 
-def train(model, it, outdir, commit_every=1):
-    """The gang closure: a plain Trainer made here, prepared, trained."""
+def train(model, it, outdir, commit_every=1, how="callback"):
+    """The gang closure: a plain Trainer made here, given daskdist's callback (the
+    per-worker iterator as it is), or prepared after (``synced`` batches); trained."""
     args = TrainingArguments(output_dir=outdir, max_steps=10_000, learning_rate=0.01,
                              per_device_train_batch_size=8, save_strategy="no",
                              report_to="none", disable_tqdm=True, use_cpu=True)
-    trainer = Trainer(model=model, args=args, callbacks=[StepLog(model.logdir)])
-    trainer = prepare_trainer(trainer, dd.collective.synced(it), commit_every=commit_every)
+    callbacks = [StepLog(model.logdir)]
+    if how == "callback":
+        callbacks.append(DaskdistCallback(it, commit_every=commit_every))
+    trainer = Trainer(model=model, args=args, callbacks=callbacks)
+    if how == "prepare":
+        trainer = prepare_trainer(trainer, dd.collective.synced(it), commit_every=commit_every)
     out = trainer.train()
     state = trainer.accelerator.state
     return (dd.collective.get_group().rank, out.global_step, state.num_processes,
             state.process_index, state.distributed_type.value)
 
 
-def drive(coord, ds, model, it, outdir, commit_every=1, deadline=240.0):
+def drive(coord, ds, model, it, outdir, commit_every=1, how="callback", deadline=240.0):
     end = time.monotonic() + deadline
     runs = []
     while not ds.progress()["complete"]:
         assert time.monotonic() < end, ds.progress()
         runs.append(coord.fetch(coord.schedule_on_all(
-            train, args=(model, it, outdir, commit_every))))
+            train, args=(model, it, outdir, commit_every, how))))
     return runs
 
 
@@ -97,11 +106,12 @@ def test_train_over_a_dynamic_dataset_trains_every_row_once(tmp_path):
         out = coord.fetch(coord.schedule_on_all(committed_counts, args=(model, "transformers")))
         assert out[0][0] == out[1][0] == runs[-1][0][1] > 0
         assert_every_row_once(out, n)
-        # a second run on the same workers (a notebook cell run again) starts clean
+        # a second run on the same workers (a notebook cell run again) starts clean,
+        # through prepare_trainer this time
         model2 = coord.create_per_worker_resource(functools.partial(hf_row_model, n=n))
         ds2 = coord.distribute_dataset(glob, global_batch_size=40, policy="dynamic",
                                        shuffle=True, seed=6, prefetch=0)
-        drive(coord, ds2, model2, iter(ds2), str(tmp_path / "out2"))
+        drive(coord, ds2, model2, iter(ds2), str(tmp_path / "out2"), how="prepare")
         assert_every_row_once(coord.fetch(coord.schedule_on_all(
             committed_counts, args=(model2, "transformers"))), n)
         coord.close()
@@ -159,3 +169,36 @@ def test_prepare_trainer_refuses_a_stream_without_max_steps(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     with pytest.raises(ValueError, match="max_steps"):
         prepare_trainer(Trainer(model=model, args=args), iter([]))
+    # the callback's Trainer refuses it when it is made
+    with pytest.raises(ValueError, match="max_steps"):
+        Trainer(model=model, args=args, callbacks=[DaskdistCallback(iter([]))])
+
+
+def test_the_callback_prepares_the_trainer_it_is_given_to_once(tmp_path):
+    """At on_init_end the callback takes the Trainer being made (a subclass too) and
+    prepares it as prepare_trainer does; one callback, one preparation, per Trainer."""
+
+    class MyTrainer(Trainer):
+        pass
+
+    model = torch.nn.Linear(1, 1)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, report_to="none",
+                             use_cpu=True)
+    cb = DaskdistCallback(iter([]), commit_every=3)
+    trainer = MyTrainer(model=model, args=args, callbacks=[cb])
+    assert cb.trainer is trainer and trainer._daskdist is cb
+    assert isinstance(trainer, MyTrainer) and type(trainer).__name__ == "MyTrainer"
+    assert type(trainer).train is not Trainer.train  # daskdist's train(): the group
+    assert cb in trainer.callback_handler.callbacks
+    with pytest.raises(ValueError, match="prepared for daskdist already"):
+        prepare_trainer(trainer, iter([]))
+    with pytest.raises(ValueError, match="another Trainer"):
+        Trainer(model=model, args=args, callbacks=[cb])
+    with pytest.raises(TypeError, match="this worker's batches"):
+        DaskdistCallback(trainer)
+    # a prepared Trainer's data: the per-worker batches, wrapped in synced once
+    from daskdist.collective.synced import synced
+
+    assert cb.batches.gi_code is synced.__code__
+    already = synced(iter([]))
+    assert DaskdistCallback(already).batches is already
