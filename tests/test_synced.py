@@ -116,3 +116,96 @@ def test_a_late_finalized_generator_gives_back_only_its_own_batch(tmp_path):
     assert len(out["training_rows"]) == 10
     assert out["own_given_back"] == (10, 10)  # its own closure: its batch, back
     assert out["own_left"] == []
+
+
+# -- string columns at the epoch's tail ---------------------------------------------------
+
+
+def test_the_tail_pools_and_splits_a_string_column_with_its_rows():
+    """A list holding no tensor is a column of rows (strings, objects): concatenated and
+    sliced with the tensors; lists and tuples of tensors stay nested fields."""
+    import torch
+
+    from daskdist.collective.synced import _share
+
+    def batch(ids):
+        t = torch.tensor(ids, dtype=torch.int64)
+        return {"id": t, "text": [f"row-{i}" for i in ids], "tags": [[i, "t"] for i in ids],
+                "pair": (t * 2, [float(i) for i in ids]), "nested": {"x": t.float()},
+                "fields": [t, t + 1]}
+
+    pooled = [batch([0, 1, 2]), batch([3, 4]), batch([])]
+    shares = [_share(pooled, r, 3, torch.device("cpu")) for r in range(3)]
+    assert [s["id"].tolist() for s in shares] == [[0], [1, 2], [3, 4]]
+    for s in shares:
+        ids = s["id"].tolist()
+        assert s["text"] == [f"row-{i}" for i in ids]
+        assert s["tags"] == [[i, "t"] for i in ids]
+        assert s["pair"][0].tolist() == [2 * i for i in ids]
+        assert s["pair"][1] == [float(i) for i in ids]
+        assert s["nested"]["x"].tolist() == [float(i) for i in ids]
+        assert [f.tolist() for f in s["fields"]] == [ids, [i + 1 for i in ids]]
+    # a batch that is a column of rows itself
+    assert _share([["a", "b"], ["c"]], 1, 2, torch.device("cpu")) == ["b", "c"]
+
+
+def _train_text(state, it, k: int):
+    """Rank 0 stops after ``k`` batches, the others go on: the next step pools the
+    batches taken and splits them (the epoch's tail, every run). Every step checks that
+    the string column came with its rows; a commit per step counts the ids."""
+    import itertools
+
+    import torch
+
+    import daskdist as dd
+
+    g = dd.collective.get_group()
+    state.sync()
+    steps = 0
+    mine = itertools.islice(it, k) if g.rank == 0 else it
+    for batch in dd.collective.synced(mine):
+        ids, text = batch["id"], batch["text"]
+        assert isinstance(text, list) and len(text) == len(ids), (len(text), len(ids))
+        assert text == [f"row-{i}" for i in ids.tolist()], (text, ids)
+        c = torch.bincount(ids, minlength=state.counts.numel()).to(torch.float64)
+        g.allreduce(c)
+        state.counts += c
+        state.commit()
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_synced_training_on_a_string_column_every_row_once(tmp_path, threads):
+    """3 workers, a Parquet file with a string column, a dynamic epoch trained under
+    synced with a pooled tail step in every run: the text stays with its row, every row
+    is trained exactly once."""
+    import functools
+
+    from distributed import Client
+
+    import daskdist as dd
+    from tests.conftest import make_cluster, wait_for_workers
+    from tests.row_ledger import assert_every_row_once, final_counts, make_counts
+
+    n, k = 600, 3
+    ids = np.arange(n, dtype=np.int64)
+    pq.write_table(pa.table({"id": ids, "text": [f"row-{i}" for i in ids],
+                             "x": ids.astype(np.float32)}),
+                   tmp_path / "text.parquet", row_group_size=25)
+    with make_cluster(3, threads=threads) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="synced-text")
+        wait_for_workers(client, coord, 3)
+        coord.collective_group(timeout=30)
+        state = coord.create_per_worker_resource(functools.partial(make_counts, n=n))
+        ds = coord.distribute_dataset(str(tmp_path / "text.parquet"), global_batch_size=30,
+                                      policy="dynamic", shuffle=True, seed=5, prefetch=0)
+        it = iter(ds)
+        runs = []
+        while not ds.progress()["complete"]:
+            assert len(runs) < 100, ds.progress()
+            runs.append(coord.fetch(coord.schedule_on_all(_train_text, args=(state, it, k))))
+        assert any(r[0] == k + 1 for r in runs), runs  # a step after rank 0's k: pooled
+        assert_every_row_once(coord.fetch(coord.schedule_on_all(final_counts,
+                                                                args=(state,))), n)
+        coord.close()
