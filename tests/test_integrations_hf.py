@@ -3,7 +3,8 @@ processes and gloo: transformers.Trainer.train with a tiny config-built model ov
 "dynamic" dataset, given ``callbacks=[DaskdistCallback(it)]`` as HF users add callbacks
 (and through prepare_trainer), trains every row exactly once in the committed model; a
 member SIGKILLed mid-train (3 workers) re-runs train() from the committed global_step
-on every rank; Accelerate's process-wide state is set afresh for every run."""
+on every rank; a whole job killed mid-train is resumed by a new cluster from its newest
+durable checkpoint (§4.3); Accelerate's process-wide state is set afresh for every run."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are built from configs: n
 
 import torch  # noqa: E402
 from distributed import Client  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import daskdist as dd  # noqa: E402
 from daskdist.integrations.transformers import (  # noqa: E402
@@ -31,62 +32,18 @@ from daskdist.integrations.transformers import (  # noqa: E402
 from tests.conftest import make_cluster, sigkill, wait_for_workers, wait_until  # noqa: E402
 from tests.framework_rows import (  # noqa: E402
     committed_counts,
+    complete_checkpoints,
     hf_row_model,
-    log_event,
+    kill_a_job_past_its_checkpoints,
     read_events,
     write_rows,
 )
+from tests.hf_job import BATCH, NAME, SEED, drive  # noqa: E402
 from tests.row_ledger import assert_every_row_once  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore:The given NumPy array is not writable"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
-
-
-class StepLog(TrainerCallback):
-    """Logs where training began and every optimizer step (before daskdist's commit)."""
-
-    def __init__(self, logdir):
-        self.logdir = logdir
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.started = False
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if not self.started:  # after every callback's on_train_begin: the resumed step
-            self.started = True
-            log_event(self.logdir, "start", state.global_step)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        log_event(self.logdir, "step", state.global_step)
-
-
-def train(model, it, outdir, commit_every=1, how="callback"):
-    """The gang closure: a plain Trainer made here, given daskdist's callback (the
-    per-worker iterator as it is), or prepared after (``synced`` batches); trained."""
-    args = TrainingArguments(output_dir=outdir, max_steps=10_000, learning_rate=0.01,
-                             per_device_train_batch_size=8, save_strategy="no",
-                             report_to="none", disable_tqdm=True, use_cpu=True)
-    callbacks = [StepLog(model.logdir)]
-    if how == "callback":
-        callbacks.append(DaskdistCallback(it, commit_every=commit_every))
-    trainer = Trainer(model=model, args=args, callbacks=callbacks)
-    if how == "prepare":
-        trainer = prepare_trainer(trainer, dd.collective.synced(it), commit_every=commit_every)
-    out = trainer.train()
-    state = trainer.accelerator.state
-    return (dd.collective.get_group().rank, out.global_step, state.num_processes,
-            state.process_index, state.distributed_type.value)
-
-
-def drive(coord, ds, model, it, outdir, commit_every=1, how="callback", deadline=240.0):
-    end = time.monotonic() + deadline
-    runs = []
-    while not ds.progress()["complete"]:
-        assert time.monotonic() < end, ds.progress()
-        runs.append(coord.fetch(coord.schedule_on_all(
-            train, args=(model, it, outdir, commit_every, how))))
-    return runs
 
 
 def test_train_over_a_dynamic_dataset_trains_every_row_once(tmp_path):
@@ -162,6 +119,50 @@ def test_member_sigkilled_mid_train_resumes_from_the_committed_step(tmp_path):
         out = coord.fetch(coord.schedule_on_all(committed_counts, args=(model, "transformers")))
         assert_every_row_once(out, n)
         coord.close()
+
+
+@pytest.mark.timeout(480)
+def test_a_new_cluster_resumes_a_killed_train_from_its_checkpoint_every_row_once(tmp_path):
+    """DaskdistCallback(it, checkpoint_to=url, every=N) (SPEC §4.3 through §4.4): a job
+    SIGKILLed whole mid-train; a new cluster of 2 workers with the same URL and a
+    dataset of the same name resumes train() from the newest complete checkpoint (its
+    global_step, > 0), and every row of the epoch is trained exactly once across both."""
+    n = 2400
+    glob = write_rows(tmp_path, n)
+    url = tmp_path / "ckpt"
+    first_log, second_log = tmp_path / "log1", tmp_path / "log2"
+    first_log.mkdir()
+    second_log.mkdir()
+    kill_a_job_past_its_checkpoints(
+        ["tests.hf_job", str(url), glob, str(n), "3", str(first_log),
+         str(tmp_path / "out1")], url, first_log, tmp_path / "job.log")
+    newest = complete_checkpoints(url)[-1]
+    trained = max(e[2] for e in read_events(first_log) if e[1] == "step")
+    assert 0 < newest < trained
+
+    with make_cluster(2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="hf-resumed")
+        wait_for_workers(client, coord, 2)
+        coord.collective_group(timeout=30)
+        model = coord.create_per_worker_resource(
+            functools.partial(hf_row_model, n=n, logdir=str(second_log)))
+        ds = coord.distribute_dataset(glob, global_batch_size=BATCH, policy="dynamic",
+                                      shuffle=True, seed=SEED, prefetch=0, name=NAME)
+        drive(coord, ds, model, iter(ds), str(tmp_path / "out2"), checkpoint_to=str(url))
+        committed = coord.fetch(coord.schedule_on_all(committed_counts,
+                                                      args=(model, "transformers")))
+        assert ds.progress()["acknowledged"] == n
+        coord.close()
+    first_train: dict[int, tuple] = {}  # each worker's first train() (events by time)
+    for e in read_events(second_log):
+        if e[1] == "start":
+            first_train.setdefault(e[6], e)
+    assert sorted(e[4] for e in first_train.values()) == [0, 1]
+    assert {e[2] for e in first_train.values()} == {newest}, (newest, first_train)
+    print(f"the first job trained to step {trained} and was killed; the newest complete "
+          f"checkpoint held step {newest}; the new cluster's train() began there")
+    assert_every_row_once(committed, n)
+    assert complete_checkpoints(url)[-1] > newest
 
 
 def test_prepare_trainer_refuses_a_stream_without_max_steps(tmp_path):
