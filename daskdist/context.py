@@ -276,6 +276,36 @@ def take_consumed(since: int = 0) -> list:
     return out
 
 
+def consumed_since(mark: int) -> list:
+    """The tokens recorded in this thread's closure from position ``mark`` on, left
+    where they are (a batch's own, for :func:`take_tokens` later); ``[]`` outside one."""
+    scope = _scope()
+    if scope is None:
+        return []
+    with scope.lock:
+        return scope.tokens[mark:]
+
+
+def take_tokens(tokens: list) -> list:
+    """Remove and return those of ``tokens`` (the same objects) that the closure running
+    in this thread still holds.
+
+    How a batch taken but never trained is given back: by identity, never by position
+    (others take tokens out and record them again meanwhile, e.g. a framework's
+    fetch-ahead, and a generator's ``finally`` may run late, in another closure's
+    thread, when the garbage collector finalizes it: there it finds nothing of its own).
+    """
+    scope = _scope()
+    if scope is None or not tokens:
+        return []
+    ids = {id(t) for t in tokens}
+    with scope.lock:
+        out = [t for t in scope.tokens if id(t) in ids]
+        if out:
+            scope.tokens[:] = [t for t in scope.tokens if id(t) not in ids]
+    return out
+
+
 # Membership as this worker last heard it from the scheduler plugin, per worker *session*
 # (one registration of one coordinator's plugin on this worker): a coordinator's
 # counters are its own, so a new coordinator of the same name on the same workers (or a

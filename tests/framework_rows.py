@@ -1,11 +1,15 @@
 """What the framework integration tests train (pickled by reference): Parquet rows with
 an ``id``, and a Lightning module and a Hugging Face model that count the ids they
 trained on in a buffer allreduced over the group in every step, so the committed
-module's counts say whether every row of the epoch was trained exactly once."""
+module's counts say whether every row of the epoch was trained exactly once; and the
+first job of the durable-checkpoint tests, killed whole past its second checkpoint."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -96,3 +100,40 @@ def hf_row_model(ctx, n: int, logdir: str | None = None, pause: float = 0.0):
     model = RowModel(RowConfig(n_rows=n))
     model.logdir = logdir
     return model
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def complete_checkpoints(url: Path) -> list[int]:
+    """The commits of the complete checkpoints under ``url`` (DCP's metadata written)."""
+    return sorted(int(p.parent.name.split("-")[1]) for p in url.glob("commit-*/.metadata"))
+
+
+def kill_a_job_past_its_checkpoints(argv: list[str], url: Path, logdir: Path,
+                                    output: Path, timeout: float = 240.0) -> None:
+    """Run ``python -m argv`` (a job on a LocalCluster of its own, logging its steps to
+    ``logdir``) until it wrote two complete checkpoints to ``url`` and trained two steps
+    past the newest, then SIGKILL it whole (scheduler, workers, client: one session)."""
+    from tests.conftest import wait_until
+
+    env = {**os.environ,
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+    def past_a_second_checkpoint() -> bool:  # steps that only the killed job saw
+        kept = complete_checkpoints(url)
+        steps = [e[2] for e in read_events(logdir) if e[1] == "step"]
+        return len(kept) >= 2 and max(steps) >= kept[-1] + 2
+
+    with open(output, "w") as out:
+        job = subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, env=env, stdout=out,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until(lambda: past_a_second_checkpoint() or job.poll() is not None,
+                       timeout, "two complete checkpoints of the first job, two steps past")
+            assert job.poll() is None, output.read_text()[-3000:]
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)

@@ -1,8 +1,10 @@
-"""prepare_trainer / DaskdistCallback (SPEC §4.4) on real LocalClusters with worker
+"""DaskdistCallback / prepare_trainer (SPEC §4.4) on real LocalClusters with worker
 processes and gloo: transformers.Trainer.train with a tiny config-built model over a
-"dynamic" dataset trains every row exactly once in the committed model; a member
-SIGKILLed mid-train (3 workers) re-runs train() from the committed global_step on every
-rank; Accelerate's process-wide state is set afresh for every run."""
+"dynamic" dataset, given ``callbacks=[DaskdistCallback(it)]`` as HF users add callbacks
+(and through prepare_trainer), trains every row exactly once in the committed model; a
+member SIGKILLed mid-train (3 workers) re-runs train() from the committed global_step
+on every rank; a whole job killed mid-train is resumed by a new cluster from its newest
+durable checkpoint (§4.3); Accelerate's process-wide state is set afresh for every run."""
 
 from __future__ import annotations
 
@@ -20,64 +22,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are built from configs: n
 
 import torch  # noqa: E402
 from distributed import Client  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import daskdist as dd  # noqa: E402
-from daskdist.integrations.transformers import prepare_trainer  # noqa: E402
+from daskdist.integrations.transformers import (  # noqa: E402
+    DaskdistCallback,
+    prepare_trainer,
+)
 from tests.conftest import make_cluster, sigkill, wait_for_workers, wait_until  # noqa: E402
 from tests.framework_rows import (  # noqa: E402
     committed_counts,
+    complete_checkpoints,
     hf_row_model,
-    log_event,
+    kill_a_job_past_its_checkpoints,
     read_events,
     write_rows,
 )
+from tests.hf_job import BATCH, NAME, SEED, drive  # noqa: E402
 from tests.row_ledger import assert_every_row_once  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore:The given NumPy array is not writable"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
-
-
-class StepLog(TrainerCallback):
-    """Logs where training began and every optimizer step (before daskdist's commit)."""
-
-    def __init__(self, logdir):
-        self.logdir = logdir
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.started = False
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if not self.started:  # after every callback's on_train_begin: the resumed step
-            self.started = True
-            log_event(self.logdir, "start", state.global_step)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        log_event(self.logdir, "step", state.global_step)
-
-
-def train(model, it, outdir, commit_every=1):
-    """The gang closure: a plain Trainer made here, prepared, trained."""
-    args = TrainingArguments(output_dir=outdir, max_steps=10_000, learning_rate=0.01,
-                             per_device_train_batch_size=8, save_strategy="no",
-                             report_to="none", disable_tqdm=True, use_cpu=True)
-    trainer = Trainer(model=model, args=args, callbacks=[StepLog(model.logdir)])
-    trainer = prepare_trainer(trainer, dd.collective.synced(it), commit_every=commit_every)
-    out = trainer.train()
-    state = trainer.accelerator.state
-    return (dd.collective.get_group().rank, out.global_step, state.num_processes,
-            state.process_index, state.distributed_type.value)
-
-
-def drive(coord, ds, model, it, outdir, commit_every=1, deadline=240.0):
-    end = time.monotonic() + deadline
-    runs = []
-    while not ds.progress()["complete"]:
-        assert time.monotonic() < end, ds.progress()
-        runs.append(coord.fetch(coord.schedule_on_all(
-            train, args=(model, it, outdir, commit_every))))
-    return runs
 
 
 def test_train_over_a_dynamic_dataset_trains_every_row_once(tmp_path):
@@ -97,11 +63,12 @@ def test_train_over_a_dynamic_dataset_trains_every_row_once(tmp_path):
         out = coord.fetch(coord.schedule_on_all(committed_counts, args=(model, "transformers")))
         assert out[0][0] == out[1][0] == runs[-1][0][1] > 0
         assert_every_row_once(out, n)
-        # a second run on the same workers (a notebook cell run again) starts clean
+        # a second run on the same workers (a notebook cell run again) starts clean,
+        # through prepare_trainer this time
         model2 = coord.create_per_worker_resource(functools.partial(hf_row_model, n=n))
         ds2 = coord.distribute_dataset(glob, global_batch_size=40, policy="dynamic",
                                        shuffle=True, seed=6, prefetch=0)
-        drive(coord, ds2, model2, iter(ds2), str(tmp_path / "out2"))
+        drive(coord, ds2, model2, iter(ds2), str(tmp_path / "out2"), how="prepare")
         assert_every_row_once(coord.fetch(coord.schedule_on_all(
             committed_counts, args=(model2, "transformers"))), n)
         coord.close()
@@ -154,8 +121,85 @@ def test_member_sigkilled_mid_train_resumes_from_the_committed_step(tmp_path):
         coord.close()
 
 
+@pytest.mark.timeout(480)
+def test_a_new_cluster_resumes_a_killed_train_from_its_checkpoint_every_row_once(tmp_path):
+    """DaskdistCallback(it, checkpoint_to=url, every=N) (SPEC §4.3 through §4.4): a job
+    SIGKILLed whole mid-train; a new cluster of 2 workers with the same URL and a
+    dataset of the same name resumes train() from the newest complete checkpoint (its
+    global_step, > 0), and every row of the epoch is trained exactly once across both."""
+    n = 2400
+    glob = write_rows(tmp_path, n)
+    url = tmp_path / "ckpt"
+    first_log, second_log = tmp_path / "log1", tmp_path / "log2"
+    first_log.mkdir()
+    second_log.mkdir()
+    kill_a_job_past_its_checkpoints(
+        ["tests.hf_job", str(url), glob, str(n), "3", str(first_log),
+         str(tmp_path / "out1")], url, first_log, tmp_path / "job.log")
+    newest = complete_checkpoints(url)[-1]
+    trained = max(e[2] for e in read_events(first_log) if e[1] == "step")
+    assert 0 < newest < trained
+
+    with make_cluster(2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="hf-resumed")
+        wait_for_workers(client, coord, 2)
+        coord.collective_group(timeout=30)
+        model = coord.create_per_worker_resource(
+            functools.partial(hf_row_model, n=n, logdir=str(second_log)))
+        ds = coord.distribute_dataset(glob, global_batch_size=BATCH, policy="dynamic",
+                                      shuffle=True, seed=SEED, prefetch=0, name=NAME)
+        drive(coord, ds, model, iter(ds), str(tmp_path / "out2"), checkpoint_to=str(url))
+        committed = coord.fetch(coord.schedule_on_all(committed_counts,
+                                                      args=(model, "transformers")))
+        assert ds.progress()["acknowledged"] == n
+        coord.close()
+    first_train: dict[int, tuple] = {}  # each worker's first train() (events by time)
+    for e in read_events(second_log):
+        if e[1] == "start":
+            first_train.setdefault(e[6], e)
+    assert sorted(e[4] for e in first_train.values()) == [0, 1]
+    assert {e[2] for e in first_train.values()} == {newest}, (newest, first_train)
+    print(f"the first job trained to step {trained} and was killed; the newest complete "
+          f"checkpoint held step {newest}; the new cluster's train() began there")
+    assert_every_row_once(committed, n)
+    assert complete_checkpoints(url)[-1] > newest
+
+
 def test_prepare_trainer_refuses_a_stream_without_max_steps(tmp_path):
     model = torch.nn.Linear(1, 1)
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     with pytest.raises(ValueError, match="max_steps"):
         prepare_trainer(Trainer(model=model, args=args), iter([]))
+    # the callback's Trainer refuses it when it is made
+    with pytest.raises(ValueError, match="max_steps"):
+        Trainer(model=model, args=args, callbacks=[DaskdistCallback(iter([]))])
+
+
+def test_the_callback_prepares_the_trainer_it_is_given_to_once(tmp_path):
+    """At on_init_end the callback takes the Trainer being made (a subclass too) and
+    prepares it as prepare_trainer does; one callback, one preparation, per Trainer."""
+
+    class MyTrainer(Trainer):
+        pass
+
+    model = torch.nn.Linear(1, 1)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, report_to="none",
+                             use_cpu=True)
+    cb = DaskdistCallback(iter([]), commit_every=3)
+    trainer = MyTrainer(model=model, args=args, callbacks=[cb])
+    assert cb.trainer is trainer and trainer._daskdist is cb
+    assert isinstance(trainer, MyTrainer) and type(trainer).__name__ == "MyTrainer"
+    assert type(trainer).train is not Trainer.train  # daskdist's train(): the group
+    assert cb in trainer.callback_handler.callbacks
+    with pytest.raises(ValueError, match="prepared for daskdist already"):
+        prepare_trainer(trainer, iter([]))
+    with pytest.raises(ValueError, match="another Trainer"):
+        Trainer(model=model, args=args, callbacks=[cb])
+    with pytest.raises(TypeError, match="this worker's batches"):
+        DaskdistCallback(trainer)
+    # a prepared Trainer's data: the per-worker batches, wrapped in synced once
+    from daskdist.collective.synced import synced
+
+    assert cb.batches.gi_code is synced.__code__
+    already = synced(iter([]))
+    assert DaskdistCallback(already).batches is already

@@ -2,7 +2,9 @@
 Trainer.fit over a "dynamic" dataset trains every row exactly once in the committed
 module; a member SIGKILLed mid-fit (3 workers) re-runs fit from the committed
 global_step on every rank; a worker that joins mid-fit is taken in at the next commit;
-running the same cell 5 times leaves worker memory and threads flat."""
+a whole job killed mid-fit is resumed by a new cluster from its newest durable
+checkpoint (§4.3), every row once across the two; running the same cell 5 times leaves
+worker memory and threads flat."""
 
 from __future__ import annotations
 
@@ -15,12 +17,10 @@ import pytest
 
 pytest.importorskip("lightning")
 
-import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from distributed import Client  # noqa: E402
 
 import daskdist as dd  # noqa: E402
-from daskdist.integrations.lightning import DaskdistStrategy  # noqa: E402
 from tests.conftest import (  # noqa: E402
     THREADS,
     make_cluster,
@@ -30,69 +30,17 @@ from tests.conftest import (  # noqa: E402
 )
 from tests.framework_rows import (  # noqa: E402
     committed_counts,
-    count_ids,
-    log_event,
+    complete_checkpoints,
+    kill_a_job_past_its_checkpoints,
     read_events,
     write_rows,
 )
+from tests.lightning_job import BATCH, NAME, SEED, drive, fit, make_module  # noqa: E402
 from tests.row_ledger import assert_every_row_once  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore:The given NumPy array is not writable"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
-
-
-class RowModule(L.LightningModule):
-    """y = 2x + 1 with a counts buffer: every step adds the ids the ranks trained on."""
-
-    def __init__(self, n: int, logdir: str | None = None, pause: float = 0.0):
-        super().__init__()
-        self.net = torch.nn.Linear(1, 1)
-        self.register_buffer("counts", torch.zeros(n, dtype=torch.float64))
-        self.logdir = logdir
-        self.pause = pause
-
-    def training_step(self, batch, batch_idx):
-        count_ids(self.counts, batch["id"])
-        n = len(batch["id"])
-        pred = self.net(batch["x"].unsqueeze(-1)).squeeze(-1)
-        time.sleep(self.pause)
-        return (pred - batch["y"]).pow(2).sum() / max(1, n)  # a rank may get 0 rows
-
-    def on_train_start(self):
-        log_event(self.logdir, "start", self.trainer.global_step)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        log_event(self.logdir, "step", self.trainer.global_step)
-
-    def configure_optimizers(self):
-        opt = torch.optim.Adam(self.parameters(), lr=0.01)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
-        return [opt], [{"scheduler": sched, "interval": "step"}]
-
-
-def make_module(ctx, n, logdir=None, pause=0.0):
-    torch.manual_seed(100 + ctx.worker_index)  # fresh replicas differ: sync() must fix it
-    return RowModule(n, logdir, pause)
-
-
-def fit(module, it, commit_every=1):
-    """The SPEC's gang closure: a plain Trainer.fit over the per-worker batches."""
-    trainer = L.Trainer(strategy=DaskdistStrategy(commit_every=commit_every), max_epochs=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(module, train_dataloaders=dd.collective.synced(it))
-    return dd.collective.get_group().rank, trainer.global_step
-
-
-def drive(coord, ds, module, it, commit_every=1, deadline=240.0):
-    """The driver's loop: fit until every row of the epoch is acknowledged."""
-    end = time.monotonic() + deadline
-    runs = []
-    while not ds.progress()["complete"]:
-        assert time.monotonic() < end, ds.progress()
-        runs.append(coord.fetch(coord.schedule_on_all(fit, args=(module, it, commit_every))))
-    return runs
 
 
 def _members(coord) -> list[str]:
@@ -246,6 +194,53 @@ def test_sigterm_notice_mid_fit_leaves_at_a_commit(tmp_path):
         assert len(out) == 2
         assert_every_row_once(out, n)
         coord.close()
+
+
+@pytest.mark.timeout(480)
+def test_a_new_cluster_resumes_a_killed_fit_from_its_checkpoint_every_row_once(tmp_path):
+    """DaskdistStrategy(checkpoint_to=url, every=N) (SPEC §4.3 through §4.4): a job
+    (its scheduler, 3 workers and client, one process group) SIGKILLed mid-fit; a new
+    cluster of 2 workers with the same URL and a dataset of the same name resumes fit
+    from the newest complete checkpoint (its global_step, > 0, on every rank), and the
+    committed module trains every row of the epoch exactly once across the two jobs."""
+    n = 2400
+    glob = write_rows(tmp_path, n)
+    url = tmp_path / "ckpt"
+    first_log, second_log = tmp_path / "log1", tmp_path / "log2"
+    first_log.mkdir()
+    second_log.mkdir()
+    kill_a_job_past_its_checkpoints(
+        ["tests.lightning_job", str(url), glob, str(n), "3", str(first_log)], url,
+        first_log, tmp_path / "job.log")
+    newest = complete_checkpoints(url)[-1]
+    trained = max(e[2] for e in read_events(first_log) if e[1] == "step")
+    assert 0 < newest < trained  # the first job went on past its newest checkpoint
+
+    with make_cluster(2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="lightning-resumed")
+        wait_for_workers(client, coord, 2)
+        coord.collective_group(timeout=30)
+        module = coord.create_per_worker_resource(
+            functools.partial(make_module, n=n, logdir=str(second_log)))
+        ds = coord.distribute_dataset(glob, global_batch_size=BATCH, policy="dynamic",
+                                      shuffle=True, seed=SEED, prefetch=0, name=NAME)
+        assert ds.progress()["acknowledged"] == 0  # the ledger comes with the checkpoint
+        drive(coord, ds, module, iter(ds), checkpoint_to=str(url))
+        committed = coord.fetch(coord.schedule_on_all(committed_counts, args=(module,)))
+        assert ds.progress()["acknowledged"] == n
+        coord.close()
+    first_fit: dict[int, tuple] = {}  # each worker's first fit (events are by time)
+    for e in read_events(second_log):
+        if e[1] == "start":
+            first_fit.setdefault(e[6], e)
+    # both ranks of the first fit began at the checkpoint's step (a commit per step:
+    # commit k holds global_step k), not at 0
+    assert sorted(e[4] for e in first_fit.values()) == [0, 1]
+    assert {e[2] for e in first_fit.values()} == {newest}, (newest, first_fit)
+    print(f"the first job trained to step {trained} and was killed; the newest complete "
+          f"checkpoint held step {newest}; the new cluster's fit began there")
+    assert_every_row_once(committed, n)
+    assert complete_checkpoints(url)[-1] > newest  # the new job went on checkpointing
 
 
 @pytest.mark.gpu

@@ -16,11 +16,15 @@ agreed on: one small allreduce (min and max of "I got a batch") per step.
   tail finish: the rows left in one leased unit could otherwise never feed every rank.
 - A batch taken but never trained (the loop body raised, or the generator was closed
   before the step) is given back: its lease tokens are taken out of the closure's list
-  and released to the pool, never acknowledged.
+  and released to the pool, never acknowledged. They are found by identity: a
+  generator finalized late (by the garbage collector, in the thread of a later closure)
+  gives back nothing of that closure's, and a wrapper that took the tokens out first
+  (``integrations.common.TokenHold``) keeps the give-back to itself.
 
 Batches are tensors or (nested) dicts, lists and tuples of tensors with the rows on
-the first dimension. The driver loops ``schedule_on_all`` until
-``ds.progress()["complete"]``.
+the first dimension; a list holding no tensor is a column of rows (a string or object
+column of a batch dict: one Python value per row), pooled and split like a tensor.
+The driver loops ``schedule_on_all`` until ``ds.progress()["complete"]``.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ import torch
 
 from daskdist.collective.group import get_group
 from daskdist.collective.replicas import to_cpu
-from daskdist.context import consumed_mark, session_services, take_consumed
-from daskdist.core.nest import map_instances
+from daskdist.context import consumed_mark, consumed_since, session_services, take_tokens
+from daskdist.core.nest import map_structure
 
 T = TypeVar("T")
 
@@ -48,6 +52,9 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
     while True:
         mark = consumed_mark()
         item: Any = next(it, _END)
+        # this batch's tokens, given back by identity if it is not trained (a position
+        # in the closure's list would be stale: see take_tokens)
+        mine = consumed_since(mark)
         g = get_group()
         have = 0 if item is _END else 1
         flags = torch.tensor([have, -have], dtype=torch.int64, device=g._wire_device())
@@ -64,18 +71,36 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
             yield item
             trained = True
         finally:
-            if not trained and have:
-                back = take_consumed(mark)  # taken, not trained: back to the pool
+            if not trained and mine:
+                back = take_tokens(mine)  # taken, not trained: back to the pool
                 if back:
                     session_services().release_tokens(back)
         if not every:
             return
 
 
+def _is_column(x: Any) -> bool:
+    """A list holding no tensor at any depth is a column of rows (a string or object
+    column: one Python value per row), not nested fields."""
+    return isinstance(x, list) and not _has_tensor(x)
+
+
+def _has_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, dict):
+        return any(_has_tensor(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_tensor(v) for v in x)
+    return False
+
+
 def _cat(batches: list) -> Any:
     first = batches[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(batches)
+    if any(_is_column(b) for b in batches):  # a column: its rows, one after another
+        return [row for b in batches for row in b]
     if isinstance(first, dict):
         return type(first)((k, _cat([b[k] for b in batches])) for k in first)
     if isinstance(first, (list, tuple)):
@@ -86,14 +111,22 @@ def _cat(batches: list) -> Any:
 def _rows(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
+    if _is_column(batch):
+        return len(batch)
     if isinstance(batch, dict):
         return _rows(next(iter(batch.values())))
     return _rows(batch[0])
 
 
 def _share(batches: list, rank: int, world: int, device: torch.device) -> Any:
-    """This rank's even share of the pooled rows (on ``device``)."""
+    """This rank's even share of the pooled rows (tensors on ``device``)."""
     whole = _cat(batches)
     n = _rows(whole)
     lo, hi = rank * n // world, (rank + 1) * n // world
-    return map_instances(lambda t: t[lo:hi].to(device), whole, torch.Tensor)
+
+    def part(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v[lo:hi].to(device)
+        return v[lo:hi] if _is_column(v) else v
+
+    return map_structure(part, whole, leaf=_is_column)

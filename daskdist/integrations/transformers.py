@@ -1,8 +1,10 @@
 """Hugging Face ``transformers.Trainer`` on daskdist's gangs, elastic and exactly once
 (SPEC §4.4).
 
-``prepare_trainer(trainer, batches)`` (Ray Train's name and pattern) adds a
-:class:`DaskdistCallback` to a ``Trainer`` made as usual, inside the gang closure:
+Two ways, one mechanism, inside the gang closure on a ``Trainer`` made there:
+``Trainer(model, args, callbacks=[DaskdistCallback(it, commit_every=10)])`` (the way
+HF users add callbacks), or ``prepare_trainer(trainer, batches)`` (Ray Train's name and
+pattern) on a ``Trainer`` made as usual. Either makes the Trainer a prepared one:
 
 - **The group as its process group.** At each ``train()`` Accelerate's process-wide
   state (``PartialState``, ``AcceleratorState``, ``GradientState``) is reset and set
@@ -12,11 +14,12 @@
   clean. DDP's gradient buckets are averaged through daskdist's ``Group.allreduce``,
   and a peer lost in any collective call of ``train()`` raises ``CollectiveError`` (the
   gang runs again).
-- **The per-worker batches as its training data.** ``batches`` (``dd.collective.
-  synced(it)``) replaces ``get_train_dataloader``: no ``DataLoader`` re-batches them and
-  Accelerate neither dispatches nor re-splits them (its ``IterableDatasetShard`` would
-  keep one rank's share of each worker's own rows). Set ``max_steps`` (the data has no
-  length: HF's rule for streams); training ends when the data does, on every rank.
+- **The per-worker batches as its training data.** ``batches`` (the per-worker
+  iterator, wrapped in ``dd.collective.synced`` unless it is one already) replaces
+  ``get_train_dataloader``: no ``DataLoader`` re-batches them and Accelerate neither
+  dispatches nor re-splits them (its ``IterableDatasetShard`` would keep one rank's
+  share of each worker's own rows). Set ``max_steps`` (the data has no length: HF's
+  rule for streams); training ends when the data does, on every rank.
 - **Commits at steps, resume from the newest.** The model's weights, the optimizer and
   LR scheduler and ``global_step`` live in a ``dd.collective.State`` kept with the model
   (a per-worker resource), committed every ``commit_every`` optimizer steps and at the
@@ -25,6 +28,10 @@
 
 A ``TrainerCallback`` alone cannot do this: callbacks are handed neither the Trainer
 nor its data loader before it is prepared, nor see the exceptions ``train()`` raises.
+So the Trainer's class is changed (:class:`_Prepared`: its data and its ``train()``),
+by ``prepare_trainer`` directly, or by the callback at the Trainer's ``on_init_end``,
+where it finds the Trainer being made on the call stack (:func:`_constructing_trainer`:
+transformers passes callbacks no Trainer, and the Trainer registers itself nowhere).
 
 Threads: everything runs in the gang closure's thread; the environment variables
 Accelerate reads (see :func:`_configure_accelerate`) are set only for the ``PartialState``
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -44,6 +52,7 @@ from transformers import Trainer, TrainerCallback
 
 from daskdist.collective.elastic import State
 from daskdist.collective.group import Group, get_group
+from daskdist.collective.synced import synced
 from daskdist.integrations.common import GroupHook, Optimizers, disarm, failures, state_for
 
 __all__ = ["DaskdistCallback", "prepare_trainer"]
@@ -52,51 +61,66 @@ __all__ = ["DaskdistCallback", "prepare_trainer"]
 def prepare_trainer(trainer: Trainer, batches: Iterable, commit_every: int = 1,
                     checkpoint_to: str | None = None, every: int = 100) -> Trainer:
     """Make ``trainer`` train on daskdist's group from ``batches`` (this worker's
-    batches, e.g. ``dd.collective.synced(it)``), elastic and exactly once; returns it.
+    batches: the per-worker iterator, or ``dd.collective.synced(it)``), elastic and
+    exactly once; returns it.
 
     ``commit_every``: optimizer steps between commits. ``checkpoint_to``, ``every``:
     ``State.checkpoint_to(url, every)``. Call it inside the gang closure, on a
-    ``Trainer`` made there, with ``TrainingArguments(max_steps=...)``.
+    ``Trainer`` made there, with ``TrainingArguments(max_steps=...)``. The same as
+    ``Trainer(..., callbacks=[DaskdistCallback(batches, ...)])``.
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"prepare_trainer: expected a transformers.Trainer, got "
                         f"{type(trainer).__name__}")
-    if trainer.args.max_steps is None or trainer.args.max_steps <= 0:
-        raise ValueError("prepare_trainer: the per-worker batches have no length: set "
-                         "TrainingArguments(max_steps=...) (an upper bound: training "
-                         "ends when the data does)")
-    if getattr(trainer, "_daskdist", None) is not None:
-        raise ValueError("prepare_trainer: this Trainer is prepared already")
-    callback = DaskdistCallback(trainer, batches, commit_every, checkpoint_to, every)
+    callback = DaskdistCallback(batches, commit_every, checkpoint_to, every)
+    _attach(trainer, callback)
     trainer.add_callback(callback)
-    trainer._daskdist = callback
-    trainer.__class__ = _prepared_class(type(trainer))
     return trainer
 
 
 class DaskdistCallback(TrainerCallback):
-    """The commits of a prepared Trainer (see :func:`prepare_trainer`, which adds it):
-    ``sync()`` at the start of training, a commit every ``commit_every`` optimizer steps
-    and at the end."""
+    """Daskdist's group, data and commits for the ``Trainer`` it is given to (SPEC §4.4):
 
-    def __init__(self, trainer: Trainer, batches: Iterable, commit_every: int = 1,
+    ``Trainer(model, args, callbacks=[DaskdistCallback(it, commit_every=10)])``, inside
+    the gang closure, with ``TrainingArguments(max_steps=...)``; then ``train()``.
+    ``batches``: this worker's batches (the per-worker iterator: it is wrapped in
+    ``dd.collective.synced`` unless it is one already). At the Trainer's ``on_init_end``
+    the callback takes its Trainer and makes it a prepared one (what
+    :func:`prepare_trainer` does: its data, its ``train()``); then ``sync()`` at the
+    start of training, a commit every ``commit_every`` optimizer steps and at the end.
+    """
+
+    def __init__(self, batches: Iterable, commit_every: int = 1,
                  checkpoint_to: str | None = None, every: int = 100):
+        if isinstance(batches, Trainer):
+            raise TypeError("DaskdistCallback(batches, ...) takes this worker's batches; "
+                            "give it to Trainer(callbacks=[...]), or call "
+                            "prepare_trainer(trainer, batches)")
         if not isinstance(commit_every, int) or commit_every < 1:
             raise ValueError(f"commit_every must be an int >= 1, got {commit_every!r}")
         if checkpoint_to is not None and (not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be an int >= 1, got {every!r}")
-        self.trainer = trainer
-        self.batches = batches
+        self.batches = _synced(batches)
         self.commit_every = commit_every
         self.checkpoint_to = checkpoint_to
         self.every = every
+        self.trainer: Trainer | None = None  # set by _attach
         self.state: State | None = None
         self.hook: GroupHook | None = None
         self.committed_step = -1
 
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer this callback was given to is made: prepare it."""
+        _attach(_constructing_trainer(self), self)
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Model wrapped, optimizer and scheduler made: take the newest commit."""
         trainer = self.trainer
+        if trainer is None or getattr(trainer, "_daskdist", None) is not self:
+            raise RuntimeError(
+                "DaskdistCallback was added after the Trainer was made: pass it as "
+                "Trainer(..., callbacks=[DaskdistCallback(batches)]), or call "
+                "prepare_trainer(trainer, batches)")
         g = get_group()
         wrapped = trainer.model_wrapped
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
@@ -130,6 +154,54 @@ class DaskdistCallback(TrainerCallback):
         if self.checkpoint_to is not None:
             st.checkpoint_to(self.checkpoint_to, self.every)
         return st
+
+
+def _synced(batches: Iterable) -> Iterable:
+    """``batches`` as the gang trains them: every rank the same number of steps."""
+    if getattr(batches, "gi_code", None) is synced.__code__:
+        return batches  # dd.collective.synced(...) already
+    return synced(batches)
+
+
+def _attach(trainer: Trainer, callback: DaskdistCallback) -> None:
+    """The one way a Trainer becomes daskdist's (``prepare_trainer`` and the callback's
+    ``on_init_end``): checked, given ``callback``, its class made the prepared one."""
+    if getattr(trainer, "_daskdist", None) is not None:
+        raise ValueError("this Trainer is prepared for daskdist already (one "
+                         "DaskdistCallback, or one prepare_trainer call, per Trainer)")
+    if callback.trainer is not None:
+        raise ValueError("this DaskdistCallback belongs to another Trainer already: make "
+                         "one per Trainer")
+    if trainer.args.max_steps is None or trainer.args.max_steps <= 0:
+        raise ValueError("daskdist: the per-worker batches have no length: set "
+                         "TrainingArguments(max_steps=...) (an upper bound: training "
+                         "ends when the data does)")
+    callback.trainer = trainer
+    trainer._daskdist = callback
+    trainer.__class__ = _prepared_class(type(trainer))
+
+
+def _constructing_trainer(callback: DaskdistCallback) -> Trainer:
+    """The Trainer whose ``__init__`` is calling ``callback.on_init_end`` now.
+
+    transformers hands callbacks no Trainer (their keyword arguments are the model, the
+    optimizer, the scheduler, the tokenizer and the data loaders, and the Trainer
+    registers itself on none of them), so this looks up the call stack, a few frames:
+    the first ``self`` that is a ``Trainer`` holding ``callback`` (``Trainer.__init__``,
+    which calls the callbacks' ``on_init_end`` last)."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, Trainer):
+            handler = getattr(obj, "callback_handler", None)
+            if handler is not None and callback in handler.callbacks:
+                return obj
+        frame = frame.f_back
+    raise RuntimeError("DaskdistCallback.on_init_end: no transformers.Trainer holding this "
+                       "callback is being made (give the callback to Trainer(callbacks="
+                       "[...]), or call prepare_trainer(trainer, batches))")
 
 
 class _PerWorkerBatches:
