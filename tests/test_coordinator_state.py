@@ -16,7 +16,8 @@ from daskdist.core.protocol import (
     CommitKey,
     Outcome,
 )
-from daskdist.plugins.scheduler.state import GANG_OWNER, CoordinatorState, Outbox
+from daskdist.plugins.scheduler.closures import GANG_OWNER, Outbox
+from daskdist.plugins.scheduler.state import CoordinatorState
 from tests.tables import check_queue
 
 
@@ -136,25 +137,25 @@ async def until(cond, seconds: float = 5.0) -> None:
 def test_raise_error_waits_for_in_flight_then_cancels_the_queue():
     async def main():
         co = make()
-        co.add_owner("me", None, "t")
+        co.closure_book.add_owner("me", None, "t")
         start(co, "s", "w", slots=2)
-        assert await co.raise_error("me") == {"error": None, "cancelled": []}
+        assert await co.closure_book.raise_error("me") == {"error": None, "cancelled": []}
         for i in range(4):
             co.queue.put(f"o-{i}", "me", b"")
         co.queue.dispatch("s", 2)
-        co.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
+        co.closure_book.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
         co.gangs.submit("g-0", "me", b"")
-        task = asyncio.ensure_future(co.raise_error("me", timeout=5))
-        await until(lambda: co.hold)
-        assert not task.done() and co.hold == ["me"]  # o-1 still runs: held meanwhile
-        co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
+        task = asyncio.ensure_future(co.closure_book.raise_error("me", timeout=5))
+        await until(lambda: co.closure_book.hold)
+        assert not task.done() and co.closure_book.hold == ["me"]  # o-1 still runs: held meanwhile
+        co.closure_book.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
         got = await asyncio.wait_for(task, 5)
         assert got["error"] == ("o-0", b"boom", USER_ERROR)
         assert sorted(got["cancelled"]) == [("me", "g-0"), ("me", "o-2"), ("me", "o-3")]
-        assert not co.hold and co.queue.errors == {}
+        assert not co.closure_book.hold and co.queue.errors == {}
         cancelled = {d.cid for d in co.outboxes["me"].items if d.state == CANCELLED}
         assert cancelled == {"o-2", "o-3", "g-0"}
-        assert await co.raise_error("me") == {"error": None, "cancelled": []}
+        assert await co.closure_book.raise_error("me") == {"error": None, "cancelled": []}
 
     asyncio.run(main())
 
@@ -162,16 +163,17 @@ def test_raise_error_waits_for_in_flight_then_cancels_the_queue():
 def test_raise_error_times_out_and_unpauses():
     async def main():
         co = make()
-        co.add_owner("me", None, "t")
+        co.closure_book.add_owner("me", None, "t")
         start(co, "s", "w", slots=2)
         co.queue.put("o-0", "me", b"")
         co.queue.put("o-1", "me", b"")
         co.queue.dispatch("s", 2)
-        co.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
-        assert await co.raise_error("me", timeout=0.05) == {"timeout": True}
-        assert not co.hold and "me" in co.queue.errors  # still there for the next raise
-        co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
-        got = await co.raise_error("me", timeout=5)
+        co.closure_book.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
+        assert await co.closure_book.raise_error("me", timeout=0.05) == {"timeout": True}
+        # still there for the next raise
+        assert not co.closure_book.hold and "me" in co.queue.errors
+        co.closure_book.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
+        got = await co.closure_book.raise_error("me", timeout=5)
         assert got["error"][0] == "o-0" and got["cancelled"] == []
 
     asyncio.run(main())
@@ -182,22 +184,22 @@ def test_an_owners_error_is_raised_to_it_alone_and_holds_only_its_work():
     closures run while B's raise waits, and A's raise finds nothing."""
     async def main():
         co = make()
-        co.add_owner("a", None, "ta")
-        co.add_owner("b", None, "tb")
+        co.closure_book.add_owner("a", None, "ta")
+        co.closure_book.add_owner("b", None, "tb")
         start(co, "s", "w", slots=2)
         co.queue.put("b-0", "b", b"")
         co.queue.put("b-1", "b", b"")
         co.queue.dispatch("s", 2)
-        co.apply_results("s", [Outcome("b-0", FAILED, b"KeyError", USER_ERROR, 1)])
+        co.closure_book.apply_results("s", [Outcome("b-0", FAILED, b"KeyError", USER_ERROR, 1)])
         assert [o.cid for o in co.outboxes["b"].items] == ["b-0"]
         assert co.outboxes["a"].items == [] and not co.outboxes["a"].event.is_set()
-        raising = asyncio.ensure_future(co.raise_error("b", timeout=5))
-        await until(lambda: co.hold == ["b"])
+        raising = asyncio.ensure_future(co.closure_book.raise_error("b", timeout=5))
+        await until(lambda: co.closure_book.hold == ["b"])
         co.queue.put("a-0", "a", b"")
         co.queue.put("b-2", "b", b"")  # queued while b's raise waits: cancelled
         assert [c.cid for c in co.queue.dispatch("s", 5)] == ["a-0"]
-        assert await co.raise_error("a") == {"error": None, "cancelled": []}
-        co.apply_results("s", [Outcome("a-0", READY, b"ok", None, 1),
+        assert await co.closure_book.raise_error("a") == {"error": None, "cancelled": []}
+        co.closure_book.apply_results("s", [Outcome("a-0", READY, b"ok", None, 1),
                                Outcome("b-1", READY, b"ok", None, 1)])
         got = await asyncio.wait_for(raising, 5)
         assert got == {"error": ("b-0", b"KeyError", USER_ERROR), "cancelled": [("b", "b-2")]}
@@ -223,8 +225,8 @@ def test_a_memory_pause_keeps_the_group_and_gives_prefetched_work_back():
 def test_drop_owner_cancels_its_queue_and_releases_its_resources_only():
     sent: list = []
     co = make(sent)
-    co.add_owner("a", None, "ta")
-    co.add_owner("b", None, "tb")
+    co.closure_book.add_owner("a", None, "ta")
+    co.closure_book.add_owner("b", None, "tb")
     start(co, "s", "w")
     co.add_resource("a", "ra", b"spec")
     co.add_resource("b", "rb", b"spec")
@@ -232,7 +234,7 @@ def test_drop_owner_cancels_its_queue_and_releases_its_resources_only():
     co.queue.put("a-1", "a", b"")
     co.queue.put("b-0", "b", b"")
     co.queue.dispatch("s", 1)
-    co.apply_results("s", [Outcome("a-0", READY, b"v", None, 1)])
+    co.closure_book.apply_results("s", [Outcome("a-0", READY, b"v", None, 1)])
     unread = co.drop_owner("a")
     assert [o.cid for o in unread] == ["a-0"]  # finished before the close: still its value
     assert "a" not in co.outboxes and co.queue.queued == 1 and set(co.resources) == {"rb"}
@@ -244,21 +246,23 @@ def test_closing_an_owner_ends_its_raise_and_keeps_its_work_held():
     and the closed owner's closures stay held (its prefetched ones never start)."""
     async def main():
         co = make()
-        co.add_owner("me", None, "t")
+        co.closure_book.add_owner("me", None, "t")
         start(co, "s", "w", slots=2)
         for i in range(3):
             co.queue.put(f"me-{i}", "me", b"")
         co.queue.dispatch("s", 3)
-        co.apply_results("s", [Outcome("me-0", FAILED, b"boom", USER_ERROR, 1)])
-        raising = asyncio.ensure_future(co.raise_error("me"))
-        await until(lambda: co.hold == ["me"])
+        co.closure_book.apply_results("s", [Outcome("me-0", FAILED, b"boom", USER_ERROR, 1)])
+        raising = asyncio.ensure_future(co.closure_book.raise_error("me"))
+        await until(lambda: co.closure_book.hold == ["me"])
         co.drop_owner("me")
         got = await asyncio.wait_for(raising, 5)
         assert got["error"] is None
-        assert co.hold == ["me"]  # me-1 runs on; me-2 was prefetched: it must not start
-        co.apply_results("s", [Outcome("me-2", PENDING, None, UNSTARTED, 1),
+        # me-1 runs on; me-2 was prefetched: it must not start
+        assert co.closure_book.hold == ["me"]
+        co.closure_book.apply_results("s", [Outcome("me-2", PENDING, None, UNSTARTED, 1),
                                Outcome("me-1", READY, b"late", None, 1)])
-        assert co.queue.unfinished("me") == 0 and co.hold == [] and co.dropped == set()
+        assert co.queue.unfinished("me") == 0
+        assert co.closure_book.hold == [] and co.closure_book.dropped == set()
 
     asyncio.run(main())
 
@@ -288,7 +292,7 @@ def test_a_members_user_error_tells_the_peers_at_once_why():
     sent: list = []
     co, gang, members = _running_gang(sent)
     cid, session, _ = members[1]
-    co.apply_results(session, [Outcome(cid, FAILED, b"err", USER_ERROR, 1)])
+    co.closure_book.apply_results(session, [Outcome(cid, FAILED, b"err", USER_ERROR, 1)])
     told = [(a, m) for a, m in sent if m["op"] == "daskdist-peer-lost"]
     assert sorted(a for a, _ in told) == ["w1", "w2", "w3"]
     assert all(m["generation"] == gang.generation and "rank 1" in m["reason"]
@@ -301,7 +305,7 @@ def test_an_interruption_every_rank_raises_tells_no_one():
     sent: list = []
     co, _gang, members = _running_gang(sent)
     cid, session, _ = members[0]
-    co.apply_results(session, [Outcome(cid, FAILED, b"err", HOSTS_UPDATED, 1)])
+    co.closure_book.apply_results(session, [Outcome(cid, FAILED, b"err", HOSTS_UPDATED, 1)])
     assert co.gangs.group.broken
     assert not [m for _, m in sent if m["op"] == "daskdist-peer-lost"]
 
@@ -314,12 +318,12 @@ def test_a_commit_whose_parts_do_not_all_come_expires_refused():
     key = CommitKey("state", co.gangs.group.generation, 1)
 
     async def run():
-        ok = await co.gang_commit_part("s1", key, 0, 2, [], 0.05)  # s2's part never came
-        late = await co.gang_commit_part("s2", key, 1, 2, [], 5.0)
+        ok = await co.group_book.gang_commit_part("s1", key, 0, 2, [], 0.05)  # s2's part never came
+        late = await co.group_book.gang_commit_part("s2", key, 1, 2, [], 5.0)
         return ok, late
 
     assert asyncio.run(run()) == (False, False)
-    assert co.commit_outcome(key) is False and not co.commit_events
+    assert co.group_book.commit_outcome("s1", key) is False and not co.group_book.commit_events
 
 
 def test_a_non_member_leaving_refuses_no_open_commit():
@@ -330,13 +334,13 @@ def test_a_non_member_leaving_refuses_no_open_commit():
     key = CommitKey("state", co.gangs.group.generation, 1)
 
     async def run():
-        part = asyncio.ensure_future(co.gang_commit_part("s1", key, 0, 2, [], 5.0))
-        while key not in co.commit_events:  # s1's part is in, waiting for s2's
+        part = asyncio.ensure_future(co.group_book.gang_commit_part("s1", key, 0, 2, [], 5.0))
+        while key not in co.group_book.commit_events:  # s1's part is in, waiting for s2's
             await asyncio.sleep(0)
         co.end_session("s3", expected=False)  # not in the group
         assert not part.done()
-        return await co.gang_commit_part("s2", key, 1, 2, [], 5.0), await part
+        return await co.group_book.gang_commit_part("s2", key, 1, 2, [], 5.0), await part
 
     assert asyncio.run(run()) == (True, True)
-    assert co.state_commits("state") == 1  # the book knows this State committed
+    assert co.group_book.state_commits("s1", "state") == 1  # the book knows this State committed
 

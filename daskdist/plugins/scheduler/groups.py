@@ -34,7 +34,8 @@ from daskdist.core.backends import (
 )
 from daskdist.core.protocol import COLLECTIVE_ERROR
 from daskdist.errors import CollectiveError, dump_error
-from daskdist.plugins.scheduler.state import GANG_OWNER, CoordinatorState
+from daskdist.plugins.scheduler.closures import GANG_OWNER
+from daskdist.plugins.scheduler.state import CoordinatorState
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class GroupDriver:
             self.formations += ok
             self.last_formation_seconds = loop.time() - t0
             co.stats.on_formation(generation, ok, self.last_formation_seconds, len(sessions))
-            co.gangs_changed.set()
+            co.group_book.changed.set()
             return ok
 
     def _rejoin_wait(self, n: int) -> float:
@@ -187,7 +188,7 @@ class GroupDriver:
                 f"in {self._failures} attempts over {now - self._failing_since:.1f} s "
                 f"(daskdist.collective.formation-timeout is {limit:g} s): {self.last_error}")
             for outcome in self.co.gangs.fail_pending(dump_error(err), COLLECTIVE_ERROR):
-                self.co.deliver_gang(outcome)
+                self.co.closure_book.deliver_gang(outcome)
             self._failing_since, self._failures = None, 0
             return
         pause = min(config.seconds("collective.formation-retry") * 2 ** (self._failures - 1),
@@ -216,14 +217,14 @@ class GroupDriver:
         co = self.co
         book = co.gangs
         while True:
-            co.gangs_changed.clear()
+            co.group_book.changed.clear()
             if book.running is None and book.pending:
                 sessions = self.candidates()
                 if sessions and book.needs_formation(sessions):
                     wait = self._rejoin_wait(len(sessions))
                     if wait > 0:  # a lost member's replacement (Nanny restart) is coming
                         try:
-                            await asyncio.wait_for(co.gangs_changed.wait(), wait)
+                            await asyncio.wait_for(co.group_book.changed.wait(), wait)
                         except asyncio.TimeoutError:
                             pass
                         continue
@@ -237,8 +238,8 @@ class GroupDriver:
                     gang, members = started
                     for member_cid, session, _rank in members:
                         co.queue.put(member_cid, GANG_OWNER, gang.payload, pinned=session)
-                    co.wake()
+                    co.closure_book.wake()
                     co.broadcast({"op": "daskdist-wake", "name": co.name},
                                  {s for _, s, _ in members})
                     continue
-            await co.gangs_changed.wait()
+            await co.group_book.changed.wait()
