@@ -280,6 +280,8 @@ async def row_idle_exchange(n: int, repeat: int) -> dict[str, dict]:
         await sim.exchange(s, want=1)
     thief, _ = await sim.join()
     sim.flush()
+    if hasattr(sim.co, "poll_interval"):  # the long-poll's wait is wall time, not CPU
+        sim.co.poll_interval = lambda: 0.0
     with dask.config.set({"daskdist.scheduler.poll-interval": 0}):
         r = await _timed(sim, lambda i: sim.exchange(thief, want=1, block=True), repeat)
     await sim.plugin.close()
@@ -404,7 +406,7 @@ async def row_closures(n: int, repeat: int) -> dict[str, dict]:
     handlers = sim.sched.handlers
     s0 = sim.sessions[0][0]
     batch, per_lease = 256, 64
-    total = batch * per_lease * (repeat + 4) * 2
+    total = batch * (n + per_lease * (repeat + 4) * 2)
     handlers["daskdist_dataset_define"](name=NAME, dataset=tuple(DatasetDef(
         "ds", "bench", [[batch, -(-total // batch)]], 0)), session=s0)
     for s, _ in sim.sessions[1:]:  # every session holds a lease of the epoch

@@ -40,15 +40,37 @@ def start(co: CoordinatorState, session: str, address: str, slots: int = 1,
 def test_start_session_takes_the_lowest_free_index_and_a_lease():
     sent: list = []
     co = make(sent)
-    assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1}
+    assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1,
+                                      "renew": 1.0}
     reply = start(co, "s2", "w2")
     assert reply["index"] == 1 and reply["num_workers"] == 2
     assert co.renew("s1", 1.0) and co.renew("s2", 1.0)
     co.stop_session("s1")
     assert start(co, "s3", "w3")["index"] == 0  # a replacement reuses the lost index
-    # members hear of every change on their stream
-    assert any(msg["op"] == "daskdist-membership" for _, msg in sent)
+    assert start(co, "s4", "w4")["index"] == 2
     check_queue(co.queue)
+
+
+def test_group_members_hear_of_membership_changes_once_per_interval():
+    """Joins and leaves reach the group's members (what State.commit() compares) in one
+    message per membership-interval, however many there were; other workers read the
+    version from their exchange replies."""
+    sent: list = []
+    co = make(sent)
+    for s, w in (("s1", "w1"), ("s2", "w2")):
+        start(co, s, w)
+    _formed_group(co, ("s1", "s2"))
+    sent.clear()
+
+    async def run() -> None:
+        for i in range(5):  # a burst of joins within one interval
+            start(co, f"j{i}", f"wj{i}")
+        assert not [m for _, m in sent if m["op"] == "daskdist-membership"]
+        await until(lambda: any(m["op"] == "daskdist-membership" for _, m in sent))
+
+    asyncio.run(run())
+    told = [(a, m["version"]) for a, m in sent if m["op"] == "daskdist-membership"]
+    assert told == [("w1", co.members.version), ("w2", co.members.version)]
 
 
 def test_a_new_session_of_the_same_worker_ends_the_old_one():

@@ -109,8 +109,14 @@ class ClosureBook:
         self.co = co
         self.queue = ClosureQueue(max_worker_failures=max_worker_failures)
         self.outboxes: dict[str, Outbox] = {}
-        # long-polls of workers waiting for work, oldest first: a queued closure wakes one
+        # long-polls of workers that may take work, oldest first: a queued closure wakes
+        # one; ``woken``: those woken for a closure and not yet back (not woken twice)
         self.waiters: OrderedDict[asyncio.Event, None] = OrderedDict()
+        self.woken: set[asyncio.Event] = set()
+        # long-polls of sessions that take no work now (draining, paused): only a change
+        # of state wakes them
+        self.idle_waiters: set[asyncio.Event] = set()
+        self.parked: dict[str, asyncio.Event] = {}  # session -> its long-poll's event
         self.changed = asyncio.Event()  # set on every finish / session end (raise waits on it)
         self.steals = 0  # requests to a busy worker to give back unstarted closures
         self.acks_refused = 0  # completed closures whose rows were not leased to them
@@ -170,15 +176,42 @@ class ClosureBook:
 
     # -- waking long-polls ---------------------------------------------------------------
     def wake(self, n: int | None = None) -> None:
-        """Closures became available (``n`` of them), or state changed: wake long-polls."""
+        """State changed (``n=None``: wake every long-poll, each re-checks), or ``n``
+        closures became available: wake the ``n`` longest-waiting long-polls that may
+        take them, O(n) whatever the number of idle workers (issue 25)."""
         self.changed.set()
+        if n is None:
+            for event in self.waiters:
+                event.set()
+            for event in self.idle_waiters:
+                event.set()
+            return
+        woken = self.woken
         for event in self.waiters:
+            if n <= 0:
+                break
+            if event not in woken:
+                event.set()
+                woken.add(event)
+                n -= 1
+
+    def wake_sessions(self, sessions) -> None:
+        """Wake the long-polls of ``sessions`` (closures pinned to them: gang members)."""
+        self.changed.set()
+        for session in sessions:
+            event = self.parked.get(session)
+            if event is not None:
+                event.set()
+
+    def wake_idle(self) -> None:
+        """A session's state changed (paused, draining, back): the long-polls that take
+        no work re-check, and queued closures wake as many that do."""
+        for event in self.idle_waiters:
             event.set()
+        self.wake(self.queue.backlog)
 
     def close(self) -> None:
-        self.changed.set()
-        for event in self.waiters:
-            event.set()
+        self.wake()
 
     # -- holding an owner's closures ------------------------------------------------------
     @property
@@ -196,7 +229,7 @@ class ClosureBook:
             self.queue.held.discard(owner)
         self.co.broadcast({"op": "daskdist-hold", "name": self.co.name, "owners": self.hold})
         if not hold:
-            self.wake()
+            self.wake(self.queue.backlog)
 
     # -- results ---------------------------------------------------------------------------
     def apply_results(self, session: str, results: list) -> None:
@@ -482,9 +515,9 @@ class ClosureBook:
         closures = q.dispatch(session, fair(want) if block or not self.waiters else 0)
         if not closures and block and want > 0:
             self._steal_for(session)
-            deadline = time.monotonic() + config.seconds("scheduler.poll-interval")
+            deadline = time.monotonic() + co.poll_interval()
             event = asyncio.Event()
-            self.waiters[event] = None
+            self.parked[session] = event
             try:
                 while True:
                     if comm.closed() or co.closed or session not in co.members:
@@ -496,16 +529,28 @@ class ClosureBook:
                     if left <= 0:
                         break
                     event.clear()
+                    self.woken.discard(event)
+                    if q.takes_work(session):
+                        self.idle_waiters.discard(event)
+                        self.waiters[event] = None
+                    else:
+                        self.waiters.pop(event, None)
+                        self.idle_waiters.add(event)
                     if not await wait_event(event, left):
                         break
             finally:
                 self.waiters.pop(event, None)
+                self.idle_waiters.discard(event)
+                self.woken.discard(event)
+                if self.parked.get(session) is event:
+                    del self.parked[session]
         return {
             "closures": [Dispatch(c.cid, c.payload, c.attempt, c.pinned is not None, c.owner)
                          for c in closures],
             "num_workers": len(co.members),
             "version": co.members.version,
             "hold": self.hold,
+            "renew": co.renew_interval(),
         }
 
 

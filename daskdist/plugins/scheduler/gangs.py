@@ -60,7 +60,7 @@ class GroupBook:
         group = self.gangs.group
         self.co.broadcast({"op": "daskdist-peer-lost", "name": self.co.name,
                            "generation": group.generation, "reason": group.why},
-                          set(group.sessions))
+                          group.sessions)
 
     def session_lost(self, session: str, expected: bool) -> None:
         """A session ended: a group member's loss breaks the group, refuses its
@@ -89,9 +89,8 @@ class GroupBook:
         rank, world, timeout = int(rank), int(world), float(timeout)
         co = self.co
         group = self.gangs.group
-        sessions = (dict(enumerate(group.sessions)) if key.generation == group.generation
-                    else None)
-        if sessions is not None and sessions.get(rank) != session:
+        sessions = group.sessions if key.generation == group.generation else None
+        if sessions is not None and group.ranks.get(session) != rank:
             sessions = None  # a part from an ended session, or another rank's: refused
         if sessions is not None:
             try:
@@ -99,7 +98,7 @@ class GroupBook:
             except ValueError:
                 pass  # a malformed token: the commit refuses it below
         ok = self.commits.add_part(co.leases, key, rank, world, tokens, sessions,
-                                   set(co.members.members))
+                                   co.members.members)
         if ok is not None:
             self._commits_decided([key])
             return ok

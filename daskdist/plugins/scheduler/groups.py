@@ -238,8 +238,8 @@ class GroupDriver:
                     gang, members = started
                     for member_cid, session, _rank in members:
                         co.queue.put(member_cid, GANG_OWNER, gang.payload, pinned=session)
-                    co.closure_book.wake()
-                    co.broadcast({"op": "daskdist-wake", "name": co.name},
-                                 {s for _, s, _ in members})
+                    sessions = [s for _, s, _ in members]
+                    co.closure_book.wake_sessions(sessions)
+                    co.broadcast({"op": "daskdist-wake", "name": co.name}, sessions)
                     continue
             await co.group_book.changed.wait()

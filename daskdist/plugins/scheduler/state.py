@@ -19,10 +19,12 @@ the worker's stream), so it imports nothing from Dask.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from daskdist import config
 from daskdist.core import checks
 from daskdist.core.liveness import LivenessTable
 from daskdist.core.membership import Membership
@@ -59,6 +61,7 @@ class CoordinatorState:
         self.resource_owners: dict[str, str] = {}  # rid -> the owner that registered it
         self.workers_lost = 0  # removals Dask did not expect
         self.resources_released = 0
+        self._membership_flush: asyncio.TimerHandle | None = None
         self.closed = False  # the last owner left: the plugin tears this coordinator down
 
     # -- owners (client-side Coordinators) ---------------------------------------------
@@ -97,20 +100,63 @@ class CoordinatorState:
         """No owner is left: end every wait on this coordinator (worker long-polls,
         raises, commits). The plugin drops it and unregisters its worker plugin."""
         self.closed = True
+        if self._membership_flush is not None:
+            self._membership_flush.cancel()
+            self._membership_flush = None
         self.closure_book.close()
         self.group_book.close()
 
     # -- workers ---------------------------------------------------------------------
-    def broadcast(self, msg: dict, sessions=None) -> None:
+    def broadcast(self, msg: dict, sessions: Iterable[str] | None = None) -> None:
         """Send ``msg`` on the stream of every member worker (or of ``sessions``)."""
-        for m in list(self.members.members.values()):
-            if sessions is None or m.session in sessions:
+        members = self.members.members
+        if sessions is None:
+            sessions = list(members)
+        for session in sessions:
+            m = members.get(session)
+            if m is not None:
                 self.send(m.address, msg)
 
     def membership_changed(self) -> None:
-        self.broadcast({"op": "daskdist-membership", "name": self.name,
-                        "version": self.members.version})
+        """A session joined or left, or a group member's status changed: the group's
+        members hear the new membership version (what ``State.commit()`` compares) in
+        one message per ``scheduler.membership-interval``, however many changes it
+        holds; every other worker reads it from its next exchange's reply."""
         self.group_book.changed.set()
+        if self._membership_flush is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (the state driven directly): at once
+            self.flush()
+            return
+        self._membership_flush = loop.call_later(
+            config.seconds("scheduler.membership-interval"), self.flush)
+
+    def flush(self) -> None:
+        """Send what :meth:`membership_changed` held back (the group's members only)."""
+        handle, self._membership_flush = self._membership_flush, None
+        if handle is not None:
+            handle.cancel()
+        if self.closed:
+            return
+        group = self.gangs.group
+        self.broadcast({"op": "daskdist-membership", "name": self.name,
+                        "version": self.members.version}, group.sessions)
+
+    def poll_interval(self) -> float:
+        """How long a worker's long-poll waits for work: ``scheduler.poll-interval``,
+        longer on large clusters so idle workers poll at most ~200 times a second
+        (Dask's heartbeats: ``n / 200``)."""
+        return max(config.seconds("scheduler.poll-interval"), len(self.members) / 200)
+
+    def renew_interval(self) -> float:
+        """How often a worker session renews its lease (the register and exchange
+        replies say): ``liveness.renew-interval``, growing like Dask's heartbeats
+        (``n / 200`` seconds: at most ~200 renewals a second), at most a quarter of
+        ``lease-timeout``."""
+        base = config.seconds("liveness.renew-interval")
+        return min(max(base, len(self.members) / 200), max(base, self.liveness.timeout / 4))
 
     def start_session(self, session: str, address: str, slots: int, device: str, gpu: str,
                       retiring: Callable[[str], bool], now: float) -> dict[str, int]:
@@ -127,11 +173,12 @@ class CoordinatorState:
         if retiring(address):
             self.members.drain(address)
             self.queue.drain_session(session)
-        self.closure_book.wake()
+        self.closure_book.changed.set()  # create() waits for its workers on it
         return {
             "index": member.index,
             "num_workers": len(self.members),
             "version": self.members.version,
+            "renew": self.renew_interval(),
         }
 
     def stop_session(self, session: str, results: list | None = None) -> None:
@@ -166,8 +213,7 @@ class CoordinatorState:
             self.send(address, {"op": "daskdist-leaving", "name": self.name})
         if paused and not was_paused:
             self.send(address, {"op": "daskdist-steal", "name": self.name, "n": 2**31})
-        if not (retiring or paused):
-            self.closure_book.wake()
+        self.closure_book.wake_idle()
 
     def worker_removed(self, session: str, expected: bool) -> None:
         """Dask removed the worker of ``session``. A retired group member stays a member
@@ -194,11 +240,13 @@ class CoordinatorState:
         self.leases.drop_session(session)
         self.group_book.session_lost(session, expected)
         book = self.closure_book
+        backlog = self.queue.backlog
         book.deliver(self.queue.remove_session(session, expected))
         if book.dropped:
             book.settle_dropped(set(book.dropped))
         self.membership_changed()
-        book.wake()
+        book.wake_sessions((session,))  # its own long-poll returns
+        book.wake(max(0, self.queue.backlog - backlog))  # its closures, back in the queue
 
     def renew(self, session: str, now: float) -> bool:
         """A message from ``session``: its lease runs on. ``False`` if it is not a member

@@ -171,6 +171,10 @@ class ClosureRunner:
         self._drains = 0  # drain loops running in the executor
         self._lock = threading.Lock()
         self.renewer: asyncio.Task | None = None
+        # how often to renew the session's lease: the scheduler's word (it grows with
+        # the cluster, as Dask's heartbeats do), the configured interval until it speaks
+        self.renew_interval = config.seconds("liveness.renew-interval")
+        self.last_sent = 0.0  # when the last exchange left (it renews the lease too)
         self.done: list[Outcome] = []  # finished, not yet sent
         self.wakeup = asyncio.Event()
         self.polling = False  # a blocking exchange is outstanding
@@ -220,6 +224,7 @@ class ClosureRunner:
             raise CoordinatorGone(self.name)
         self.index = reply["index"]
         self.num_workers = reply["num_workers"]
+        self.renew_interval = reply.get("renew", self.renew_interval)
         _set_membership(reply["version"], name=self.name)
         self._end_session()
         services = SessionServices(self.worker, self.name, sid)
@@ -277,7 +282,10 @@ class ClosureRunner:
                     **kwargs)
 
     async def _renew_loop(self) -> None:
-        """Renew this session's lease every ``liveness.renew-interval`` (SPEC §2.4).
+        """Renew this session's lease (SPEC §2.4) every ``renew_interval``: the
+        scheduler's word, growing with the cluster as Dask's heartbeats do
+        (``liveness.renew-interval`` until it speaks); skipped when an exchange left
+        since the last one (its arrival renewed the lease).
 
         Runs on the worker's event loop, not in a closure thread: closures release the
         GIL often enough for it to run (see ``tests/test_liveness.py``), so only a hung
@@ -285,11 +293,13 @@ class ClosureRunner:
         ended the session) wakes the exchange loop, which registers a new session.
         Each call is bounded so a dead connection cannot stall renewals for good.
         """
-        interval = config.seconds("liveness.renew-interval")
         while not self.stopping:
+            interval = self.renew_interval
             await asyncio.sleep(interval)
             if self.session is None:
                 continue  # registering: the registration itself starts the lease
+            if time.monotonic() - self.last_sent < interval:
+                continue  # an exchange left since: its arrival renewed the lease
             try:
                 reply = await asyncio.wait_for(
                     self.worker.scheduler.daskdist_renew(
@@ -349,6 +359,7 @@ class ClosureRunner:
             block = self.running < self.nthreads and want > 0 and not self.poked
             self.poked = False
             self.polling = block
+            self.last_sent = time.monotonic()
             try:
                 reply = await self.worker.scheduler.daskdist_exchange(
                     name=self.name, session=self.session_id, results=results,
@@ -376,6 +387,7 @@ class ClosureRunner:
             for r in results:
                 self.held.discard(r.cid)
             self.num_workers = reply["num_workers"]
+            self.renew_interval = reply.get("renew", self.renew_interval)
             self.set_hold(reply["hold"])
             _set_membership(reply["version"], name=self.name)
             session = self.session
