@@ -52,6 +52,10 @@ class LivenessTable:
         """A new session starts with a fresh lease."""
         self._touch(session, now)
 
+    def last(self, session: str) -> float | None:
+        """When ``session`` last renewed (``None``: not live)."""
+        return self._last.get(session)
+
     def forget(self, session: str) -> None:
         """The session ended for another reason (worker left, plugin torn down)."""
         self._last.pop(session, None)

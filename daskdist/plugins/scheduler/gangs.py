@@ -34,6 +34,7 @@ class GroupBook:
         self.commits = CommitBook()  # commits that acknowledged gang members' rows
         self.commit_events: dict[CommitKey, asyncio.Event] = {}  # open commits' waiters
         self.changed = asyncio.Event()  # the gang pump waits on it
+        self.left = asyncio.Event()  # a session ended (a formation in progress checks)
         self.departing: set[str] = set()  # retired group members finishing their step
         self.driver: GroupDriver | None = None  # set by names.py with the book
 
@@ -66,6 +67,7 @@ class GroupBook:
         """A session ended: a group member's loss breaks the group, refuses its
         generation's open commits and tells the surviving members."""
         self.departing.discard(session)
+        self.left.set()
         if self.gangs.session_lost(session, expected):
             # a member's part may never come: its generation's open commits are refused,
             # and the surviving members' collective calls fail at once

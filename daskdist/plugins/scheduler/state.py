@@ -262,6 +262,19 @@ class CoordinatorState:
                 self.end_session(session, expected=session in self.group_book.departing)
         return expired
 
+    def fence_silent(self, sessions: Iterable[str], since: float) -> list[str]:
+        """End (as lost, fenced) those of ``sessions`` that sent nothing after ``since``
+        (time.monotonic()): a formation's members that answered nothing for its
+        whole deadline. The ones ended."""
+        out = [s for s in sessions if s in self.members
+               and self.liveness.last(s) is not None and self.liveness.last(s) < since]
+        for session in out:
+            self.liveness.expiries += 1
+            logger.warning("daskdist[%s]: session %s answered nothing while the group "
+                           "formed: ended (fenced)", self.name, session)
+            self.end_session(session, expected=False)
+        return out
+
     def active_sessions(self) -> tuple[str, ...]:
         """Sessions that may run closures, in worker-index (rank) order."""
         return tuple(m.session for m in self.members.by_index() if not m.draining)
