@@ -541,6 +541,228 @@ async def idle_cpu(n: int, seconds: float) -> dict[str, dict]:
     return {"idle CPU (cores)": {"us": cores, "msgs": rates["exchange"] + rates["renew"]}}
 
 
+# -- the real-process part -----------------------------------------------------------------
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _noop():
+    return None
+
+
+def _take(it):
+    try:
+        return len(next(it)["x"])
+    except StopIteration:
+        return 0
+
+
+def _state(ctx):
+    import torch
+
+    import daskdist as dd
+
+    return dd.collective.State(step=0, w=torch.zeros(4))
+
+
+def _commit_loop(state, it, steps, logdir):
+    """A gang: ``steps`` commits (each acknowledging the rank's batch when ``it``), each
+    logged (time, generation, pid) for the kill-to-next-commit figure."""
+    import daskdist as dd
+
+    g = dd.collective.get_group()
+    state.sync()
+    path = f"{logdir}/{os.getpid()}.log"
+    for _ in range(steps):
+        if it is not None:
+            try:
+                next(it)
+            except StopIteration:
+                pass
+        state.step += 1
+        state.commit()
+        with open(path, "a") as f:
+            f.write(f"{time.time()} {g.generation} {os.getpid()}\n")
+    return g.world_size
+
+
+def _commits(logdir: str) -> list[tuple[float, int, int]]:
+    import pathlib
+
+    out = []
+    for p in pathlib.Path(logdir).glob("*.log"):
+        for line in p.read_text().splitlines():
+            t, gen, pid = line.split()
+            out.append((float(t), int(gen), int(pid)))
+    return sorted(out)
+
+
+def _until(pred, timeout: float = 300.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not (value := pred()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+    return value
+
+
+def _write_rows(root: str, rows: int, group: int) -> str:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = 16
+    for f in range(files):
+        n = rows // files
+        x = np.arange(f * n, (f + 1) * n, dtype=np.float32)
+        pq.write_table(pa.table({"x": x}), f"{root}/p{f:02d}.parquet", row_group_size=group)
+    return f"{root}/*.parquet"
+
+
+def real_one(n: int, args, root: str) -> dict:
+    """One scheduler process and ``n`` worker processes: every real figure."""
+    import signal
+    import tempfile
+
+    from distributed import Client
+
+    import daskdist as dd
+
+    out: dict[str, float] = {}
+    sfile = f"{root}/scheduler-{n}.json"
+    env = dict(os.environ, DASK_DISTRIBUTED__LOGGING__DISTRIBUTED="error",
+               DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    sched = subprocess.Popen(["dask", "scheduler", "--no-dashboard", "--port", "0",
+                              "--preload", "daskdist.plugins.scheduler",
+                              "--scheduler-file", sfile], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = None
+    try:
+        _until(lambda: os.path.exists(sfile), 120, "the scheduler")
+        client = Client(scheduler_file=sfile)
+        coord = dd.Coordinator(client, name="scale", torch_threads=1)
+        c0 = _proc_cpu(sched.pid)
+        workers = subprocess.Popen(["dask", "worker", "--nworkers", str(n), "--nthreads", "1",
+                                    "--no-dashboard", "--memory-limit", "0",
+                                    "--scheduler-file", sfile], env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _until(lambda: coord.status()["workers"] >= n, 600, f"{n} workers")
+        time.sleep(1.0)
+        out["join (ms, Dask's own included)"] = (_proc_cpu(sched.pid) - c0) / n * 1e3
+        # no-op closures, and Dask's own submit beside them
+        for _ in range(2):
+            coord.fetch([coord.schedule(_noop) for _ in range(200)])  # warm
+        m = args.closures
+        c0 = _proc_cpu(sched.pid)
+        coord.fetch([coord.schedule(_noop) for _ in range(m)])
+        out["no-op closure (ms)"] = (_proc_cpu(sched.pid) - c0) / m * 1e3
+        c0 = _proc_cpu(sched.pid)
+        client.gather([client.submit(_noop, pure=False) for _ in range(m // 2)])
+        out["anchor: Dask submit (ms)"] = (_proc_cpu(sched.pid) - c0) / (m // 2) * 1e3
+        # a dynamic epoch: batches of 256 per worker, 2 closures per worker a round
+        pattern = _write_rows(tempfile.mkdtemp(dir=root), args.rows, args.row_group)
+        ds = coord.distribute_dataset(pattern, global_batch_size=256 * n, policy="dynamic")
+        it = iter(ds)
+        closures = empty = rows = 0
+        c0, t0 = _proc_cpu(sched.pid), time.perf_counter()
+        while not ds.progress()["complete"]:
+            got = coord.fetch([coord.schedule(_take, args=(it,)) for _ in range(2 * n)])
+            closures += len(got)
+            empty += sum(1 for g in got if not g)
+            rows += sum(got)
+        dt = time.perf_counter() - t0
+        cpu = _proc_cpu(sched.pid) - c0
+        out["dynamic epoch rows/s"] = rows / dt
+        out["closures without a batch (%)"] = 100 * empty / max(1, closures)
+        out["closure with a dynamic batch (ms)"] = cpu / max(1, closures) * 1e3
+        # group formation, commits, a kill to the survivors' next commit
+        t0 = time.perf_counter()
+        coord.collective_group(backend="gloo", timeout=60)
+        out["formation (s)"] = time.perf_counter() - t0
+        state = coord.create_per_worker_resource(_state)
+        ds2 = coord.distribute_dataset(pattern, global_batch_size=16 * n, policy="dynamic",
+                                       prefetch=0)
+        it2 = iter(ds2)
+        logdir = tempfile.mkdtemp(dir=root)
+        steps = args.steps
+        coord.fetch(coord.schedule_on_all(_commit_loop, args=(state, it2, 2, logdir)))
+        c0 = _proc_cpu(sched.pid)
+        coord.fetch(coord.schedule_on_all(_commit_loop, args=(state, it2, steps, logdir)))
+        out["commit part (ms)"] = (_proc_cpu(sched.pid) - c0) / (steps * n) * 1e3
+        gang = coord.schedule_on_all(_commit_loop, args=(state, None, 10**6, logdir))
+        before = len(_commits(logdir))
+        _until(lambda: len(_commits(logdir)) > before + 20 * n, 300, "commits")
+        info = coord._call("daskdist_group_info")
+        gen, victim = info["generation"], info["members"][-1]
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        t_kill = time.time()
+        os.kill(pid, signal.SIGKILL)
+        first = _until(lambda: [c for c in _commits(logdir)
+                                if c[0] > t_kill and c[1] > gen and c[2] != pid], 300,
+                       "a commit after the kill")
+        out["kill -> next commit (s)"] = first[0][0] - t_kill
+        coord.close()
+        del gang
+        client.close()
+    finally:
+        if workers is not None:
+            workers.send_signal(signal.SIGINT)
+            try:
+                workers.wait(60)
+            except subprocess.TimeoutExpired:
+                workers.kill()
+        sched.send_signal(signal.SIGINT)
+        try:
+            sched.wait(30)
+        except subprocess.TimeoutExpired:
+            sched.kill()
+    return out
+
+
+def real_part(args) -> dict:
+    import tempfile
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    results: dict[str, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        for n in args.workers:
+            for k, v in real_one(n, args, root).items():
+                results.setdefault(k, {})[n] = v
+            print(f"  {n} workers done", file=sys.stderr, flush=True)
+    return results
+
+
+def print_real(results: dict) -> None:
+    sizes = sorted({n for figs in results.values() for n in figs})
+    print("\nreal processes (dask scheduler + dask worker --nworkers N --nthreads 1), "
+          "the scheduler's CPU from /proc:")
+    print("| figure | " + " | ".join(f"{n} workers" for n in sizes) + " |")
+    print("|---" * (len(sizes) + 1) + "|")
+    for name, figs in results.items():
+        print(f"| {name} | " + " | ".join(f"{figs.get(n, float('nan')):.3g}" for n in sizes)
+              + " |")
+    noop, dyn = results.get("no-op closure (ms)", {}), results.get(
+        "closure with a dynamic batch (ms)", {})
+    dask = results.get("anchor: Dask submit (ms)", {})
+    for n in sizes:
+        if n in noop and n in dyn and noop[n] > 0:
+            print(f"  {n} workers: a closure with a dynamic batch costs {dyn[n] / noop[n]:.2f}x "
+                  f"a no-op closure (target <= 3x); a no-op closure is "
+                  f"{noop[n] / dask[n]:.3f}x Dask's submit")
+    rows = results.get("dynamic epoch rows/s", {})
+    if sizes and sizes[0] in rows:
+        for n in sizes[1:]:
+            print(f"  dynamic epoch rows/s, {n} vs {sizes[0]} workers: "
+                  f"{rows[n] / rows[sizes[0]]:.2f}x (target >= 0.8x)")
+    form = results.get("formation (s)", {})
+    if 16 in form:
+        print(f"  formation of the 16-worker group: {form[16]:.3f} s (target <= 0.5 s)")
+
+
 # -- driver --------------------------------------------------------------------------------
 
 ROWS = [row_join_leave, row_member_removed, row_idle_exchange, row_put, row_commit,
@@ -662,12 +884,21 @@ def main() -> None:
     p.add_argument("--compare", help="an older tree to run alternately with this one")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workers", type=int, nargs="+", default=[2, 8, 16])
+    p.add_argument("--closures", type=int, default=2000, help="no-op closures (real part)")
+    p.add_argument("--rows", type=int, default=400_000, help="rows of the dynamic epoch")
+    p.add_argument("--row-group", type=int, default=10_000)
+    p.add_argument("--steps", type=int, default=30, help="commit steps measured")
     args = p.parse_args()
     if args.compare:
         compare(args)
         return
     if args.part == "real":
-        raise SystemExit("--part real: not written yet")
+        results = real_part(args)
+        if args.json:
+            print(json.dumps(results))
+        else:
+            print_real(results)
+        return
     results = run_sim(args)
     if args.json:
         print(json.dumps(results))

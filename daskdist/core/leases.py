@@ -18,7 +18,9 @@ Transitions:
 - :meth:`LeaseTable.acquire`: a session leases consecutive free rows, at least the rows
   it asks for (rounded up to the end of a unit, so a unit is read by one worker), at
   most a share of what is left (``free / (2 * parts)``: the end of an epoch is spread
-  over every reader);
+  over every reader); near the end, where a unit is more than twice that share, a lease
+  ends inside the unit (the tail rule: leases shrink toward the two batches a loader
+  asks for at least, so no reader idles while another holds a whole unit);
 - :meth:`LeaseTable.ack`: a completed closure acknowledges rows leased to its session;
   refused (``False``, nothing changed) when the session expired or any row is not
   leased to it: fencing, so a late or duplicate message never counts a row twice;
@@ -359,12 +361,16 @@ class LeaseTable:
 
     # -- transitions ------------------------------------------------------------------
     def acquire(self, session: str, dataset_id: str, epoch: int, rows: int = 1,
-                parts: int | None = None, least: int = 1) -> list[Interval] | None:
+                parts: int | None = None, least: int = 1,
+                tail: bool = False) -> list[Interval] | None:
         """Lease free rows to ``session``: the lowest free rows, at least ``rows`` of
         them rounded up to the end of a unit, but no more than ``free / (2 * parts)``
         (``parts``: the readers sharing the epoch, by default the sessions holding rows
         of it) unless that is less than ``least`` (a lease worth its round trip).
         Rows given back by failed reads are served only once no other row is free.
+        With ``tail`` (the scheduler's leases), the tail rule: where rounding up to a
+        unit's end would more than double the lease past that share, it ends inside the
+        unit, so near the epoch's end leases shrink toward ``least``.
 
         Returns the leased rows as intervals, or ``None`` when none is free right now.
         Raises :class:`SessionExpired` for a dropped session, :class:`UnknownDataset`
@@ -388,12 +394,22 @@ class LeaseTable:
             parts = len(ep.leased) + (session not in ep.leased)
         share = -(-n_free // (2 * max(1, parts)))
         need = min(max(1, int(rows)), max(1, int(least), share))
+        # the tail rule: a lease ends at a unit's end (a unit is read by one worker) unless
+        # that would more than double it past its share of what is left: as the pool runs
+        # low, leases shrink toward ``least`` (two batches), so every reader has rows to
+        # the end of the epoch instead of one holding a whole unit while others idle
+        cap = 2 * max(need, share) if tail else None
         pool = ep.free if ep.free else ep.deferred
         units = ds.units
         out: list[Interval] = []
         while need > 0 and pool:
             a, b = pool.starts[0], pool.stops[0]
-            c = b if b - a <= need else min(b, units.stop_of(a + need - 1))  # type: ignore[union-attr]
+            if b - a <= need:
+                c = b
+            else:
+                c = min(b, units.stop_of(a + need - 1))  # type: ignore[union-attr]
+                if cap is not None and c - a > cap:
+                    c = a + need
             pool.remove(a, c)
             out.append((a, c))
             need -= c - a

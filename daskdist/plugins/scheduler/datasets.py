@@ -82,7 +82,8 @@ class LeaseBook:
             return {"expired": True}
         try:
             lease = self.leases.acquire(session, dataset_id, epoch, rows,
-                                        parts=max(1, len(self.co.members)), least=least)
+                                        parts=max(1, len(self.co.members)), least=least,
+                                        tail=True)
         except SessionExpired:
             return {"expired": True}
         except EpochFailed as e:
