@@ -663,6 +663,14 @@ def real_one(n: int, args, root: str) -> dict:
         c0 = _proc_cpu(sched.pid)
         client.gather([client.submit(_noop, pure=False) for _ in range(m // 2)])
         out["anchor: Dask submit (ms)"] = (_proc_cpu(sched.pid) - c0) / (m // 2) * 1e3
+        # the driver loop of a dynamic epoch (rounds of 2 closures per worker, fetched
+        # together) with no-op closures: the rounds' own messages
+        rounds = max(5, args.closures // (20 * n))
+        c0 = _proc_cpu(sched.pid)
+        for _ in range(rounds):
+            coord.fetch([coord.schedule(_noop) for _ in range(2 * n)])
+        out["no-op closure, rounds of 2N (ms)"] = (_proc_cpu(sched.pid) - c0) / (
+            rounds * 2 * n) * 1e3
         # a dynamic epoch: batches of 256 per worker, 2 closures per worker a round
         pattern = _write_rows(tempfile.mkdtemp(dir=root), args.rows, args.row_group)
         ds = coord.distribute_dataset(pattern, global_batch_size=256 * n, policy="dynamic")
@@ -678,7 +686,15 @@ def real_one(n: int, args, root: str) -> dict:
         cpu = _proc_cpu(sched.pid) - c0
         out["dynamic epoch rows/s"] = rows / dt
         out["closures without a batch (%)"] = 100 * empty / max(1, closures)
-        out["closure with a dynamic batch (ms)"] = cpu / max(1, closures) * 1e3
+        out["closure with a dynamic batch, rounds of 2N (ms)"] = cpu / max(1, closures) * 1e3
+        # the same closures scheduled at once (as the no-op closures above)
+        ds3 = coord.distribute_dataset(pattern, global_batch_size=256 * n, policy="dynamic")
+        it3 = iter(ds3)
+        m3 = min(m, args.rows // 256)
+        c0 = _proc_cpu(sched.pid)
+        got = coord.fetch([coord.schedule(_take, args=(it3,)) for _ in range(m3)])
+        out["closure with a dynamic batch (ms)"] = (_proc_cpu(sched.pid) - c0) / m3 * 1e3
+        out["closures at once without a batch (%)"] = 100 * sum(1 for g in got if not g) / m3
         # group formation, commits, a kill to the survivors' next commit
         t0 = time.perf_counter()
         coord.collective_group(backend="gloo", timeout=60)
@@ -747,11 +763,14 @@ def print_real(results: dict) -> None:
               + " |")
     noop, dyn = results.get("no-op closure (ms)", {}), results.get(
         "closure with a dynamic batch (ms)", {})
+    noop_r = results.get("no-op closure, rounds of 2N (ms)", {})
+    dyn_r = results.get("closure with a dynamic batch, rounds of 2N (ms)", {})
     dask = results.get("anchor: Dask submit (ms)", {})
     for n in sizes:
         if n in noop and n in dyn and noop[n] > 0:
             print(f"  {n} workers: a closure with a dynamic batch costs {dyn[n] / noop[n]:.2f}x "
-                  f"a no-op closure (target <= 3x); a no-op closure is "
+                  f"a no-op closure, both scheduled at once (target <= 3x), "
+                  f"{dyn_r[n] / noop_r[n]:.2f}x in rounds of 2N; a no-op closure is "
                   f"{noop[n] / dask[n]:.3f}x Dask's submit")
     rows = results.get("dynamic epoch rows/s", {})
     if sizes and sizes[0] in rows:

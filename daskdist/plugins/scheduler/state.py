@@ -62,6 +62,9 @@ class CoordinatorState:
         self.workers_lost = 0  # removals Dask did not expect
         self.resources_released = 0
         self._membership_flush: asyncio.TimerHandle | None = None
+        # the settings read on every exchange, read once (parsing a duration is not free)
+        self._poll = config.seconds("scheduler.poll-interval")
+        self._renew = config.seconds("liveness.renew-interval")
         self.closed = False  # the last owner left: the plugin tears this coordinator down
 
     # -- owners (client-side Coordinators) ---------------------------------------------
@@ -148,14 +151,14 @@ class CoordinatorState:
         """How long a worker's long-poll waits for work: ``scheduler.poll-interval``,
         longer on large clusters so idle workers poll at most ~200 times a second
         (Dask's heartbeats: ``n / 200``)."""
-        return max(config.seconds("scheduler.poll-interval"), len(self.members) / 200)
+        return max(self._poll, len(self.members) / 200)
 
     def renew_interval(self) -> float:
         """How often a worker session renews its lease (the register and exchange
         replies say): ``liveness.renew-interval``, growing like Dask's heartbeats
         (``n / 200`` seconds: at most ~200 renewals a second), at most a quarter of
         ``lease-timeout``."""
-        base = config.seconds("liveness.renew-interval")
+        base = self._renew
         return min(max(base, len(self.members) / 200), max(base, self.liveness.timeout / 4))
 
     def start_session(self, session: str, address: str, slots: int, device: str, gpu: str,
