@@ -1,7 +1,8 @@
 """CoordinatorPlugin: the scheduler side of daskdist.
 
-A ``SchedulerPlugin`` that owns one :class:`ClosureQueue` and one :class:`Membership`
-per coordinator name, registers RPC handlers on the scheduler (the pattern of
+A ``SchedulerPlugin`` that holds one :class:`CoordinatorState` per coordinator name
+(its sessions, and its books: closures, gangs and commits, dynamic datasets), registers
+their RPC handlers on the scheduler (the pattern of
 ``distributed/semaphore.py``), and reacts to Dask's own ``remove_worker`` and
 worker-status events, so preemption is handled the moment Dask notices it.
 
@@ -12,14 +13,14 @@ module never imports torch, pyarrow or ``collective/`` (SPEC §1).
 Load it with ``dask scheduler --preload daskdist.plugins.scheduler`` or let
 ``Coordinator`` register it from the client.
 
-The scheduler checks who calls (SPEC §2.5b): every handler checks its arguments'
-types and sizes (:mod:`daskdist.core.checks`) before it touches any state; a client acts
-only as an owner it created (each owner has a secret token, given only in the reply to
-the ``daskdist_create`` call that attached it); a worker acts only with its own session
-(``daskdist_register`` asks the worker at the address it names to confirm the session),
-and read-only handlers never create state. A named coordinator lives while it has owners:
-when the last one closes (or its client is gone for ``client-grace``), its state, group
-driver and worker plugin go.
+The scheduler checks who calls (SPEC §2.5b): each handler, here and in the books,
+checks its arguments' types and sizes (:mod:`daskdist.core.checks`) before it touches
+any state; a client acts only as an owner it created (each owner has a secret token,
+given only in the reply to the ``daskdist_create`` call that attached it); a worker acts
+only with its own session (``daskdist_register`` asks the worker at the address it
+names to confirm the session), and read-only handlers never create state. A named
+coordinator lives while it has owners: when the last one closes (or its client is gone
+for ``client-grace``), its state, group driver and worker plugin go.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskdist import config
 from daskdist.core import checks
-from daskdist.core.protocol import PLUGIN_NAME
+from daskdist.core.protocol import PLUGIN_NAME, RETIRING
 from daskdist.plugins.scheduler import observe
 from daskdist.plugins.scheduler.closures import CLOSED, CLOSURE_HANDLERS
 from daskdist.plugins.scheduler.datasets import LEASE_HANDLERS
@@ -214,7 +215,7 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     def _worker_retiring(self, address: str) -> bool:
         ws = self.scheduler.workers.get(address)
-        return ws is None or ws.status.name in ("closing_gracefully", "closing", "closed")
+        return ws is None or ws.status.name in RETIRING
 
     # -- client handlers ---------------------------------------------------------------
     async def create(self, name: str, client: str | None = None,

@@ -28,6 +28,7 @@ from daskdist import config
 from daskdist.core import checks
 from daskdist.core.liveness import LivenessTable
 from daskdist.core.membership import Membership
+from daskdist.core.protocol import RETIRING
 from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
@@ -202,7 +203,7 @@ class CoordinatorState:
         if session is None:
             return
         member = self.members.members[session]
-        retiring = status in ("closing_gracefully", "closing", "closed")
+        retiring = status in RETIRING
         paused = status == "paused"
         was_retiring, was_paused = member.draining, member.paused
         self.members.drain(address, retiring)
