@@ -366,3 +366,76 @@ def test_a_non_member_leaving_refuses_no_open_commit():
     assert asyncio.run(run()) == (True, True)
     assert co.group_book.state_commits("s1", "state") == 1  # the book knows this State committed
 
+
+
+# -- work per event that does not grow with the cluster (issue 25) ----------------------------
+
+def test_membership_index_is_the_lowest_free_and_sessions_are_found_by_address():
+    import random
+
+    from daskdist.core.membership import Membership
+
+    m = Membership()
+    rng = random.Random(0)
+    live: dict[str, str] = {}
+    for k in range(400):
+        if live and rng.random() < 0.45:
+            session = rng.choice(sorted(live))
+            m.leave(session)
+            del live[session]
+        else:
+            used = {x.index for x in m.members.values()}
+            member, _ = m.join(f"s{k}", f"w{k}")
+            assert member.index == min(set(range(len(used) + 1)) - used)
+            live[f"s{k}"] = f"w{k}"
+        for session, address in live.items():
+            assert m.session_of(address) == session
+    assert m.session_of("nobody") is None
+
+
+def test_liveness_expires_in_renewal_order_even_when_clocks_come_out_of_order():
+    from daskdist.core.liveness import LivenessTable
+
+    t = LivenessTable(timeout=10)
+    for i, s in enumerate("abcde"):
+        t.add(s, float(i))
+    t.renew("a", 20.0)
+    t.renew("c", 15.0)  # older than the newest renewal: the order is restored lazily
+    assert t.expire(13.5) == ["b", "d"]
+    assert t.expire(25.5) == ["e", "c"]
+    assert t.expire(31.0) == ["a"] and len(t) == 0
+
+
+class _Comm:
+    def closed(self) -> bool:
+        return False
+
+
+def test_a_put_wakes_one_long_poll_per_closure():
+    """N idle workers long-poll; one queued closure wakes one of them (not all N), and a
+    paused worker's long-poll is never the one woken."""
+    co = make()
+    book = co.closure_book
+    co.closure_book.add_owner("me", None, "t")
+    for i in range(6):
+        start(co, f"s{i}", f"w{i}")
+    co.poll_interval = lambda: 30.0
+
+    async def run():
+        polls = {f"s{i}": asyncio.ensure_future(book.exchange(_Comm(), f"s{i}", [], [], 1, True))
+                 for i in range(6)}
+        await until(lambda: len(book.waiters) == 6)
+        co.worker_status_changed("w0", "paused")
+        await until(lambda: len(book.waiters) == 5 and len(book.idle_waiters) == 1)
+        book.put("me", "t", [("me-0", (b"f", None), 0)])
+        await until(lambda: sum(p.done() for p in polls.values()) == 1)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        done = [s for s, p in polls.items() if p.done()]
+        assert len(done) == 1 and done != ["s0"]
+        assert [d[0] for d in polls[done[0]].result()["closures"]] == ["me-0"]
+        co.close()
+        await asyncio.gather(*polls.values())
+
+    asyncio.run(run())
+    check_queue(co.queue)

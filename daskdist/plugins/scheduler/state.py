@@ -217,6 +217,7 @@ class CoordinatorState:
             self.send(address, {"op": "daskdist-leaving", "name": self.name})
         if paused and not was_paused:
             self.send(address, {"op": "daskdist-steal", "name": self.name, "n": 2**31})
+        self.closure_book.wake_sessions((session,))  # its long-poll re-checks where it waits
         self.closure_book.wake_idle()
 
     def worker_removed(self, session: str, expected: bool) -> None:
