@@ -104,9 +104,43 @@ class GroupBook:
         if ok is not None:
             self._commits_decided([key])
             return ok
-        event = self.commit_events.setdefault(key, asyncio.Event())
+        event = self.commit_events.get(key)
+        if event is None:  # the first part of the key waits on a new event; later ones share it
+            event = self.commit_events[key] = asyncio.Event()
         await wait_event(event, timeout)
         return self._outcome(key)
+
+    def gang_commit(self, session: str, key: Any, world: int, parts: list) -> bool:
+        """Every rank's part of a gang commit in one message (``parts``: ``[rank,
+        tokens]`` for each rank), sent by the generation's rank 0 once the commit's
+        allgather brought them: the commit's outcome, decided at once. One message per
+        step instead of ``world``: O(parts) on the scheduler, with no waiter per part.
+        Refused unless ``session`` is rank 0 of ``key``'s generation, the current one,
+        and every rank's part is there (each rank's tokens are checked against the rows
+        leased to that rank's session, as a part of its own would be)."""
+        key, world = CommitKey.parse(key), int(world)
+        co = self.co
+        group = self.gangs.group
+        if not isinstance(parts, (list, tuple)) or len(parts) != world:
+            return self._outcome(key)  # refused: not every rank's part
+        sessions = group.sessions if key.generation == group.generation else None
+        if sessions is not None and group.ranks.get(str(session)) != 0:
+            sessions = None  # only rank 0 speaks for the group
+        ok = None
+        for rank, tokens in parts:
+            if sessions is not None:
+                try:
+                    co.ledgers.note(key.state, tokens)
+                except ValueError:
+                    pass  # a malformed token: the commit refuses it
+            ok = self.commits.add_part(co.leases, key, int(rank), world, tokens, sessions,
+                                       co.members.members)
+            if ok is not None:
+                break
+        if ok is None:  # a rank given twice: the parts do not cover the group
+            return self._outcome(key)
+        self._commits_decided([key])
+        return ok
 
     def commit_outcome(self, session: str, key: Any) -> bool:
         """Whether commit ``key`` was applied (a rank that missed the outcome asks). Not
@@ -187,6 +221,7 @@ GROUP_HANDLERS = {
     "daskdist_schedule_gang": (GroupBook.schedule_gang, CLOSED),
     # elastic commits (SPEC §4.2)
     "daskdist_gang_commit_part": (GroupBook.gang_commit_part, CLOSED),
+    "daskdist_gang_commit": (GroupBook.gang_commit, CLOSED),
     "daskdist_commit_outcome": (GroupBook.commit_outcome, CLOSED),
     "daskdist_state_commits": (GroupBook.state_commits, CLOSED),
 }
