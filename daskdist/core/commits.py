@@ -41,7 +41,7 @@ No Dask, torch or I/O here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,25 @@ class CommitBook:
         ok = (all(s in live for s in sessions)
               and all(0 <= r < world for r in parts)
               and table.ack_sessions({sessions[r]: t for r, t in parts.items() if t}))
+        self._record(key, ok)
+        if ok:
+            self.note_committed(key.state)
+        return ok
+
+    def add_all(self, table: LeaseTable, key: CommitKey, world: int,
+                parts: Mapping[int, Mapping[tuple[str, int], list]],
+                sessions: Sequence[str] | None, live: Container[str]) -> bool:
+        """Every rank's part of commit ``key`` at once (``parts``: rank -> its tokens
+        grouped by epoch table, :func:`~daskdist.core.leases.group_tokens`): the outcome,
+        decided now (applied only if every rank of the generation is there and live, and
+        every row still leased to its rank's session). O(parts)."""
+        if key in self.recorded:
+            return self.recorded[key]
+        self.open.pop(key, None)
+        ok = (sessions is not None and len(sessions) == world and len(parts) == world
+              and all(0 <= r < world for r in parts)
+              and all(s in live for s in sessions)
+              and table.ack_grouped({sessions[r]: g for r, g in parts.items() if g}))
         self._record(key, ok)
         if ok:
             self.note_committed(key.state)

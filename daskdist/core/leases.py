@@ -488,12 +488,19 @@ class LeaseTable:
         of one (a closure): all tokens are checked first and, if any is refused (a
         malformed token, an expired session, a row not leased to its session), nothing
         changes and ``False`` is returned. Other tokens are ignored."""
-        found = []
+        grouped = {}
         for session, tokens in per_session.items():
             try:
-                groups = group_tokens(tokens)
+                grouped[session] = group_tokens(tokens)
             except ValueError:
                 return False  # refused: nothing acknowledged
+        return self.ack_grouped(grouped)
+
+    def ack_grouped(self, per_session: Mapping[str, Mapping[tuple[str, int], list]]) -> bool:
+        """:meth:`ack_sessions` with each session's tokens already grouped by epoch table
+        (:func:`group_tokens`): all or nothing."""
+        found = []
+        for session, groups in per_session.items():
             if groups and session in self._expired:
                 return False
             for (dataset_id, epoch), ranges in groups.items():

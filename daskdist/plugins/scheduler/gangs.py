@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from daskdist.core import checks
 from daskdist.core.commits import CommitBook
 from daskdist.core.gang import INTERRUPTING, GangBook
+from daskdist.core.leases import group_tokens
 from daskdist.core.protocol import READY, CommitKey, Outcome
 from daskdist.plugins.scheduler.closures import CLOSED, wait_event
 
@@ -121,24 +122,22 @@ class GroupBook:
         key, world = CommitKey.parse(key), int(world)
         co = self.co
         group = self.gangs.group
-        if not isinstance(parts, (list, tuple)) or len(parts) != world:
-            return self._outcome(key)  # refused: not every rank's part
         sessions = group.sessions if key.generation == group.generation else None
         if sessions is not None and group.ranks.get(str(session)) != 0:
             sessions = None  # only rank 0 speaks for the group
-        ok = None
-        for rank, tokens in parts:
-            if sessions is not None:
-                try:
-                    co.ledgers.note(key.state, tokens)
-                except ValueError:
-                    pass  # a malformed token: the commit refuses it
-            ok = self.commits.add_part(co.leases, key, int(rank), world, tokens, sessions,
-                                       co.members.members)
-            if ok is not None:
-                break
-        if ok is None:  # a rank given twice: the parts do not cover the group
-            return self._outcome(key)
+        grouped: dict[int, dict] = {}
+        tables: set = set()
+        try:
+            for rank, tokens in checks.items(parts, "daskdist_gang_commit: parts"):
+                groups = group_tokens(tokens)
+                grouped[int(rank)] = groups
+                tables.update(groups)
+        except (TypeError, ValueError):
+            sessions = None  # malformed: refused
+        if sessions is not None:
+            co.ledgers.note_tables(key.state, tables)  # datasets trained under the State
+        ok = self.commits.add_all(co.leases, key, world, grouped, sessions,
+                                  co.members.members)
         self._commits_decided([key])
         return ok
 
