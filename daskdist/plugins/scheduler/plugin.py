@@ -26,10 +26,8 @@ for ``client-grace``), its state, group driver and worker plugin go.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -38,12 +36,12 @@ from daskdist import config
 from daskdist.core import checks
 from daskdist.core.protocol import PLUGIN_NAME, RETIRING
 from daskdist.plugins.scheduler import observe
-from daskdist.plugins.scheduler.closures import CLOSED, CLOSURE_HANDLERS
+from daskdist.plugins.scheduler.closures import CLOSURE_HANDLERS
 from daskdist.plugins.scheduler.datasets import LEASE_HANDLERS
 from daskdist.plugins.scheduler.gangs import GROUP_HANDLERS
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.names import Coordinators
-from daskdist.plugins.scheduler.state import CoordinatorState
+from daskdist.plugins.scheduler.state import CoordinatorState, book_handler
 
 # each book's handlers: the attribute of CoordinatorState that holds the book, and its table
 BOOK_HANDLERS = {
@@ -91,7 +89,8 @@ class CoordinatorPlugin(SchedulerPlugin):
         # the books' handlers, as their tables say (closures.py, gangs.py, datasets.py)
         for book, table in BOOK_HANDLERS.items():
             for op, (method, missing) in table.items():
-                scheduler.handlers[op] = self._on_book(book, op, method, missing)
+                scheduler.handlers[op] = book_handler(self.coordinators, book, op, method,
+                                                      missing)
         scheduler.extensions["daskdist"] = self
         self._sampler = observe.install(self, scheduler)
         self._liveness_task = asyncio.create_task(self._expire_loop())
@@ -147,35 +146,6 @@ class CoordinatorPlugin(SchedulerPlugin):
         self.names.client_back(client)
 
     # -- helpers ----------------------------------------------------------------------------
-    def _on_book(self, book: str, op: str, method: Callable[..., Any],
-                 missing: Any) -> Callable[..., Any]:
-        """Handler ``op``: ``method`` called on the named coordinator's ``book``; with no
-        such coordinator, the reply is ``missing`` (``CLOSED``: ``KeyError`` naming it).
-        A method whose first parameter (after ``self``) is ``comm`` gets Dask's comm."""
-
-        def book_of(name: Any) -> Any:
-            co = self.coordinators.get(checks.text(name, f"{op}: name"))
-            if co is None:
-                if missing is CLOSED:
-                    self._get(name)  # raises, naming it
-                return None
-            return getattr(co, book)
-
-        if list(inspect.signature(method).parameters)[1:2] == ["comm"]:
-            async def handler(comm, name: str, **kwargs: Any) -> Any:
-                b = book_of(name)
-                return missing if b is None else await method(b, comm, **kwargs)
-        elif asyncio.iscoroutinefunction(method):
-            async def handler(name: str, **kwargs: Any) -> Any:  # type: ignore[misc]
-                b = book_of(name)
-                return missing if b is None else await method(b, **kwargs)
-        else:
-            def handler(name: str, **kwargs: Any) -> Any:  # type: ignore[misc]
-                b = book_of(name)
-                return missing if b is None else method(b, **kwargs)
-
-        handler.__name__ = method.__name__
-        return handler
 
     def _get(self, name: Any) -> CoordinatorState:
         return self.names.get(name)
