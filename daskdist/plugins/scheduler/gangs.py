@@ -60,13 +60,16 @@ class GroupBook:
         collective calls of this generation raise ``CollectiveError`` at once, saying why
         (``GroupRecord.why``), instead of waiting for the group's timeout."""
         group = self.gangs.group
-        self.co.broadcast({"op": "daskdist-peer-lost", "name": self.co.name,
-                           "generation": group.generation, "reason": group.why},
-                          group.sessions)
+        co = self.co
+        co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
+                      "generation": group.generation, "reason": group.why,
+                      "version": co.members.version}, group.sessions)
+        co.told_version = co.members.version  # the members know it: no membership message
 
     def session_lost(self, session: str, expected: bool) -> None:
-        """A session ended: a group member's loss breaks the group, refuses its
-        generation's open commits and tells the surviving members."""
+        """A session ended (``members`` no longer has it): a group member's loss breaks
+        the group, refuses its generation's open commits and tells the surviving members
+        (with the new membership version)."""
         self.departing.discard(session)
         self.left.set()
         if self.gangs.session_lost(session, expected):

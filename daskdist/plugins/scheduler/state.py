@@ -64,6 +64,7 @@ class CoordinatorState:
         self.workers_lost = 0  # removals Dask did not expect
         self.resources_released = 0
         self._membership_flush: asyncio.TimerHandle | None = None
+        self.told_version = 0  # the membership version the group's members last heard
         # the settings read on every exchange, read once (parsing a duration is not free)
         self._poll = config.seconds("scheduler.poll-interval")
         self._renew = config.seconds("liveness.renew-interval")
@@ -143,11 +144,12 @@ class CoordinatorState:
         handle, self._membership_flush = self._membership_flush, None
         if handle is not None:
             handle.cancel()
-        if self.closed:
-            return
+        if self.closed or self.told_version == self.members.version:
+            return  # the members heard it with a peer loss
         group = self.gangs.group
         self.broadcast({"op": "daskdist-membership", "name": self.name,
                         "version": self.members.version}, group.sessions)
+        self.told_version = self.members.version
 
     def poll_interval(self) -> float:
         """How long a worker's long-poll waits for work: ``scheduler.poll-interval``,
@@ -244,13 +246,13 @@ class CoordinatorState:
         self.liveness.forget(session)
         self.workers_lost += not expected
         self.leases.drop_session(session)
+        self.membership_changed()
         self.group_book.session_lost(session, expected)
         book = self.closure_book
         backlog = self.queue.backlog
         book.deliver(self.queue.remove_session(session, expected))
         if book.dropped:
             book.settle_dropped(set(book.dropped))
-        self.membership_changed()
         book.wake_sessions((session,))  # its own long-poll returns
         book.wake(max(0, self.queue.backlog - backlog))  # its closures, back in the queue
 

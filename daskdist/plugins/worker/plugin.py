@@ -42,7 +42,10 @@ def install_handlers(worker) -> None:
         if runner is not None:
             runner.poke()
 
-    def peer_lost(name: str, generation: int, reason: str = "a peer left the group") -> None:
+    def peer_lost(name: str, generation: int, reason: str = "a peer left the group",
+                  version: int | None = None) -> None:
+        if version is not None:  # the membership version the loss made (one message)
+            _set_membership(version, name=name)
         # through sys.modules: no group was ever formed in this process otherwise
         collective = sys.modules.get("daskdist.collective")
         if collective is not None:
