@@ -439,3 +439,35 @@ def test_a_put_wakes_one_long_poll_per_closure():
 
     asyncio.run(run())
     check_queue(co.queue)
+
+
+def test_a_gang_commit_in_one_message_from_rank_0():
+    """Every rank's part in one message (daskdist_gang_commit): applied at once when rank
+    0 sends every part and each rank's rows are leased to its session; refused from
+    another rank, with a part missing, or with a row its rank does not hold."""
+    from daskdist.core.protocol import LeaseToken
+
+    co = make()
+    for s, w in (("s1", "w1"), ("s2", "w2")):
+        start(co, s, w)
+    _formed_group(co, ("s1", "s2"))
+    co.leases.define("ds", [(10, 4)])
+    r1 = co.leases.acquire("s1", "ds", 0, 20)
+    r2 = co.leases.acquire("s2", "ds", 0, 20)
+    gen = co.gangs.group.generation
+    book = co.group_book
+
+    def parts(a, b):
+        return [[0, [LeaseToken.of("ds", 0, [(r1[0][0] + a, r1[0][0] + b)])]],
+                [1, [LeaseToken.of("ds", 0, [(r2[0][0] + a, r2[0][0] + b)])]]]
+
+    assert book.gang_commit("s2", ["st", gen, 1], 2, parts(0, 5)) is False  # not rank 0
+    assert book.gang_commit("s1", ["st", gen, 2], 2, parts(0, 5)[:1]) is False  # a part short
+    assert book.gang_commit("s1", ["st", gen, 3], 2, [[0, []], [1, [
+        LeaseToken.of("ds", 0, [(r1[0][0], r1[0][0] + 1)])]]]) is False  # s1's rows, not s2's
+    assert co.leases.progress("ds", 0)["acknowledged"] == 0
+    assert book.gang_commit("s1", ["st", gen, 4], 2, parts(0, 5)) is True
+    assert co.leases.progress("ds", 0)["acknowledged"] == 10
+    assert book.gang_commit("s1", ["st", gen, 4], 2, parts(5, 10)) is True  # decided: kept
+    assert co.leases.progress("ds", 0)["acknowledged"] == 10
+    assert co.group_book.state_commits("s1", "st") == 1
