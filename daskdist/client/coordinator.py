@@ -434,8 +434,9 @@ class Coordinator:
                          rejoin_grace: float | None = None):
         """Bootstrap a torch.distributed group on the current workers, through Dask.
 
-        Ranks follow worker indices; ``backend="auto"`` is NCCL when every member has
-        CUDA, else gloo. Closures reach it with ``dd.collective.get_group()``.
+        Ranks follow worker indices; ``backend="auto"`` is NCCL when every member has a
+        GPU of its own (their device UUIDs differ), else gloo (saying which workers share
+        a GPU). Closures reach it with ``dd.collective.get_group()``.
         Collective calls that cannot complete fail with ``CollectiveError`` within
         ``timeout`` seconds. When a member is lost, the group re-forms on the
         survivors after ``rejoin_grace`` seconds (default
