@@ -35,6 +35,7 @@ from daskdist.client.datasets import (
     _LoaderFactory,
     _ResourceHandle,
 )
+from daskdist.client.group import CollectiveGroup
 from daskdist.client.values import PerWorkerValues, RemoteValue
 from daskdist.core import checks
 from daskdist.core.leases import unit_runs
@@ -448,7 +449,6 @@ class Coordinator:
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
-        from daskdist.client.group import CollectiveGroup  # imports torch: only here
 
         self._check_open()
         info = self._owned("daskdist_group_form", backend=backend, timeout=float(timeout),
