@@ -342,8 +342,8 @@ async def row_commit(n: int, repeat: int) -> dict[str, dict]:
     sim.flush()
     co = sim.co
     handlers = sim.sched.handlers
-    rows = 64 * (repeat + 2)  # each step acknowledges rows [64 step, 64 step + 16) and
-    # the one-message steps [64 step + 32, 64 step + 48) of each rank's lease
+    rows = 16 * (2 * repeat + 2)  # each step acknowledges the next 16 rows of each rank's
+    # lease (a rank's batches follow each other, as a loader reads them)
     handlers["daskdist_dataset_define"](name=NAME, dataset=tuple(DatasetDef(
         "ds", "bench", [[rows, n]], 0)), session=sim.sessions[0][0])
     leases = {}
@@ -359,7 +359,7 @@ async def row_commit(n: int, repeat: int) -> dict[str, dict]:
         key = ["state", generation, step + 1]
         calls = []
         for rank, s in enumerate(ranks):
-            a = leases[s][0] + 64 * step
+            a = leases[s][0] + 16 * step
             tokens = [LeaseToken.of("ds", 0, [(a, a + 16)])]
             calls.append((s, rank, tokens))
         gc.collect()
@@ -382,7 +382,7 @@ async def row_commit(n: int, repeat: int) -> dict[str, dict]:
             key = ["state", generation, step + 1]
             allparts = []
             for rank, s in enumerate(ranks):
-                a = leases[s][0] + 64 * (step - repeat) + 32
+                a = leases[s][0] + 16 * step
                 allparts.append([rank, [LeaseToken.of("ds", 0, [(a, a + 16)])]])
             gc.collect()
             t = _cpu()
@@ -806,16 +806,18 @@ ROWS = [row_join_leave, row_member_removed, row_idle_exchange, row_put, row_comm
 
 
 async def sim_part(sizes: list[int], repeat: int, idle_seconds: float,
-                   idle_sizes: list[int]) -> dict:
+                   idle_sizes: list[int], only: str = "") -> dict:
     results: dict[str, dict[int, dict]] = {}
-    for row in ROWS:  # warm up: first calls of every path, not measured
+    rows = [row for row in ROWS if only in row.__name__]
+    for row in rows:  # warm up: first calls of every path, not measured
         await row(10, 3)
     for n in sizes:
         reps = max(3, min(repeat, 20_000 // n))
-        for row in ROWS:
+        for row in rows:
             for name, fig in (await row(n, reps)).items():
                 results.setdefault(name, {})[n] = fig
-        for name, fig in (await row_stats(n, 600 if n <= 1000 else 100)).items():
+        for name, fig in ((await row_stats(n, 600 if n <= 1000 else 100)).items()
+                          if "stats" in only or not only else ()):
             if name.startswith("stats history") and n > 1000:
                 fig = {"us": fig["us"] * 6, "msgs": 0}  # 100 samples measured, 600 held
             results.setdefault(name, {})[n] = fig
@@ -873,7 +875,8 @@ def check_targets(results: dict) -> None:
 def run_sim(args) -> dict:
     logging.getLogger("daskdist").setLevel(logging.ERROR)
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    return asyncio.run(sim_part(args.sizes, args.repeat, args.idle_seconds, args.idle_sizes))
+    return asyncio.run(sim_part(args.sizes, args.repeat, args.idle_seconds, args.idle_sizes,
+                                args.only))
 
 
 def compare(args) -> None:
@@ -883,7 +886,8 @@ def compare(args) -> None:
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     base = [sys.executable, os.path.abspath(__file__), "--part", "sim", "--json",
             "--repeat", str(args.repeat), "--idle-seconds", str(args.idle_seconds),
-            "--sizes", *map(str, args.sizes), "--idle-sizes", *map(str, args.idle_sizes)]
+            "--sizes", *map(str, args.sizes), "--idle-sizes", *map(str, args.idle_sizes),
+            "--only", args.only]
     for r in range(args.rounds):
         for which in ("old", "new"):
             env = dict(os.environ, PYTHONPATH=trees[which])
@@ -918,6 +922,7 @@ def main() -> None:
     p.add_argument("--idle-seconds", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=200)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    p.add_argument("--only", default="", help="only the rows whose function name has this")
     p.add_argument("--compare", help="an older tree to run alternately with this one")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workers", type=int, nargs="+", default=[2, 8, 16])
