@@ -19,10 +19,10 @@ Transitions:
   it asks for (rounded up to the end of a unit, so a unit is read by one worker), at
   most a share of what is left (``free / (2 * parts)``: the end of an epoch is spread
   over every reader); near the end, where a unit is more than twice that share, a lease
-  ends inside the unit, and once fewer rows are free than a lease for every reader, a
-  reader still holding a lease's worth gets none (the tail rule: leases shrink toward
-  the two batches a loader asks for at least, and the last rows go to the readers
-  holding none, so no reader idles while another holds a whole unit);
+  ends inside the unit, and a reader already holding its share of the rows not yet
+  acknowledged gets none (the tail rule: leases shrink toward the two batches a loader
+  asks for at least, and the rows go to the readers holding less, so no reader idles
+  while another holds a whole unit);
 - :meth:`LeaseTable.ack`: a completed closure acknowledges rows leased to its session;
   refused (``False``, nothing changed) when the session expired or any row is not
   leased to it: fencing, so a late or duplicate message never counts a row twice;
@@ -372,9 +372,11 @@ class LeaseTable:
         Rows given back by failed reads are served only once no other row is free.
         With ``tail`` (the scheduler's leases), the tail rule: where rounding up to a
         unit's end would more than double the lease past that share, it ends inside the
-        unit, so near the epoch's end leases shrink toward ``least``; and once fewer rows
-        are free than a lease for every reader, a reader that still holds a lease's
-        worth (asked ahead) gets none: the last rows go to the readers holding none.
+        unit, so near the epoch's end leases shrink toward ``least``; and a reader that
+        already holds its share of the rows not yet acknowledged (``(free + leased) /
+        parts``, leases it asked ahead) gets none while it holds a lease's worth or the
+        pool is low: the rows go to the readers holding less, so readers that consume
+        alike run out alike, at the epoch's end.
 
         Returns the leased rows as intervals, or ``None`` when none is free right now.
         Raises :class:`SessionExpired` for a dropped session, :class:`UnknownDataset`
@@ -398,11 +400,13 @@ class LeaseTable:
             parts = len(ep.leased) + (session not in ep.leased)
         share = -(-n_free // (2 * max(1, parts)))
         need = min(max(1, int(rows)), max(1, int(least), share))
-        if tail and n_free < parts * need:
-            # the last rows: fewer than a lease for every reader, so a reader that still
-            # holds rows (a lease asked ahead) waits, and the readers holding none get them
+        if tail:
+            # a reader already holding its share of what is not acknowledged yet (leases
+            # it asked ahead) waits: the rows go to the readers holding less, so readers
+            # that consume alike run out alike, at the end of the epoch
             held = ep.leased.get(session)
-            if held is not None and held.size >= need:
+            if held is not None and held.size * parts >= n_free + ep.n_leased and (
+                    held.size >= need or n_free < parts * need):
                 return None
         # the tail rule: a lease ends at a unit's end (a unit is read by one worker) unless
         # that would more than double it past its share of what is left: as the pool runs
