@@ -26,6 +26,24 @@ def check_queue(q: ClosureQueue) -> None:
         for cid in cids:
             assert q.closures[cid].session == session
     assert set(q._running) <= q._sessions, set(q._running) - q._sessions
+    # the running counts that spare events a scan agree with a scan
+    assert q.queued == sum(1 for c in q.closures.values()
+                           if c.state == PENDING and c.pinned is None), "queued count"
+    owners: dict[str, int] = {}
+    for c in q.closures.values():
+        owners[c.owner] = owners.get(c.owner, 0) + 1
+    assert q._unfinished == owners, "unfinished counts"
+    for session, cids in q._running.items():
+        own = sum(1 for cid in cids if q.closures[cid].pinned is None)
+        assert q._own.get(session, 0) == own, f"{session}: own count"
+    best = max((q.prefetched(s) for s in q._sessions), default=0)
+    for thief in list(q._sessions)[:3]:
+        victim = q.steal_victim(thief)
+        others = max((q.prefetched(s) for s in q._sessions if s != thief), default=0)
+        assert (victim is None) == (others == 0), (thief, victim, others)
+        if victim is not None:
+            assert q.prefetched(victim[0]) == others and victim[0] != thief
+    assert best >= 0
 
 
 def check_leases(t: LeaseTable) -> None:

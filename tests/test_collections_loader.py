@@ -62,7 +62,7 @@ def drain(loader, svc):
 
 def test_a_lazy_frame_streams_every_row_once_under_dynamic():
     svc = LocalLeaseService()
-    ld = ArrowLoader(frame(), InputContext(leases=svc), batch_size=16)
+    ld = ArrowLoader(frame(), InputContext(services=svc), batch_size=16)
     assert ld.policy == "dynamic"  # the default for a collection with a lease service
     p = ld.progress()
     assert not p["known"] and p["total"] == 0 and p["units"] == PARTS
@@ -74,7 +74,7 @@ def test_a_lazy_frame_streams_every_row_once_under_dynamic():
 
 def test_batches_keep_types_strings_become_lists():
     svc = LocalLeaseService()
-    ld = ArrowLoader(frame(2), InputContext(leases=svc), batch_size=10)
+    ld = ArrowLoader(frame(2), InputContext(services=svc), batch_size=10)
     b = next(iter(ld))
     assert b["id"].dtype == torch.int64 and b["x"].dtype == torch.float64
     assert isinstance(b["name"], list) and b["name"][0] == "p0r0"
@@ -84,7 +84,7 @@ def test_batches_keep_types_strings_become_lists():
 def test_columns_and_shuffle_are_deterministic_per_seed_and_epoch():
     def order(seed, epoch):
         svc = LocalLeaseService()
-        ld = ArrowLoader(frame(), InputContext(leases=svc), batch_size=8, shuffle=True,
+        ld = ArrowLoader(frame(), InputContext(services=svc), batch_size=8, shuffle=True,
                          seed=seed, columns=["id"])
         ld.set_epoch(epoch)
         out = []
@@ -106,7 +106,7 @@ def test_a_dict_of_arrays_gives_nd_batches_and_dense_ids():
     x = da.arange(90 * 6, chunks=60).reshape(90, 2, 3).rechunk((20, 1, 3))
     y = da.arange(90, chunks=20)
     svc = LocalLeaseService()
-    ld = ArrowLoader({"image": x, "label": y}, InputContext(leases=svc), batch_size=16)
+    ld = ArrowLoader({"image": x, "label": y}, InputContext(services=svc), batch_size=16)
     assert ld.num_rows == 90
     p = ld.progress()
     assert p["known"] and p["total"] == 90  # lengths known from the chunks
@@ -177,7 +177,7 @@ def boom_at_3(df):
 def test_an_error_in_the_users_graph_names_the_partition_and_gives_its_rows_back():
     svc = LocalLeaseService()
     df = frame(6).map_partitions(boom_at_3)
-    ld = ArrowLoader(df, InputContext(leases=svc), batch_size=1000)
+    ld = ArrowLoader(df, InputContext(services=svc), batch_size=1000)
     it = iter(ld)
     seen = []
     with pytest.raises(InputError, match="partition 3 .*ZeroDivisionError: bad partition") as e:
@@ -209,12 +209,12 @@ def test_a_recomputed_partition_of_another_length_fails_the_epoch():
     CALLS.clear()
     svc = LocalLeaseService()
     df = ddf.from_map(grows_when_recomputed, range(2))
-    ld = ArrowLoader(df, InputContext(leases=svc), batch_size=2, partitions_ahead=1)
+    ld = ArrowLoader(df, InputContext(services=svc), batch_size=2, partitions_ahead=1)
     it = iter(ld)
     next(it)  # partition 0 computed (5 rows); this closure fails, its worker is lost
     ld.close()
     svc.drop_session()  # its rows go back
-    ld2 = ArrowLoader(df, InputContext(leases=svc.for_session("b")), batch_size=2)
+    ld2 = ArrowLoader(df, InputContext(services=svc.for_session("b")), batch_size=2)
     ld2.dataset_id = ld.dataset_id
     with pytest.raises(InputError, match=r"partition 0 .* has \d+ rows now and had \d+"):
         list(ld2)
@@ -236,7 +236,7 @@ def test_anything_else_is_a_type_error_naming_it():
 
 def test_unknown_lengths_use_strided_ids():
     svc = LocalLeaseService()
-    ld = ArrowLoader(frame(3), InputContext(leases=svc), batch_size=ROWS)
+    ld = ArrowLoader(frame(3), InputContext(services=svc), batch_size=ROWS)
     it = iter(ld)
     scope = ClosureScope()
     with closure_scope(scope):

@@ -16,7 +16,8 @@ from daskdist.core.protocol import (
     CommitKey,
     Outcome,
 )
-from daskdist.plugins.scheduler.state import GANG_OWNER, CoordinatorState, Outbox
+from daskdist.plugins.scheduler.closures import GANG_OWNER, Outbox
+from daskdist.plugins.scheduler.state import CoordinatorState
 from tests.tables import check_queue
 
 
@@ -39,17 +40,40 @@ def start(co: CoordinatorState, session: str, address: str, slots: int = 1,
 def test_start_session_takes_the_lowest_free_index_and_a_lease():
     sent: list = []
     co = make(sent)
-    assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1, "joins": 1}
+    assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1,
+                                      "joins": 1, "renew": 1.0}
     reply = start(co, "s2", "w2")
     assert reply["index"] == 1 and reply["num_workers"] == 2
     assert co.renew("s1", 1.0) and co.renew("s2", 1.0)
     co.stop_session("s1")
     assert start(co, "s3", "w3")["index"] == 0  # a replacement reuses the lost index
-    # members hear of every change on their stream, addressed to their own session
-    told = [msg for _, msg in sent if msg["op"] == "daskdist-membership"]
-    assert told and {msg["session"] for msg in told} <= {"s1", "s2", "s3"}
-    assert told[-1]["version"] == co.members.version and told[-1]["joins"] == 3
+    assert start(co, "s4", "w4")["index"] == 2
     check_queue(co.queue)
+
+
+def test_group_members_hear_of_membership_changes_once_per_interval():
+    """Joins and leaves reach the group's members (what State.commit() compares) in one
+    message per membership-interval, however many there were; other workers read the
+    version from their exchange replies."""
+    sent: list = []
+    co = make(sent)
+    for s, w in (("s1", "w1"), ("s2", "w2")):
+        start(co, s, w)
+    _formed_group(co, ("s1", "s2"))
+    sent.clear()
+
+    async def run() -> None:
+        for i in range(5):  # a burst of joins within one interval
+            start(co, f"j{i}", f"wj{i}")
+        assert not [m for _, m in sent if m["op"] == "daskdist-membership"]
+        await until(lambda: any(m["op"] == "daskdist-membership" for _, m in sent))
+
+    asyncio.run(run())
+    # addressed to each member's own session, with the joins count (skip_sync)
+    told = [(a, m["session"], m["version"], m["joins"])
+            for a, m in sent if m["op"] == "daskdist-membership"]
+    v, j = co.members.version, co.members.joins
+    assert told == [("w1", "s1", v, j), ("w2", "s2", v, j)] and j == 7
 
 
 def test_a_new_session_of_the_same_worker_ends_the_old_one():
@@ -138,25 +162,25 @@ async def until(cond, seconds: float = 5.0) -> None:
 def test_raise_error_waits_for_in_flight_then_cancels_the_queue():
     async def main():
         co = make()
-        co.add_owner("me", None, "t")
+        co.closure_book.add_owner("me", None, "t")
         start(co, "s", "w", slots=2)
-        assert await co.raise_error("me") == {"error": None, "cancelled": []}
+        assert await co.closure_book.raise_error("me") == {"error": None, "cancelled": []}
         for i in range(4):
             co.queue.put(f"o-{i}", "me", b"")
         co.queue.dispatch("s", 2)
-        co.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
+        co.closure_book.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
         co.gangs.submit("g-0", "me", b"")
-        task = asyncio.ensure_future(co.raise_error("me", timeout=5))
-        await until(lambda: co.hold)
-        assert not task.done() and co.hold == ["me"]  # o-1 still runs: held meanwhile
-        co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
+        task = asyncio.ensure_future(co.closure_book.raise_error("me", timeout=5))
+        await until(lambda: co.closure_book.hold)
+        assert not task.done() and co.closure_book.hold == ["me"]  # o-1 still runs: held meanwhile
+        co.closure_book.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
         got = await asyncio.wait_for(task, 5)
         assert got["error"] == ("o-0", b"boom", USER_ERROR)
         assert sorted(got["cancelled"]) == [("me", "g-0"), ("me", "o-2"), ("me", "o-3")]
-        assert not co.hold and co.queue.errors == {}
+        assert not co.closure_book.hold and co.queue.errors == {}
         cancelled = {d.cid for d in co.outboxes["me"].items if d.state == CANCELLED}
         assert cancelled == {"o-2", "o-3", "g-0"}
-        assert await co.raise_error("me") == {"error": None, "cancelled": []}
+        assert await co.closure_book.raise_error("me") == {"error": None, "cancelled": []}
 
     asyncio.run(main())
 
@@ -164,16 +188,17 @@ def test_raise_error_waits_for_in_flight_then_cancels_the_queue():
 def test_raise_error_times_out_and_unpauses():
     async def main():
         co = make()
-        co.add_owner("me", None, "t")
+        co.closure_book.add_owner("me", None, "t")
         start(co, "s", "w", slots=2)
         co.queue.put("o-0", "me", b"")
         co.queue.put("o-1", "me", b"")
         co.queue.dispatch("s", 2)
-        co.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
-        assert await co.raise_error("me", timeout=0.05) == {"timeout": True}
-        assert not co.hold and "me" in co.queue.errors  # still there for the next raise
-        co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
-        got = await co.raise_error("me", timeout=5)
+        co.closure_book.apply_results("s", [Outcome("o-0", FAILED, b"boom", USER_ERROR, 1)])
+        assert await co.closure_book.raise_error("me", timeout=0.05) == {"timeout": True}
+        # still there for the next raise
+        assert not co.closure_book.hold and "me" in co.queue.errors
+        co.closure_book.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
+        got = await co.closure_book.raise_error("me", timeout=5)
         assert got["error"][0] == "o-0" and got["cancelled"] == []
 
     asyncio.run(main())
@@ -184,22 +209,22 @@ def test_an_owners_error_is_raised_to_it_alone_and_holds_only_its_work():
     closures run while B's raise waits, and A's raise finds nothing."""
     async def main():
         co = make()
-        co.add_owner("a", None, "ta")
-        co.add_owner("b", None, "tb")
+        co.closure_book.add_owner("a", None, "ta")
+        co.closure_book.add_owner("b", None, "tb")
         start(co, "s", "w", slots=2)
         co.queue.put("b-0", "b", b"")
         co.queue.put("b-1", "b", b"")
         co.queue.dispatch("s", 2)
-        co.apply_results("s", [Outcome("b-0", FAILED, b"KeyError", USER_ERROR, 1)])
+        co.closure_book.apply_results("s", [Outcome("b-0", FAILED, b"KeyError", USER_ERROR, 1)])
         assert [o.cid for o in co.outboxes["b"].items] == ["b-0"]
         assert co.outboxes["a"].items == [] and not co.outboxes["a"].event.is_set()
-        raising = asyncio.ensure_future(co.raise_error("b", timeout=5))
-        await until(lambda: co.hold == ["b"])
+        raising = asyncio.ensure_future(co.closure_book.raise_error("b", timeout=5))
+        await until(lambda: co.closure_book.hold == ["b"])
         co.queue.put("a-0", "a", b"")
         co.queue.put("b-2", "b", b"")  # queued while b's raise waits: cancelled
         assert [c.cid for c in co.queue.dispatch("s", 5)] == ["a-0"]
-        assert await co.raise_error("a") == {"error": None, "cancelled": []}
-        co.apply_results("s", [Outcome("a-0", READY, b"ok", None, 1),
+        assert await co.closure_book.raise_error("a") == {"error": None, "cancelled": []}
+        co.closure_book.apply_results("s", [Outcome("a-0", READY, b"ok", None, 1),
                                Outcome("b-1", READY, b"ok", None, 1)])
         got = await asyncio.wait_for(raising, 5)
         assert got == {"error": ("b-0", b"KeyError", USER_ERROR), "cancelled": [("b", "b-2")]}
@@ -225,8 +250,8 @@ def test_a_memory_pause_keeps_the_group_and_gives_prefetched_work_back():
 def test_drop_owner_cancels_its_queue_and_releases_its_resources_only():
     sent: list = []
     co = make(sent)
-    co.add_owner("a", None, "ta")
-    co.add_owner("b", None, "tb")
+    co.closure_book.add_owner("a", None, "ta")
+    co.closure_book.add_owner("b", None, "tb")
     start(co, "s", "w")
     co.add_resource("a", "ra", b"spec")
     co.add_resource("b", "rb", b"spec")
@@ -234,7 +259,7 @@ def test_drop_owner_cancels_its_queue_and_releases_its_resources_only():
     co.queue.put("a-1", "a", b"")
     co.queue.put("b-0", "b", b"")
     co.queue.dispatch("s", 1)
-    co.apply_results("s", [Outcome("a-0", READY, b"v", None, 1)])
+    co.closure_book.apply_results("s", [Outcome("a-0", READY, b"v", None, 1)])
     unread = co.drop_owner("a")
     assert [o.cid for o in unread] == ["a-0"]  # finished before the close: still its value
     assert "a" not in co.outboxes and co.queue.queued == 1 and set(co.resources) == {"rb"}
@@ -246,21 +271,23 @@ def test_closing_an_owner_ends_its_raise_and_keeps_its_work_held():
     and the closed owner's closures stay held (its prefetched ones never start)."""
     async def main():
         co = make()
-        co.add_owner("me", None, "t")
+        co.closure_book.add_owner("me", None, "t")
         start(co, "s", "w", slots=2)
         for i in range(3):
             co.queue.put(f"me-{i}", "me", b"")
         co.queue.dispatch("s", 3)
-        co.apply_results("s", [Outcome("me-0", FAILED, b"boom", USER_ERROR, 1)])
-        raising = asyncio.ensure_future(co.raise_error("me"))
-        await until(lambda: co.hold == ["me"])
+        co.closure_book.apply_results("s", [Outcome("me-0", FAILED, b"boom", USER_ERROR, 1)])
+        raising = asyncio.ensure_future(co.closure_book.raise_error("me"))
+        await until(lambda: co.closure_book.hold == ["me"])
         co.drop_owner("me")
         got = await asyncio.wait_for(raising, 5)
         assert got["error"] is None
-        assert co.hold == ["me"]  # me-1 runs on; me-2 was prefetched: it must not start
-        co.apply_results("s", [Outcome("me-2", PENDING, None, UNSTARTED, 1),
+        # me-1 runs on; me-2 was prefetched: it must not start
+        assert co.closure_book.hold == ["me"]
+        co.closure_book.apply_results("s", [Outcome("me-2", PENDING, None, UNSTARTED, 1),
                                Outcome("me-1", READY, b"late", None, 1)])
-        assert co.queue.unfinished("me") == 0 and co.hold == [] and co.dropped == set()
+        assert co.queue.unfinished("me") == 0
+        assert co.closure_book.hold == [] and co.closure_book.dropped == set()
 
     asyncio.run(main())
 
@@ -290,7 +317,7 @@ def test_a_members_user_error_tells_the_peers_at_once_why():
     sent: list = []
     co, gang, members = _running_gang(sent)
     cid, session, _ = members[1]
-    co.apply_results(session, [Outcome(cid, FAILED, b"err", USER_ERROR, 1)])
+    co.closure_book.apply_results(session, [Outcome(cid, FAILED, b"err", USER_ERROR, 1)])
     told = [(a, m) for a, m in sent if m["op"] == "daskdist-peer-lost"]
     assert sorted(a for a, _ in told) == ["w1", "w2", "w3"]
     assert all(m["generation"] == gang.generation and "rank 1" in m["reason"]
@@ -303,7 +330,7 @@ def test_an_interruption_every_rank_raises_tells_no_one():
     sent: list = []
     co, _gang, members = _running_gang(sent)
     cid, session, _ = members[0]
-    co.apply_results(session, [Outcome(cid, FAILED, b"err", HOSTS_UPDATED, 1)])
+    co.closure_book.apply_results(session, [Outcome(cid, FAILED, b"err", HOSTS_UPDATED, 1)])
     assert co.gangs.group.broken
     assert not [m for _, m in sent if m["op"] == "daskdist-peer-lost"]
 
@@ -316,12 +343,12 @@ def test_a_commit_whose_parts_do_not_all_come_expires_refused():
     key = CommitKey("state", co.gangs.group.generation, 1)
 
     async def run():
-        ok = await co.gang_commit_part("s1", key, 0, 2, [], 0.05)  # s2's part never came
-        late = await co.gang_commit_part("s2", key, 1, 2, [], 5.0)
+        ok = await co.group_book.gang_commit_part("s1", key, 0, 2, [], 0.05)  # s2's part never came
+        late = await co.group_book.gang_commit_part("s2", key, 1, 2, [], 5.0)
         return ok, late
 
     assert asyncio.run(run()) == (False, False)
-    assert co.commit_outcome(key) is False and not co.commit_events
+    assert co.group_book.commit_outcome("s1", key) is False and not co.group_book.commit_events
 
 
 def test_a_non_member_leaving_refuses_no_open_commit():
@@ -332,13 +359,118 @@ def test_a_non_member_leaving_refuses_no_open_commit():
     key = CommitKey("state", co.gangs.group.generation, 1)
 
     async def run():
-        part = asyncio.ensure_future(co.gang_commit_part("s1", key, 0, 2, [], 5.0))
-        while key not in co.commit_events:  # s1's part is in, waiting for s2's
+        part = asyncio.ensure_future(co.group_book.gang_commit_part("s1", key, 0, 2, [], 5.0))
+        while key not in co.group_book.commit_events:  # s1's part is in, waiting for s2's
             await asyncio.sleep(0)
         co.end_session("s3", expected=False)  # not in the group
         assert not part.done()
-        return await co.gang_commit_part("s2", key, 1, 2, [], 5.0), await part
+        return await co.group_book.gang_commit_part("s2", key, 1, 2, [], 5.0), await part
 
     assert asyncio.run(run()) == (True, True)
-    assert co.state_commits("state") == 1  # the book knows this State committed
+    assert co.group_book.state_commits("s1", "state") == 1  # the book knows this State committed
 
+
+
+# -- work per event that does not grow with the cluster (issue 25) ----------------------------
+
+def test_membership_index_is_the_lowest_free_and_sessions_are_found_by_address():
+    import random
+
+    from daskdist.core.membership import Membership
+
+    m = Membership()
+    rng = random.Random(0)
+    live: dict[str, str] = {}
+    for k in range(400):
+        if live and rng.random() < 0.45:
+            session = rng.choice(sorted(live))
+            m.leave(session)
+            del live[session]
+        else:
+            used = {x.index for x in m.members.values()}
+            member, _ = m.join(f"s{k}", f"w{k}")
+            assert member.index == min(set(range(len(used) + 1)) - used)
+            live[f"s{k}"] = f"w{k}"
+        for session, address in live.items():
+            assert m.session_of(address) == session
+    assert m.session_of("nobody") is None
+
+
+def test_liveness_expires_in_renewal_order_even_when_clocks_come_out_of_order():
+    from daskdist.core.liveness import LivenessTable
+
+    t = LivenessTable(timeout=10)
+    for i, s in enumerate("abcde"):
+        t.add(s, float(i))
+    t.renew("a", 20.0)
+    t.renew("c", 15.0)  # older than the newest renewal: the order is restored lazily
+    assert t.expire(13.5) == ["b", "d"]
+    assert t.expire(25.5) == ["e", "c"]
+    assert t.expire(31.0) == ["a"] and len(t) == 0
+
+
+class _Comm:
+    def closed(self) -> bool:
+        return False
+
+
+def test_a_put_wakes_one_long_poll_per_closure():
+    """N idle workers long-poll; one queued closure wakes one of them (not all N), and a
+    paused worker's long-poll is never the one woken."""
+    co = make()
+    book = co.closure_book
+    co.closure_book.add_owner("me", None, "t")
+    for i in range(6):
+        start(co, f"s{i}", f"w{i}")
+    co.poll_interval = lambda: 30.0
+
+    async def run():
+        polls = {f"s{i}": asyncio.ensure_future(book.exchange(_Comm(), f"s{i}", [], [], 1, True))
+                 for i in range(6)}
+        await until(lambda: len(book.waiters) == 6)
+        co.worker_status_changed("w0", "paused")
+        await until(lambda: len(book.waiters) == 5 and len(book.idle_waiters) == 1)
+        book.put("me", "t", [("me-0", (b"f", None), 0)])
+        await until(lambda: sum(p.done() for p in polls.values()) == 1)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        done = [s for s, p in polls.items() if p.done()]
+        assert len(done) == 1 and done != ["s0"]
+        assert [d[0] for d in polls[done[0]].result()["closures"]] == ["me-0"]
+        co.close()
+        await asyncio.gather(*polls.values())
+
+    asyncio.run(run())
+    check_queue(co.queue)
+
+
+def test_a_gang_commit_in_one_message_from_rank_0():
+    """Every rank's part in one message (daskdist_gang_commit): applied at once when rank
+    0 sends every part and each rank's rows are leased to its session; refused from
+    another rank, with a part missing, or with a row its rank does not hold."""
+    from daskdist.core.protocol import LeaseToken
+
+    co = make()
+    for s, w in (("s1", "w1"), ("s2", "w2")):
+        start(co, s, w)
+    _formed_group(co, ("s1", "s2"))
+    co.leases.define("ds", [(10, 4)])
+    r1 = co.leases.acquire("s1", "ds", 0, 20)
+    r2 = co.leases.acquire("s2", "ds", 0, 20)
+    gen = co.gangs.group.generation
+    book = co.group_book
+
+    def parts(a, b):
+        return [[0, [LeaseToken.of("ds", 0, [(r1[0][0] + a, r1[0][0] + b)])]],
+                [1, [LeaseToken.of("ds", 0, [(r2[0][0] + a, r2[0][0] + b)])]]]
+
+    assert book.gang_commit("s2", ["st", gen, 1], 2, parts(0, 5)) is False  # not rank 0
+    assert book.gang_commit("s1", ["st", gen, 2], 2, parts(0, 5)[:1]) is False  # a part short
+    assert book.gang_commit("s1", ["st", gen, 3], 2, [[0, []], [1, [
+        LeaseToken.of("ds", 0, [(r1[0][0], r1[0][0] + 1)])]]]) is False  # s1's rows, not s2's
+    assert co.leases.progress("ds", 0)["acknowledged"] == 0
+    assert book.gang_commit("s1", ["st", gen, 4], 2, parts(0, 5)) is True
+    assert co.leases.progress("ds", 0)["acknowledged"] == 10
+    assert book.gang_commit("s1", ["st", gen, 4], 2, parts(5, 10)) is True  # decided: kept
+    assert co.leases.progress("ds", 0)["acknowledged"] == 10
+    assert co.group_book.state_commits("s1", "st") == 1

@@ -250,7 +250,8 @@ def test_stats_counts_rows_rates_and_group_events():
     now = [100.0]
     stats = CoordinatorStats(history=10, clock=lambda: now[0])
     member = SimpleNamespace(address="tcp://w0", index=0, device="cpu")
-    group = SimpleNamespace(sessions=("s0", "s1"), generation=3, broken=False)
+    group = SimpleNamespace(sessions=("s0", "s1"), ranks={"s0": 0, "s1": 1}, generation=3,
+                            broken=False)
     co = SimpleNamespace(members=SimpleNamespace(members={"s0": member}),
                          gangs=SimpleNamespace(group=group))
     base = dict(done=0, failed=0, retried=0, recovered=0, queued=5, running=1)

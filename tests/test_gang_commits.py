@@ -71,7 +71,7 @@ class Sim:
         for r, lst in enumerate(self.lists):
             self.ledgers[r].begin(key, lst, model)
             lst.clear()
-        sessions = dict(enumerate(self.sessions))
+        sessions = tuple(self.sessions)
         ok = None
         for r in range(len(self.sessions)):
             if die in ("before", "late") and r == victim:
@@ -173,7 +173,7 @@ def test_committed_model_holds_each_acknowledged_row_once(ops):
 
 def _parts(sim, key, ranks=None):
     """Every rank's (or ``ranks``') part of ``key``: the last one's outcome."""
-    sessions = dict(enumerate(sim.sessions))
+    sessions = tuple(sim.sessions)
     out = None
     for r in (range(len(sim.sessions)) if ranks is None else ranks):
         out = sim.book.add_part(sim.table, key, r, len(sim.sessions), list(sim.lists[r]),

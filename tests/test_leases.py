@@ -446,3 +446,55 @@ def test_a_closures_tokens_are_merged_one_per_epoch_table():
     assert t.ack_tokens("a", merge_tokens([("lease", DS, 0, [(0, 4)]),
                                            ("lease", DS, 0, [(4, 8)])]))
     assert t.is_complete(DS, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(unit_rows=st.lists(st.integers(1, 50), min_size=1, max_size=12),
+       rows=st.integers(1, 80), least=st.integers(1, 20), parts=st.integers(1, 6))
+def test_the_tail_rule_shrinks_leases_toward_least(unit_rows, rows, least, parts):
+    """Under the tail rule a lease ends at a unit's end unless that would more than
+    double it past its share (free / (2 * parts)); then it is exactly what was asked
+    for, not under ``least``: leases shrink as the pool runs low, every row once."""
+    t = table(unit_rows)
+    ends, pos = set(), 0
+    for r in unit_rows:
+        pos += r
+        ends.add(pos)
+    seen: list = []
+    fresh = 0
+    while True:
+        free = t.progress(DS, 0)["free"]
+        session = f"s{len(seen) % parts}"
+        lease = t.acquire(session, DS, 0, rows, parts=parts, least=least, tail=True)
+        share = -(-free // (2 * parts))
+        need = min(rows, max(least, share))
+        if lease is None and free:
+            # a reader holding its share of what is not acknowledged waits: the rows go
+            # to readers holding less
+            held = sum(b - a for a, b in leased_to(t, session, DS, 0))
+            leased = t.progress(DS, 0)["leased"]
+            assert held * parts >= free + leased and (held >= need or free < parts * need)
+            fresh += 1
+            session = f"fresh{fresh}"
+            lease = t.acquire(session, DS, 0, rows, parts=parts, least=least, tail=True)
+        if lease is None:
+            assert free == 0
+            break
+        (a, b), = lease
+        assert b - a >= min(need, free)
+        if b - a > need:  # rounded up to a unit's end, at most twice the share
+            assert b in ends and b - a <= 2 * max(need, share)
+        else:  # what was asked for (or the rest of the pool)
+            assert b - a == min(need, free)
+        seen.append((a, b))
+    assert normalize(seen) == ([(0, pos)] if pos else [])
+    check_leases(t)
+
+
+def test_the_tail_rule_gives_every_reader_rows_of_the_last_unit():
+    """One 1,000-row unit left and 8 readers asking for 65,536 rows, at least 64: each
+    takes a piece of it, none takes it whole."""
+    t = table([1000])
+    got = [t.acquire(f"s{i}", DS, 0, 65536, parts=8, least=64, tail=True) for i in range(8)]
+    assert all(got) and all(b - a < 1000 for (a, b), in got)
+    assert sum(b - a for (a, b), in got) <= 1000

@@ -264,7 +264,7 @@ def test_a_completed_closure_whose_rows_are_refused_is_counted_and_frees_its_lea
     assert co.leases.acquire("s1", "ds", 0, 1) == [(0, 10)]
     assert co.leases.acquire("s2", "ds", 0, 1) == [(10, 20)]
     # rows 0-5 are this session's, 10-12 another's: the acknowledgement is refused whole
-    co.apply_results("s1", [Outcome("o-0", READY, b"", None, 1, tokens=[
+    co.closure_book.apply_results("s1", [Outcome("o-0", READY, b"", None, 1, tokens=[
         lease_token("ds", 0, [(0, 5)]), lease_token("ds", 0, [(10, 12)])])])
     assert co.status()["acks_refused"] == 1
     p = co.leases.progress("ds", 0)

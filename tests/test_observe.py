@@ -8,6 +8,7 @@ import pytest
 from distributed import Client
 
 import daskdist as dd
+from daskdist.plugins.scheduler import observe
 from tests.conftest import make_cluster, wait_for_workers
 
 
@@ -50,8 +51,13 @@ def test_dashboard_page_and_metrics(dash_client):
                  "daskdist_lease_expiries_total", "daskdist_group_member_losses_total",
                  "daskdist_group_formation_seconds"):
         assert values[f'{name}{{coordinator="observed"}}'] == 0.0
-    assert all(n.split("{")[0].endswith(("_total", "_seconds")) or "_total" not in n
-               for n in values)
+    # Prometheus naming: counters end in _total (and only there), gauges do not
+    names = {n.split("{")[0] for n in values}
+    for key in observe.COUNTERS:
+        assert f"daskdist_closures_{key}_total" in names, key
+    for key in observe.GAUGES:
+        assert f"daskdist_{key}" in names and f"daskdist_{key}_total" not in names, key
+    assert not [n for n in names if "_total" in n and not n.endswith("_total")]
     coord.close()
 
 

@@ -33,7 +33,7 @@ def pid_of_running(coord, client):
     """The pid of a worker that is running one of ``coord``'s closures now."""
     def running(dask_worker, name=coord.name):
         plugin = dask_worker.plugins.get(worker_plugin_name(name))
-        return plugin is not None and plugin.runner is not None and plugin.runner.running > 0
+        return plugin is not None and plugin.runner is not None and plugin.runner.taken > 0
 
     def find():
         busy = [a for a, r in client.run(running, on_error="ignore").items() if r]

@@ -59,29 +59,30 @@ def test_two_error_raises_do_not_interleave():
     async def main():
         plugin = CoordinatorPlugin()
         co = plugin.coordinators["r"] = CoordinatorState("r")
-        co.add_owner("o", None, "secret")
+        co.closure_book.add_owner("o", None, "secret")
         q = co.queue
         q.add_session("s", slots=2)
         q.put("o-0", "o", b"")
         q.put("o-1", "o", b"")
         q.dispatch("s", 2)
         q.finish("s", "o-0", False, b"boom", USER_ERROR)  # the error; o-1 still runs
-        second = asyncio.ensure_future(plugin.raise_error("r", "o", "secret"))  # waits for o-1
+        # waits for o-1
+        second = asyncio.ensure_future(co.closure_book.raise_owner_error("o", "secret"))
         # ``second`` runs first (it was scheduled first) and takes the raise lock, so
         # this raise times out waiting for the lock
-        first = await plugin.raise_error("r", "o", "secret", timeout=0.1)
+        first = await co.closure_book.raise_owner_error("o", "secret", timeout=0.1)
         await asyncio.sleep(0)
         assert first == {"timeout": True}
         assert not second.done()
         assert q.held == {"o"}  # the waiting raise still holds the owner's dispatch
         q.put("o-2", "o", b"")
         assert q.dispatch("s", 5) == []
-        co.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
+        co.closure_book.apply_results("s", [Outcome("o-1", READY, b"ok", None, 1)])
         got = await asyncio.wait_for(second, 5)
         assert got["error"] is not None and got["error"][0] == "o-0"
         assert ("o", "o-2") in got["cancelled"]
         assert not q.held
-        again = await plugin.raise_error("r", "o", "secret")
+        again = await co.closure_book.raise_owner_error("o", "secret")
         assert again == {"error": None, "cancelled": []}
 
     asyncio.run(main())

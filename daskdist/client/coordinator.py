@@ -35,6 +35,7 @@ from daskdist.client.datasets import (
     _LoaderFactory,
     _ResourceHandle,
 )
+from daskdist.client.group import CollectiveGroup
 from daskdist.client.values import PerWorkerValues, RemoteValue
 from daskdist.core import checks
 from daskdist.core.leases import unit_runs
@@ -442,8 +443,9 @@ class Coordinator:
                          rejoin_grace: float | None = None):
         """Bootstrap a torch.distributed group on the current workers, through Dask.
 
-        Ranks follow worker indices; ``backend="auto"`` is NCCL when every member has
-        CUDA, else gloo. Closures reach it with ``dd.collective.get_group()``.
+        Ranks follow worker indices; ``backend="auto"`` is NCCL when every member has a
+        GPU of its own (their device UUIDs differ), else gloo (saying which workers share
+        a GPU). Closures reach it with ``dd.collective.get_group()``.
         Collective calls that cannot complete fail with ``CollectiveError`` within
         ``timeout`` seconds. When a member is lost, the group re-forms on the
         survivors after ``rejoin_grace`` seconds (default
@@ -455,7 +457,6 @@ class Coordinator:
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
-        from daskdist.client.group import CollectiveGroup  # imports torch: only here
 
         self._check_open()
         info = self._owned("daskdist_group_form", backend=backend, timeout=float(timeout),

@@ -41,7 +41,7 @@ No Dask, torch or I/O here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,13 +63,13 @@ class CommitBook:
     states: OrderedDict = field(default_factory=OrderedDict)  # state id -> commits known
 
     def add_part(self, table: LeaseTable, key: CommitKey, rank: int, world: int,
-                 tokens: Iterable[Any], sessions: Mapping[int, str | None] | None,
-                 live: set[str]) -> bool | None:
+                 tokens: Iterable[Any], sessions: Sequence[str] | None,
+                 live: Container[str]) -> bool | None:
         """Rank ``rank``'s part of commit ``key`` (of ``world`` ranks): the outcome once
-        every part came (``None`` until then). ``sessions`` is the generation's rank ->
-        session map, ``None`` when the generation is no longer the current one or the
+        every part came (``None`` until then). ``sessions`` is the generation's sessions
+        in rank order, ``None`` when the generation is no longer the current one or the
         part is not from its rank's session (the commit is refused). A decided key keeps
-        its outcome (never applied twice)."""
+        its outcome (never applied twice). O(1) per part, O(world) once per commit."""
         if key in self.recorded:
             return self.recorded[key]
         if sessions is None or len(sessions) != world:
@@ -81,9 +81,28 @@ class CommitBook:
         if len(parts) < world:
             return None
         del self.open[key]
-        ok = (all(s is not None and s in live for s in sessions.values())
-              and all(r in sessions for r in parts)
+        ok = (all(s in live for s in sessions)
+              and all(0 <= r < world for r in parts)
               and table.ack_sessions({sessions[r]: t for r, t in parts.items() if t}))
+        self._record(key, ok)
+        if ok:
+            self.note_committed(key.state)
+        return ok
+
+    def add_all(self, table: LeaseTable, key: CommitKey, world: int,
+                parts: Mapping[int, Mapping[tuple[str, int], list]],
+                sessions: Sequence[str] | None, live: Container[str]) -> bool:
+        """Every rank's part of commit ``key`` at once (``parts``: rank -> its tokens
+        grouped by epoch table, :func:`~daskdist.core.leases.group_tokens`): the outcome,
+        decided now (applied only if every rank of the generation is there and live, and
+        every row still leased to its rank's session). O(parts)."""
+        if key in self.recorded:
+            return self.recorded[key]
+        self.open.pop(key, None)
+        ok = (sessions is not None and len(sessions) == world and len(parts) == world
+              and all(0 <= r < world for r in parts)
+              and all(s in live for s in sessions)
+              and table.ack_grouped({sessions[r]: g for r, g in parts.items() if g}))
         self._record(key, ok)
         if ok:
             self.note_committed(key.state)

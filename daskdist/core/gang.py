@@ -100,6 +100,7 @@ class GroupRecord:
     timeout: float = 60.0
     broken: bool = True  # no usable group yet
     why: str = ""  # why this generation broke (what its members' collective calls say)
+    ranks: dict[str, int] = field(default_factory=dict)  # session -> rank, per generation
 
 
 @dataclass
@@ -132,6 +133,7 @@ class GangBook:
         self.forming = True
         self.group.generation = max(self.group.generation + 1, generation or 0)
         self.group.sessions = sessions
+        self.group.ranks = {s: rank for rank, s in enumerate(sessions)}
         self.group.broken = True
         return self.group.generation
 
@@ -196,9 +198,9 @@ class GangBook:
 
         ``expected`` (Dask retired or closed it): its rank's work is not charged a loss.
         """
-        if session not in self.group.sessions:
+        rank = self.group.ranks.get(session)
+        if rank is None:
             return False
-        rank = self.group.sessions.index(session)
         self._break(f"the worker of rank {rank} left")
         if self.running is not None:
             self.running.interrupted = True

@@ -18,7 +18,11 @@ Transitions:
 - :meth:`LeaseTable.acquire`: a session leases consecutive free rows, at least the rows
   it asks for (rounded up to the end of a unit, so a unit is read by one worker), at
   most a share of what is left (``free / (2 * parts)``: the end of an epoch is spread
-  over every reader);
+  over every reader); near the end, where a unit is more than twice that share, a lease
+  ends inside the unit, and a reader already holding its share of the rows not yet
+  acknowledged gets none (the tail rule: leases shrink toward the two batches a loader
+  asks for at least, and the rows go to the readers holding less, so no reader idles
+  while another holds a whole unit);
 - :meth:`LeaseTable.ack`: a completed closure acknowledges rows leased to its session;
   refused (``False``, nothing changed) when the session expired or any row is not
   leased to it: fencing, so a late or duplicate message never counts a row twice;
@@ -544,12 +548,20 @@ class LeaseTable:
 
     # -- transitions ------------------------------------------------------------------
     def acquire(self, session: str, dataset_id: str, epoch: int, rows: int = 1,
-                parts: int | None = None, least: int = 1) -> list[Interval] | None:
+                parts: int | None = None, least: int = 1,
+                tail: bool = False) -> list[Interval] | None:
         """Lease free rows to ``session``: the lowest free rows, at least ``rows`` of
         them rounded up to the end of a unit, but no more than ``free / (2 * parts)``
         (``parts``: the readers sharing the epoch, by default the sessions holding rows
         of it) unless that is less than ``least`` (a lease worth its round trip).
         Rows given back by failed reads are served only once no other row is free.
+        With ``tail`` (the scheduler's leases), the tail rule: where rounding up to a
+        unit's end would more than double the lease past that share, it ends inside the
+        unit, so near the epoch's end leases shrink toward ``least``; and a reader that
+        already holds its share of the rows not yet acknowledged (``(free + leased) /
+        parts``, leases it asked ahead) gets none while it holds a lease's worth or the
+        pool is low: the rows go to the readers holding less, so readers that consume
+        alike run out alike, at the epoch's end.
 
         Returns the leased rows as intervals, or ``None`` when none is free right now.
         Raises :class:`SessionExpired` for a dropped session, :class:`UnknownDataset`
@@ -573,6 +585,19 @@ class LeaseTable:
             parts = len(ep.leased) + (session not in ep.leased)
         share = -(-n_free // (2 * max(1, parts)))
         need = min(max(1, int(rows)), max(1, int(least), share))
+        if tail:
+            # a reader already holding its share of what is not acknowledged yet (leases
+            # it asked ahead) waits: the rows go to the readers holding less, so readers
+            # that consume alike run out alike, at the end of the epoch
+            held = ep.leased.get(session)
+            if held is not None and held.size * parts >= n_free + ep.n_leased and (
+                    held.size >= need or n_free < parts * need):
+                return None
+        # the tail rule: a lease ends at a unit's end (a unit is read by one worker) unless
+        # that would more than double it past its share of what is left: as the pool runs
+        # low, leases shrink toward ``least`` (two batches), so every reader has rows to
+        # the end of the epoch instead of one holding a whole unit while others idle
+        cap = 2 * max(need, share) if tail else None
         pool = ep.free if ep.free else ep.deferred
         if ds.shuffle and pool is ep.free:  # a shuffled collection: units in seeded order
             picked = self._permuted(ds, ep, epoch, need)
@@ -582,7 +607,12 @@ class LeaseTable:
         out: list[Interval] = []
         while need > 0 and pool:
             a, b = pool.starts[0], pool.stops[0]
-            c = b if b - a <= need else min(b, units.stop_of(a + need - 1))  # type: ignore[union-attr]
+            if b - a <= need:
+                c = b
+            else:
+                c = min(b, units.stop_of(a + need - 1))  # type: ignore[union-attr]
+                if cap is not None and c - a > cap:
+                    c = a + need
             pool.remove(a, c)
             out.append((a, c))
             need -= c - a
@@ -680,12 +710,19 @@ class LeaseTable:
         of one (a closure): all tokens are checked first and, if any is refused (a
         malformed token, an expired session, a row not leased to its session), nothing
         changes and ``False`` is returned. Other tokens are ignored."""
-        found = []
+        grouped = {}
         for session, tokens in per_session.items():
             try:
-                groups = group_tokens(tokens)
+                grouped[session] = group_tokens(tokens)
             except ValueError:
                 return False  # refused: nothing acknowledged
+        return self.ack_grouped(grouped)
+
+    def ack_grouped(self, per_session: Mapping[str, Mapping[tuple[str, int], list]]) -> bool:
+        """:meth:`ack_sessions` with each session's tokens already grouped by epoch table
+        (:func:`group_tokens`): all or nothing."""
+        found = []
+        for session, groups in per_session.items():
             if groups and session in self._expired:
                 return False
             for (dataset_id, epoch), ranges in groups.items():

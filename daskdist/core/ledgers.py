@@ -35,7 +35,10 @@ class Ledgers:
 
     def note(self, state: str, tokens: Iterable[object]) -> None:
         """A commit part of ``state`` carried ``tokens``: remember their datasets."""
-        groups = group_tokens(tokens)
+        self.note_tables(state, group_tokens(tokens))
+
+    def note_tables(self, state: str, groups: Iterable[tuple[str, int]]) -> None:
+        """A commit of ``state`` touched these ``(dataset id, epoch)`` tables."""
         if not groups:
             return
         seen = self.touched.setdefault(state, {})

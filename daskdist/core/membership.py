@@ -8,6 +8,7 @@ every join and leave so workers (and elastic state) can tell that membership cha
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 
@@ -26,12 +27,19 @@ class SessionMembership:
 
 @dataclass
 class Membership:
-    """Sessions by id, at most one per worker address."""
+    """Sessions by id, at most one per worker address.
+
+    Every operation costs O(1) (amortized O(log n) for an index), whatever the number
+    of members: sessions are indexed by address, and free indices are kept in a heap.
+    """
 
     members: dict[str, SessionMembership] = field(default_factory=dict)
     version: int = 0
     joins: int = 0
     leaves: int = 0
+    _by_address: dict[str, str] = field(default_factory=dict)  # address -> session
+    _free: list[int] = field(default_factory=list)  # a heap of indices below _next
+    _next: int = 0  # indices 0 .. _next - 1 were handed out
 
     def join(self, session: str, address: str, device: str = "cpu",
              gpu: str = "") -> tuple[SessionMembership, SessionMembership | None]:
@@ -43,10 +51,13 @@ class Membership:
             return self.members[session], None
         old = self.session_of(address)
         replaced = self.leave(old) if old is not None else None
-        used = {m.index for m in self.members.values()}
-        index = next(i for i in range(len(used) + 1) if i not in used)
+        if self._free:
+            index = heapq.heappop(self._free)
+        else:
+            index, self._next = self._next, self._next + 1
         member = SessionMembership(session, address, index, device=device, gpu=gpu)
         self.members[session] = member
+        self._by_address[address] = session
         self.version += 1
         self.joins += 1
         return member, replaced
@@ -55,15 +66,19 @@ class Membership:
         """Remove ``session`` (no-op if unknown); frees its index."""
         member = self.members.pop(session, None)
         if member is not None:
+            if self._by_address.get(member.address) == session:
+                del self._by_address[member.address]
+            if self.members:
+                heapq.heappush(self._free, member.index)
+            else:  # none left: indices start from 0 again
+                self._free.clear()
+                self._next = 0
             self.version += 1
             self.leaves += 1
         return member
 
     def session_of(self, address: str) -> str | None:
-        for m in self.members.values():
-            if m.address == address:
-                return m.session
-        return None
+        return self._by_address.get(address)
 
     def drain(self, address: str, draining: bool = True) -> str | None:
         """Mark the address's session as retiring (or, with ``draining=False``, back in
@@ -80,5 +95,6 @@ class Membership:
         return len(self.members)
 
     def by_index(self) -> list[SessionMembership]:
-        """Members in index order (the rank order of collective groups)."""
+        """Members in index order (the rank order of collective groups; O(n log n): for
+        a group's formation, not per event)."""
         return sorted(self.members.values(), key=lambda m: m.index)

@@ -123,6 +123,11 @@ class CommitKey(NamedTuple):
 LEASE_TOKEN = "lease"  # the tag of a lease token (other tokens are ignored)
 
 
+# Dask worker statuses of a worker that is leaving (retired, closing, closed): it gets
+# no new work, and its group members leave at their next commit
+RETIRING = frozenset({"closing_gracefully", "closing", "closed"})
+
+
 class LeaseToken(NamedTuple):
     """Rows of one batch a loader leased (``policy="dynamic"``), recorded by the closure
     that consumed them: acknowledged if it completes, released if it fails."""

@@ -26,6 +26,7 @@ Only an unplanned loss of a closure that had started counts toward
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -90,12 +91,19 @@ class ClosureQueue:
     _draining: set[str] = field(default_factory=set)
     errors: dict[str, Outcome] = field(default_factory=dict)  # owner -> first unraised
     held: set[str] = field(default_factory=set)  # owners whose closures are not dispatched
+    # running counts, so that no event scans every closure or session (issue 25)
+    queued: int = 0  # PENDING closures in the queue (not pinned)
+    _unfinished: dict[str, int] = field(default_factory=dict)  # owner -> closures not final
+    _own: dict[str, int] = field(default_factory=dict)  # session -> leased, not pinned
+    # sessions holding prefetched closures, most first (stale entries skipped lazily)
+    _victims: list[tuple[int, str]] = field(default_factory=list)
 
     # -- sessions -------------------------------------------------------------------
     def add_session(self, session: str, slots: int = 1) -> None:
         """A worker plugin session may now take closures; it runs ``slots`` at a time."""
         self._sessions.add(session)
         self._running.setdefault(session, {})
+        self._own.setdefault(session, 0)
         self._slots[session] = max(1, slots)
 
     def drain_session(self, session: str, draining: bool = True) -> None:
@@ -124,6 +132,7 @@ class ClosureQueue:
         self._draining.discard(session)
         leased = list(self._running.pop(session, {}))
         slots = self._slots.pop(session, 1)
+        self._own.pop(session, None)
         outcomes: list[Outcome] = []
         back: list[Closure] = []
         pinned = [cid for cid in leased if self.closures[cid].pinned is not None]
@@ -161,6 +170,7 @@ class ClosureQueue:
                 c.state = PENDING
                 back.append(c)
         self.counters.recovered += len(back)
+        self.queued += len(back)
         back.sort(key=lambda c: _order(c.cid))
         for c in reversed(back):
             self._queue.appendleft(c.cid)
@@ -200,6 +210,10 @@ class ClosureQueue:
             else:
                 c.seen = True
 
+    def takes_work(self, session: str) -> bool:
+        """Whether ``session`` may be given queued closures now (live, not draining)."""
+        return session in self._sessions and session not in self._draining
+
     @property
     def sessions(self) -> frozenset[str]:
         return frozenset(self._sessions)
@@ -213,8 +227,10 @@ class ClosureQueue:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.closures[cid] = Closure(cid, owner, payload, retries, pinned=pinned)
+        self._unfinished[owner] = self._unfinished.get(owner, 0) + 1
         if pinned is None:
             self._queue.append(cid)
+            self.queued += 1
             self.counters.scheduled += 1
         else:
             self._pinned.setdefault(pinned, deque()).append(cid)
@@ -250,6 +266,11 @@ class ClosureQueue:
             out.append(self._lease(c, session, running))
             budget -= 1
         q.extendleft(reversed(skipped))
+        taken = n - budget
+        if taken:
+            self.queued -= taken
+            self._own[session] += taken
+            self._note_prefetch(session)
         return out
 
     @staticmethod
@@ -263,21 +284,41 @@ class ClosureQueue:
 
     def prefetched(self, session: str) -> int:
         """Closures leased to ``session`` beyond its threads (unstarted, as far as the
-        scheduler can tell: a worker runs its leases in order)."""
-        running = self._running.get(session, ())
-        own = sum(1 for cid in running if self.closures[cid].pinned is None)
-        return max(0, own - self._slots.get(session, 1))
+        scheduler can tell: a worker runs its leases in order). O(1)."""
+        return max(0, self._own.get(session, 0) - self._slots.get(session, 1))
+
+    def _note_prefetch(self, session: str) -> None:
+        """``session``'s prefetch grew: it may be the next steal's victim."""
+        n = self.prefetched(session)
+        if n > 0:
+            heapq.heappush(self._victims, (-n, session))
 
     def steal_victim(self, thief: str) -> tuple[str, int] | None:
         """The session (other than ``thief``) holding the most prefetched closures and
-        how many to take back from it (half, rounded up); ``None`` if none has any."""
-        best, most = None, 0
-        for session in self._sessions:
-            if session != thief:
-                n = self.prefetched(session)
-                if n > most:
-                    best, most = session, n
-        return None if best is None else (best, (most + 1) // 2)
+        how many to take back from it (half, rounded up); ``None`` if none has any.
+
+        O(log n) amortized: a heap of the sessions whose prefetch grew, whose stale
+        entries (a session's count fell since) are dropped or re-filed as they surface.
+        """
+        heap = self._victims
+        thief_entry = None
+        found = None
+        while heap:
+            neg, session = heap[0]
+            n = self.prefetched(session)
+            if n != -neg:  # stale: re-file at its current count (or drop it)
+                heapq.heappop(heap)
+                if n > 0:
+                    heapq.heappush(heap, (-n, session))
+                continue
+            if session == thief:
+                thief_entry = heapq.heappop(heap)
+                continue
+            found = (session, (n + 1) // 2)
+            break
+        if thief_entry is not None:
+            heapq.heappush(heap, thief_entry)
+        return found
 
     # -- results --------------------------------------------------------------------
     def finish(self, session: str, cid: str, ok: bool, value: Any = None,
@@ -292,6 +333,8 @@ class ClosureQueue:
             self.counters.refused += 1
             return None
         del self._running[session][cid]
+        if c.pinned is None:
+            self._own[session] -= 1
         c.session = None
         c.seen = c.started = False
         if ok:
@@ -300,6 +343,7 @@ class ClosureQueue:
             c.retries -= 1
             c.state = PENDING
             self._queue.append(cid)
+            self.queued += 1
             self.counters.retried += 1
             return None
         return self._finish(c, FAILED, value, kind)
@@ -321,6 +365,8 @@ class ClosureQueue:
             c.seen = c.started = False
             if c.pinned is None:
                 self._queue.appendleft(cid)
+                self.queued += 1
+                self._own[session] -= 1
             else:
                 self._pinned.setdefault(c.pinned, deque()).appendleft(cid)
         return len(back)
@@ -344,24 +390,24 @@ class ClosureQueue:
         else:
             self.counters.cancelled += 1
         del self.closures[c.cid]  # final: the queue keeps nothing more of it
+        left = self._unfinished[c.owner] - 1
+        if left:
+            self._unfinished[c.owner] = left
+        else:
+            del self._unfinished[c.owner]
         return out
 
     # -- errors and cancellation ---------------------------------------------------
     @property
     def inflight(self) -> int:
-        """Closures leased to workers, plus gang members waiting for theirs."""
-        return (sum(len(s) for s in self._running.values())
-                + sum(len(p) for p in self._pinned.values()))
+        """Closures leased to workers, plus gang members waiting for theirs (every
+        closure not final that is not queued: O(1))."""
+        return len(self.closures) - self.queued
 
     @property
     def backlog(self) -> int:
         """Queue entries (O(1); may count a few stale ones): for fair-share dispatch."""
         return len(self._queue)
-
-    @property
-    def queued(self) -> int:
-        return sum(1 for c in self.closures.values()
-                   if c.state == PENDING and c.pinned is None)
 
     def cancel_pending(self, owner: str | None = None) -> list[Outcome]:
         """Cancel every queued closure (of ``owner``, or all)."""
@@ -372,6 +418,7 @@ class ClosureQueue:
             if c is None or c.state != PENDING:
                 continue
             if owner is None or c.owner == owner:
+                self.queued -= 1
                 out.append(self._finish(c, CANCELLED, None, None))
             else:
                 keep.append(cid)
@@ -389,10 +436,10 @@ class ClosureQueue:
                    if self.closures[cid].owner == owner)
 
     def unfinished(self, owner: str | None = None) -> int:
-        """Closures not yet final (of ``owner``, or all)."""
+        """Closures not yet final (of ``owner``, or all). O(1)."""
         if owner is None:
             return len(self.closures)
-        return sum(1 for c in self.closures.values() if c.owner == owner)
+        return self._unfinished.get(owner, 0)
 
 def _order(cid: str) -> tuple[int, str]:
     """Sort key that keeps a session's closures in submission order when put back."""

@@ -39,7 +39,7 @@ from bokeh.models import (
 from bokeh.plotting import figure
 
 from daskdist import config
-from daskdist.plugins.scheduler.observe import snapshots
+from daskdist.plugins.scheduler.stats import snapshots
 
 logger = logging.getLogger(__name__)
 

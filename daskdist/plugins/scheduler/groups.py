@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,9 +35,14 @@ from daskdist.core.backends import (
 )
 from daskdist.core.protocol import COLLECTIVE_ERROR
 from daskdist.errors import CollectiveError, dump_error
-from daskdist.plugins.scheduler.state import GANG_OWNER, CoordinatorState
+from daskdist.plugins.scheduler.closures import GANG_OWNER
+from daskdist.plugins.scheduler.state import CoordinatorState
 
 logger = logging.getLogger(__name__)
+
+
+class FormationAborted(Exception):
+    """A formation did not complete: a member ended meanwhile, or its deadline passed."""
 
 
 
@@ -62,6 +68,7 @@ class GroupDriver:
         self._failing_since: float | None = None  # first failure of the current streak
         self._hopeless = False  # the last formation cannot succeed by retrying (a backend)
         self._failures = 0
+        self._member_gone = False  # the last formation was aborted: a member ended
 
     def start(self) -> None:
         if self.task is None or self.task.done():
@@ -107,7 +114,51 @@ class GroupDriver:
         return backend
 
     async def form(self, sessions: tuple[str, ...] | None = None) -> bool:
-        """Form a new generation over ``sessions`` (default: the current workers)."""
+        """Form a new generation over ``sessions`` (default: the current workers, and
+        again over the workers left when a member was fenced or left meanwhile, at most
+        three times)."""
+        for _ in range(3):
+            ok = await self._form_once(sessions)
+            if ok or sessions is not None or not self._member_gone:
+                return ok
+        return ok
+
+    async def _within(self, aw: Any, sessions: tuple[str, ...], deadline: float) -> Any:
+        """``aw``'s result, unless a member of ``sessions`` ends first (fenced by its
+        lease: a stopped worker answers no RPC, and Dask's own timeout is its 5-minute
+        worker-ttl) or ``deadline`` passes: then ``FormationAborted``."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(aw)
+        left = self.co.group_book.left
+        try:
+            while not task.done():
+                gone = [s for s in sessions if s not in self.co.members]
+                if gone:
+                    self._member_gone = True
+                    raise FormationAborted(f"{len(gone)} member(s) left or were fenced "
+                                           "(silent for lease-timeout) while it formed")
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    # silent for the whole of lease-timeout since the formation began:
+                    # fenced now, like an expired lease (the expiry tick may lag)
+                    silent = self.co.fence_silent(
+                        sessions, time.monotonic() - self.co.liveness.timeout)
+                    if silent:
+                        continue
+                    raise FormationAborted("no answer within lease-timeout "
+                                           f"({self.co.liveness.timeout:g} s)")
+                left.clear()
+                waiter = asyncio.ensure_future(left.wait())
+                await asyncio.wait({task, waiter}, timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _form_once(self, sessions: tuple[str, ...] | None) -> bool:
+        self._member_gone = False
         async with self.lock:
             co = self.co
             sessions = sessions or self.candidates()
@@ -129,20 +180,24 @@ class GroupDriver:
             members = [co.members.members[s] for s in sessions]
             loop = asyncio.get_running_loop()
             t0 = loop.time()
+            # a deadline of lease-timeout (issue 23 item 6): a member that answers nothing
+            # meanwhile is fenced by its lease, and the group forms without it
+            deadline = t0 + co.liveness.timeout
             ok = False
             try:
-                host, port = await self.rpc(members[0].address).daskdist_collective(
-                    action="store", name=co.name, generation=generation,
-                    timeout=group.timeout,
-                )
-                await asyncio.gather(*[
+                host, port = await self._within(
+                    self.rpc(members[0].address).daskdist_collective(
+                        action="store", name=co.name, generation=generation,
+                        timeout=group.timeout,
+                    ), sessions[:1], deadline)
+                await self._within(asyncio.gather(*[
                     self.rpc(m.address).daskdist_collective(
                         action="init", name=co.name, rank=rank, world_size=len(members),
                         host=host, port=port, backend=backend, generation=generation,
                         timeout=group.timeout, version=version, joins=joins,
                     )
                     for rank, m in enumerate(members)
-                ])
+                ]), sessions, deadline)
                 ok = all(s in co.members for s in sessions)
             except Exception as e:
                 self.last_error = f"forming generation {generation} failed: {e}"
@@ -150,7 +205,7 @@ class GroupDriver:
                             co.name, generation, e)
                 co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
                               "generation": generation, "reason": self.last_error},
-                             set(sessions))
+                             sessions)
             book.formation_done(generation, ok)
             if ok:
                 self.last_error = ""
@@ -159,7 +214,7 @@ class GroupDriver:
             self.formations += ok
             self.last_formation_seconds = loop.time() - t0
             co.stats.on_formation(generation, ok, self.last_formation_seconds, len(sessions))
-            co.gangs_changed.set()
+            co.group_book.changed.set()
             return ok
 
     def _rejoin_wait(self, n: int) -> float:
@@ -188,7 +243,7 @@ class GroupDriver:
                 f"in {self._failures} attempts over {now - self._failing_since:.1f} s "
                 f"(daskdist.collective.formation-timeout is {limit:g} s): {self.last_error}")
             for outcome in self.co.gangs.fail_pending(dump_error(err), COLLECTIVE_ERROR):
-                self.co.deliver_gang(outcome)
+                self.co.closure_book.deliver_gang(outcome)
             self._failing_since, self._failures = None, 0
             return
         pause = min(config.seconds("collective.formation-retry") * 2 ** (self._failures - 1),
@@ -217,14 +272,14 @@ class GroupDriver:
         co = self.co
         book = co.gangs
         while True:
-            co.gangs_changed.clear()
+            co.group_book.changed.clear()
             if book.running is None and book.pending:
                 sessions = self.candidates()
                 if sessions and book.needs_formation(sessions):
                     wait = self._rejoin_wait(len(sessions))
                     if wait > 0:  # a lost member's replacement (Nanny restart) is coming
                         try:
-                            await asyncio.wait_for(co.gangs_changed.wait(), wait)
+                            await asyncio.wait_for(co.group_book.changed.wait(), wait)
                         except asyncio.TimeoutError:
                             pass
                         continue
@@ -238,8 +293,8 @@ class GroupDriver:
                     gang, members = started
                     for member_cid, session, _rank in members:
                         co.queue.put(member_cid, GANG_OWNER, gang.payload, pinned=session)
-                    co.wake()
-                    co.broadcast({"op": "daskdist-wake", "name": co.name},
-                                 {s for _, s, _ in members})
+                    sessions = [s for _, s, _ in members]
+                    co.closure_book.wake_sessions(sessions)
+                    co.broadcast({"op": "daskdist-wake", "name": co.name}, sessions)
                     continue
-            await co.gangs_changed.wait()
+            await co.group_book.changed.wait()

@@ -29,8 +29,9 @@ from daskdist import config
 from daskdist.core import checks
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins import WORKER_PLUGIN, PluginRef
+from daskdist.plugins.scheduler.closures import wait_event
 from daskdist.plugins.scheduler.groups import GroupDriver
-from daskdist.plugins.scheduler.state import CoordinatorState, wait_event
+from daskdist.plugins.scheduler.state import CoordinatorState
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class Coordinators:
                                       lease_timeout=lease_timeout)
                 co.member_resources = resources  # only these workers are members
                 self.states[name] = co
-                self.drivers[name] = GroupDriver(co, self.scheduler.rpc, self._next_generation)
+                driver = GroupDriver(co, self.scheduler.rpc, self._next_generation)
+                self.drivers[name] = co.group_book.driver = driver
             try:
                 started = await self._register_worker_plugin(
                     name, torch_threads, getattr(co, "member_resources", None))
@@ -100,13 +102,13 @@ class Coordinators:
                     self._forget(name)
                 raise
             owner, token = uuid.uuid4().hex[:12], secrets.token_hex(16)
-            co.add_owner(owner, client, token)
+            co.closure_book.add_owner(owner, client, token)
         # workers register their sessions once their plugin is set up: wait a little for
         # them, so the reply's worker count is the cluster's (its end: 5 poll intervals)
         deadline = time.monotonic() + 5 * config.seconds("scheduler.poll-interval")
         while len(co.members) < started and not co.closed:
-            co.changed.clear()
-            if not await wait_event(co.changed, deadline - time.monotonic()):
+            co.closure_book.changed.clear()
+            if not await wait_event(co.closure_book.changed, deadline - time.monotonic()):
                 break
         return {"workers": len(co.members), "owner": owner, "token": token}
 

@@ -20,30 +20,12 @@ from tornado.ioloop import PeriodicCallback
 from tornado.web import RequestHandler
 
 from daskdist import config
-from daskdist.plugins.scheduler.stats import CoordinatorStats, snapshot
+from daskdist.plugins.scheduler.stats import CoordinatorStats, snapshots
 
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("scheduled", "done", "failed", "retried", "cancelled", "recovered")
 GAUGES = ("queued", "running", "workers", "group_generation", "group_size")
-
-
-def group_info(plugin: Any, name: str, co: Any) -> dict:
-    """The group driver's description; while a member is leaving it may not have one."""
-    driver = plugin.drivers.get(name)
-    try:
-        return driver.info() if driver is not None else {}
-    except KeyError:  # a group session already left the membership
-        group = co.gangs.group
-        return {"generation": group.generation, "world_size": len(group.sessions),
-                "members": [], "backend": group.backend, "formed": False,
-                "bootstrap_seconds": getattr(driver, "last_formation_seconds", 0.0)}
-
-
-def snapshots(plugin: Any) -> dict[str, dict]:
-    """``snapshot`` of every coordinator on the plugin, by name."""
-    return {name: snapshot(co, group_info(plugin, name, co))
-            for name, co in sorted(plugin.coordinators.items())}
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:

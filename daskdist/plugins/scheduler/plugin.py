@@ -1,7 +1,8 @@
 """CoordinatorPlugin: the scheduler side of daskdist.
 
-A ``SchedulerPlugin`` that owns one :class:`ClosureQueue` and one :class:`Membership`
-per coordinator name, registers RPC handlers on the scheduler (the pattern of
+A ``SchedulerPlugin`` that holds one :class:`CoordinatorState` per coordinator name
+(its sessions, and its books: closures, gangs and commits, dynamic datasets), registers
+their RPC handlers on the scheduler (the pattern of
 ``distributed/semaphore.py``), and reacts to Dask's own ``remove_worker`` and
 worker-status events, so preemption is handled the moment Dask notices it.
 
@@ -12,14 +13,14 @@ module never imports torch, pyarrow or ``collective/`` (SPEC §1).
 Load it with ``dask scheduler --preload daskdist.plugins.scheduler`` or let
 ``Coordinator`` register it from the client.
 
-The scheduler checks who calls (SPEC §2.5b): every handler checks its arguments'
-types and sizes (:mod:`daskdist.core.checks`) before it touches any state; a client acts
-only as an owner it created (each owner has a secret token, given only in the reply to
-the ``daskdist_create`` call that attached it); a worker acts only with its own session
-(``daskdist_register`` asks the worker at the address it names to confirm the session),
-and read-only handlers never create state. A named coordinator lives while it has owners:
-when the last one closes (or its client is gone for ``client-grace``), its state, group
-driver and worker plugin go.
+The scheduler checks who calls (SPEC §2.5b): each handler, here and in the books,
+checks its arguments' types and sizes (:mod:`daskdist.core.checks`) before it touches
+any state; a client acts only as an owner it created (each owner has a secret token,
+given only in the reply to the ``daskdist_create`` call that attached it); a worker acts
+only with its own session (``daskdist_register`` asks the worker at the address it
+names to confirm the session), and read-only handlers never create state. A named
+coordinator lives while it has owners: when the last one closes (or its client is gone
+for ``client-grace``), its state, group driver and worker plugin go.
 """
 
 from __future__ import annotations
@@ -27,19 +28,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskdist import config
 from daskdist.core import checks
-from daskdist.core.protocol import PLUGIN_NAME, CommitKey, Dispatch, Submission
+from daskdist.core.protocol import PLUGIN_NAME, RETIRING
 from daskdist.plugins.scheduler import observe
+from daskdist.plugins.scheduler.closures import CLOSURE_HANDLERS
 from daskdist.plugins.scheduler.collections import CollectionHandlers
+from daskdist.plugins.scheduler.datasets import LEASE_HANDLERS
+from daskdist.plugins.scheduler.gangs import GROUP_HANDLERS
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.names import Coordinators
-from daskdist.plugins.scheduler.state import STATE_HANDLERS, CoordinatorState, wait_event
+from daskdist.plugins.scheduler.state import CoordinatorState, book_handler
+
+# each book's handlers: the attribute of CoordinatorState that holds the book, and its table
+BOOK_HANDLERS = {
+    "closure_book": CLOSURE_HANDLERS,
+    "group_book": GROUP_HANDLERS,
+    "lease_book": LEASE_HANDLERS,
+}
 
 logger = logging.getLogger(__name__)
 
@@ -70,32 +80,21 @@ class CoordinatorPlugin(SchedulerPlugin):
             {
                 "daskdist_create": self.create,
                 "daskdist_detach": self.detach,
-                "daskdist_put": self.put,
-                "daskdist_results": self.results,
-                "daskdist_raise": self.raise_error,
                 "daskdist_add_resource": self.add_resource,
                 "daskdist_get_resource": self.get_resource,
                 "daskdist_release_resources": self.release_resources,
                 "daskdist_register": self.register,
                 "daskdist_unregister": self.unregister,
-                "daskdist_exchange": self.exchange,
-                "daskdist_renew": self.renew,
-                "daskdist_report": self.report,
                 "daskdist_status": self.status,
-                "daskdist_closure_state": self.closure_state,
-                "daskdist_schedule_gang": self.schedule_gang,
-                "daskdist_group_form": self.group_form,
-                "daskdist_group_info": self.group_info,
-                # elastic commits (SPEC §4.2)
-                "daskdist_gang_commit_part": self.gang_commit_part,
-                "daskdist_commit_outcome": self.commit_outcome,
-                "daskdist_state_commits": self.state_commits,
-                # dynamic datasets and checkpoint ledgers: CoordinatorState's methods
-                **{op: self._on_state(method) for op, method in STATE_HANDLERS.items()},
                 # Dask collections: definitions, partition leases, lengths, helpers
                 **self.collections.handlers(),
             }
         )
+        # the books' handlers, as their tables say (closures.py, gangs.py, datasets.py)
+        for book, table in BOOK_HANDLERS.items():
+            for op, (method, missing) in table.items():
+                scheduler.handlers[op] = book_handler(self.coordinators, book, op, method,
+                                                      missing)
         scheduler.extensions["daskdist"] = self
         self._sampler = observe.install(self, scheduler)
         self._liveness_task = asyncio.create_task(self._expire_loop())
@@ -155,13 +154,6 @@ class CoordinatorPlugin(SchedulerPlugin):
         self.names.client_back(client)
 
     # -- helpers ----------------------------------------------------------------------------
-    def _on_state(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        """A handler that calls ``method`` on the named coordinator's state."""
-        def handler(name: str, **kwargs: Any) -> Any:
-            return method(self._get(name), **kwargs)
-
-        handler.__name__ = method.__name__
-        return handler
 
     def _get(self, name: Any) -> CoordinatorState:
         return self.names.get(name)
@@ -169,7 +161,8 @@ class CoordinatorPlugin(SchedulerPlugin):
     def _owned(self, op: str, name: Any, owner: Any, token: Any) -> CoordinatorState:
         """The coordinator ``name`` if the caller is its owner ``owner`` (holds its token)."""
         co = self._get(name)
-        co.owner_box(checks.text(owner, f"{op}: owner"), checks.text(token, f"{op}: token"))
+        co.closure_book.owner_box(checks.text(owner, f"{op}: owner"),
+                                  checks.text(token, f"{op}: token"))
         return co
 
     def _member(self, op: str, name: Any, session: Any) -> CoordinatorState:
@@ -200,7 +193,7 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     def _worker_retiring(self, address: str) -> bool:
         ws = self.scheduler.workers.get(address)
-        return ws is None or ws.status.name in ("closing_gracefully", "closing", "closed")
+        return ws is None or ws.status.name in RETIRING
 
     # -- client handlers ---------------------------------------------------------------
     async def create(self, name: str, client: str | None = None,
@@ -239,138 +232,6 @@ class CoordinatorPlugin(SchedulerPlugin):
         await self.names.torn_down(co.name, 5.0)
         return {"items": items}
 
-    def put(self, name: str, owner: str, token: str, closures: list) -> None:
-        """Queue ``closures`` (each a :class:`Submission`) for ``owner`` (one-way).
-
-        Checked as a whole before anything is queued: each closure id must be the
-        owner's (``owner-...``), so no client can queue under another's ids."""
-        op = "daskdist_put"
-        co = self.coordinators.get(checks.text(name, f"{op}: name"))
-        if co is None or checks.text(owner, f"{op}: owner") not in co.outboxes:
-            # sent just before its owner closed (and its closures were cancelled)
-            logger.debug("daskdist[%s]: closures of closed owner %s dropped", name, owner)
-            return
-        co = self._owned(op, name, owner, token)
-        prefix = f"{owner}-"
-        subs = []
-        for i, item in enumerate(checks.items(closures, f"{op}: closures")):
-            if checks.submission_ok(item, prefix):
-                subs.append(Submission._make(item))
-                continue
-            sub = Submission._make(checks.record(item, f"{op}: closures[{i}]", 3))
-            if not checks.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
-                raise PermissionError(f"{op}: closure id {sub.cid!r} is not one of owner "
-                                      f"{owner!r}'s")
-            checks.payload(sub.payload, f"{op}: closures[{i}].payload")
-            checks.integer(sub.retries, f"{op}: closures[{i}].retries", 0, checks.MAX_RETRIES)
-            subs.append(sub)
-        q = co.queue
-        for sub in subs:
-            q.put(sub.cid, owner, sub.payload, sub.retries)
-        co.wake()
-
-    async def results(self, name: str, owner: str, token: str, ack: int,
-                      timeout: float | None = None) -> dict:
-        """Long-poll: outcomes for ``owner`` from sequence number ``ack`` on. Waits while
-        there are none, even with an error of the owner's unread (it arrived as an
-        outcome): an idle client costs the scheduler nothing."""
-        op = "daskdist_results"
-        checks.text(name, f"{op}: name")
-        co = self.coordinators.get(name)
-        if co is None or checks.text(owner, f"{op}: owner") not in co.outboxes:
-            return {"detached": True}
-        box = co.owner_box(owner, checks.text(token, f"{op}: token"))
-        box.ack(checks.integer(ack, f"{op}: ack", 0, 2**62))
-        timeout = checks.optional(checks.number, timeout, f"{op}: timeout", 0.0, 3600.0)
-        if not box.items:
-            if timeout is None:
-                timeout = config.seconds("scheduler.poll-interval")
-            await wait_event(box.event, timeout)
-        if co.outboxes.get(owner) is not box:
-            return {"detached": True}
-        return {
-            "first": box.first_seq,
-            "items": list(box.items),
-            "error": owner in co.queue.errors,
-            "workers": len(co.members),
-        }
-
-    async def raise_error(self, name: str, owner: str, token: str,
-                          timeout: float | None = None) -> dict:
-        """Raise ``owner``'s first unraised error: wait for its in-flight closures, cancel
-        its queue (:meth:`CoordinatorState.raise_error`)."""
-        co = self._owned("daskdist_raise", name, owner, token)
-        timeout = checks.optional(checks.number, timeout, "daskdist_raise: timeout", 0.0,
-                                  float(2**31))
-        return await co.raise_error(owner, timeout)
-
-    # -- collective groups and gang closures -------------------------------------------------
-    async def group_form(self, name: str, owner: str, token: str, backend: str = "auto",
-                         timeout: float = 60.0, rejoin_grace: float | None = None) -> dict:
-        """(Re-)form the collective group on the current workers; its description."""
-        op = "daskdist_group_form"
-        co = self._owned(op, name, owner, token)
-        if backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"{op}: backend must be 'auto', 'gloo' or 'nccl', got "
-                             f"{backend!r}")
-        timeout = checks.number(timeout, f"{op}: timeout", 0.0, 86400.0, lo_open=True)
-        rejoin_grace = checks.optional(checks.number, rejoin_grace, f"{op}: rejoin_grace",
-                                       0.0, 86400.0)
-        co.gangs.configure(backend, timeout)
-        if rejoin_grace is not None:
-            self.drivers[name].rejoin_grace = rejoin_grace
-        ok = await self.drivers[name].form()
-        info = self.drivers[name].info()
-        info["ok"] = ok
-        return info
-
-    def group_info(self, name: str) -> dict:
-        self._get(name)
-        return self.drivers[name].info()
-
-    async def schedule_gang(self, name: str, owner: str, token: str, cid: str,
-                            payload: list) -> dict:
-        """Queue a gang closure; forms the group first if there is none yet."""
-        op = "daskdist_schedule_gang"
-        co = self._owned(op, name, owner, token)
-        if not checks.text(cid, f"{op}: cid").startswith(f"{owner}-"):
-            raise PermissionError(f"{op}: gang id {cid!r} is not one of owner {owner!r}'s")
-        checks.payload(payload, f"{op}: payload")
-        driver = self.drivers[name]
-        if not co.gangs.group.sessions:
-            await driver.form()
-        co.gangs.submit(cid, owner, payload)
-        co.gangs_changed.set()
-        driver.start()
-        return driver.info()
-
-    # -- elastic commits: rows acknowledged at State.commit() (SPEC §4.2) -------------------
-    async def gang_commit_part(self, name: str, session: str, key: list, rank: int,
-                               world: int, tokens: list, timeout: float = 60.0) -> bool:
-        """A gang rank's part of a commit, sent by ``session``; the commit is applied (all
-        or nothing) once every rank's part came. Replies with the outcome."""
-        return await self._get(name).gang_commit_part(str(session), CommitKey.parse(key),
-                                                      int(rank), int(world), tokens,
-                                                      float(timeout))
-
-    def commit_outcome(self, name: str, session: str, key: list) -> bool:
-        """Whether commit ``key`` was applied (a rank that missed the outcome asks). Not
-        read-only by design: a commit still open is refused now, so every rank, and any
-        part still on its way, gets the same definite answer."""
-        co = self._get(name)
-        if session not in co.members:
-            raise ValueError(f"session {session!r} of coordinator {name!r} ended")
-        return co.commit_outcome(CommitKey.parse(key))
-
-    def state_commits(self, name: str, session: str, state: str,
-                      committed: bool = False) -> int:
-        """How many commits of elastic State ``state`` happened (``committed``: count one
-        more, a plain commit a rank reports once)."""
-        co = self._get(name)
-        if session not in co.members:
-            raise ValueError(f"session {session!r} of coordinator {name!r} ended")
-        return co.state_commits(str(state), bool(committed))
-
     def add_resource(self, name: str, owner: str, token: str, rid: str,
                      payload: bytes) -> None:
         op = "daskdist_add_resource"
@@ -394,11 +255,6 @@ class CoordinatorPlugin(SchedulerPlugin):
         co = self._owned(op, name, owner, token)
         rids = checks.texts(rids, f"{op}: rids")
         co.release_resources([rid for rid in rids if co.resource_owners.get(rid) == owner])
-
-    def closure_state(self, name: str, cid: str) -> str | None:
-        """PENDING or RUNNING for a closure not yet final; ``None`` once final or unknown."""
-        c = self._get(name).queue.closures.get(checks.text(cid, "daskdist_closure_state: cid"))
-        return None if c is None else c.state
 
     def status(self, name: str | None = None) -> dict:
         if name is not None:
@@ -458,119 +314,6 @@ class CoordinatorPlugin(SchedulerPlugin):
             co.queue.observe(session, (), started, final=True)
             co.stop_session(session, outcomes)
 
-    def report(self, name: str, session: str, results: list, held: list | None = None,
-               started: list | None = None) -> dict:
-        op = "daskdist_report"
-        co = self.coordinators.get(checks.text(name, f"{op}: name"))
-        checks.text(session, f"{op}: session")
-        outcomes = checks.outcomes(op, results)
-        held, started = checks.observed(op, held, started)
-        if co is None or not co.renew(session, time.monotonic()):
-            return {"unknown_session": True}  # fenced: the loop's exchange re-registers
-        co.apply_results(session, outcomes)
-        if held is not None:
-            co.queue.observe(session, held, started)
-        return {"version": co.members.version, "hold": co.hold}
-
-    def renew(self, name: str, session: str, held: list | None = None,
-              started: list | None = None) -> dict:
-        """A worker session's lease renewal (every ``liveness.renew-interval``), with
-        what it holds and which of those started."""
-        op = "daskdist_renew"
-        co = self.coordinators.get(checks.text(name, f"{op}: name"))
-        checks.text(session, f"{op}: session")
-        held, started = checks.observed(op, held, started)
-        ok = co is not None and co.renew(session, time.monotonic())
-        if ok and held is not None:
-            co.queue.observe(session, held, started)
-        return {"ok": ok}
-
-    def _steal_for(self, co: CoordinatorState, thief: str) -> None:
-        """An idle session found no work: ask the session holding the most prefetched,
-        unstarted closures to give half of them back (they return as ``UNSTARTED``
-        results, go to the head of the queue and wake the idle session's long-poll)."""
-        victim = co.queue.steal_victim(thief)
-        if victim is None:
-            return
-        session, n = victim
-        member = co.members.members.get(session)
-        if member is not None:
-            co.steals += 1
-            self._send(member.address, {"op": "daskdist-steal", "name": co.name, "n": n})
-
-    async def exchange(
-        self,
-        comm,
-        name: str,
-        session: str,
-        results: list,
-        held: list | None,
-        want: int,
-        block: bool,
-        started: list | None = None,
-    ) -> dict:
-        """A worker reports results and asks for up to ``want`` closures, in one call.
-
-        ``held`` lists every closure the worker has received and not yet had
-        acknowledged; closures leased to the session but missing from it were lost on
-        the way (a reply nobody read) and go back to the queue. ``started`` says which
-        of them started (only those count if the worker is lost). With ``block``, wait
-        up to ``daskdist.scheduler.poll-interval`` for work.
-        """
-        op = "daskdist_exchange"
-        co = self.coordinators.get(checks.text(name, f"{op}: name"))
-        checks.text(session, f"{op}: session")
-        outcomes = checks.outcomes(op, results)
-        held, started = checks.observed(op, held, started)
-        want = checks.integer(want, f"{op}: want", 0, checks.MAX_ITEMS)
-        block = checks.flag(block, f"{op}: block")
-        if co is None or co.closed:
-            return {"closed": True}
-        if not co.renew(session, time.monotonic()):
-            return {"unknown_session": True}
-        q = co.queue
-        if outcomes:
-            co.apply_results(session, outcomes)
-        if held is not None:
-            if q.reconcile(session, held):
-                co.wake()
-            q.observe(session, held, started)
-
-        def fair(want: int) -> int:
-            # a fair share of the backlog, so one worker's prefetch does not starve others
-            share = -(-q.backlog // max(1, len(co.members)))
-            return min(want, max(1, share))
-
-        # A busy worker prefetches nothing while another waits idle for work (SPEC §2.4).
-        closures = q.dispatch(session, fair(want) if block or not co.waiters else 0)
-        if not closures and block and want > 0:
-            self._steal_for(co, session)
-            deadline = time.monotonic() + config.seconds("scheduler.poll-interval")
-            event = asyncio.Event()
-            co.waiters.add(event)
-            try:
-                while True:
-                    if comm.closed() or co.closed or session not in co.members:
-                        break
-                    closures = q.dispatch(session, fair(want))
-                    if closures:
-                        break
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    event.clear()
-                    if not await wait_event(event, left):
-                        break
-            finally:
-                co.waiters.discard(event)
-        return {
-            "closures": [Dispatch(c.cid, c.payload, c.attempt, c.pinned is not None, c.owner)
-                         for c in closures],
-            "num_workers": len(co.members),
-            "version": co.members.version,
-            "joins": co.members.joins,
-            "hold": co.hold,
-        }
 
 
 def dask_setup(scheduler) -> None:

@@ -13,22 +13,30 @@ coordinator's state.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 RATE_WINDOW = 5.0  # seconds over which the per-worker rates are measured
+MARKS = 16  # per-worker counts kept at samples (enough for RATE_WINDOW at 1 s samples)
+TOP_WORKERS = 32  # workers a snapshot lists (the busiest), beside the totals of all
+DEPARTED = 256  # departed workers whose counters are kept (the newest)
 
 
 @dataclass
 class WorkerCounters:
-    """What one worker address finished (cumulative over its sessions)."""
+    """What one worker address finished (cumulative over its sessions), and its counts
+    at the last few samples it changed after (for its rates; kept lazily, by its own
+    events, so a sample costs O(1) however many workers there are)."""
 
     closures: int = 0  # closures accepted as done
     failed: int = 0  # closures that raised there
     rows: int = 0  # dynamic-policy rows acknowledged with its results
+    # (sample time, closures, rows) at a sample after which it changed, oldest first
+    marks: deque = field(default_factory=lambda: deque(maxlen=MARKS))
 
 
 @dataclass
@@ -55,9 +63,10 @@ class CheckpointRecord:
     time: float  # wall-clock seconds when it completed
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
-    """One point of history: the coordinator's counters and each worker's totals."""
+    """One point of history: the coordinator's counters (aggregates only: a sample's
+    size does not grow with the workers)."""
 
     time: float
     done: int
@@ -66,7 +75,6 @@ class Sample:
     recovered: int
     queued: int
     running: int
-    workers: dict[str, tuple[int, int]] = field(default_factory=dict)  # addr: (closures, rows)
 
 
 class CoordinatorStats:
@@ -75,6 +83,7 @@ class CoordinatorStats:
     def __init__(self, history: int = 600, clock: Callable[[], float] = time.time):
         self.clock = clock
         self.workers: dict[str, WorkerCounters] = {}
+        self.departed: OrderedDict[str, None] = OrderedDict()  # oldest first, bounded
         self.dataset_rows: dict[str, int] = {}  # rows acknowledged per dataset, all epochs
         self.events: deque[GroupEvent] = deque(maxlen=200)
         self.history: deque[Sample] = deque(maxlen=max(2, int(history)))
@@ -87,7 +96,16 @@ class CoordinatorStats:
     def _worker(self, co: Any, session: str) -> WorkerCounters:
         member = co.members.members.get(session)
         address = member.address if member is not None else session
-        return self.workers.setdefault(address, WorkerCounters())
+        w = self.workers.get(address)
+        if w is None:
+            w = self.workers[address] = WorkerCounters()
+        elif address in self.departed:
+            del self.departed[address]  # back (a new session of the same address)
+        if self.history:  # its counts at the newest sample, if it changed since
+            t = self.history[-1].time
+            if not w.marks or w.marks[-1][0] < t:
+                w.marks.append((t, w.closures, w.rows))
+        return w
 
     def on_results(self, co: Any, session: str, accepted: bool, ok: bool) -> None:
         """A closure's result from ``session`` (not ``accepted``: a fenced duplicate)."""
@@ -108,8 +126,12 @@ class CoordinatorStats:
     def on_session_end(self, co: Any, session: str) -> None:
         """Before ``session`` leaves: a loss event when it was a member of the group."""
         group = co.gangs.group
-        if session in group.sessions:
-            member = co.members.members.get(session)
+        member = co.members.members.get(session)
+        if member is not None and member.address in self.workers:
+            self.departed[member.address] = None
+            while len(self.departed) > DEPARTED:
+                self.workers.pop(self.departed.popitem(last=False)[0], None)
+        if session in group.ranks:
             self.losses += 1
             self.events.append(GroupEvent(self.clock(), "loss", group.generation,
                                           len(group.sessions) - 1,
@@ -131,8 +153,7 @@ class CoordinatorStats:
 
     def sample(self, status: dict) -> Sample:
         s = Sample(self.clock(), status["done"], status["failed"], status["retried"],
-                   status["recovered"], status["queued"], status["running"],
-                   {a: (w.closures, w.rows) for a, w in self.workers.items()})
+                   status["recovered"], status["queued"], status["running"])
         self.history.append(s)
         return s
 
@@ -152,7 +173,9 @@ class CoordinatorStats:
         return out
 
     def worker_rates(self, window: float = RATE_WINDOW) -> dict[str, tuple[float, float]]:
-        """Closures and rows per second of each worker over the last ``window`` seconds."""
+        """Closures and rows per second of each worker over the last ``window`` seconds
+        (from the sample at or after its start to the newest one). O(workers): for the
+        dashboard's reads, not per event."""
         if len(self.history) < 2:
             return {}
         last = self.history[-1]
@@ -160,11 +183,17 @@ class CoordinatorStats:
                      self.history[0])
         if first is last:
             first = self.history[-2]
-        dt = max(last.time - first.time, 1e-9)
+        t0, dt = first.time, max(last.time - first.time, 1e-9)
         out = {}
-        for address, (closures, rows) in last.workers.items():
-            c0, r0 = first.workers.get(address, (0, 0))
-            out[address] = ((closures - c0) / dt, (rows - r0) / dt)
+        for address, w in self.workers.items():
+            # its counts at t0: those at its first mark since (no change in between), or
+            # now if it did not change since t0
+            c0, r0 = w.closures, w.rows
+            for t, c, r in w.marks:
+                if t >= t0 - 1e-6:
+                    c0, r0 = c, r
+                    break
+            out[address] = ((w.closures - c0) / dt, (w.rows - r0) / dt)
         return out
 
 
@@ -183,11 +212,16 @@ def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
     status = dict(co.status())
     status.setdefault("lease_expiries", 0)
     rates = stats.worker_rates()
-    members = {m.address: m for m in co.members.members.values()}
+    members = co.members
+    # the busiest TOP_WORKERS workers (by closures, then rows per second), live or not
+    live = {m.address for m in members.members.values()}
+    top = heapq.nlargest(TOP_WORKERS, set(stats.workers) | live,
+                         key=lambda a: (*rates.get(a, (0.0, 0.0)), a))
     workers = []
-    for address in sorted(set(stats.workers) | set(members)):
+    for address in sorted(top):
         w = stats.workers.get(address, WorkerCounters())
-        m = members.get(address)
+        session = members.session_of(address)
+        m = members.members[session] if session is not None else None
         cps, rps = rates.get(address, (0.0, 0.0))
         workers.append({
             "address": address, "index": m.index if m else None,
@@ -203,13 +237,34 @@ def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
     group["checkpoints"] = stats.checkpoints
     group["checkpoint"] = None if ck is None else {
         **asdict(ck), "age_seconds": max(0.0, stats.clock() - ck.time)}
+    totals = {"workers": len(live), "closures": sum(w.closures for w in stats.workers.values()),
+              "rows": sum(w.rows for w in stats.workers.values()), "shown": len(workers)}
     return {
         "name": co.name,
         "status": status,
         "workers": workers,
+        "worker_totals": totals,
         "datasets": datasets(co),
         "dataset_rows_acknowledged": dict(stats.dataset_rows),
         "group": group,
         "events": [asdict(e) for e in stats.events],
         "history": stats.series(),
     }
+
+
+def group_info(plugin: Any, name: str, co: Any) -> dict:
+    """The group driver's description; while a member is leaving it may not have one."""
+    driver = plugin.drivers.get(name)
+    try:
+        return driver.info() if driver is not None else {}
+    except KeyError:  # a group session already left the membership
+        group = co.gangs.group
+        return {"generation": group.generation, "world_size": len(group.sessions),
+                "members": [], "backend": group.backend, "formed": False,
+                "bootstrap_seconds": getattr(driver, "last_formation_seconds", 0.0)}
+
+
+def snapshots(plugin: Any) -> dict[str, dict]:
+    """``snapshot`` of every coordinator on the plugin, by name."""
+    return {name: snapshot(co, group_info(plugin, name, co))
+            for name, co in sorted(plugin.coordinators.items())}

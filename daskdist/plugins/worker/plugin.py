@@ -43,7 +43,11 @@ def install_handlers(worker) -> None:
         if runner is not None:
             runner.poke()
 
-    def peer_lost(name: str, generation: int, reason: str = "a peer left the group") -> None:
+    def peer_lost(name: str, generation: int, reason: str = "a peer left the group",
+                  version: int | None = None, joins: int | None = None,
+                  session: str | None = None) -> None:
+        if version is not None:  # the membership counters the loss made (one message)
+            membership(name, version, joins, session)
         # through sys.modules: no group was ever formed in this process otherwise
         collective = sys.modules.get("daskdist.collective")
         if collective is not None:

@@ -9,7 +9,7 @@ services and its per-worker resources; each closure runs bound to the session it
 dispatched under (:func:`daskdist.context.closure_scope`), so a closure that outlives
 its session can only make calls the scheduler refuses, and its result is dropped.
 
-Threads: the event loop owns the loop state (``held``, ``done``, ``running``, the
+Threads: the event loop owns the loop state (``unacked``, ``done``, ``taken``, the
 current session); closure threads run ``_run`` and hand results back with
 ``add_callback``; ``_pending`` (received, not started) and ``_started`` (started, not
 finished) are shared under ``_lock``. Every message to the scheduler says which held
@@ -51,6 +51,7 @@ from daskdist.core.protocol import (
     INPUT_ERROR,
     PENDING,
     READY,
+    RETIRING,
     UNSTARTED,
     USER_ERROR,
     Dispatch,
@@ -163,8 +164,8 @@ class ClosureRunner:
         self.num_workers = 0
         self.device: Any = None
         self.gpu = ""  # the device's GPU UUID: the scheduler tells shared GPUs apart by it
-        self.held: set[str] = set()  # received, not yet acknowledged by the scheduler
-        self.running = 0  # received, not yet finished here
+        self.unacked: set[str] = set()  # received, not yet acknowledged by the scheduler
+        self.taken = 0  # received, not yet finished here: running or prefetched (not gangs)
         self.gangs = 0  # gang members received, not yet finished (their own executor)
         self.leaving = False  # the scheduler said this worker retires (see stop())
         # Received closures not yet started, oldest first: ``nthreads`` drain loops in
@@ -175,6 +176,10 @@ class ClosureRunner:
         self._drains = 0  # drain loops running in the executor
         self._lock = threading.Lock()
         self.renewer: asyncio.Task | None = None
+        # how often to renew the session's lease: the scheduler's word (it grows with
+        # the cluster, as Dask's heartbeats do), the configured interval until it speaks
+        self.renew_interval = config.seconds("liveness.renew-interval")
+        self.last_sent = 0.0  # when the last exchange left (it renews the lease too)
         self.done: list[Outcome] = []  # finished, not yet sent
         self.wakeup = asyncio.Event()
         self.polling = False  # a blocking exchange is outstanding
@@ -226,6 +231,7 @@ class ClosureRunner:
             raise CoordinatorGone(self.name)
         self.index = reply["index"]
         self.num_workers = reply["num_workers"]
+        self.renew_interval = reply.get("renew", self.renew_interval)
         self._end_session()
         _set_membership(reply["version"], reply.get("joins"), session=sid)
         services = SessionServices(self.worker, self.name, sid)
@@ -283,7 +289,10 @@ class ClosureRunner:
                     **kwargs)
 
     async def _renew_loop(self) -> None:
-        """Renew this session's lease every ``liveness.renew-interval`` (SPEC §2.4).
+        """Renew this session's lease (SPEC §2.4) every ``renew_interval``: the
+        scheduler's word, growing with the cluster as Dask's heartbeats do
+        (``liveness.renew-interval`` until it speaks); skipped when an exchange left
+        since the last one (its arrival renewed the lease).
 
         Runs on the worker's event loop, not in a closure thread: closures release the
         GIL often enough for it to run (see ``tests/test_liveness.py``), so only a hung
@@ -291,15 +300,17 @@ class ClosureRunner:
         ended the session) wakes the exchange loop, which registers a new session.
         Each call is bounded so a dead connection cannot stall renewals for good.
         """
-        interval = config.seconds("liveness.renew-interval")
         while not self.stopping:
+            interval = self.renew_interval
             await asyncio.sleep(interval)
             if self.session is None:
                 continue  # registering: the registration itself starts the lease
+            if time.monotonic() - self.last_sent < interval:
+                continue  # an exchange left since: its arrival renewed the lease
             try:
                 reply = await asyncio.wait_for(
                     self.worker.scheduler.daskdist_renew(
-                        name=self.name, session=self.session_id, held=list(self.held),
+                        name=self.name, session=self.session_id, held=list(self.unacked),
                         started=self.started()),
                     max(5.0, 5 * interval))
             except (OSError, CommClosedError, asyncio.TimeoutError) as e:
@@ -310,7 +321,7 @@ class ClosureRunner:
 
     # -- the loop -----------------------------------------------------------------------
     def _retiring(self) -> bool:
-        return self.worker.status.name in ("closing_gracefully", "closing", "closed")
+        return self.worker.status.name in RETIRING
 
     async def _register_until_done(self) -> bool:
         """Register a session, retrying while the scheduler cannot be reached; ``False``
@@ -341,24 +352,25 @@ class ClosureRunner:
             return
         backoff = 0.05
         while not self.stopping:
-            want = 0 if self._retiring() else self.capacity - self.running
+            want = 0 if self._retiring() else self.capacity - self.taken
             # Report results as soon as there are any (asking for more in the same call);
             # long-poll only when a thread is idle; otherwise wait for a result, so the
             # loop does not compete with running closures for the GIL.
-            if not self.done and not self.poked and (want <= 0 or self.running >= self.nthreads):
+            if not self.done and not self.poked and (want <= 0 or self.taken >= self.nthreads):
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
             results, self.done = self.done, []
             # With a thread idle, wait at the scheduler for work (results are applied
             # first, so reporting and asking again take one round trip); busy, do not.
-            block = self.running < self.nthreads and want > 0 and not self.poked
+            block = self.taken < self.nthreads and want > 0 and not self.poked
             self.poked = False
             self.polling = block
+            self.last_sent = time.monotonic()
             try:
                 reply = await self.worker.scheduler.daskdist_exchange(
                     name=self.name, session=self.session_id, results=results,
-                    held=list(self.held), want=want, block=block, started=self.started(),
+                    held=list(self.unacked), want=want, block=block, started=self.started(),
                 )
             except (OSError, CommClosedError) as e:
                 self.done[:0] = results  # not acknowledged: send again
@@ -373,21 +385,22 @@ class ClosureRunner:
                 return
             if reply.get("unknown_session"):
                 # The scheduler ended this session (it put our closures back): start anew.
-                self.held.clear()
+                self.unacked.clear()
                 self.done.clear()
                 self._drop_pending()
                 if not await self._register_until_done():
                     return
                 continue
             for r in results:
-                self.held.discard(r.cid)
+                self.unacked.discard(r.cid)
             self.num_workers = reply["num_workers"]
+            self.renew_interval = reply.get("renew", self.renew_interval)
             self.set_hold(reply["hold"])
             _set_membership(reply["version"], reply.get("joins"), session=self.session_id)
             session = self.session
             work = []
             for cid, payload, attempt, gang, owner in map(Dispatch._make, reply["closures"]):
-                self.held.add(cid)
+                self.unacked.add(cid)
                 item = Work(session, cid, payload, attempt, gang, owner)
                 if gang:
                     self.gangs += 1
@@ -395,7 +408,7 @@ class ClosureRunner:
                 else:
                     work.append(item)
             if work:
-                self.running += len(work)
+                self.taken += len(work)
                 self._enqueue(work)
 
     def _enqueue(self, work: list[Work]) -> None:
@@ -421,7 +434,7 @@ class ClosureRunner:
     @property
     def busy(self) -> int:
         """Closures received here and not finished, gang members included (event loop)."""
-        return self.running + self.gangs
+        return self.taken + self.gangs
 
     def started(self) -> list[str]:
         """Closures started here and not yet finished (what the scheduler may count as
@@ -436,7 +449,7 @@ class ClosureRunner:
             take = [self._pending.pop() for _ in range(min(max(0, n), len(self._pending)))]
         if not take:
             return 0
-        self.running -= len(take)
+        self.taken -= len(take)
         self.done.extend(_unstarted(w) for w in take if w.session is self.session)
         self.wakeup.set()
         if self.polling and not self.reporting:
@@ -458,7 +471,7 @@ class ClosureRunner:
             if take:
                 self._pending = deque(w for w in self._pending if w.owner not in hold)
         if take:
-            self.running -= len(take)
+            self.taken -= len(take)
             self.done.extend(_unstarted(w) for w in take if w.session is self.session)
             self.wakeup.set()
             if self.polling and not self.reporting:
@@ -469,12 +482,12 @@ class ClosureRunner:
         with self._lock:
             dropped = len(self._pending)
             self._pending.clear()
-        self.running -= dropped
+        self.taken -= dropped
 
     def _on_done(self, item: Work, result: Outcome) -> None:
         """Runs on the event loop when a closure finished in a thread."""
         if not item.gang:
-            self.running -= 1  # a thread is free, whichever session it ran for
+            self.taken -= 1  # a thread is free, whichever session it ran for
             with self._lock:
                 self._started.discard(item.cid)
         if item.session is not self.session:
@@ -494,7 +507,7 @@ class ClosureRunner:
                 try:
                     reply = await self.worker.scheduler.daskdist_report(
                         name=self.name, session=self.session_id, results=results,
-                        held=list(self.held), started=self.started(),
+                        held=list(self.unacked), started=self.started(),
                     )
                 except (OSError, CommClosedError):
                     self.done[:0] = results
@@ -503,7 +516,7 @@ class ClosureRunner:
                     self.poke()  # fenced: the loop's next exchange registers anew
                     return
                 for r in results:
-                    self.held.discard(r.cid)
+                    self.unacked.discard(r.cid)
                 self.set_hold(reply["hold"])
         finally:
             self.reporting = False

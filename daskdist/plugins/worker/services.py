@@ -23,7 +23,7 @@ from typing import Any
 from distributed.utils import sync
 
 from daskdist.core.leases import group_tokens
-from daskdist.core.protocol import CollectionDef, CommitKey, DatasetDef
+from daskdist.core.protocol import RETIRING, CollectionDef, CommitKey, DatasetDef
 from daskdist.errors import CollectiveError, InputError
 
 Interval = tuple[int, int]
@@ -208,7 +208,7 @@ class SessionServices:
     def leaving(self) -> bool:
         """This worker is leaving: retiring, closing, or told to leave (a preemption
         notice). A State checkpoints the commit it leaves at when no member stays."""
-        return self.worker.status.name in ("closing_gracefully", "closing", "closed")
+        return self.worker.status.name in RETIRING
 
     def dataset_ledger(self, state: str) -> dict:
         """The ledger of State ``state``'s ``"dynamic"`` datasets as the scheduler holds

@@ -1,0 +1,229 @@
+"""GroupBook: the gangs', the collective group's and the commits' book on the scheduler.
+
+Gang closures (``schedule_on_all``) and the group generations they run on are the pure
+:class:`~daskdist.core.gang.GangBook`; the commits that acknowledge gang members' rows
+(SPEC §4.2) are the pure :class:`~daskdist.core.commits.CommitBook`. This book routes
+gang members' outcomes to the gang book, tells a broken group's members at once, and
+serves the group and commit handlers (:data:`GROUP_HANDLERS`, registered by the plugin
+as they are). Formation itself is the :class:`~daskdist.plugins.scheduler.groups.
+GroupDriver`'s (``driver``). Runs on the scheduler's event loop; imports nothing from Dask.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from daskdist.core import checks
+from daskdist.core.commits import CommitBook
+from daskdist.core.gang import INTERRUPTING, GangBook
+from daskdist.core.leases import group_tokens
+from daskdist.core.protocol import READY, CommitKey, Outcome
+from daskdist.plugins.scheduler.closures import CLOSED, wait_event
+
+if TYPE_CHECKING:
+    from daskdist.plugins.scheduler.groups import GroupDriver
+    from daskdist.plugins.scheduler.state import CoordinatorState
+
+
+class GroupBook:
+    """Gangs, the group's generations, and the commits of elastic States."""
+
+    def __init__(self, co: CoordinatorState, max_worker_failures: int) -> None:
+        self.co = co
+        self.gangs = GangBook(max_losses=max_worker_failures)
+        self.commits = CommitBook()  # commits that acknowledged gang members' rows
+        self.commit_events: dict[CommitKey, asyncio.Event] = {}  # open commits' waiters
+        self.changed = asyncio.Event()  # the gang pump waits on it
+        self.left = asyncio.Event()  # a session ended (a formation in progress checks)
+        self.departing: set[str] = set()  # retired group members finishing their step
+        self.driver: GroupDriver | None = None  # set by names.py with the book
+
+    # -- what happened to the group -------------------------------------------------------
+    def member_finished(self, o: Outcome) -> None:
+        """A gang member's closure ended: the gang book judges it; a user error on a
+        healthy group tells the peers at once."""
+        gangs = self.gangs
+        healthy = not gangs.group.broken
+        g = gangs.member_finished(o.cid, o.state == READY, o.value, o.kind)
+        if healthy and gangs.group.broken and o.kind not in INTERRUPTING:
+            # a user error failed the gang: the peers stop waiting for that rank
+            # (an interruption needs no word: every rank raises it, or the
+            # scheduler told them of the loss)
+            self.tell_members()
+        if g is not None:
+            self.co.closure_book.deliver_gang(g)
+        self.changed.set()
+
+    def tell_members(self) -> None:
+        """The group broke (a member left, or a member's closure failed): its members'
+        collective calls of this generation raise ``CollectiveError`` at once, saying why
+        (``GroupRecord.why``), instead of waiting for the group's timeout."""
+        group = self.gangs.group
+        co = self.co
+        co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
+                      "generation": group.generation, "reason": group.why,
+                      **co.counters()}, group.sessions, addressed=True)
+        co.told_version = co.members.version  # the members know it: no membership message
+
+    def session_lost(self, session: str, expected: bool) -> None:
+        """A session ended (``members`` no longer has it): a group member's loss breaks
+        the group, refuses its generation's open commits and tells the surviving members
+        (with the new membership version)."""
+        self.departing.discard(session)
+        self.left.set()
+        if self.gangs.session_lost(session, expected):
+            # a member's part may never come: its generation's open commits are refused,
+            # and the surviving members' collective calls fail at once
+            self._commits_decided(self.commits.abort_open())
+            self.tell_members()
+
+    def close(self) -> None:
+        self.changed.set()
+        for event in self.commit_events.values():
+            event.set()
+
+    # -- commits (SPEC §4.2) -----------------------------------------------------------------
+    async def gang_commit_part(self, session: str, key: Any, rank: int, world: int,
+                               tokens: list, timeout: float = 60.0) -> bool:
+        """Rank ``rank``'s part of a gang commit, sent by ``session``; the commit's outcome
+        once every rank's part came (all or nothing: refused unless ``key``'s generation
+        is the current group, ``session`` is its rank ``rank`` and every member's session
+        is live). A commit whose parts did not all come within ``timeout`` seconds (the
+        group's timeout) expires: refused, for good."""
+        session, key = str(session), CommitKey.parse(key)
+        rank, world, timeout = int(rank), int(world), float(timeout)
+        co = self.co
+        group = self.gangs.group
+        sessions = group.sessions if key.generation == group.generation else None
+        if sessions is not None and group.ranks.get(session) != rank:
+            sessions = None  # a part from an ended session, or another rank's: refused
+        if sessions is not None:
+            try:
+                co.ledgers.note(key.state, tokens)  # datasets trained under the State
+            except ValueError:
+                pass  # a malformed token: the commit refuses it below
+        ok = self.commits.add_part(co.leases, key, rank, world, tokens, sessions,
+                                   co.members.members)
+        if ok is not None:
+            self._commits_decided([key])
+            return ok
+        event = self.commit_events.get(key)
+        if event is None:  # the first part of the key waits on a new event; later ones share it
+            event = self.commit_events[key] = asyncio.Event()
+        await wait_event(event, timeout)
+        return self._outcome(key)
+
+    def gang_commit(self, session: str, key: Any, world: int, parts: list) -> bool:
+        """Every rank's part of a gang commit in one message (``parts``: ``[rank,
+        tokens]`` for each rank), sent by the generation's rank 0 once the commit's
+        allgather brought them: the commit's outcome, decided at once. One message per
+        step instead of ``world``: O(parts) on the scheduler, with no waiter per part.
+        Refused unless ``session`` is rank 0 of ``key``'s generation, the current one,
+        and every rank's part is there (each rank's tokens are checked against the rows
+        leased to that rank's session, as a part of its own would be)."""
+        key, world = CommitKey.parse(key), int(world)
+        co = self.co
+        group = self.gangs.group
+        sessions = group.sessions if key.generation == group.generation else None
+        if sessions is not None and group.ranks.get(str(session)) != 0:
+            sessions = None  # only rank 0 speaks for the group
+        grouped: dict[int, dict] = {}
+        tables: set = set()
+        try:
+            for rank, tokens in checks.items(parts, "daskdist_gang_commit: parts"):
+                groups = group_tokens(tokens)
+                grouped[int(rank)] = groups
+                tables.update(groups)
+        except (TypeError, ValueError):
+            sessions = None  # malformed: refused
+        if sessions is not None:
+            co.ledgers.note_tables(key.state, tables)  # datasets trained under the State
+        ok = self.commits.add_all(co.leases, key, world, grouped, sessions,
+                                  co.members.members)
+        self._commits_decided([key])
+        return ok
+
+    def commit_outcome(self, session: str, key: Any) -> bool:
+        """Whether commit ``key`` was applied (a rank that missed the outcome asks). Not
+        read-only by design: a commit still open is refused now, so every rank, and any
+        part still on its way, gets the same definite answer."""
+        self.co.live_session(session)
+        return self._outcome(CommitKey.parse(key))
+
+    def _outcome(self, key: CommitKey) -> bool:
+        ok = self.commits.expire(key)
+        self._commits_decided([key])
+        return ok
+
+    def state_commits(self, session: str, state: str, committed: bool = False) -> int:
+        """How many commits of State ``state`` happened (``committed``: one more, a plain
+        commit its rank reports once), so ``sync()`` can tell a lost state from a fresh
+        start."""
+        self.co.live_session(session)
+        state = str(state)
+        if committed:
+            self.commits.note_committed(state)
+        return self.commits.committed(state)
+
+    def _commits_decided(self, keys: list[CommitKey]) -> None:
+        """Wake the parts still waiting for these commits' outcomes."""
+        for key in keys:
+            event = self.commit_events.pop(key, None)
+            if event is not None:
+                event.set()
+
+    # -- the group and gang closures (client handlers) ---------------------------------------
+    async def group_form(self, owner: str, token: str, backend: str = "auto",
+                         timeout: float = 60.0, rejoin_grace: float | None = None) -> dict:
+        """(Re-)form the collective group on the current workers; its description."""
+        op = "daskdist_group_form"
+        self.co.closure_book.owner_box(checks.text(owner, f"{op}: owner"),
+                                       checks.text(token, f"{op}: token"))
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"{op}: backend must be 'auto', 'gloo' or 'nccl', got "
+                             f"{backend!r}")
+        timeout = checks.number(timeout, f"{op}: timeout", 0.0, 86400.0, lo_open=True)
+        rejoin_grace = checks.optional(checks.number, rejoin_grace, f"{op}: rejoin_grace",
+                                       0.0, 86400.0)
+        self.gangs.configure(backend, timeout)
+        driver = self.driver
+        if rejoin_grace is not None:
+            driver.rejoin_grace = rejoin_grace
+        ok = await driver.form()
+        info = driver.info()
+        info["ok"] = ok
+        return info
+
+    def group_info(self) -> dict:
+        return self.driver.info()
+
+    async def schedule_gang(self, owner: str, token: str, cid: str, payload: list) -> dict:
+        """Queue a gang closure; forms the group first if there is none yet."""
+        op = "daskdist_schedule_gang"
+        self.co.closure_book.owner_box(checks.text(owner, f"{op}: owner"),
+                                       checks.text(token, f"{op}: token"))
+        if not checks.text(cid, f"{op}: cid").startswith(f"{owner}-"):
+            raise PermissionError(f"{op}: gang id {cid!r} is not one of owner {owner!r}'s")
+        checks.payload(payload, f"{op}: payload")
+        driver = self.driver
+        if not self.gangs.group.sessions:
+            await driver.form()
+        self.gangs.submit(cid, owner, payload)
+        self.changed.set()
+        driver.start()
+        return driver.info()
+
+
+# The group book's handlers (the plugin registers each as ``method(book, **kwargs)`` on
+# the named coordinator's book).
+GROUP_HANDLERS = {
+    "daskdist_group_form": (GroupBook.group_form, CLOSED),
+    "daskdist_group_info": (GroupBook.group_info, CLOSED),
+    "daskdist_schedule_gang": (GroupBook.schedule_gang, CLOSED),
+    # elastic commits (SPEC §4.2)
+    "daskdist_gang_commit_part": (GroupBook.gang_commit_part, CLOSED),
+    "daskdist_gang_commit": (GroupBook.gang_commit, CLOSED),
+    "daskdist_commit_outcome": (GroupBook.commit_outcome, CLOSED),
+    "daskdist_state_commits": (GroupBook.state_commits, CLOSED),
+}
