@@ -312,9 +312,10 @@ def test_a_file_failing_max_worker_failures_times_fails_the_epoch(client, tmp_pa
     assert named and all("part-2.parquet" in str(e) and "'x'" in str(e) for e in named)
     assert isinstance(errors[-1], dd.InputError) and "part-2.parquet" in str(errors[-1])
     assert "3 times" in str(errors[-1])
-    # rows trained meanwhile were trained once; the bad row group never was
+    # rows trained meanwhile were trained once; the null row never was (a lease cut
+    # inside the bad row group near the epoch's end may train its rows before the null)
     counts = Counter(rows)
-    bad = set(range(2 * GROUPS * ROWS, 2 * GROUPS * ROWS + ROWS))
+    bad = {2 * GROUPS * ROWS + 7}
     assert set(counts) <= set(range(TOTAL)) - bad and set(counts.values()) == {1}
     with pytest.raises(dd.InputError, match="part-2.parquet"):
         ds.progress()

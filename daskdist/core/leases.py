@@ -616,16 +616,7 @@ class LeaseTable:
             pool.remove(a, c)
             out.append((a, c))
             need -= c - a
-        held = ep.leased.get(session)
-        if held is None:
-            held = ep.leased[session] = RowSet()
-            self._session_keys.setdefault(session, set()).add((dataset_id, epoch))
-        for a, c in out:
-            held.add(a, c)
-            ep.n_leased += c - a
-        if ds.absent or isinstance(units, StridedUnits):
-            ep.phantom_leased += self._phantoms(ds, out)
-        return out
+        return self._lease(session, dataset_id, epoch, ds, ep, out)
 
     def _permuted(self, ds: _Dataset, ep: _Epoch, epoch: int, need: int) -> list[Interval]:
         """Take the free rows of whole units, in the order seeded by ``(seed, epoch)``,

@@ -82,7 +82,7 @@ class CollectionHandlers:
                 return {"expired": True}
             owner = ""
         else:
-            co.owner_box(checks.text(owner, "owner"), checks.text(token, "token"))
+            co.closure_book.owner_box(checks.text(owner, "owner"), checks.text(token, "token"))
         co.leases.define_collection(dataset_id, units, runs, label, owner or "", seed,
                                     shuffle)
         co.ledgers.defined(dataset_id, co.leases)
@@ -181,7 +181,7 @@ class CollectionHandlers:
         (they compute partitions for the members); ``[]`` without a restriction."""
         co = self.plugin._get(name)
         checks.text(session, "session")
-        required = getattr(co, "member_resources", None)
+        required = co.member_resources
         if not required:
             return []
         helpers = self.helpers.get(name)
@@ -196,7 +196,7 @@ class CollectionHandlers:
             co = self.plugin.coordinators.get(name)
             ws = self.plugin.scheduler.workers.get(address)
             if co is not None and ws is not None and not satisfies(
-                    ws.resources, getattr(co, "member_resources", None)):
+                    ws.resources, co.member_resources):
                 helpers.add(address)
 
     def worker_removed(self, address: str) -> None:

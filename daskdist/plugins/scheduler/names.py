@@ -74,10 +74,10 @@ class Coordinators:
         async with self._lock(name):
             co = self.states.get(name)
             if co is not None and resources is not None and \
-                    resources != getattr(co, "member_resources", None):
+                    resources != co.member_resources:
                 raise ValueError(
                     f"coordinator {name!r} makes workers with resources "
-                    f"{getattr(co, 'member_resources', None)} its members; a Coordinator "
+                    f"{co.member_resources} its members; a Coordinator "
                     f"asking for resources={resources} needs another name")
             if co is None:
                 if max_worker_failures is None:
@@ -96,7 +96,7 @@ class Coordinators:
                 self.drivers[name] = co.group_book.driver = driver
             try:
                 started = await self._register_worker_plugin(
-                    name, torch_threads, getattr(co, "member_resources", None))
+                    name, torch_threads, co.member_resources)
             except BaseException:
                 if not co.outboxes:  # nobody uses it: the next attempt starts afresh
                     self._forget(name)

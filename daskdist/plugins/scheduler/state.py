@@ -69,6 +69,9 @@ class CoordinatorState:
         self._poll = config.seconds("scheduler.poll-interval")
         self._renew = config.seconds("liveness.renew-interval")
         self.closed = False  # the last owner left: the plugin tears this coordinator down
+        # Coordinator(resources=...): the Dask resources a worker must declare to be a
+        # member (the first Coordinator of the name decides; None: every worker)
+        self.member_resources: dict | None = None
 
     # -- owners (client-side Coordinators) ---------------------------------------------
     def drop_owner(self, owner: str) -> list:
