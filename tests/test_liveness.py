@@ -215,15 +215,38 @@ def test_gil_holding_closure_is_not_taken_for_a_hang(short_lease_cluster):
         coord.close()
 
 
-def test_short_closures_do_not_wait_behind_a_long_one():
+def _held_until(started: str, go: str, deadline: float) -> int:
+    """Say it started (a file), then hold its thread until ``go`` exists."""
+    open(started, "w").close()
+    end = time.monotonic() + deadline
+    while not os.path.exists(go):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{go} never appeared")
+        time.sleep(0.01)
+    return os.getpid()
+
+
+def test_short_closures_do_not_wait_behind_a_long_one(tmp_path):
     """One 20 s closure, then 60 of 0.1 s, on two workers: every short one finishes while
-    the long one still runs (the prefetched ones are taken back from its worker)."""
+    the long one still runs (the prefetched ones are taken back from its worker).
+
+    Both workers are held busy while the closures are queued, so the worker that takes
+    the long one takes prefetched short ones with it in the same reply: they can only
+    finish in time if they are stolen back."""
+    go = str(tmp_path / "go")
     with make_cluster(2) as cluster, Client(cluster) as client:
         coord = dd.Coordinator(client, name="hol")
         wait_for_workers(client, coord, 2)
+        started = [str(tmp_path / f"started-{i}") for i in range(2)]
+        holds = [coord.schedule(_held_until, args=(s, go, 60.0)) for s in started]
+        wait_until(lambda: all(os.path.exists(s) for s in started), 60,
+                   "both workers running a held closure")
         t0 = time.monotonic()
         long = coord.schedule(sleepy, args=(-1, 20.0))
         short = [coord.schedule(sleepy, args=(i, 0.1)) for i in range(60)]
+        wait_until(lambda: coord.status()["queued"] == 61, 30, "61 closures queued")
+        open(go, "w").close()
+        assert len({rv.fetch(timeout=60) for rv in holds}) == 2  # one on each worker
         for rv in short:
             rv.fetch(timeout=60)
         elapsed = time.monotonic() - t0
