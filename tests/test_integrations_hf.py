@@ -4,7 +4,8 @@ processes and gloo: transformers.Trainer.train with a tiny config-built model ov
 (and through prepare_trainer), trains every row exactly once in the committed model; a
 member SIGKILLed mid-train (3 workers) re-runs train() from the committed global_step
 on every rank; a whole job killed mid-train is resumed by a new cluster from its newest
-durable checkpoint (§4.3); Accelerate's process-wide state is set afresh for every run."""
+durable checkpoint (§4.3); Accelerate's process-wide state is set afresh for every run,
+and running the train cell 5 times leaves worker memory and threads flat."""
 
 from __future__ import annotations
 
@@ -203,3 +204,44 @@ def test_the_callback_prepares_the_trainer_it_is_given_to_once(tmp_path):
     assert cb.batches.gi_code is synced.__code__
     already = synced(iter([]))
     assert DaskdistCallback(already).batches is already
+
+
+def _rss_threads_and_accelerate() -> tuple[int, list[str], bool]:
+    import psutil
+    from accelerate.state import PartialState
+
+    return (psutil.Process().memory_info().rss,
+            sorted(t.name for t in threading.enumerate()),
+            PartialState._shared_state != {})
+
+
+def test_running_the_train_cell_five_times_leaves_memory_and_threads_flat(tmp_path):
+    """The notebook cell (a model, a dataset, Trainer.train through the callback) run 5
+    times on the same workers: every run trains every row once on Accelerate's state
+    set afresh, and worker RSS and threads stay flat after the first."""
+    n = 600
+    glob = write_rows(tmp_path, n)
+    with make_cluster(2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="hf-cells")
+        wait_for_workers(client, coord, 2)
+        coord.collective_group(timeout=30)
+        samples = []
+        for i in range(5):
+            model = coord.create_per_worker_resource(functools.partial(hf_row_model, n=n))
+            ds = coord.distribute_dataset(glob, global_batch_size=40, policy="dynamic",
+                                          shuffle=True, seed=i, prefetch=0)
+            it = iter(ds)
+            runs = drive(coord, ds, model, it, str(tmp_path / f"out{i}"), commit_every=5)
+            assert [r[2:] for r in runs[-1]] == [(2, 0, "MULTI_CPU"), (2, 1, "MULTI_CPU")]
+            assert_every_row_once(coord.fetch(coord.schedule_on_all(
+                committed_counts, args=(model, "transformers"))), n)
+            del model, ds, it
+            samples.append(client.run(_rss_threads_and_accelerate))
+        for addr in samples[0]:
+            rss = [s[addr][0] for s in samples]
+            threads = [s[addr][1] for s in samples]
+            print(f"{addr}: RSS after each cell {[r // 2**20 for r in rss]} MB, "
+                  f"threads {[len(t) for t in threads]}")
+            assert rss[-1] - rss[1] < 30 * 2**20, [r // 2**20 for r in rss]
+            assert threads[-1] == threads[1], (threads[1], threads[-1])
+        coord.close()
