@@ -143,6 +143,94 @@ def test_strided_units_refuse_sizes_out_of_range():
         t.define_collection(DS, 4)
 
 
+def half_trained(lengths=(5, 0, 4, 6)) -> LeaseTable:
+    """A table whose epoch 0 trained partitions 0..2 of ``lengths`` whole (1 empty),
+    partition 3 computed and two of its rows trained, nothing else learned."""
+    t = collection(len(lengths) + 2)
+    for u in range(len(lengths)):
+        assert t.acquire_unit("a", DS, 0, u) == [(u * S, (u + 1) * S)]
+        assert t.set_length("a", DS, 0, u, lengths[u]) is None
+    for u in range(len(lengths) - 1):
+        if lengths[u]:
+            assert t.ack("a", DS, 0, [(u * S, u * S + lengths[u])])
+    last = len(lengths) - 1
+    assert t.ack("a", DS, 0, [(last * S, last * S + 2)])
+    return t
+
+
+def leased_units(t: LeaseTable, epoch: int) -> list[int]:
+    """Lease until none is free: the partitions leased (each would be computed)."""
+    units = []
+    while (lease := t.acquire("b", DS, epoch, 1)) is not None:
+        units += sorted({a // S for a, _ in lease})
+    return units
+
+
+def test_learned_lengths_are_run_length_encoded_and_unknown_ones_marked():
+    t = half_trained()
+    assert t.known_lengths(DS) == [(5, 1), (0, 1), (4, 1), (6, 1), (-1, 2)]
+    u = StridedUnits(5)
+    assert u.length_runs() == [(-1, 5)]
+    for unit in (0, 1, 2):
+        u.learn(unit, 7)
+    assert u.length_runs() == [(7, 3), (-1, 2)]  # rebuilt after a length is learned
+    dense = LeaseTable()
+    dense.define_collection(DS, 2, [(10, 2)])
+    assert dense.known_lengths(DS) is None  # known lengths: nothing to carry
+
+
+def test_a_resumed_epoch_with_the_ledgers_lengths_leases_only_the_partitions_left():
+    t = half_trained()
+    acked, lengths = t.acknowledged(DS, 0), t.known_lengths(DS)
+    fresh = collection(6)  # a new dataset over the same collection
+    assert fresh.learn_lengths(DS, lengths) == 4
+    fresh.start_epoch(DS, 0, acked)
+    p = fresh.progress(DS, 0)
+    assert (p["units_known"], p["total"], p["acknowledged"]) == (4, 15, 11)
+    # only partition 3 (4 rows left: computed again) and the two never computed
+    assert leased_units(fresh, 0) == [3, 4, 5]
+    check_leases(fresh)
+    # without the lengths every trained partition's ids past its rows look free: each
+    # would be leased, and computed, just to learn that nothing of it is left
+    blind = collection(6)
+    blind.start_epoch(DS, 0, acked)
+    assert leased_units(blind, 0) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_checkpoint_ledger_carries_the_learned_lengths():
+    from daskdist.core.ledgers import Ledgers
+
+    t = half_trained()
+    led = Ledgers()
+    led.note_tables("state", [(DS, 0)])
+    ledger = led.export("state", t)
+    assert ledger["train"]["lengths"] == [[5, 1], [0, 1], [4, 1], [6, 1], [-1, 2]]
+    fresh = collection(6)  # a new cluster: the dataset of that name resumes
+    Ledgers().restore("state", ledger, fresh)
+    assert leased_units(fresh, 0) == [3, 4, 5]
+    check_leases(fresh)
+    del ledger["train"]["lengths"]  # a checkpoint written before lengths were kept
+    older = collection(6)
+    Ledgers().restore("state", ledger, older)
+    assert leased_units(older, 0) == [0, 1, 2, 3, 4, 5]
+
+
+def test_lengths_that_differ_or_do_not_fit_are_refused_naming_the_partition():
+    t = half_trained()
+    with pytest.raises(ValueError, match="partition 2 .* 4 rows here and 9"):
+        t.learn_lengths(DS, [(5, 1), (0, 1), (9, 1)])
+    assert t.known_lengths(DS)[:3] == [(5, 1), (0, 1), (4, 1)]  # nothing changed
+    with pytest.raises(ValueError, match="do not fit"):
+        t.learn_lengths(DS, [(5, 7)])
+    with pytest.raises(ValueError, match="do not fit"):
+        t.learn_lengths(DS, [(S, 1)])
+    assert t.learn_lengths(DS, [(5, 1), (-1, 4), (3, 1)]) == 1  # agrees; learns one
+    # a live epoch's pools lose the ids past a length learned from a ledger
+    assert t.acquire_unit("b", DS, 0, 5) == [(5 * S, 5 * S + 3)]
+    assert t.progress(DS, 0)["units_known"] == 5
+    check_leases(t)
+
+
 class CollectionMachine(RuleBasedStateMachine):
     """Sessions lease partitions of unknown length, compute them (learning their true
     length), take rows, complete or fail closures, give leases back, get lost; several

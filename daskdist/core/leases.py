@@ -330,13 +330,19 @@ class LeaseTable:
             if ep is not None and ep.failed is None:
                 ep.failed = why
             return why
-        if not isinstance(units, StridedUnits):
-            return None
+        if isinstance(units, StridedUnits):
+            self._learned(dataset_id, ds, units, unit, length, session)
+        return None
+
+    def _learned(self, dataset_id: str, ds: _Dataset, units: StridedUnits, unit: int,
+                 length: int, session: str | None) -> None:
+        """``unit``'s length was learned: its ids past it leave every live epoch's pools
+        (and ``session``'s lease) and every epoch started later."""
         a, b = unit * units.stride + length, (unit + 1) * units.stride
         if not ds.absent.covers(a, b):
             ds.absent.add(a, b)
         for ep_no, ep in list(ds.epochs.items()):
-            held = ep.leased.get(session)
+            held = ep.leased.get(session) if session is not None else None
             if held is not None and held.intersect(a, b):
                 ep.phantom_leased -= units.stride
                 self._drop_rows(ep, held, a, b)
@@ -347,7 +353,52 @@ class LeaseTable:
                 self._drop_rows(ep, pool, a, b)
             if ep.acked.size == ep.total:  # the last rows were ids that do not exist
                 self._complete(dataset_id, ds, ep_no, ep)
-        return None
+
+    def known_lengths(self, dataset_id: str) -> list[tuple[int, int]] | None:
+        """A collection's partition lengths learned so far, run-length encoded
+        (:meth:`StridedUnits.length_runs`: ``-1`` for unknown ones); ``None`` for a
+        dataset whose lengths were defined (files, dask Arrays)."""
+        units = self._dataset(dataset_id).units
+        return units.length_runs() if isinstance(units, StridedUnits) else None
+
+    def learn_lengths(self, dataset_id: str, runs: Iterable[Sequence[int]]) -> int:
+        """Lengths a ledger carries (:meth:`known_lengths` of an earlier dataset over the
+        same collection) become this collection's, as if computed here: a resumed epoch
+        leases no id past them, so a partition whose rows were all acknowledged is never
+        computed again. ``ValueError`` naming a partition whose length differs from the
+        one learned here (nothing changes then), or for runs that do not fit. Costs
+        O(runs + partitions of known length). Partitions newly learned."""
+        ds = self._dataset(dataset_id)
+        units = ds.units
+        runs = [(int(n), int(k)) for n, k in runs]
+        if not isinstance(units, StridedUnits):
+            if runs:
+                raise ValueError(f"dataset {self._name(dataset_id)} has lengths defined; "
+                                 "a ledger's learned lengths are for a collection of "
+                                 "partitions of unknown length")
+            return 0
+        if sum(k for _, k in runs) > units.units or any(
+                k < 1 or not -1 <= n < units.stride for n, k in runs):
+            raise ValueError(f"the ledger's partition lengths {runs[:4]}... do not fit "
+                             f"dataset {self._name(dataset_id)}'s {units.units} partitions")
+        todo = []
+        u = 0
+        for n, k in runs:
+            if n >= 0:
+                for unit in range(u, u + k):
+                    old = units.lengths[unit]
+                    if old >= 0 and old != n:
+                        raise ValueError(
+                            f"partition {unit} of dataset {self._name(dataset_id)} has "
+                            f"{old} rows here and {n} in the ledger being restored "
+                            "(partitions must be deterministic)")
+                    if old < 0:
+                        todo.append((unit, n))
+            u += k
+        for unit, n in todo:
+            units.learn(unit, n)
+            self._learned(dataset_id, ds, units, unit, n, None)
+        return len(todo)
 
     @staticmethod
     def _drop_rows(ep: _Epoch, rows: RowSet, a: int, b: int) -> None:
