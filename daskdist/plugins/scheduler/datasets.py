@@ -186,9 +186,11 @@ LEASE_HANDLERS = {
     "daskdist_dataset_define": (LeaseBook.dataset_define, CLOSED),
     "daskdist_dataset_state": (LeaseBook.dataset_state, CLOSED),
     "daskdist_dataset_start": (LeaseBook.dataset_start, CLOSED),
-    "daskdist_lease_acquire": (LeaseBook.lease_acquire, CLOSED),
+    # a loader's lease or give-back after its coordinator closed: nothing to lease, nothing
+    # to give back (its table went with the coordinator), as the collection handlers answer
+    "daskdist_lease_acquire": (LeaseBook.lease_acquire, {"expired": True}),
     "daskdist_lease_progress": (LeaseBook.lease_progress, CLOSED),
-    "daskdist_lease_release": (LeaseBook.lease_release, CLOSED),
+    "daskdist_lease_release": (LeaseBook.lease_release, 0),
     "daskdist_dataset_ledger": (LeaseBook.dataset_ledger, CLOSED),
     "daskdist_restore_ledger": (LeaseBook.restore_ledger, CLOSED),
     "daskdist_checkpoint_written": (LeaseBook.checkpoint_written, CLOSED),
