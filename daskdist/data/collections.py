@@ -424,6 +424,8 @@ class DaskComputer:
             return c.data, True
         fut = c.future
         interrupt.wait(fut)
+        while fut.status not in ("finished", "error", "cancelled"):
+            interrupt.wait(fut)  # its data was lost as it finished: Dask computes it again
         if fut.status == "finished":
             found = sync(self.worker.loop, _local, self.worker, fut.key)
             if found is not _MISSING:
