@@ -307,6 +307,23 @@ def _arrow_column(x: np.ndarray) -> pa.Array:
     return flat
 
 
+def _frame_table(frame: Any, columns: Sequence[str]) -> pa.Table:
+    """``columns`` of a pandas DataFrame as an Arrow table, as ``Table.from_pandas``
+    makes it (NaN is null), numeric NumPy columns without its per-frame work (pandas
+    metadata, type inference: 7x slower than reading the same rows from Parquet)."""
+    if len(set(frame.columns)) != len(frame.columns):  # duplicates: pyarrow names them
+        return pa.Table.from_pandas(frame, preserve_index=False).select(list(columns))
+    arrays = []
+    for c in columns:
+        col = frame[c]
+        dtype = col.dtype
+        if isinstance(dtype, np.dtype) and dtype.kind in "biuf":
+            arrays.append(pa.array(col.to_numpy(), from_pandas=True))
+        else:  # strings, objects, categoricals, extension and datetime dtypes
+            arrays.append(pa.Array.from_pandas(col))
+    return pa.Table.from_arrays(arrays, names=list(columns))
+
+
 def convert_part(coll: DaskCollection, data: Any, rows: np.ndarray | None,
                  fill_null: Any, collate: bool, shared: bool,
                  columns: Sequence[str] | None = None) -> Any:
@@ -317,9 +334,7 @@ def convert_part(coll: DaskCollection, data: Any, rows: np.ndarray | None,
     the collection's (default: all)."""
     columns = list(columns) if columns is not None else coll.columns
     if coll.kind == "dataframe":
-        table = pa.Table.from_pandas(data, preserve_index=False)
-        if table.column_names != columns:
-            table = table.select(columns)
+        table = _frame_table(data, columns)
         if collate:
             return table if rows is None else table.take(pa.array(rows))
         chunk = convert_chunk(table, fill_null, rows)
