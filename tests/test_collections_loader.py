@@ -247,3 +247,27 @@ def test_unknown_lengths_use_strided_ids():
         next(it)
     assert s2.tokens[0].ranges[0][0] == STRIDE  # partition 1's first row
     ld.close()
+
+
+def test_a_partitions_arrow_table_is_what_pyarrow_makes_of_the_frame():
+    from daskdist.data.collections import _frame_table
+
+    pa = pytest.importorskip("pyarrow")
+    n = 6
+    frame = pd.DataFrame({
+        "f32": np.array([0.5, np.nan, 2, 3, np.nan, 5], dtype=np.float32),
+        "f64": np.arange(n, dtype=np.float64),
+        "i8": np.arange(n, dtype=np.int8), "u32": np.arange(n, dtype=np.uint32),
+        "b": np.arange(n) % 2 == 0,
+        "nullable": pd.array([1, None, 3, 4, None, 6], dtype="Int64"),
+        "s": [f"r{k}" if k != 2 else None for k in range(n)],
+        "cat": pd.Categorical(list("abcabc")),
+        "t": pd.date_range("2026-01-01", periods=n, tz="UTC"),
+    })
+    want = pa.Table.from_pandas(frame, preserve_index=False)
+    got = _frame_table(frame, list(frame.columns))
+    assert got.schema.remove_metadata() == want.schema.remove_metadata()
+    assert got.to_pydict() == want.to_pydict()  # NaN is null, as pyarrow makes it
+    assert got.column("f32").null_count == 2
+    sub = _frame_table(frame, ["s", "f64"])
+    assert sub.column_names == ["s", "f64"] and sub.equals(want.select(["s", "f64"]))

@@ -143,6 +143,94 @@ def test_strided_units_refuse_sizes_out_of_range():
         t.define_collection(DS, 4)
 
 
+def half_trained(lengths=(5, 0, 4, 6)) -> LeaseTable:
+    """A table whose epoch 0 trained partitions 0..2 of ``lengths`` whole (1 empty),
+    partition 3 computed and two of its rows trained, nothing else learned."""
+    t = collection(len(lengths) + 2)
+    for u in range(len(lengths)):
+        assert t.acquire_unit("a", DS, 0, u) == [(u * S, (u + 1) * S)]
+        assert t.set_length("a", DS, 0, u, lengths[u]) is None
+    for u in range(len(lengths) - 1):
+        if lengths[u]:
+            assert t.ack("a", DS, 0, [(u * S, u * S + lengths[u])])
+    last = len(lengths) - 1
+    assert t.ack("a", DS, 0, [(last * S, last * S + 2)])
+    return t
+
+
+def leased_units(t: LeaseTable, epoch: int) -> list[int]:
+    """Lease until none is free: the partitions leased (each would be computed)."""
+    units = []
+    while (lease := t.acquire("b", DS, epoch, 1)) is not None:
+        units += sorted({a // S for a, _ in lease})
+    return units
+
+
+def test_learned_lengths_are_run_length_encoded_and_unknown_ones_marked():
+    t = half_trained()
+    assert t.known_lengths(DS) == [(5, 1), (0, 1), (4, 1), (6, 1), (-1, 2)]
+    u = StridedUnits(5)
+    assert u.length_runs() == [(-1, 5)]
+    for unit in (0, 1, 2):
+        u.learn(unit, 7)
+    assert u.length_runs() == [(7, 3), (-1, 2)]  # rebuilt after a length is learned
+    dense = LeaseTable()
+    dense.define_collection(DS, 2, [(10, 2)])
+    assert dense.known_lengths(DS) is None  # known lengths: nothing to carry
+
+
+def test_a_resumed_epoch_with_the_ledgers_lengths_leases_only_the_partitions_left():
+    t = half_trained()
+    acked, lengths = t.acknowledged(DS, 0), t.known_lengths(DS)
+    fresh = collection(6)  # a new dataset over the same collection
+    assert fresh.learn_lengths(DS, lengths) == 4
+    fresh.start_epoch(DS, 0, acked)
+    p = fresh.progress(DS, 0)
+    assert (p["units_known"], p["total"], p["acknowledged"]) == (4, 15, 11)
+    # only partition 3 (4 rows left: computed again) and the two never computed
+    assert leased_units(fresh, 0) == [3, 4, 5]
+    check_leases(fresh)
+    # without the lengths every trained partition's ids past its rows look free: each
+    # would be leased, and computed, just to learn that nothing of it is left
+    blind = collection(6)
+    blind.start_epoch(DS, 0, acked)
+    assert leased_units(blind, 0) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_checkpoint_ledger_carries_the_learned_lengths():
+    from daskdist.core.ledgers import Ledgers
+
+    t = half_trained()
+    led = Ledgers()
+    led.note_tables("state", [(DS, 0)])
+    ledger = led.export("state", t)
+    assert ledger["train"]["lengths"] == [[5, 1], [0, 1], [4, 1], [6, 1], [-1, 2]]
+    fresh = collection(6)  # a new cluster: the dataset of that name resumes
+    Ledgers().restore("state", ledger, fresh)
+    assert leased_units(fresh, 0) == [3, 4, 5]
+    check_leases(fresh)
+    del ledger["train"]["lengths"]  # a checkpoint written before lengths were kept
+    older = collection(6)
+    Ledgers().restore("state", ledger, older)
+    assert leased_units(older, 0) == [0, 1, 2, 3, 4, 5]
+
+
+def test_lengths_that_differ_or_do_not_fit_are_refused_naming_the_partition():
+    t = half_trained()
+    with pytest.raises(ValueError, match="partition 2 .* 4 rows here and 9"):
+        t.learn_lengths(DS, [(5, 1), (0, 1), (9, 1)])
+    assert t.known_lengths(DS)[:3] == [(5, 1), (0, 1), (4, 1)]  # nothing changed
+    with pytest.raises(ValueError, match="do not fit"):
+        t.learn_lengths(DS, [(5, 7)])
+    with pytest.raises(ValueError, match="do not fit"):
+        t.learn_lengths(DS, [(S, 1)])
+    assert t.learn_lengths(DS, [(5, 1), (-1, 4), (3, 1)]) == 1  # agrees; learns one
+    # a live epoch's pools lose the ids past a length learned from a ledger
+    assert t.acquire_unit("b", DS, 0, 5) == [(5 * S, 5 * S + 3)]
+    assert t.progress(DS, 0)["units_known"] == 5
+    check_leases(t)
+
+
 class CollectionMachine(RuleBasedStateMachine):
     """Sessions lease partitions of unknown length, compute them (learning their true
     length), take rows, complete or fail closures, give leases back, get lost; several
@@ -256,3 +344,97 @@ def test_universe_sizes():
     t.acquire("a", DS, 0, 1)
     t.set_length("a", DS, 0, 0, 3)
     assert size_of(t.datasets[DS].universe()) == 3 + S
+
+
+# -- the tail rule for collections: whole partitions, the hold-back ----------------------
+def lease_tail(t: LeaseTable, session: str, parts: int, epoch: int = 0):
+    """A lease as the scheduler's collection handler asks it."""
+    return t.acquire(session, DS, epoch, 1, parts=parts, least=1, tail=True)
+
+
+def test_a_collections_partition_is_never_split_at_the_tail_where_a_files_unit_is():
+    files = LeaseTable()
+    files.define(DS, [(100, 2)], "train")
+    assert lease_tail(files, "a", 4) == [(0, 1)]  # a file's unit: split toward ``least``
+    t = LeaseTable()
+    t.define_collection(DS, 2, runs=[(100, 2)], label="train")
+    assert lease_tail(t, "a", 4) == [(0, 100)]  # a partition: read (computed) whole
+    assert lease_tail(t, "b", 4) == [(100, 200)]
+    s = collection(2)
+    assert lease_tail(s, "a", 4) == [(0, S)]  # unknown length: every id it may have
+    check_leases(t)
+    check_leases(s)
+
+
+def test_a_member_holding_two_partitions_waits_at_the_tail_for_one_holding_none():
+    t = LeaseTable()
+    t.define_collection(DS, 10, runs=[(100, 10)], label="train")
+    for _ in range(3):  # ten partitions free for three members: not the tail yet
+        assert lease_tail(t, "b", 3) is not None
+    assert lease_tail(t, "a", 3) == [(300, 400)]
+    assert lease_tail(t, "a", 3) == [(400, 500)]  # six free: two per member, still
+    # five free now, under two per member: ``a`` holds two (it reads one, one ahead)
+    assert t.holds_share("a", DS, 0, 3) and not t.holds_share("c", DS, 0, 3)
+    assert lease_tail(t, "a", 3) is None
+    assert lease_tail(t, "c", 3) == [(500, 600)]  # the member that would idle
+    assert lease_tail(t, "c", 3) == [(600, 700)]
+    assert lease_tail(t, "c", 3) is None
+    assert t.ack("a", DS, 0, [(300, 400)])  # ``a`` read one: it holds one, may ask
+    assert lease_tail(t, "a", 3) == [(700, 800)]
+    assert not t.holds_share("x", DS, 1, 3)  # an epoch not started: nothing held
+    check_leases(t)
+
+
+def test_the_hold_back_counts_partitions_of_unknown_length_by_their_ids():
+    from daskdist.core.leases import _Units, _units_in
+
+    units = StridedUnits(10)
+    assert _units_in(units, 3 * S) == 3  # no length learned: STRIDE ids each
+    units.learn(0, 10)
+    units.learn(1, 30)
+    assert _units_in(units, 3 * S + 40) == 5  # and learned ones by their mean (20)
+    assert _units_in(_Units([(100, 4)]), 250) == 2.5
+    assert _units_in(_Units([(0, 2)]), 0) == 0
+
+
+@given(st.integers(1, 12), st.integers(1, 4), st.integers(1, 4),
+       st.lists(st.tuples(st.booleans(), st.integers(0, 3)), max_size=80))
+@settings(max_examples=150, deadline=None)
+def test_collection_leases_at_the_tail_are_whole_and_every_row_is_read_once(
+        n, rows, parts, ops):
+    """Members lease (as the scheduler asks) and acknowledge in any order: a lease is
+    always one whole partition; a member holding none gets one while any is free; at
+    the tail (under two free per member) no member is leased a third; the epoch ends
+    with every row acknowledged once."""
+    t = LeaseTable()
+    t.define_collection(DS, n, runs=[(rows, n)], label="train")
+    held: dict[str, list[tuple[int, int]]] = {}
+    acked: Counter = Counter()
+
+    def ask(m: str) -> None:
+        free = t.progress(DS, 0)["free"] // rows
+        before = len(held.get(m, []))
+        lease = lease_tail(t, m, parts)
+        if lease is None:
+            assert before or not free  # a member holding none is never held back
+            return
+        assert len(lease) == 1 and lease[0][0] % rows == 0 and lease[0][1] - lease[0][0] == rows
+        if free < 2 * parts:
+            assert before <= 1  # the tail: the last partitions go to members holding less
+        held.setdefault(m, []).append(lease[0])
+
+    def ack(m: str) -> None:
+        if held.get(m):
+            a, b = held[m].pop(0)
+            assert t.ack(m, DS, 0, [(a, b)])
+            acked.update(range(a, b))
+
+    for is_ask, m in ops:
+        (ask if is_ask else ack)(f"m{m % parts}")
+        check_leases(t)
+    for _ in range(4 * n + 4):  # then every member reads what it holds and asks again
+        for i in range(parts):
+            ack(f"m{i}")
+            ask(f"m{i}")
+    assert t.progress(DS, 0)["complete"]
+    assert acked == Counter(range(rows * n))

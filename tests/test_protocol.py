@@ -108,4 +108,6 @@ def test_dataset_messages_travel_as_lists():
     # the dataset messages travel as plain lists (msgpack) and are rebuilt by name
     d = DatasetDef("rid", "train", [(100, 3)])
     assert DatasetDef._make(list(d)) == d
-    assert EpochLedger._make(["rid", 2, [[0, 5]], 10]).acknowledged == [[0, 5]]
+    led = EpochLedger._make(["rid", 2, [[0, 5]], 10, [[50, 2], [-1, 3]]])
+    assert led.acknowledged == [[0, 5]] and led.lengths == [[50, 2], [-1, 3]]
+    assert EpochLedger("rid", 2, [], 10).lengths is None  # files: no lengths to carry

@@ -158,13 +158,19 @@ class DistributedDataset(PerWorkerDataset):
 
     def state_dict(self) -> dict:
         """The current epoch's ledger: ``name``, ``epoch``, ``seed``, ``acknowledged``
-        (row intervals), ``total`` and ``files`` (the shards' fingerprint). Small: it
-        grows with the acknowledged rows' fragmentation, never with the rows."""
+        (row intervals), ``total`` and ``files`` (the shards' fingerprint); for a
+        collection of partitions of unknown length, ``lengths`` too (those learned so
+        far, run-length encoded), so a resumed epoch computes none of the partitions it
+        already trained. Small: it grows with the acknowledged rows' fragmentation and
+        the lengths' runs, never with the rows."""
         led = EpochLedger._make(self._coordinator._call(
             "daskdist_dataset_state", dataset_id=self.dataset_id, epoch=self.epoch))
-        return {"name": self.name, "epoch": self.epoch, "seed": self.seed,
-                "acknowledged": [[int(a), int(b)] for a, b in led.acknowledged],
-                "total": int(led.total), "files": self.shards.fingerprint()}
+        out = {"name": self.name, "epoch": self.epoch, "seed": self.seed,
+               "acknowledged": [[int(a), int(b)] for a, b in led.acknowledged],
+               "total": int(led.total), "files": self.shards.fingerprint()}
+        if led.lengths is not None:
+            out["lengths"] = [[int(n), int(k)] for n, k in led.lengths]
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Continue a ledger (:meth:`state_dict`, of this or an earlier dataset over the
@@ -175,9 +181,12 @@ class DistributedDataset(PerWorkerDataset):
             raise ValueError(f"the state is of dataset {state.get('name')!r} over other "
                              f"files than {self.shards!r} (fingerprints differ)")
         epoch = int(state["epoch"])
+        lengths = state.get("lengths")
         ledger = EpochLedger(self.dataset_id, epoch,
                              [[int(a), int(b)] for a, b in state["acknowledged"]],
-                             int(state["total"]))
+                             int(state["total"]),
+                             None if lengths is None else [[int(n), int(k)]
+                                                           for n, k in lengths])
         self._coordinator._owned("daskdist_dataset_start",
                                 ledger=tuple(ledger))
         self.epoch = epoch

@@ -188,6 +188,17 @@ class _Epoch:
     phantom_leased: int = 0
 
 
+def _units_in(units: _Units | StridedUnits, rows: int) -> float:
+    """About how many whole units ``rows`` free rows of a collection make, in O(1): by
+    the mean unit for dense ids; strided ids count ``STRIDE`` per partition of unknown
+    length and the rest by the mean of the lengths learned (exact while the free rows
+    of learned partitions sum under ``STRIDE``)."""
+    if isinstance(units, StridedUnits):
+        unknown, rest = divmod(rows, units.stride)
+        return unknown + (rest * units.known / units.known_rows if units.known_rows else 0)
+    return rows * units.units / units.total if units.total else 0.0
+
+
 @dataclass
 class _Dataset:
     label: str
@@ -197,6 +208,9 @@ class _Dataset:
     epochs: dict[int, _Epoch] = field(default_factory=dict)
     completed: list[Interval] = field(default_factory=list)  # intervals of epochs
     shuffle: bool = False  # a collection's units are leased in a seeded order
+    # a collection's: a unit is leased whole, never split by the tail rule (a partition
+    # read in part is computed whole: two readers of one partition compute it twice)
+    whole: bool = False
     absent: RowSet = field(default_factory=RowSet)  # ids learned not to exist (strided)
 
     def universe(self) -> list[Interval]:
@@ -302,6 +316,7 @@ class LeaseTable:
                 ds.units = new
                 ds.seed = seed
         self.datasets[dataset_id].shuffle = bool(shuffle)
+        self.datasets[dataset_id].whole = True
 
     def set_length(self, session: str, dataset_id: str, epoch: int, unit: int,
                    length: int) -> str | None:
@@ -330,13 +345,19 @@ class LeaseTable:
             if ep is not None and ep.failed is None:
                 ep.failed = why
             return why
-        if not isinstance(units, StridedUnits):
-            return None
+        if isinstance(units, StridedUnits):
+            self._learned(dataset_id, ds, units, unit, length, session)
+        return None
+
+    def _learned(self, dataset_id: str, ds: _Dataset, units: StridedUnits, unit: int,
+                 length: int, session: str | None) -> None:
+        """``unit``'s length was learned: its ids past it leave every live epoch's pools
+        (and ``session``'s lease) and every epoch started later."""
         a, b = unit * units.stride + length, (unit + 1) * units.stride
         if not ds.absent.covers(a, b):
             ds.absent.add(a, b)
         for ep_no, ep in list(ds.epochs.items()):
-            held = ep.leased.get(session)
+            held = ep.leased.get(session) if session is not None else None
             if held is not None and held.intersect(a, b):
                 ep.phantom_leased -= units.stride
                 self._drop_rows(ep, held, a, b)
@@ -347,7 +368,52 @@ class LeaseTable:
                 self._drop_rows(ep, pool, a, b)
             if ep.acked.size == ep.total:  # the last rows were ids that do not exist
                 self._complete(dataset_id, ds, ep_no, ep)
-        return None
+
+    def known_lengths(self, dataset_id: str) -> list[tuple[int, int]] | None:
+        """A collection's partition lengths learned so far, run-length encoded
+        (:meth:`StridedUnits.length_runs`: ``-1`` for unknown ones); ``None`` for a
+        dataset whose lengths were defined (files, dask Arrays)."""
+        units = self._dataset(dataset_id).units
+        return units.length_runs() if isinstance(units, StridedUnits) else None
+
+    def learn_lengths(self, dataset_id: str, runs: Iterable[Sequence[int]]) -> int:
+        """Lengths a ledger carries (:meth:`known_lengths` of an earlier dataset over the
+        same collection) become this collection's, as if computed here: a resumed epoch
+        leases no id past them, so a partition whose rows were all acknowledged is never
+        computed again. ``ValueError`` naming a partition whose length differs from the
+        one learned here (nothing changes then), or for runs that do not fit. Costs
+        O(runs + partitions of known length). Partitions newly learned."""
+        ds = self._dataset(dataset_id)
+        units = ds.units
+        runs = [(int(n), int(k)) for n, k in runs]
+        if not isinstance(units, StridedUnits):
+            if runs:
+                raise ValueError(f"dataset {self._name(dataset_id)} has lengths defined; "
+                                 "a ledger's learned lengths are for a collection of "
+                                 "partitions of unknown length")
+            return 0
+        if sum(k for _, k in runs) > units.units or any(
+                k < 1 or not -1 <= n < units.stride for n, k in runs):
+            raise ValueError(f"the ledger's partition lengths {runs[:4]}... do not fit "
+                             f"dataset {self._name(dataset_id)}'s {units.units} partitions")
+        todo = []
+        u = 0
+        for n, k in runs:
+            if n >= 0:
+                for unit in range(u, u + k):
+                    old = units.lengths[unit]
+                    if old >= 0 and old != n:
+                        raise ValueError(
+                            f"partition {unit} of dataset {self._name(dataset_id)} has "
+                            f"{old} rows here and {n} in the ledger being restored "
+                            "(partitions must be deterministic)")
+                    if old < 0:
+                        todo.append((unit, n))
+            u += k
+        for unit, n in todo:
+            units.learn(unit, n)
+            self._learned(dataset_id, ds, units, unit, n, None)
+        return len(todo)
 
     @staticmethod
     def _drop_rows(ep: _Epoch, rows: RowSet, a: int, b: int) -> None:
@@ -561,7 +627,8 @@ class LeaseTable:
         already holds its share of the rows not yet acknowledged (``(free + leased) /
         parts``, leases it asked ahead) gets none while it holds a lease's worth or the
         pool is low: the rows go to the readers holding less, so readers that consume
-        alike run out alike, at the epoch's end.
+        alike run out alike, at the epoch's end. A collection's partitions are never
+        split; once fewer than two are free per reader, one holding two or more waits.
 
         Returns the leased rows as intervals, or ``None`` when none is free right now.
         Raises :class:`SessionExpired` for a dropped session, :class:`UnknownDataset`
@@ -585,19 +652,14 @@ class LeaseTable:
             parts = len(ep.leased) + (session not in ep.leased)
         share = -(-n_free // (2 * max(1, parts)))
         need = min(max(1, int(rows)), max(1, int(least), share))
-        if tail:
-            # a reader already holding its share of what is not acknowledged yet (leases
-            # it asked ahead) waits: the rows go to the readers holding less, so readers
-            # that consume alike run out alike, at the end of the epoch
-            held = ep.leased.get(session)
-            if held is not None and held.size * parts >= n_free + ep.n_leased and (
-                    held.size >= need or n_free < parts * need):
-                return None
+        if tail and self._holds_share(ds, session, ep, parts, need, n_free):
+            return None
         # the tail rule: a lease ends at a unit's end (a unit is read by one worker) unless
         # that would more than double it past its share of what is left: as the pool runs
         # low, leases shrink toward ``least`` (two batches), so every reader has rows to
-        # the end of the epoch instead of one holding a whole unit while others idle
-        cap = 2 * max(need, share) if tail else None
+        # the end of the epoch instead of one holding a whole unit while others idle; a
+        # collection's partitions are never split (the hold-back above is its tail rule)
+        cap = 2 * max(need, share) if tail and not ds.whole else None
         pool = ep.free if ep.free else ep.deferred
         if ds.shuffle and pool is ep.free:  # a shuffled collection: units in seeded order
             picked = self._permuted(ds, ep, epoch, need)
@@ -617,6 +679,41 @@ class LeaseTable:
             out.append((a, c))
             need -= c - a
         return self._lease(session, dataset_id, epoch, ds, ep, out)
+
+    @staticmethod
+    def _holds_share(ds: _Dataset, session: str, ep: _Epoch, parts: int, need: int,
+                     n_free: int) -> bool:
+        """The tail rule's hold-back: ``session`` already holds its share of what is not
+        acknowledged yet (leases it asked ahead), and a lease's worth or the pool is low:
+        it waits, the rows go to the readers holding less, so readers that consume alike
+        run out alike at the end of the epoch. A collection's partitions are never
+        split, so once fewer than two partitions per member are free (by the mean
+        partition), a member holding two (the one it reads, one computed ahead) waits
+        too: the last partitions go to members that would otherwise idle while one
+        holds several."""
+        held = ep.leased.get(session)
+        if held is None:
+            return False
+        if held.size * parts >= n_free + ep.n_leased and (
+                held.size >= need or n_free < parts * need):
+            return True
+        units = ds.units
+        if not ds.whole or _units_in(units, n_free) >= 2 * parts:  # type: ignore[arg-type]
+            return False  # two partitions or more free per member: not the tail yet
+        first = held.starts[0]
+        last = held.stops[-1] - 1
+        return units.unit_of(last) > units.unit_of(first)  # type: ignore[union-attr]
+
+    def holds_share(self, session: str, dataset_id: str, epoch: int, parts: int) -> bool:
+        """Whether :meth:`acquire` with ``tail`` would hold ``session`` back now (a lease
+        of one row asked): asked before leasing a partition where it is held, so the
+        tail rule comes before locality. Read-only; ``False`` for an epoch not started."""
+        ds = self.datasets.get(dataset_id)
+        ep = ds.epochs.get(int(epoch)) if ds is not None else None
+        if ep is None:
+            return False
+        return self._holds_share(ds, session, ep, max(1, int(parts)), 1,
+                                 ep.free.size + ep.deferred.size)
 
     def _permuted(self, ds: _Dataset, ep: _Epoch, epoch: int, need: int) -> list[Interval]:
         """Take the free rows of whole units, in the order seeded by ``(seed, epoch)``,

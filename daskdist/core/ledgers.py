@@ -4,10 +4,12 @@ A State's checkpoint (``State.checkpoint_to``) holds, beside the model, the *led
 every ``"dynamic"`` dataset trained under the State, keyed by the dataset's name (its
 ``name=`` label): the epoch its commits reached, the rows acknowledged by the commits up
 to the checkpoint's, the rows and units of the dataset (to tell another dataset apart)
-and its shuffle seed. :class:`Ledgers` (scheduler side) remembers which datasets each
-State's commits touched, exports their ledger, and restores one into the lease table
-when a State resumes, on a new cluster too (a dataset of that name defined later gets
-it when it is defined). Pure: no Dask, torch or I/O.
+and its shuffle seed; for a Dask collection, the partition lengths learned so far (so a
+resumed epoch computes no partition it trained just to learn its length).
+:class:`Ledgers` (scheduler side) remembers which datasets each State's commits touched,
+exports their ledger, and restores one into the lease table when a State resumes, on a
+new cluster too (a dataset of that name defined later gets it when it is defined).
+Pure: no Dask, torch or I/O.
 """
 
 from __future__ import annotations
@@ -56,10 +58,13 @@ class Ledgers:
             ds = table.datasets.get(dataset_id)
             if ds is None or ds.units is None:
                 continue  # forgotten: its handle was dropped
-            out[ds.label or dataset_id] = {
+            out[ds.label or dataset_id] = entry = {
                 "dataset_id": dataset_id, "epoch": epoch,
                 "acknowledged": [list(iv) for iv in table.acknowledged(dataset_id, epoch)],
                 "total": ds.units.total, "units": ds.units.units, "seed": ds.seed}
+            lengths = table.known_lengths(dataset_id)
+            if lengths is not None:  # a collection's lengths learned so far (run-length)
+                entry["lengths"] = [list(r) for r in lengths]
         return out
 
     def restore(self, state: str, ledger: Mapping[str, Any], table: LeaseTable) -> list[str]:
@@ -104,6 +109,8 @@ class Ledgers:
             logger.warning("daskdist: dataset %r resumes with seed %s, its checkpoint was "
                            "trained with seed %s (rows stay exactly once; their order "
                            "differs)", ds.label, ds.seed, entry["seed"])
+        if entry["lengths"]:  # learned first: its trained partitions are not recomputed
+            table.learn_lengths(dataset_id, entry["lengths"])
         table.restore_epoch(dataset_id, entry["epoch"], entry["acknowledged"])
 
 
@@ -126,6 +133,11 @@ def _checked(name: Any, entry: Any) -> dict:
     acked = entry["acknowledged"]
     if not isinstance(acked, (list, tuple)):
         raise TypeError(f"the ledger of dataset {name!r}: acknowledged must be intervals")
+    lengths = entry.get("lengths") or []  # a collection's (checkpoints before had none)
+    if not isinstance(lengths, (list, tuple)):
+        raise TypeError(f"the ledger of dataset {name!r}: lengths must be runs "
+                        "[length, partitions]")
     return {"epoch": int(entry["epoch"]), "total": int(entry["total"]),
             "units": int(entry["units"]), "seed": int(entry["seed"]),
-            "acknowledged": [(int(a), int(b)) for a, b in acked]}
+            "acknowledged": [(int(a), int(b)) for a, b in acked],
+            "lengths": [(int(n), int(k)) for n, k in lengths]}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from itertools import groupby
 
 __all__ = ["MAX_UNITS", "STRIDE", "Permutation", "StridedUnits"]
 
@@ -33,7 +34,7 @@ class StridedUnits:
     id space), ``units``, ``runs`` (what a definition is compared by), ``stop_of``,
     ``bounds``."""
 
-    __slots__ = ("known", "known_rows", "lengths", "stride", "total", "units")
+    __slots__ = ("_runs", "known", "known_rows", "lengths", "stride", "total", "units")
 
     def __init__(self, units: int, stride: int = STRIDE) -> None:
         units, stride = int(units), int(stride)
@@ -47,6 +48,7 @@ class StridedUnits:
         self.lengths = array("q", [-1]) * units
         self.known = 0  # partitions whose length is known
         self.known_rows = 0  # rows of those
+        self._runs: tuple[int, list[tuple[int, int]]] | None = None  # (known, runs)
 
     @property
     def runs(self) -> list[tuple[int, int]]:
@@ -80,6 +82,16 @@ class StridedUnits:
         self.known += 1
         self.known_rows += length
         return None
+
+    def length_runs(self) -> list[tuple[int, int]]:
+        """The lengths known so far, run-length encoded: ``[(length, partitions), ...]``
+        in partition order, ``-1`` for a run of unknown ones (what a ledger carries, so
+        a resumed epoch computes no partition just to learn its length). Built once per
+        change: lengths are only ever added."""
+        if self._runs is None or self._runs[0] != self.known:
+            runs = [(n, sum(1 for _ in same)) for n, same in groupby(self.lengths)]
+            self._runs = (self.known, runs)
+        return list(self._runs[1])
 
     def nbytes(self) -> int:
         return self.lengths.itemsize * len(self.lengths)

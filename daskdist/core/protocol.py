@@ -181,6 +181,9 @@ class EpochLedger(NamedTuple):
     epoch: int
     acknowledged: list  # [(start, stop), ...] row intervals
     total: int  # rows of the epoch
+    # a collection's partition lengths learned so far, [(length, partitions), ...] in
+    # partition order (-1: unknown); None for files and known lengths
+    lengths: list | None = None
 
 
 

@@ -29,10 +29,12 @@ callers own only the batches they got.
 Every wait ends. A caller waits for the lock (ends when the holder finishes its cut,
 whose own waits end as follows) or for the next block (ends on a block, the end of the
 pass, a failure, or ``close()``); the producer waits for room in the buffer (ends when
-a caller takes a block, or ``close()``). Shutdown, ``close()`` from any thread: mark
-closed, end the feed's waits (callers waiting for a block get ``StopIteration``), join
-the prefetch thread without holding the lock (it returns once its current read or lease
-RPC does), take the lock, give back rows leased and not delivered. A caller arriving
+a caller takes a block, or ``close()``), or for a Dask collection's partition (ends when
+Dask has it, or ``close()``: the source's ``interrupt``). Shutdown, ``close()`` from any
+thread: mark closed, interrupt the source, end the feed's waits (callers waiting for a
+block get ``StopIteration``), join the prefetch thread without holding the lock (it
+returns once its current read or lease RPC does), take the lock, give back rows leased
+and not delivered. A caller arriving
 after the end of the pass gets ``StopIteration``; under ``"dynamic"`` it first polls the
 lease service again (a new pass of the source), so rows that came back to the pool are
 still served, with any number of threads.
@@ -530,6 +532,9 @@ class _LoaderIterator:
                 return
             self._closed = True
             feed = self._feed
+        interrupt = getattr(self._source, "interrupt", None)
+        if interrupt is not None:
+            interrupt()  # a collection's producer stops waiting for a partition
         if feed is not None:
             feed.signal()  # ends the waits of callers and of the producer
             feed.join()  # the producer returns from its read or lease RPC; no lock held
@@ -545,6 +550,9 @@ class _LoaderIterator:
         # collector may run on an event loop the thread (or the RPC) is waiting for.
         # Rows still leased return to the pool when the worker's session ends.
         try:
+            interrupt = getattr(self._source, "interrupt", None)
+            if interrupt is not None:
+                interrupt()  # sets events only
             if self._feed is not None:
                 self._feed.signal()
         except Exception:  # noqa: BLE001 - interpreter shutdown

@@ -116,7 +116,9 @@ class CollectionHandlers:
     # -- leases ------------------------------------------------------------------------
     def acquire(self, name: str, session: str, dataset_id: str, epoch: int) -> dict:
         """Lease one partition's free rows to ``session``: one its worker holds if any
-        (read from its own memory), else the next in the collection's order.
+        (read from its own memory), else the next in the collection's order; none while
+        it holds its share of the rows not yet acknowledged (the tail rule's hold-back:
+        the last partitions go to the members holding less; a partition is never split).
         ``{"lease": intervals or None}``, ``{"expired": True}`` (also once the
         coordinator closed), ``{"failed": why}``."""
         co = self.plugin.coordinators.get(checks.text(name, "name"))
@@ -128,10 +130,13 @@ class CollectionHandlers:
         if not co.renew(session, time.monotonic()):
             return {"expired": True}
         table = co.leases
+        parts = max(1, len(co.members))
         try:
             lease = None
             found = self.indexes.get((name, dataset_id))
             member = co.members.members.get(session)
+            if table.holds_share(session, dataset_id, epoch, parts):
+                return {"lease": None}  # the tail rule: the rows go to members holding less
             if found is not None and member is not None:
                 index, keys = found
                 scheduler = self.plugin.scheduler
@@ -147,8 +152,8 @@ class CollectionHandlers:
                 if lease is not None:
                     self.local_leases += 1
             if lease is None:
-                lease = table.acquire(session, dataset_id, epoch, 1,
-                                      parts=max(1, len(co.members)), least=1)
+                lease = table.acquire(session, dataset_id, epoch, 1, parts=parts, least=1,
+                                      tail=True)  # whole partitions: never split
                 if lease is not None and found is not None:
                     self.other_leases += 1
         except SessionExpired:

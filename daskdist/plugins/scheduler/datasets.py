@@ -121,23 +121,30 @@ class LeaseBook:
                                  self.leases.acknowledged(dataset_id, epoch),
                                  # its row ids (a collection's of unknown lengths: STRIDE
                                  # per partition)
-                                 p.get("ids", p["total"])))
+                                 p.get("ids", p["total"]),
+                                 self.leases.known_lengths(dataset_id)))
 
     def dataset_start(self, owner: str, token: str, ledger: Any) -> dict:
         """Start an epoch with the rows of ``ledger`` (an :class:`EpochLedger`) already
-        acknowledged; refused once the epoch has started. Its progress."""
+        acknowledged, a collection's lengths learned first (its partitions whose rows
+        were all acknowledged are never computed again); refused once the epoch has
+        started. Its progress."""
         self.co.closure_book.owner_box(checks.text(owner, "owner"), checks.text(token, "token"))
-        if not isinstance(ledger, (list, tuple)) or len(ledger) != len(EpochLedger._fields):
+        fields = len(EpochLedger._fields)
+        if not isinstance(ledger, (list, tuple)) or not fields - 1 <= len(ledger) <= fields:
             raise TypeError(f"ledger must be an EpochLedger {EpochLedger._fields}")
-        led = EpochLedger._make(ledger)
+        led = EpochLedger(*ledger)  # without lengths: a ledger of files (or from before)
         dataset_id = checks.text(led.dataset_id, "dataset_id")
         epoch = checks.integer(led.epoch, "epoch", 0, checks.MAX_EPOCH)
         acked = checks.pairs(led.acknowledged, "acknowledged", checks.MAX_RANGES)
+        lengths = checks.optional(checks.pairs, led.lengths, "lengths", checks.MAX_RUNS, -1)
         p = self.leases.progress(dataset_id, epoch)
         total = p.get("ids", p["total"])
         if checks.integer(led.total, "total", 0, checks.MAX_ROWS) != total:
             raise ValueError(f"the ledger is of {led.total} rows; dataset {dataset_id!r} "
                              f"has {total}")
+        if lengths:
+            self.leases.learn_lengths(dataset_id, lengths)
         self.leases.start_epoch(dataset_id, epoch, acked)
         return self.leases.progress(dataset_id, epoch)
 
@@ -179,9 +186,11 @@ LEASE_HANDLERS = {
     "daskdist_dataset_define": (LeaseBook.dataset_define, CLOSED),
     "daskdist_dataset_state": (LeaseBook.dataset_state, CLOSED),
     "daskdist_dataset_start": (LeaseBook.dataset_start, CLOSED),
-    "daskdist_lease_acquire": (LeaseBook.lease_acquire, CLOSED),
+    # a loader's lease or give-back after its coordinator closed: nothing to lease, nothing
+    # to give back (its table went with the coordinator), as the collection handlers answer
+    "daskdist_lease_acquire": (LeaseBook.lease_acquire, {"expired": True}),
     "daskdist_lease_progress": (LeaseBook.lease_progress, CLOSED),
-    "daskdist_lease_release": (LeaseBook.lease_release, CLOSED),
+    "daskdist_lease_release": (LeaseBook.lease_release, 0),
     "daskdist_dataset_ledger": (LeaseBook.dataset_ledger, CLOSED),
     "daskdist_restore_ledger": (LeaseBook.restore_ledger, CLOSED),
     "daskdist_checkpoint_written": (LeaseBook.checkpoint_written, CLOSED),
