@@ -445,10 +445,13 @@ def test_a_put_wakes_one_long_poll_per_closure():
 
 
 def test_a_gang_commit_in_one_message_from_rank_0():
-    """Every rank's part in one message (daskdist_gang_commit): applied at once when rank
-    0 sends every part and each rank's rows are leased to its session; refused from
-    another rank, with a part missing, or with a row its rank does not hold."""
-    from daskdist.core.protocol import LeaseToken
+    """Every rank's part in one message (daskdist_gang_commit: each rank's tokens packed
+    as the commit's allgather carries them): applied at once when rank 0 sends every
+    part and each rank's rows are leased to its session; refused from another rank,
+    with a part missing, a row its rank does not hold, a dataset key defined nowhere or
+    a malformed part."""
+    from daskdist.core.commits import pack_tokens
+    from daskdist.core.protocol import LeaseToken, dataset_key
 
     co = make()
     for s, w in (("s1", "w1"), ("s2", "w2")):
@@ -460,14 +463,19 @@ def test_a_gang_commit_in_one_message_from_rank_0():
     gen = co.gangs.group.generation
     book = co.group_book
 
+    def packed(r, a, b):
+        return pack_tokens([LeaseToken.of("ds", 0, [(r[0][0] + a, r[0][0] + b)])])
+
     def parts(a, b):
-        return [[0, [LeaseToken.of("ds", 0, [(r1[0][0] + a, r1[0][0] + b)])]],
-                [1, [LeaseToken.of("ds", 0, [(r2[0][0] + a, r2[0][0] + b)])]]]
+        return [packed(r1, a, b), packed(r2, a, b)]
 
     assert book.gang_commit("s2", ["st", gen, 1], 2, parts(0, 5)) is False  # not rank 0
     assert book.gang_commit("s1", ["st", gen, 2], 2, parts(0, 5)[:1]) is False  # a part short
-    assert book.gang_commit("s1", ["st", gen, 3], 2, [[0, []], [1, [
-        LeaseToken.of("ds", 0, [(r1[0][0], r1[0][0] + 1)])]]]) is False  # s1's rows, not s2's
+    assert book.gang_commit("s1", ["st", gen, 3], 2, [[], packed(r1, 0, 1)]) is False  # s1's rows
+    unknown = [dataset_key("other"), 0, 1, r1[0][0], r1[0][0] + 1]
+    assert book.gang_commit("s1", ["st", gen, 5], 2, [unknown, []]) is False  # no such dataset
+    assert book.gang_commit("s1", ["st", gen, 6], 2, [packed(r1, 0, 5)[:-1], []]) is False
+    assert book.gang_commit("s1", ["st", gen, 7], 2, [["x", 0, 1, 0, 1], []]) is False
     assert co.leases.progress("ds", 0)["acknowledged"] == 0
     assert book.gang_commit("s1", ["st", gen, 4], 2, parts(0, 5)) is True
     assert co.leases.progress("ds", 0)["acknowledged"] == 10

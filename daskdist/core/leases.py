@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from daskdist.core.intervals import Interval, RowSet, intersect, normalize, size_of, subtract, union
 from daskdist.core.partitions import Permutation, StridedUnits
-from daskdist.core.protocol import LeaseToken
+from daskdist.core.protocol import LeaseToken, dataset_key
 
 __all__ = [
     "EpochFailed",
@@ -238,6 +238,19 @@ class LeaseTable:
         self._max_expired = max_expired
         # session -> keys of the epochs where it holds rows now (for drop_session)
         self._session_keys: dict[str, set[tuple[str, int]]] = {}
+        # dataset_key(id) -> id (None: two ids share the key): a packed commit names it
+        self._keys: dict[int, str | None] = {}
+
+    def _keyed(self, dataset_id: str) -> None:
+        key = dataset_key(dataset_id)
+        known = self._keys.get(key, dataset_id)
+        self._keys[key] = dataset_id if known == dataset_id else None
+
+    def dataset_of(self, key: int) -> str | None:
+        """The dataset whose :func:`~daskdist.core.protocol.dataset_key` is ``key``
+        (``None``: none, or two datasets share it and a packed commit naming it is
+        refused)."""
+        return self._keys.get(key)
 
     # -- datasets --------------------------------------------------------------------
     def register(self, dataset_id: str, label: str = "", owner: str = "",
@@ -246,6 +259,7 @@ class LeaseTable:
         ds = self.datasets.get(dataset_id)
         if ds is None:
             self.datasets[dataset_id] = _Dataset(label, owner, seed)
+            self._keyed(dataset_id)
         elif label and not ds.label:
             ds.label = label
 
@@ -262,6 +276,7 @@ class LeaseTable:
                 owner = parent.owner
                 label = label or parent.label
             ds = self.datasets[dataset_id] = _Dataset(label, owner, seed)
+            self._keyed(dataset_id)
         elif label and not ds.label:
             ds.label = label
         ds.seed = seed
@@ -441,6 +456,9 @@ class LeaseTable:
                 if d == dataset_id or d.startswith(dataset_id + ".")]
         for d in gone:
             ds = self.datasets.pop(d)
+            key = dataset_key(d)
+            if self._keys.get(key) == d:
+                del self._keys[key]
             for epoch, ep in ds.epochs.items():
                 for session in ep.leased:
                     self._unkey(session, (d, epoch))

@@ -8,6 +8,7 @@ kinds are defined here once. Imports nothing from Dask, torch or the rest of the
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, NamedTuple
 
 # -- closure states (a RemoteValue's status on the client: values.RemoteValueStatus) --
@@ -121,6 +122,22 @@ class CommitKey(NamedTuple):
 
 
 LEASE_TOKEN = "lease"  # the tag of a lease token (other tokens are ignored)
+
+
+def dataset_key(dataset_id: str) -> int:
+    """A dataset id as a positive 63-bit integer, the same in every process: how a gang
+    commit's packed parts (:func:`daskdist.core.commits.pack_tokens`) name it in an
+    int64 tensor; the scheduler's lease table maps it back."""
+    digest = hashlib.blake2b(dataset_id.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 1) or 1
+
+
+# A commit's allgather carries each rank's packed lease tokens in this many int64 slots
+# at first and at most (the ranks agree on the size from the previous commit's heads,
+# so these are wire format, alike in every process, not settings): parts that do not
+# fit are sent one per rank instead (``daskdist_gang_commit_part``).
+COMMIT_SLOTS_MIN = 8
+COMMIT_SLOTS_MAX = 1024
 
 
 # Dask worker statuses of a worker that is leaving (retired, closing, closed): it gets

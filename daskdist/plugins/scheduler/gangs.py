@@ -15,9 +15,8 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from daskdist.core import checks
-from daskdist.core.commits import CommitBook
+from daskdist.core.commits import CommitBook, unpack_part
 from daskdist.core.gang import INTERRUPTING, GangBook
-from daskdist.core.leases import group_tokens
 from daskdist.core.protocol import READY, CommitKey, Outcome
 from daskdist.plugins.scheduler.closures import CLOSED, wait_event
 
@@ -115,13 +114,14 @@ class GroupBook:
         return self._outcome(key)
 
     def gang_commit(self, session: str, key: Any, world: int, parts: list) -> bool:
-        """Every rank's part of a gang commit in one message (``parts``: ``[rank,
-        tokens]`` for each rank), sent by the generation's rank 0 once the commit's
-        allgather brought them: the commit's outcome, decided at once. One message per
-        step instead of ``world``: O(parts) on the scheduler, with no waiter per part.
-        Refused unless ``session`` is rank 0 of ``key``'s generation, the current one,
-        and every rank's part is there (each rank's tokens are checked against the rows
-        leased to that rank's session, as a part of its own would be)."""
+        """Every rank's part of a gang commit in one message, sent by the generation's
+        rank 0 once the commit's allgather brought them (``parts``: one per rank, in rank
+        order, each the rank's :func:`~daskdist.core.commits.pack_tokens` ints): the
+        commit's outcome, decided at once. One message per step instead of ``world``:
+        O(parts) on the scheduler, with no waiter per part. Refused unless ``session``
+        is rank 0 of ``key``'s generation, the current one, and every rank's part is
+        there (each rank's rows are checked against the rows leased to that rank's
+        session, as a part of its own would be)."""
         key, world = CommitKey.parse(key), int(world)
         co = self.co
         group = self.gangs.group
@@ -130,13 +130,17 @@ class GroupBook:
             sessions = None  # only rank 0 speaks for the group
         grouped: dict[int, dict] = {}
         tables: set = set()
-        try:
-            for rank, tokens in checks.items(parts, "daskdist_gang_commit: parts"):
-                groups = group_tokens(tokens)
-                grouped[int(rank)] = groups
-                tables.update(groups)
-        except (TypeError, ValueError):
-            sessions = None  # malformed: refused
+        if sessions is not None and key not in self.commits.recorded:
+            try:
+                dataset_of = co.leases.dataset_of
+                for rank, ints in enumerate(checks.items(parts, "daskdist_gang_commit: parts")):
+                    if ints:
+                        groups = grouped[rank] = unpack_part(ints, dataset_of)
+                        tables.update(groups)
+                    else:
+                        grouped[rank] = {}
+            except (TypeError, ValueError):
+                sessions = None  # malformed: refused
         if sessions is not None:
             co.ledgers.note_tables(key.state, tables)  # datasets trained under the State
         ok = self.commits.add_all(co.leases, key, world, grouped, sessions,

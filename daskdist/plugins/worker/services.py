@@ -190,6 +190,18 @@ class SessionServices:
             world=int(world), tokens=list(tokens), timeout=float(timeout))
         return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
 
+    def send_commit(self, key: CommitKey, world: int,
+                    parts: list[list[int]]) -> concurrent.futures.Future:
+        """Rank 0: send every rank's part of commit ``key`` in one message (``parts``:
+        each rank's packed tokens, in rank order) without waiting: a future of the
+        commit's outcome (``True``: applied)."""
+        if self.ended:
+            raise self._ended_error()
+        coro = self.worker.scheduler.daskdist_gang_commit(
+            name=self.name, session=self.session, key=list(key), world=int(world),
+            parts=parts)
+        return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+
     def commit_outcome(self, key: CommitKey) -> bool:
         """Whether the scheduler applied commit ``key`` (deciding it, if still open)."""
         if self.ended:
