@@ -728,7 +728,7 @@ def real_one(n: int, args, root: str) -> dict:
         coord.fetch(coord.schedule_on_all(_commit_loop, args=(state, it2, 2, logdir)))
         c0 = _proc_cpu(sched.pid)
         coord.fetch(coord.schedule_on_all(_commit_loop, args=(state, it2, steps, logdir)))
-        out["commit part (ms)"] = (_proc_cpu(sched.pid) - c0) / (steps * n) * 1e3
+        out["commit, per member and step (ms)"] = (_proc_cpu(sched.pid) - c0) / (steps * n) * 1e3
         gang = coord.schedule_on_all(_commit_loop, args=(state, None, 10**6, logdir))
         before = len(_commits(logdir))
         _until(lambda: len(_commits(logdir)) > before + 20 * n, 300, "commits")

@@ -482,3 +482,54 @@ def test_a_gang_commit_in_one_message_from_rank_0():
     assert book.gang_commit("s1", ["st", gen, 4], 2, parts(5, 10)) is True  # decided: kept
     assert co.leases.progress("ds", 0)["acknowledged"] == 10
     assert co.group_book.state_commits("s1", "st") == 1
+
+
+def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
+    """A closure reading a dynamic dataset (Submission.dataset) at the epoch's tail (no
+    free rows; s2 holds the last leased rows): s1's exchange sets it aside, steals
+    nothing from s2 and gets the untagged closure behind it; s2's takes it; once s2's
+    rows are acknowledged, anyone would."""
+    sent: list = []
+    co = make(sent)
+    book = co.closure_book
+    book.add_owner("me", None, "t")
+    for s, w in (("s1", "w1"), ("s2", "w2")):
+        start(co, s, w)
+    co.leases.define("ds", [(10, 2)])
+    rows = []
+    while co.leases.progress("ds", 0)["free"]:
+        rows += co.leases.acquire("s2", "ds", 0, 20)
+    book.put("me", "t", [("me-0", (b"f", None), 0, "ds"), ("me-1", (b"f", None), 0, ""),
+                         ("me-2", (b"f", None), 0, "ds")])
+
+    async def run():
+        got = await book.exchange(_Comm(), "s1", [], [], 5, False)
+        assert [d[0] for d in got["closures"]] == ["me-1"]
+        got = await book.exchange(_Comm(), "s1", [], ["me-1"], 5, True)  # idle, blocks
+        assert got["closures"] == [] and book.steals == 0
+        got = await book.exchange(_Comm(), "s2", [], [], 5, False)  # a fair share: 1
+        assert [d[0] for d in got["closures"]] == ["me-0"]
+        got = await book.exchange(_Comm(), "s2", [], ["me-0"], 5, False)
+        assert [d[0] for d in got["closures"]] == ["me-2"]
+
+    co.poll_interval = lambda: 0.05
+    asyncio.run(run())
+    assert not [m for _, m in sent if m.get("op") == "daskdist-steal"]
+    co.leases.ack("s2", "ds", 0, rows)
+    assert co.leases.takes("ds", "s1")
+    check_queue(co.queue)
+
+
+def test_a_closure_reading_a_per_worker_iterator_names_its_dataset():
+    """The client tags a closure whose argument is a dataset's per-worker iterator with
+    the dataset's id (Submission.dataset), whichever argument it is; else ''."""
+    from daskdist.client.coordinator import _dataset_read
+    from daskdist.client.datasets import _ResourceHandle
+
+    ds = _ResourceHandle("ds-1", "dataset")
+    it = _ResourceHandle("it-1", "iterator", parent=ds)
+    other = _ResourceHandle("r-1", "resource")
+    assert _dataset_read((1, it), {}) == "ds-1"
+    assert _dataset_read((), {"batches": it, "x": other}) == "ds-1"
+    assert _dataset_read((other, ds), None) == ""
+    assert _dataset_read((), {}) == ""

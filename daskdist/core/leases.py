@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from daskdist.core.intervals import Interval, RowSet, intersect, normalize, size_of, subtract, union
@@ -470,6 +470,31 @@ class LeaseTable:
         for d in gone:
             self.forget(d)
         return gone
+
+    def takes(self, dataset_id: str, session: str) -> bool:
+        """Whether a closure reading ``dataset_id`` should run on ``session`` now: yes
+        unless the dataset's free rows are gone and other sessions, not this one, hold
+        its leased rows (the epoch's tail: the rows are with those readers, a closure
+        elsewhere would find none). O(the dataset's unfinished epochs)."""
+        ds = self.datasets.get(dataset_id)
+        if ds is None:
+            return True
+        held = False
+        for ep in ds.epochs.values():
+            if ep.free or ep.deferred:
+                return True
+            if ep.leased:
+                if session in ep.leased:
+                    return True
+                held = True
+        return not held
+
+    def holders(self, dataset_id: str) -> Iterator[str]:
+        """The sessions holding leased rows of ``dataset_id`` (lazily: take a few)."""
+        ds = self.datasets.get(dataset_id)
+        if ds is not None:
+            for ep in ds.epochs.values():
+                yield from ep.leased
 
     def is_complete(self, dataset_id: str, epoch: int) -> bool:
         """Every row of the epoch was acknowledged (its table may be dropped already)."""

@@ -45,6 +45,9 @@ class Submission(NamedTuple):
     cid: str
     payload: Any  # [function bytes, argument bytes or None]
     retries: int
+    # the dynamic dataset whose per-worker iterator is an argument ("": none): at the
+    # epoch's tail the scheduler sends it to a worker still holding that dataset's rows
+    dataset: str = ""
 
 
 class Dispatch(NamedTuple):

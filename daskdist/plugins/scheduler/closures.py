@@ -11,6 +11,7 @@ the plugin as they are. Runs on the scheduler's event loop; imports nothing from
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -108,6 +109,8 @@ class ClosureBook:
     def __init__(self, co: CoordinatorState, max_worker_failures: int) -> None:
         self.co = co
         self.queue = ClosureQueue(max_worker_failures=max_worker_failures)
+        self.queue.router = self._route  # the epoch's tail: closures to the rows' holders
+        self.routed: set[str] = set()  # datasets whose closures were just set aside
         self.outboxes: dict[str, Outbox] = {}
         # long-polls of workers that may take work, oldest first: a queued closure wakes
         # one; ``woken``: those woken for a closure and not yet back (not woken twice)
@@ -173,6 +176,27 @@ class ClosureBook:
             box = self.outboxes.get(o.owner)
             if box is not None:
                 box.push(o)
+
+    # -- the epoch's tail: closures reading a dataset go to the holders of its rows --------
+    def _route(self, dataset: str, session: str) -> bool:
+        """The queue's router: whether ``session`` should run a closure reading
+        ``dataset`` now (the lease table's word: not when the dataset's free rows are
+        gone and other sessions hold its leased rows)."""
+        if self.co.leases.takes(dataset, session):
+            return True
+        self.routed.add(dataset)
+        return False
+
+    def _wake_holders(self) -> None:
+        """Closures were set aside for the sessions holding their dataset's rows: wake
+        those of them waiting in a long-poll (the first few holders looked at, O(1);
+        a busy holder takes them at its next exchange)."""
+        datasets, self.routed = self.routed, set()
+        for dataset in datasets:
+            for session in itertools.islice(self.co.leases.holders(dataset), 4):
+                event = self.parked.get(session)
+                if event is not None:
+                    event.set()
 
     # -- waking long-polls ---------------------------------------------------------------
     def wake(self, n: int | None = None) -> None:
@@ -380,19 +404,23 @@ class ClosureBook:
         subs = []
         for i, item in enumerate(checks.items(closures, f"{op}: closures")):
             if checks.submission_ok(item, prefix):
-                subs.append(Submission._make(item))
+                subs.append(Submission(*item))  # without its dataset: ""
                 continue
-            sub = Submission._make(checks.record(item, f"{op}: closures[{i}]", 3))
+            if isinstance(item, (list, tuple)) and len(item) == 3:
+                item = (*item, "")
+            sub = Submission._make(checks.record(item, f"{op}: closures[{i}]",
+                                                 len(Submission._fields)))
             if not checks.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
                 raise PermissionError(f"{op}: closure id {sub.cid!r} is not one of owner "
                                       f"{owner!r}'s")
             checks.payload(sub.payload, f"{op}: closures[{i}].payload")
             checks.integer(sub.retries, f"{op}: closures[{i}].retries", 0, checks.MAX_RETRIES)
+            checks.text(sub.dataset, f"{op}: closures[{i}].dataset", empty=True)
             subs.append(sub)
         q = self.queue
         n = 0
         for sub in subs:
-            n += q.put(sub.cid, owner, sub.payload, sub.retries)
+            n += q.put(sub.cid, owner, sub.payload, sub.retries, tag=sub.dataset or None)
         self.wake(n)
 
     async def results(self, owner: str, token: str, ack: int,
@@ -513,8 +541,12 @@ class ClosureBook:
 
         # A busy worker prefetches nothing while another waits idle for work (SPEC §2.4).
         closures = q.dispatch(session, fair(want) if block or not self.waiters else 0)
+        routed = bool(self.routed)
+        if routed:
+            self._wake_holders()
         if not closures and block and want > 0:
-            self._steal_for(session)
+            if not routed:  # closures set aside for the holders: theirs, not to steal
+                self._steal_for(session)
             deadline = time.monotonic() + co.poll_interval()
             event = asyncio.Event()
             self.parked[session] = event
@@ -523,6 +555,8 @@ class ClosureBook:
                     if comm.closed() or co.closed or session not in co.members:
                         break
                     closures = q.dispatch(session, fair(want))
+                    if self.routed:
+                        self._wake_holders()
                     if closures:
                         break
                     left = deadline - time.monotonic()
