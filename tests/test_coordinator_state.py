@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
@@ -533,3 +535,63 @@ def test_a_closure_reading_a_per_worker_iterator_names_its_dataset():
     assert _dataset_read((), {"batches": it, "x": other}) == "ds-1"
     assert _dataset_read((other, ds), None) == ""
     assert _dataset_read((), {}) == ""
+
+
+def test_every_session_handler_answers_an_ended_session_with_one_reply():
+    """Issue 23 item 9: a call naming a session that ended gets SESSION_ENDED from every
+    handler (it was {"expired": True}, {"unknown_session": True}, {"ok": False}, 0 or
+    a ValueError); the live session's replies are as they were."""
+    from daskdist.core.protocol import SESSION_ENDED, CommitKey
+
+    co = make()
+    co.closure_book.add_owner("me", None, "t")
+    start(co, "live", "w1")
+    start(co, "gone", "w2")
+    co.leases.define("ds", [(10, 4)])
+    co.end_session("gone")
+    leases, book, groups = co.lease_book, co.closure_book, co.group_book
+    key = list(CommitKey("st", 1, 1))
+    calls = {
+        "lease_acquire": lambda s: leases.lease_acquire(s, "ds", 0, 5),
+        "lease_release": lambda s: leases.lease_release(s, "ds", 0, [[0, 1]]),
+        "dataset_define": lambda s: leases.dataset_define(("d2", "", [[5, 1]], 0), session=s),
+        "dataset_ledger": lambda s: leases.dataset_ledger(s, "st"),
+        "restore_ledger": lambda s: leases.restore_ledger(s, "st", {}),
+        "checkpoint_written": lambda s: leases.checkpoint_written(s, "st", "u", 1, 0.1, 1),
+        "commit_outcome": lambda s: groups.commit_outcome(s, key),
+        "state_commits": lambda s: groups.state_commits(s, "st"),
+        "report": lambda s: book.report(s, []),
+        "renew": lambda s: book.renew(s),
+        "exchange": lambda s: asyncio.run(book.exchange(_Comm(), s, [], [], 1, False)),
+    }
+    for what, call in calls.items():
+        assert call("gone") == SESSION_ENDED, what
+        assert call("never-a-member") == SESSION_ENDED, what
+    live = {what: call("live") for what, call in calls.items()}
+    assert live["lease_acquire"]["lease"] and live["lease_release"] == 1
+    assert live["renew"] == {"ok": True} and live["commit_outcome"] is False
+    assert live["state_commits"] == 0 and live["checkpoint_written"] is None
+    assert "closures" in live["exchange"] and "hold" in live["report"]
+    assert all(reply != SESSION_ENDED for reply in live.values())
+
+
+def test_the_worker_side_recognises_the_ended_reply_in_one_place():
+    """SessionServices._reply: SESSION_ENDED ends the services (later calls are refused
+    at once) and gives the call's "nothing", or raises CollectiveError for a call that
+    needs the session (elastic commits); any other reply passes as it is."""
+    from daskdist.core.protocol import SESSION_ENDED
+    from daskdist.errors import CollectiveError
+    from daskdist.plugins.worker.services import SessionServices
+
+    class _Worker:
+        address = "tcp://w:1"
+
+    services = SessionServices(_Worker(), "t", "s1")
+    assert services._reply({"lease": [[0, 5]]}, None) == {"lease": [[0, 5]]}
+    assert services._reply(3, 0) == 3 and not services.ended
+    assert services._reply(SESSION_ENDED, 0) == 0 and services.ended
+    fresh = SessionServices(_Worker(), "t", "s2")
+    with pytest.raises(CollectiveError, match="ended"):
+        fresh._reply(SESSION_ENDED)
+    assert fresh.ended
+    assert fresh.acquire("ds", 0, 5) is None and fresh.release("ds", 0, [(0, 5)]) == 0

@@ -31,6 +31,18 @@ COLLECTIVE_REPEATED = "collective-repeated"
 UNSTARTED = "unstarted"
 
 
+# The one reply of every handler to a call naming a worker session that ended (fenced,
+# expired, its worker gone, its coordinator closed); the handlers' other replies are
+# theirs. The worker side recognises it in one place (plugins/worker/services.py
+# ``SessionServices``, runner.py through :func:`is_session_ended`). Never mutated.
+SESSION_ENDED = {"session_ended": True}
+
+
+def is_session_ended(reply: object) -> bool:
+    """Whether a handler's ``reply`` is :data:`SESSION_ENDED`."""
+    return type(reply) is dict and reply.get("session_ended") is True
+
+
 PLUGIN_NAME = "daskdist-coordinator"  # the scheduler plugin's name (and extension key)
 
 

@@ -25,6 +25,7 @@ from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
     READY,
+    SESSION_ENDED,
     UNSTARTED,
     Dispatch,
     Outcome,
@@ -472,7 +473,7 @@ class ClosureBook:
         held, started = checks.observed(op, held, started)
         co = self.co
         if not co.renew(session, time.monotonic()):
-            return {"unknown_session": True}  # fenced: the loop's exchange re-registers
+            return SESSION_ENDED  # fenced: the loop's exchange re-registers
         self.apply_results(session, outcomes)
         if held is not None:
             self.queue.observe(session, held, started)
@@ -485,10 +486,11 @@ class ClosureBook:
         op = "daskdist_renew"
         checks.text(session, f"{op}: session")
         held, started = checks.observed(op, held, started)
-        ok = self.co.renew(session, time.monotonic())
-        if ok and held is not None:
+        if not self.co.renew(session, time.monotonic()):
+            return SESSION_ENDED
+        if held is not None:
             self.queue.observe(session, held, started)
-        return {"ok": ok}
+        return {"ok": True}
 
     def _steal_for(self, thief: str) -> None:
         """An idle session found no work: ask the session holding the most prefetched,
@@ -524,7 +526,7 @@ class ClosureBook:
         if co.closed:
             return {"closed": True}
         if not co.renew(session, time.monotonic()):
-            return {"unknown_session": True}
+            return SESSION_ENDED
         q = self.queue
         if outcomes:
             self.apply_results(session, outcomes)
@@ -597,6 +599,6 @@ CLOSURE_HANDLERS = {
     "daskdist_raise": (ClosureBook.raise_owner_error, CLOSED),
     "daskdist_closure_state": (ClosureBook.closure_state, CLOSED),
     "daskdist_exchange": (ClosureBook.exchange, {"closed": True}),
-    "daskdist_report": (ClosureBook.report, {"unknown_session": True}),
-    "daskdist_renew": (ClosureBook.renew, {"ok": False}),
+    "daskdist_report": (ClosureBook.report, SESSION_ENDED),
+    "daskdist_renew": (ClosureBook.renew, SESSION_ENDED),
 }

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from daskdist.core import checks
 from daskdist.core.commits import CommitBook, unpack_part
 from daskdist.core.gang import INTERRUPTING, GangBook
-from daskdist.core.protocol import READY, CommitKey, Outcome
+from daskdist.core.protocol import READY, SESSION_ENDED, CommitKey, Outcome
 from daskdist.plugins.scheduler.closures import CLOSED, wait_event
 
 if TYPE_CHECKING:
@@ -148,11 +148,13 @@ class GroupBook:
         self._commits_decided([key])
         return ok
 
-    def commit_outcome(self, session: str, key: Any) -> bool:
+    def commit_outcome(self, session: str, key: Any) -> bool | dict:
         """Whether commit ``key`` was applied (a rank that missed the outcome asks). Not
         read-only by design: a commit still open is refused now, so every rank, and any
-        part still on its way, gets the same definite answer."""
-        self.co.live_session(session)
+        part still on its way, gets the same definite answer. ``SESSION_ENDED`` to an
+        ended session."""
+        if not self.co.live_session(session):
+            return SESSION_ENDED
         return self._outcome(CommitKey.parse(key))
 
     def _outcome(self, key: CommitKey) -> bool:
@@ -160,11 +162,12 @@ class GroupBook:
         self._commits_decided([key])
         return ok
 
-    def state_commits(self, session: str, state: str, committed: bool = False) -> int:
+    def state_commits(self, session: str, state: str, committed: bool = False) -> int | dict:
         """How many commits of State ``state`` happened (``committed``: one more, a plain
         commit its rank reports once), so ``sync()`` can tell a lost state from a fresh
-        start."""
-        self.co.live_session(session)
+        start. ``SESSION_ENDED`` to an ended session."""
+        if not self.co.live_session(session):
+            return SESSION_ENDED
         state = str(state)
         if committed:
             self.commits.note_committed(state)

@@ -302,12 +302,10 @@ class CoordinatorState:
         """Sessions that may run closures, in worker-index (rank) order."""
         return tuple(m.session for m in self.members.by_index() if not m.draining)
 
-    def live_session(self, session: Any) -> str:
-        """``session`` if it is a live member; ``ValueError`` naming it if it ended."""
-        session = checks.text(session, "session")
-        if session not in self.members:
-            raise ValueError(f"session {session!r} of coordinator {self.name!r} ended")
-        return session
+    def live_session(self, session: Any) -> bool:
+        """Whether ``session`` (checked: an id) is a live member (a handler answers
+        :data:`~daskdist.core.protocol.SESSION_ENDED` if not)."""
+        return checks.text(session, "session") in self.members
 
     def status(self) -> dict[str, Any]:
         c = self.queue.counters
