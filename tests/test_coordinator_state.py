@@ -136,6 +136,27 @@ def test_retiring_worker_gets_no_new_work_and_leaves_the_group_at_its_next_commi
     assert co.members.version == version + 2  # back in service: joins at the next commit
 
 
+def test_a_retired_worker_the_group_left_ends_without_a_membership_change():
+    """Issue 23: a retirement re-forms the group once; the retired worker's session
+    ending later is no second change for the group's members (no second interrupt)."""
+    co = make()
+    for i in range(3):
+        start(co, f"s{i}", f"w{i}")
+    co.gangs.begin_formation(("s0", "s1", "s2"))
+    version = co.members.version
+    co.worker_status_changed("w0", "closing_gracefully")  # rank 0 retires
+    assert co.members.version == version + 1
+    co.gangs.begin_formation(("s1", "s2"))  # the survivors re-formed without it
+    co.worker_removed("s0", expected=True)
+    assert "s0" not in co.members and co.members.leaves == 1
+    assert co.members.version == version + 1  # its retirement was the change
+    co.stop_session("s2")  # a group member leaving is one
+    assert co.members.version == version + 2
+    co.worker_status_changed("w1", "closing_gracefully")  # retiring, still in the group
+    co.end_session("s1")
+    assert co.members.version == version + 4  # retirement and leave: the group changed
+
+
 def test_a_memory_pause_drains_without_changing_the_group():
     co = make()
     start(co, "s1", "w1")

@@ -257,7 +257,11 @@ class CoordinatorState:
         killed, crashed, cut off (False: counted as a lost worker).
         """
         self.stats.on_session_end(self, session)
-        self.members.leave(session)
+        # a retiring worker outside the group (it left at a commit, or never joined it)
+        # changes nothing for the group's members: no second re-formation (issue 23)
+        member = self.members.members.get(session)
+        self.members.leave(session, counted=not (member is not None and member.draining
+                                                 and session not in self.gangs.group.ranks))
         self.liveness.forget(session)
         self.workers_lost += not expected
         self.leases.drop_session(session)
