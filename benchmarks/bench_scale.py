@@ -240,21 +240,27 @@ async def row_join_leave(n: int, repeat: int) -> dict[str, dict]:
 
 
 async def row_member_removed(n: int, repeat: int) -> dict[str, dict]:
-    """A member of a formed group of N is removed (Dask's remove_worker, unexpected)."""
+    """A member of a formed group of N is removed (Dask's remove_worker, unexpected),
+    then a second one of the same generation (a node's other worker, before the group
+    re-formed)."""
     sim = Sim()
     await sim.start()
     await sim.grow(n)
-    samples = []
+    first, second = [], []
     for _ in range(repeat):
         await sim.form()
         sim.flush()
-        session, address = sim.sessions.pop(n // 2)
-        samples.append(await _timed(sim, lambda j, a=address: _sync(sim.remove, a), 1))
-        sim.sessions.insert(n // 2, await sim.join())
+        lost = [sim.sessions.pop(n // 2), sim.sessions.pop(n // 2)]
+        for (_, address), into in zip(lost, (first, second), strict=True):
+            into.append(await _timed(sim, lambda j, a=address: _sync(sim.remove, a), 1))
+        for _ in lost:
+            sim.sessions.insert(n // 2, await sim.join())
         sim.flush()
     await sim.plugin.close()
-    return {"group member removed": {"us": statistics.median(s["us"] for s in samples),
-                                     "msgs": statistics.median(s["msgs"] for s in samples)}}
+    return {name: {"us": statistics.median(s["us"] for s in samples),
+                   "msgs": statistics.median(s["msgs"] for s in samples)}
+            for name, samples in (("group member removed", first),
+                                  ("another member removed (same generation)", second))}
 
 
 def _end_waits(co: Any) -> None:

@@ -347,6 +347,34 @@ def test_a_members_user_error_tells_the_peers_at_once_why():
                for _, m in told)
 
 
+def test_a_broken_generations_members_are_told_once_however_many_leave():
+    """Issue 25: the first loss tells every survivor (peer-lost, with the counters);
+    later losses in the same generation (a node's other workers) send nothing, and the
+    next generation's members hear its own first loss again."""
+    sent: list = []
+    co = make(sent)
+    for i in range(5):
+        start(co, f"s{i}", f"w{i}")
+    _formed_group(co, tuple(f"s{i}" for i in range(5)))
+    sent.clear()
+    co.worker_removed("s0", expected=False)  # rank 0
+    told = [(a, m["session"], m["version"]) for a, m in sent]
+    assert [m["op"] for _, m in sent] == ["daskdist-peer-lost"] * 4
+    assert told == [(f"w{i}", f"s{i}", co.members.version) for i in range(1, 5)]
+    sent.clear()
+    co.worker_removed("s3", expected=False)
+    co.end_session("s2")
+    co.flush()  # no membership message either: the next formation carries the counters
+    assert sent == [] and co.members.version == co.members.joins + 3
+    _formed_group(co, ("s1", "s4"))
+    start(co, "s5", "w5")  # a join: the formed group's members hear it
+    assert [(a, m["op"]) for a, m in sent] == [("w1", "daskdist-membership"),
+                                               ("w4", "daskdist-membership")]
+    sent.clear()
+    co.end_session("s4")  # the new generation's first loss: told at once
+    assert [(a, m["op"]) for a, m in sent] == [("w1", "daskdist-peer-lost")]
+
+
 def test_an_interruption_every_rank_raises_tells_no_one():
     """HostsUpdatedInterrupt comes from every rank at the same commit: a word to the
     peers could only turn a rank's interrupt still in its allgather into an error."""

@@ -36,6 +36,7 @@ class GroupBook:
         self.changed = asyncio.Event()  # the gang pump waits on it
         self.left = asyncio.Event()  # a session ended (a formation in progress checks)
         self.departing: set[str] = set()  # retired group members finishing their step
+        self.told = -1  # the last generation whose members heard it broke (peer-lost)
         self.driver: GroupDriver | None = None  # set by names.py with the book
 
     # -- what happened to the group -------------------------------------------------------
@@ -57,9 +58,15 @@ class GroupBook:
     def tell_members(self) -> None:
         """The group broke (a member left, or a member's closure failed): its members'
         collective calls of this generation raise ``CollectiveError`` at once, saying why
-        (``GroupRecord.why``), instead of waiting for the group's timeout."""
+        (``GroupRecord.why``), instead of waiting for the group's timeout. Once a
+        generation: a later loss in it (a node's other workers) tells them nothing new,
+        and the counters it changed reach them with the next formation (one message per
+        member a broken generation, not a loss; :meth:`CoordinatorState.flush`)."""
         group = self.gangs.group
         co = self.co
+        if self.told == group.generation:
+            return  # they heard it; the next formation's init carries the counters
+        self.told = group.generation
         co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
                       "generation": group.generation, "reason": group.why,
                       **co.counters()}, group.sessions, addressed=True)

@@ -160,6 +160,11 @@ class CoordinatorState:
         if self.closed or self.told_version == self.members.version:
             return  # the members heard it with a peer loss
         group = self.gangs.group
+        if self.group_book.told == group.generation:
+            # they heard that their generation broke: the next formation's init carries
+            # the counters (a further loss in it costs no message to every member)
+            self.told_version = self.members.version
+            return
         self.broadcast({"op": "daskdist-membership", "name": self.name, **self.counters()},
                        group.sessions, addressed=True)
         self.told_version = self.members.version
@@ -265,8 +270,8 @@ class CoordinatorState:
         self.liveness.forget(session)
         self.workers_lost += not expected
         self.leases.drop_session(session)
-        self.membership_changed()
-        self.group_book.session_lost(session, expected)
+        self.group_book.session_lost(session, expected)  # a member's loss tells the rest
+        self.membership_changed()  # (so this sends nothing more to them)
         book = self.closure_book
         backlog = self.queue.backlog
         book.deliver(self.queue.remove_session(session, expected))
