@@ -240,21 +240,27 @@ async def row_join_leave(n: int, repeat: int) -> dict[str, dict]:
 
 
 async def row_member_removed(n: int, repeat: int) -> dict[str, dict]:
-    """A member of a formed group of N is removed (Dask's remove_worker, unexpected)."""
+    """A member of a formed group of N is removed (Dask's remove_worker, unexpected),
+    then a second one of the same generation (a node's other worker, before the group
+    re-formed)."""
     sim = Sim()
     await sim.start()
     await sim.grow(n)
-    samples = []
+    first, second = [], []
     for _ in range(repeat):
         await sim.form()
         sim.flush()
-        session, address = sim.sessions.pop(n // 2)
-        samples.append(await _timed(sim, lambda j, a=address: _sync(sim.remove, a), 1))
-        sim.sessions.insert(n // 2, await sim.join())
+        lost = [sim.sessions.pop(n // 2), sim.sessions.pop(n // 2)]
+        for (_, address), into in zip(lost, (first, second), strict=True):
+            into.append(await _timed(sim, lambda j, a=address: _sync(sim.remove, a), 1))
+        for _ in lost:
+            sim.sessions.insert(n // 2, await sim.join())
         sim.flush()
     await sim.plugin.close()
-    return {"group member removed": {"us": statistics.median(s["us"] for s in samples),
-                                     "msgs": statistics.median(s["msgs"] for s in samples)}}
+    return {name: {"us": statistics.median(s["us"] for s in samples),
+                   "msgs": statistics.median(s["msgs"] for s in samples)}
+            for name, samples in (("group member removed", first),
+                                  ("another member removed (same generation)", second))}
 
 
 def _end_waits(co: Any) -> None:
@@ -332,7 +338,10 @@ async def row_put(n: int, repeat: int) -> dict[str, dict]:
 
 
 async def row_commit(n: int, repeat: int) -> dict[str, dict]:
-    """A gang commit step of N members, each part acknowledging one batch of rows."""
+    """A gang commit step of N members, each part acknowledging one batch of rows: every
+    rank sends its part (the fallback for parts too large for the allgather's slots), or
+    rank 0 sends them all in one message (what State.commit does)."""
+    from daskdist.core.commits import pack_tokens
     from daskdist.core.protocol import DatasetDef, LeaseToken
 
     sim = Sim()
@@ -380,20 +389,20 @@ async def row_commit(n: int, repeat: int) -> dict[str, dict]:
         agg = []
         for step in range(repeat, 2 * repeat):
             key = ["state", generation, step + 1]
-            allparts = []
-            for rank, s in enumerate(ranks):
+            allparts = []  # each rank's tokens packed, as the commit's allgather brings them
+            for s in ranks:
                 a = leases[s][0] + 16 * step
-                allparts.append([rank, [LeaseToken.of("ds", 0, [(a, a + 16)])]])
+                allparts.append(pack_tokens([LeaseToken.of("ds", 0, [(a, a + 16)])]))
             gc.collect()
             t = _cpu()
             assert one(name=NAME, session=ranks[0], key=key, world=n, parts=allparts)
             agg.append(_cpu() - t)
-        out["commit step, one message (all N parts)"] = {
+        out["commit step, one message from rank 0 (State.commit)"] = {
             "us": statistics.median(agg) * 1e6, "msgs": 0}
     await sim.plugin.close()
     step_s = statistics.median(per_step)
     return {"commit part": {"us": step_s / n * 1e6, "msgs": statistics.median(parts) / n},
-            "commit step (all N parts)": {"us": step_s * 1e6,
+            "commit step, a part from each rank (fallback)": {"us": step_s * 1e6,
                                           "msgs": statistics.median(parts)}, **out}
 
 
@@ -864,12 +873,14 @@ def check_targets(results: dict) -> None:
         ok = "ok" if f["us"] < 0.5 else "MISSED"
         print(f"  idle scheduler CPU at {n:,} workers: {f['us']:.3f} cores "
               f"(anchor: 0.5 core; {f['us'] / 0.5:.2f}x of it) {ok}")
-    for name in ("commit step (all N parts)", "commit step, one message (all N parts)"):
+    for name in ("commit step, one message from rank 0 (State.commit)",
+                 "commit step, a part from each rank (fallback)"):
         step = results.get(name, {})
         if 1000 in step:
             ms = step[1000]["us"] / 1000
-            print(f"  {name} at 1,000 members: {ms:.2f} ms (target <= 5 ms) "
-                  f"{'ok' if ms <= 5 else 'MISSED'}")
+            verdict = f"{'ok' if ms <= 5 else 'MISSED'}" if "State" in name else (
+                "(only parts too large for the allgather's slots)")
+            print(f"  {name} at 1,000 members: {ms:.2f} ms (target <= 5 ms) {verdict}")
 
 
 def run_sim(args) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
@@ -132,6 +134,27 @@ def test_retiring_worker_gets_no_new_work_and_leaves_the_group_at_its_next_commi
     assert co.members.version == version + 1  # not a member: leaving changes nothing
     co.worker_status_changed("w1", "running")
     assert co.members.version == version + 2  # back in service: joins at the next commit
+
+
+def test_a_retired_worker_the_group_left_ends_without_a_membership_change():
+    """Issue 23: a retirement re-forms the group once; the retired worker's session
+    ending later is no second change for the group's members (no second interrupt)."""
+    co = make()
+    for i in range(3):
+        start(co, f"s{i}", f"w{i}")
+    co.gangs.begin_formation(("s0", "s1", "s2"))
+    version = co.members.version
+    co.worker_status_changed("w0", "closing_gracefully")  # rank 0 retires
+    assert co.members.version == version + 1
+    co.gangs.begin_formation(("s1", "s2"))  # the survivors re-formed without it
+    co.worker_removed("s0", expected=True)
+    assert "s0" not in co.members and co.members.leaves == 1
+    assert co.members.version == version + 1  # its retirement was the change
+    co.stop_session("s2")  # a group member leaving is one
+    assert co.members.version == version + 2
+    co.worker_status_changed("w1", "closing_gracefully")  # retiring, still in the group
+    co.end_session("s1")
+    assert co.members.version == version + 4  # retirement and leave: the group changed
 
 
 def test_a_memory_pause_drains_without_changing_the_group():
@@ -324,6 +347,34 @@ def test_a_members_user_error_tells_the_peers_at_once_why():
                for _, m in told)
 
 
+def test_a_broken_generations_members_are_told_once_however_many_leave():
+    """Issue 25: the first loss tells every survivor (peer-lost, with the counters);
+    later losses in the same generation (a node's other workers) send nothing, and the
+    next generation's members hear its own first loss again."""
+    sent: list = []
+    co = make(sent)
+    for i in range(5):
+        start(co, f"s{i}", f"w{i}")
+    _formed_group(co, tuple(f"s{i}" for i in range(5)))
+    sent.clear()
+    co.worker_removed("s0", expected=False)  # rank 0
+    told = [(a, m["session"], m["version"]) for a, m in sent]
+    assert [m["op"] for _, m in sent] == ["daskdist-peer-lost"] * 4
+    assert told == [(f"w{i}", f"s{i}", co.members.version) for i in range(1, 5)]
+    sent.clear()
+    co.worker_removed("s3", expected=False)
+    co.end_session("s2")
+    co.flush()  # no membership message either: the next formation carries the counters
+    assert sent == [] and co.members.version == co.members.joins + 3
+    _formed_group(co, ("s1", "s4"))
+    start(co, "s5", "w5")  # a join: the formed group's members hear it
+    assert [(a, m["op"]) for a, m in sent] == [("w1", "daskdist-membership"),
+                                               ("w4", "daskdist-membership")]
+    sent.clear()
+    co.end_session("s4")  # the new generation's first loss: told at once
+    assert [(a, m["op"]) for a, m in sent] == [("w1", "daskdist-peer-lost")]
+
+
 def test_an_interruption_every_rank_raises_tells_no_one():
     """HostsUpdatedInterrupt comes from every rank at the same commit: a word to the
     peers could only turn a rank's interrupt still in its allgather into an error."""
@@ -445,10 +496,13 @@ def test_a_put_wakes_one_long_poll_per_closure():
 
 
 def test_a_gang_commit_in_one_message_from_rank_0():
-    """Every rank's part in one message (daskdist_gang_commit): applied at once when rank
-    0 sends every part and each rank's rows are leased to its session; refused from
-    another rank, with a part missing, or with a row its rank does not hold."""
-    from daskdist.core.protocol import LeaseToken
+    """Every rank's part in one message (daskdist_gang_commit: each rank's tokens packed
+    as the commit's allgather carries them): applied at once when rank 0 sends every
+    part and each rank's rows are leased to its session; refused from another rank,
+    with a part missing, a row its rank does not hold, a dataset key defined nowhere or
+    a malformed part."""
+    from daskdist.core.commits import pack_tokens
+    from daskdist.core.protocol import LeaseToken, dataset_key
 
     co = make()
     for s, w in (("s1", "w1"), ("s2", "w2")):
@@ -460,17 +514,133 @@ def test_a_gang_commit_in_one_message_from_rank_0():
     gen = co.gangs.group.generation
     book = co.group_book
 
+    def packed(r, a, b):
+        return pack_tokens([LeaseToken.of("ds", 0, [(r[0][0] + a, r[0][0] + b)])])
+
     def parts(a, b):
-        return [[0, [LeaseToken.of("ds", 0, [(r1[0][0] + a, r1[0][0] + b)])]],
-                [1, [LeaseToken.of("ds", 0, [(r2[0][0] + a, r2[0][0] + b)])]]]
+        return [packed(r1, a, b), packed(r2, a, b)]
 
     assert book.gang_commit("s2", ["st", gen, 1], 2, parts(0, 5)) is False  # not rank 0
     assert book.gang_commit("s1", ["st", gen, 2], 2, parts(0, 5)[:1]) is False  # a part short
-    assert book.gang_commit("s1", ["st", gen, 3], 2, [[0, []], [1, [
-        LeaseToken.of("ds", 0, [(r1[0][0], r1[0][0] + 1)])]]]) is False  # s1's rows, not s2's
+    assert book.gang_commit("s1", ["st", gen, 3], 2, [[], packed(r1, 0, 1)]) is False  # s1's rows
+    unknown = [dataset_key("other"), 0, 1, r1[0][0], r1[0][0] + 1]
+    assert book.gang_commit("s1", ["st", gen, 5], 2, [unknown, []]) is False  # no such dataset
+    assert book.gang_commit("s1", ["st", gen, 6], 2, [packed(r1, 0, 5)[:-1], []]) is False
+    assert book.gang_commit("s1", ["st", gen, 7], 2, [["x", 0, 1, 0, 1], []]) is False
     assert co.leases.progress("ds", 0)["acknowledged"] == 0
     assert book.gang_commit("s1", ["st", gen, 4], 2, parts(0, 5)) is True
     assert co.leases.progress("ds", 0)["acknowledged"] == 10
     assert book.gang_commit("s1", ["st", gen, 4], 2, parts(5, 10)) is True  # decided: kept
     assert co.leases.progress("ds", 0)["acknowledged"] == 10
     assert co.group_book.state_commits("s1", "st") == 1
+
+
+def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
+    """A closure reading a dynamic dataset (Submission.dataset) at the epoch's tail (no
+    free rows; s2 holds the last leased rows): s1's exchange sets it aside, steals
+    nothing from s2 and gets the untagged closure behind it; s2's takes it; once s2's
+    rows are acknowledged, anyone would."""
+    sent: list = []
+    co = make(sent)
+    book = co.closure_book
+    book.add_owner("me", None, "t")
+    for s, w in (("s1", "w1"), ("s2", "w2")):
+        start(co, s, w)
+    co.leases.define("ds", [(10, 2)])
+    rows = []
+    while co.leases.progress("ds", 0)["free"]:
+        rows += co.leases.acquire("s2", "ds", 0, 20)
+    book.put("me", "t", [("me-0", (b"f", None), 0, "ds"), ("me-1", (b"f", None), 0, ""),
+                         ("me-2", (b"f", None), 0, "ds")])
+
+    async def run():
+        got = await book.exchange(_Comm(), "s1", [], [], 5, False)
+        assert [d[0] for d in got["closures"]] == ["me-1"]
+        got = await book.exchange(_Comm(), "s1", [], ["me-1"], 5, True)  # idle, blocks
+        assert got["closures"] == [] and book.steals == 0
+        got = await book.exchange(_Comm(), "s2", [], [], 5, False)  # a fair share: 1
+        assert [d[0] for d in got["closures"]] == ["me-0"]
+        got = await book.exchange(_Comm(), "s2", [], ["me-0"], 5, False)
+        assert [d[0] for d in got["closures"]] == ["me-2"]
+
+    co.poll_interval = lambda: 0.05
+    asyncio.run(run())
+    assert not [m for _, m in sent if m.get("op") == "daskdist-steal"]
+    co.leases.ack("s2", "ds", 0, rows)
+    assert co.leases.takes("ds", "s1")
+    check_queue(co.queue)
+
+
+def test_a_closure_reading_a_per_worker_iterator_names_its_dataset():
+    """The client tags a closure whose argument is a dataset's per-worker iterator with
+    the dataset's id (Submission.dataset), whichever argument it is; else ''."""
+    from daskdist.client.coordinator import _dataset_read
+    from daskdist.client.datasets import _ResourceHandle
+
+    ds = _ResourceHandle("ds-1", "dataset")
+    it = _ResourceHandle("it-1", "iterator", parent=ds)
+    other = _ResourceHandle("r-1", "resource")
+    assert _dataset_read((1, it), {}) == "ds-1"
+    assert _dataset_read((), {"batches": it, "x": other}) == "ds-1"
+    assert _dataset_read((other, ds), None) == ""
+    assert _dataset_read((), {}) == ""
+
+
+def test_every_session_handler_answers_an_ended_session_with_one_reply():
+    """Issue 23 item 9: a call naming a session that ended gets SESSION_ENDED from every
+    handler (it was {"expired": True}, {"unknown_session": True}, {"ok": False}, 0 or
+    a ValueError); the live session's replies are as they were."""
+    from daskdist.core.protocol import SESSION_ENDED, CommitKey
+
+    co = make()
+    co.closure_book.add_owner("me", None, "t")
+    start(co, "live", "w1")
+    start(co, "gone", "w2")
+    co.leases.define("ds", [(10, 4)])
+    co.end_session("gone")
+    leases, book, groups = co.lease_book, co.closure_book, co.group_book
+    key = list(CommitKey("st", 1, 1))
+    calls = {
+        "lease_acquire": lambda s: leases.lease_acquire(s, "ds", 0, 5),
+        "lease_release": lambda s: leases.lease_release(s, "ds", 0, [[0, 1]]),
+        "dataset_define": lambda s: leases.dataset_define(("d2", "", [[5, 1]], 0), session=s),
+        "dataset_ledger": lambda s: leases.dataset_ledger(s, "st"),
+        "restore_ledger": lambda s: leases.restore_ledger(s, "st", {}),
+        "checkpoint_written": lambda s: leases.checkpoint_written(s, "st", "u", 1, 0.1, 1),
+        "commit_outcome": lambda s: groups.commit_outcome(s, key),
+        "state_commits": lambda s: groups.state_commits(s, "st"),
+        "report": lambda s: book.report(s, []),
+        "renew": lambda s: book.renew(s),
+        "exchange": lambda s: asyncio.run(book.exchange(_Comm(), s, [], [], 1, False)),
+    }
+    for what, call in calls.items():
+        assert call("gone") == SESSION_ENDED, what
+        assert call("never-a-member") == SESSION_ENDED, what
+    live = {what: call("live") for what, call in calls.items()}
+    assert live["lease_acquire"]["lease"] and live["lease_release"] == 1
+    assert live["renew"] == {"ok": True} and live["commit_outcome"] is False
+    assert live["state_commits"] == 0 and live["checkpoint_written"] is None
+    assert "closures" in live["exchange"] and "hold" in live["report"]
+    assert all(reply != SESSION_ENDED for reply in live.values())
+
+
+def test_the_worker_side_recognises_the_ended_reply_in_one_place():
+    """SessionServices._reply: SESSION_ENDED ends the services (later calls are refused
+    at once) and gives the call's "nothing", or raises CollectiveError for a call that
+    needs the session (elastic commits); any other reply passes as it is."""
+    from daskdist.core.protocol import SESSION_ENDED
+    from daskdist.errors import CollectiveError
+    from daskdist.plugins.worker.services import SessionServices
+
+    class _Worker:
+        address = "tcp://w:1"
+
+    services = SessionServices(_Worker(), "t", "s1")
+    assert services._reply({"lease": [[0, 5]]}, None) == {"lease": [[0, 5]]}
+    assert services._reply(3, 0) == 3 and not services.ended
+    assert services._reply(SESSION_ENDED, 0) == 0 and services.ended
+    fresh = SessionServices(_Worker(), "t", "s2")
+    with pytest.raises(CollectiveError, match="ended"):
+        fresh._reply(SESSION_ENDED)
+    assert fresh.ended
+    assert fresh.acquire("ds", 0, 5) is None and fresh.release("ds", 0, [(0, 5)]) == 0

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import daskdist as dd
+from daskdist.core.protocol import SESSION_ENDED
 from tests.conftest import make_cluster, take_rows, wait_for_workers, wait_until
 
 pytestmark = [pytest.mark.timeout(180),
@@ -377,9 +378,9 @@ def test_lease_handlers_check_arguments_and_sessions(client, coord, shards):
     assert "new" not in datasets_on_scheduler(client, coord.name)
     # a session that is not a live member is refused, and changes nothing
     before = ds.progress()
-    assert call("daskdist_lease_acquire", **good, rows=100) == {"expired": True}
-    assert call("daskdist_lease_release", **good, ranges=[[0, TOTAL]]) == 0
+    assert call("daskdist_lease_acquire", **good, rows=100) == SESSION_ENDED
+    assert call("daskdist_lease_release", **good, ranges=[[0, TOTAL]]) == SESSION_ENDED
     assert call("daskdist_dataset_define", dataset=["d2", "", [[5, 1]], 0],
-                session="x" * 32) == {"expired": True}
+                session="x" * 32) == SESSION_ENDED
     assert ds.progress() == before
     assert "d2" not in datasets_on_scheduler(client, coord.name)

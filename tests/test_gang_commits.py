@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.core.commits import CommitBook, RankLedger
-from daskdist.core.leases import LeaseTable, unit_runs
-from daskdist.core.protocol import CommitKey
+from daskdist.core.commits import CommitBook, RankLedger, pack_tokens, unpack_part
+from daskdist.core.intervals import normalize
+from daskdist.core.leases import LeaseTable, group_tokens, unit_runs
+from daskdist.core.protocol import CommitKey, LeaseToken, dataset_key
 from tests.tables import check_leases
 
 DS, EPOCH = "ds", 0
@@ -28,7 +30,8 @@ def rows(tokens):
 class Sim:
     """A gang of ranks training on a dynamic dataset through the commit protocol."""
 
-    def __init__(self, n_ranks: int = 3):
+    def __init__(self, n_ranks: int = 3, one: bool = False):
+        self.one = one  # rank 0 sends every part in one message (packed, as the allgather)
         self.table = LeaseTable()
         self.table.define(DS, unit_runs(UNITS))
         self.book = CommitBook()
@@ -73,15 +76,22 @@ class Sim:
             lst.clear()
         sessions = tuple(self.sessions)
         ok = None
-        for r in range(len(self.sessions)):
-            if die in ("before", "late") and r == victim:
-                continue
-            ok = self.book.add_part(self.table, key, r, len(self.sessions), taken[r],
-                                    sessions, self.live)
+        if self.one:  # rank 0's one message: lost or late only with rank 0
+            victim = 0 if die in ("before", "late") else victim
+            if die not in ("before", "late"):
+                ok = self._one(key, taken, sessions)
+        else:
+            for r in range(len(self.sessions)):
+                if die in ("before", "late") and r == victim:
+                    continue
+                ok = self.book.add_part(self.table, key, r, len(self.sessions), taken[r],
+                                        sessions, self.live)
         if die == "late":
             assert self.book.expire(key) is False  # the group timeout passed
-            assert self.book.add_part(self.table, key, victim, len(self.sessions),
-                                      taken[victim], sessions, self.live) is False
+            late = (self._one(key, taken, sessions) if self.one else self.book.add_part(
+                self.table, key, victim, len(self.sessions), taken[victim], sessions,
+                self.live))
+            assert late is False
             for r, ledger in enumerate(self.ledgers):  # restore(): the rows go back
                 _state, back = ledger.settle(self.book.expire(key))
                 self.table.release_tokens(self.sessions[r], back)
@@ -95,6 +105,12 @@ class Sim:
         if ok:
             self.committed = model
             self.commits += 1
+
+    def _one(self, key: CommitKey, taken: list, sessions: tuple) -> bool:
+        """Rank 0 sends every rank's packed part (as the commit's allgather brought it)."""
+        parts = {r: unpack_part(pack_tokens(t), self.table.dataset_of)
+                 for r, t in enumerate(taken)}
+        return self.book.add_all(self.table, key, len(sessions), parts, sessions, self.live)
 
     def _lose(self, victim: int, taken: list) -> None:
         """A member dies mid-commit: survivors' calls fail, their closures end (tokens
@@ -147,9 +163,10 @@ OPS = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(OPS, max_size=40))
-def test_committed_model_holds_each_acknowledged_row_once(ops):
-    sim = Sim()
+@given(st.lists(OPS, max_size=40), st.booleans())
+def test_committed_model_holds_each_acknowledged_row_once(ops, one):
+    """Parts one per rank, or all in rank 0's one message (``one``)."""
+    sim = Sim(one=one)
     for op in ops:
         if op[0] == "step":
             sim.step()
@@ -258,3 +275,28 @@ def test_a_commit_acknowledges_every_session_or_none():
     assert table.progress(DS, EPOCH)["acknowledged"] == 0
     assert table.ack_sessions({"a": tok_a, "b": tok_b})
     assert table.progress(DS, EPOCH)["acknowledged"] == UNITS[0] + UNITS[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["ds", "ds.1", "other"]), st.integers(0, 3),
+                          st.lists(st.tuples(st.integers(0, 10**12), st.integers(1, 50)),
+                                   min_size=1, max_size=6)), max_size=6))
+def test_packed_tokens_give_back_the_rows_of_each_epoch_table(spec):
+    """pack_tokens / unpack_part (the one-message commit's parts) keep every row of
+    every (dataset, epoch) table, merged; a key no dataset has, or a cut part, raises."""
+    tokens = [LeaseToken.of(ds, ep, [(a, a + n) for a, n in ranges]) for ds, ep, ranges in spec]
+    tokens.append(("other-kind", 1))  # ignored, as the scheduler ignores it
+    names = {dataset_key(d): d for d in ("ds", "ds.1", "other")}
+    packed = pack_tokens(tokens)
+    assert all(type(v) is int and -(1 << 63) <= v < (1 << 63) for v in packed)
+    got = unpack_part(packed, names.get)
+    want = group_tokens(tokens)
+    assert set(got) == set(want)
+    for table, ranges in want.items():
+        assert normalize(got[table]) == normalize(ranges)
+    if packed:
+        with pytest.raises(ValueError):
+            unpack_part(packed[:-1], names.get)
+        with pytest.raises(ValueError):
+            unpack_part(packed, {}.get)
+    assert pack_tokens([("lease", "ds", 0, "not ranges")]) is None

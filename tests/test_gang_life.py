@@ -147,7 +147,10 @@ def test_a_user_error_on_one_rank_fails_the_gang_at_once(coord3):
 
 # -- Horovod's pattern: catch CollectiveError, restore(), go on -----------------------------
 
-STALL_AT, STALL_S, GROUP_TIMEOUT = 5, 4.5, 3.0
+# rank 0 waits half the group timeout for the stalled commit's reply, then every rank
+# raises; its restore() waits out the rest of the stall while the peers wait in the
+# next allreduce: both under the group timeout
+STALL_AT, STALL_S, GROUP_TIMEOUT = 5, 3.0, 3.0
 
 
 def _stall_event_loop(seconds):
@@ -169,8 +172,11 @@ def train_horovod(state, it, n):
         g.allreduce(c)
         state.counts += c
         steps += 1
-        if steps == STALL_AT and g.rank == 2:
-            _stall_event_loop(STALL_S)  # this commit's part reaches the scheduler late
+        if steps == STALL_AT and g.rank == 0:
+            # this commit reaches the scheduler late: rank 0 sends every rank's part in
+            # one message; its reply misses the next commit, every rank raises, and the
+            # other ranks' restore() asks the scheduler, which refuses it for good
+            _stall_event_loop(STALL_S)
         try:
             state.commit()
         except dd.CollectiveError:

@@ -498,3 +498,24 @@ def test_the_tail_rule_gives_every_reader_rows_of_the_last_unit():
     got = [t.acquire(f"s{i}", DS, 0, 65536, parts=8, least=64, tail=True) for i in range(8)]
     assert all(got) and all(b - a < 1000 for (a, b), in got)
     assert sum(b - a for (a, b), in got) <= 1000
+
+
+def test_takes_sends_a_tail_closure_to_a_holder_of_the_rows():
+    """Once a dataset's free rows are gone, a closure reading it goes to a session still
+    holding its leased rows (takes: True there, False elsewhere); with free rows left,
+    or none held, anywhere; holders() names them."""
+    t = LeaseTable()
+    t.define("ds", unit_runs([10, 10]))
+    assert t.takes("ds", "s1") and t.takes("unknown", "s1")
+    t.acquire("s2", "ds", 0, 10)
+    assert t.takes("ds", "s1")  # 10 rows still free
+    lease = t.acquire("s2", "ds", 0, 10)
+    assert not t.takes("ds", "s1") and t.takes("ds", "s2")
+    assert list(t.holders("ds")) == ["s2"] and list(t.holders("unknown")) == []
+    t.release("s2", "ds", 0, lease)  # free again: anyone
+    assert t.takes("ds", "s1")
+    t.acquire("s3", "ds", 0, 10)
+    assert not t.takes("ds", "s1") and t.takes("ds", "s3")
+    t.ack("s2", "ds", 0, [(0, 10)])
+    t.ack("s3", "ds", 0, lease)  # every row acknowledged: nothing held, anyone
+    assert t.takes("ds", "s1") and list(t.holders("ds")) == []

@@ -39,6 +39,37 @@ def test_dispatch_is_fifo_and_bounded():
     assert q.dispatch("s", 10) == []
 
 
+def test_tagged_closures_go_to_the_sessions_the_router_names():
+    """At a dataset's tail (the router: only s2 holds its rows), s1 takes the untagged
+    closures behind the tagged ones and sets those aside; s2 takes them first, in order;
+    once the router lets anyone take them, s1 does; cancelling reaches them too."""
+    q = ClosureQueue()
+    holders = {"ds": {"s2"}}
+    q.router = lambda tag, session: session in holders[tag]
+    for s in ("s1", "s2"):
+        q.add_session(s)
+    for i in range(6):
+        q.put(f"o-{i}", "o", b"p", tag="ds" if i in (0, 1, 3, 5) else None)
+    assert [c.cid for c in q.dispatch("s1", 1)] == ["o-2"]  # o-0, o-1 set aside
+    check_queue(q)
+    assert q.queued == 5 and q.backlog == 5
+    assert [c.cid for c in q.dispatch("s2", 3)] == ["o-0", "o-1", "o-3"]
+    assert [c.cid for c in q.dispatch("s1", 5)] == ["o-4"]  # o-5 set aside
+    check_queue(q)
+    holders["ds"] = {"s1", "s2"}  # free rows again, or none held: anyone
+    assert [c.cid for c in q.dispatch("s1", 5)] == ["o-5"]
+    assert q.queued == 0 and q.backlog == 0
+    check_queue(q)
+    holders["ds"] = {"s2"}
+    q.put("o-6", "o", b"p", tag="ds")
+    q.put("o-7", "o", b"p", tag="ds")
+    assert q.dispatch("s1", 5) == [] and q.backlog == 2
+    cancelled = q.cancel_pending("o")
+    assert sorted(o.cid for o in cancelled) == ["o-6", "o-7"]
+    assert q.queued == 0 and q.backlog == 0 and q.dispatch("s2", 5) == []
+    check_queue(q)
+
+
 def test_unknown_or_draining_session_gets_nothing():
     q = make(2)
     assert q.dispatch("nobody", 5) == []

@@ -55,6 +55,17 @@ from daskdist.errors import CollectiveError, CoordinatorClosedError, dump_error,
 from daskdist.plugins import SCHEDULER_PLUGIN, instantiate
 
 
+def _dataset_read(args: Any, kwargs: Any) -> str:
+    """The dataset whose per-worker iterator is one of a closure's arguments (its
+    ``Submission.dataset``: at the epoch's tail the scheduler sends the closure to a
+    worker still holding that dataset's rows); ``""`` for none."""
+    for value in (*args, *(kwargs or {}).values()):
+        parent = getattr(value, "parent", None) if isinstance(value, PerWorkerValues) else None
+        if parent is not None and value.kind == "iterator":
+            return parent.rid
+    return ""
+
+
 class GangValues(PerWorkerValues):
     """The per-rank ``RemoteValue``s of a gang closure (``schedule_on_all``).
 
@@ -366,7 +377,8 @@ class Coordinator:
                 self._check_open()
                 if not self._error_pending:
                     self._pending[cid] = rv
-                    self._outgoing.append(Submission(cid, payload, retries))
+                    self._outgoing.append(Submission(cid, payload, retries,
+                                                     _dataset_read(args, kwargs)))
                     start, self._flushing = not self._flushing, True
                     break
             self._raise_pending()  # an error arrived while we waited for room

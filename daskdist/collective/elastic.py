@@ -13,15 +13,19 @@
   group formed (no join), so the survivors hold the same commit and the next
   ``sync()`` skips its broadcast.
 - With a ``"dynamic"`` dataset inside the gang, the same commit acknowledges the rows
-  each rank consumed since its last commit (see ``daskdist.core.commits``): once
-  the allgather shows every rank reached the commit, each rank sends its lease tokens
-  without waiting; the scheduler applies the commit when every part came, all or
-  nothing, or refuses it for good when its parts did not all come within the group's
-  timeout. The outcome travels in the next commit's allgather (so every rank takes
-  the same decision) and the state is promoted then; if a member dies meanwhile, or
-  a rank's reply came late, ``restore()`` or ``sync()`` asks the scheduler for the
-  commit's (definite) outcome. The allgather is the
-  plain commit's only collective call, so acknowledging rows adds no collective call.
+  each rank consumed since its last commit (see ``daskdist.core.commits``): each
+  rank's tokens ride the allgather, packed as int64s (``pack_tokens``) in slots the
+  ranks agreed on at the previous commit, and rank 0 sends every rank's part in one
+  message (``daskdist_gang_commit``) without waiting; the scheduler applies it at
+  once, all or nothing. A part too large for the slots (the next commit's slots grow
+  to fit it, up to ``COMMIT_SLOTS_MAX``) makes every rank send its own part instead
+  (``daskdist_gang_commit_part``), and the scheduler applies the commit when every part
+  came, or refuses it for good when they did not all come within the group's timeout.
+  The outcome travels in the next commit's allgather (rank 0's reply, or every rank's,
+  so every rank takes the same decision) and the state is promoted then; if a member
+  dies meanwhile, or a reply came late, ``restore()`` or ``sync()`` asks the scheduler
+  for the commit's (definite) outcome. The allgather is the plain commit's only
+  collective call, so acknowledging rows adds no collective call.
 - ``restore()`` returns model, optimizer and objects to the last commit and gives back
   the rows consumed since it.
 - ``register_reset_callbacks(fns)`` (Horovod's): ``fns`` are called on a rank after
@@ -67,9 +71,9 @@ from daskdist.context import (
     session_services,
     take_consumed,
 )
-from daskdist.core.commits import RankLedger
+from daskdist.core.commits import RankLedger, pack_tokens
 from daskdist.core.nest import map_instances
-from daskdist.core.protocol import CommitKey
+from daskdist.core.protocol import COMMIT_SLOTS_MAX, COMMIT_SLOTS_MIN, CommitKey
 from daskdist.errors import (  # defined there: the worker plugin knows them
     CollectiveError,
     HostsUpdatedInterrupt,
@@ -78,7 +82,7 @@ from daskdist.errors import (  # defined there: the worker plugin knows them
 _OWN = ("model", "optimizer", "_objects", "_saved", "_spare", "_last_version", "_commits",
         "_synced",
         "_ledger", "_id", "_seq", "_announced", "_durable", "_last_joins", "_generation",
-        "_skip", "_reset_callbacks")
+        "_skip", "_reset_callbacks", "_slots")
 
 
 class State:
@@ -105,6 +109,8 @@ class State:
         object.__setattr__(self, "_generation", None)  # the last generation it took part in
         object.__setattr__(self, "_skip", False)  # its last interrupt said skip_sync
         object.__setattr__(self, "_reset_callbacks", [])
+        # (generation, int64 slots) of packed tokens in the next commit's allgather
+        object.__setattr__(self, "_slots", (None, COMMIT_SLOTS_MIN))
         object.__setattr__(self, "_commits", 0)  # commits behind the saved copy
         object.__setattr__(self, "_synced", False)  # took part in a sync or commit
         object.__setattr__(self, "_ledger", RankLedger())  # a commit in flight
@@ -216,21 +222,37 @@ class State:
             self._reset()
         tokens = take_consumed()
         ledger = self._ledger
-        prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout)
-        dev = g._wire_device()
+        # the previous commit's reply, waited for at most half the group timeout: the
+        # peers already wait in the allgather below (rank 0's one message: its reply
+        # alone), and must not time out there first
+        prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout / 2)
         leaving = int(self._durable is not None and _leaving())
-        head = torch.tensor([int(bool(tokens)), membership_version(), prev, self._seq,
-                             leaving, membership_joins()], dtype=torch.int64, device=dev)
-        try:
-            heads = g.allgather(head)  # one small call: commit() runs every step
+        # this rank's tokens ride the allgather when they fit the slots the ranks agreed on
+        slots = self._slots[1] if self._slots[0] == g.generation else COMMIT_SLOTS_MIN
+        packed = pack_tokens(tokens) if tokens else []
+        used = len(packed) if packed is not None else COMMIT_SLOTS_MAX + 1
+        head = torch.zeros(_HEAD + slots, dtype=torch.int64)
+        head[:_HEAD] = torch.tensor([int(bool(tokens)), membership_version(), prev,
+                                     self._seq, leaving, membership_joins(),
+                                     used if used <= slots else -used])
+        if 0 < used <= slots:
+            head[_HEAD:_HEAD + used] = torch.tensor(packed, dtype=torch.int64)
+        try:  # one small call: commit() runs every step
+            table = torch.stack(g.allgather(head.to(g._wire_device()))).cpu()
         except BaseException:
             _give_back(tokens)
             raise
-        version, joins = int(heads[0][1]), int(heads[0][5])
+        heads = table[:, :_HEAD].tolist()
+        version, joins = heads[0][1], heads[0][5]
         # every rank takes the same counter, above any key this State ever used
-        self._seq = max(int(h[3]) for h in heads) + 1
+        self._seq = max(h[3] for h in heads) + 1
+        # and the same slots for the next commit: what the largest part needed now
+        need = max(abs(h[6]) for h in heads)
+        self._slots = (g.generation, _slots_for(need))
         if ledger.in_flight:  # the previous commit's outcome, as every rank saw it
-            if min(int(h[2]) for h in heads) != _OK:
+            if isinstance(ledger.reply, _Told) and heads[0][2] in (_OK, _REFUSED):
+                ledger.reply.ok = heads[0][2] == _OK  # rank 0 sent it: its reply told all
+            if min(h[2] for h in heads) != _OK:
                 _give_back(tokens)  # the previous commit stays in flight: settled later
                 raise CollectiveError(
                     f"commit {tuple(ledger.key)} was not confirmed on every rank (a member "
@@ -238,13 +260,18 @@ class State:
                     f"go on, or re-form and sync()")
             state, _ = ledger.settle(True)
             self._promote(state)
-        if any(int(h[0]) for h in heads):
-            # rows to acknowledge: every rank sends its part; the outcome is taken at
-            # the next commit (or by restore() or sync()), so the step does not wait
+        if any(h[0] for h in heads):
+            # rows to acknowledge. Every part fits: rank 0 sends them all in one message;
+            # else every rank sends its own. The outcome is taken at the next commit (or
+            # by restore() or sync()), so the step does not wait
             key = CommitKey(self._id, g.generation, self._seq)
             try:
-                reply = session_services().send_commit_part(key, g.rank, g.world_size,
-                                                            tokens, g.timeout)
+                if all(h[6] >= 0 for h in heads):
+                    reply = _Told() if g.rank != 0 else session_services().send_commit(
+                        key, g.world_size, _parts(table, heads))
+                else:
+                    reply = session_services().send_commit_part(key, g.rank, g.world_size,
+                                                                tokens, g.timeout)
             except BaseException:
                 _give_back(tokens)
                 raise
@@ -254,7 +281,7 @@ class State:
             self._synced = True
         else:
             self._promote(self._saved.fill(self._live()))  # in place: nothing in flight
-        if leaving and min(int(h[4]) for h in heads) and g.rank == 0:
+        if leaving and min(h[4] for h in heads) and g.rank == 0:
             self._checkpoint_last(g)  # every member leaves: none would hold the state
         self._check(version, joins)
 
@@ -446,10 +473,41 @@ class State:
 
 
 _OK, _REFUSED, _UNKNOWN, _NONE = 1, 0, -1, 2  # a commit's outcome as a rank saw it
+# a commit's head: [rows to acknowledge?, membership counter, the previous commit's
+# outcome, commit counter, leaving?, joins counter, packed ints used (negative: needed,
+# did not fit)], then the slots of the rank's packed tokens
+_HEAD = 7
+
+
+class _Told:
+    """The reply of a commit rank 0 sent for every rank (ranks other than 0): the next
+    commit's allgather tells its outcome (``ok``); untold, the rank abstains there and
+    ``restore()`` or ``sync()`` ask the scheduler."""
+
+    def __init__(self) -> None:
+        self.ok: bool | None = None
+
+
+def _slots_for(need: int) -> int:
+    """The packed-token slots of the next commit, from the most a rank needed now (a
+    power of two; the least when even the most would not fit: those go part by part)."""
+    if need > COMMIT_SLOTS_MAX:
+        return COMMIT_SLOTS_MIN
+    return max(COMMIT_SLOTS_MIN, 1 << max(0, need - 1).bit_length())
+
+
+def _parts(table: torch.Tensor, heads: list) -> list[list[int]]:
+    """Every rank's packed tokens from the commit's allgather (rank 0 sends them)."""
+    width = max(h[6] for h in heads)
+    rows = table[:, _HEAD:_HEAD + width].tolist()
+    return [row[:h[6]] for row, h in zip(rows, heads, strict=True)]
 
 
 def _outcome(reply, timeout: float) -> int:
-    """Wait for a commit's reply: ``_OK``, ``_REFUSED`` or ``_UNKNOWN`` (no reply)."""
+    """Wait for a commit's reply: ``_OK``, ``_REFUSED`` or ``_UNKNOWN`` (no reply);
+    ``_NONE`` for a commit rank 0 sent whose outcome no allgather told yet."""
+    if isinstance(reply, _Told):
+        return _NONE if reply.ok is None else (_OK if reply.ok else _REFUSED)
     try:
         return _OK if reply.result(timeout) else _REFUSED
     except Exception:  # noqa: BLE001 - a comm error, a timeout: the outcome is unknown

@@ -128,11 +128,12 @@ def submission_ok(item: Any, prefix: str) -> bool:
     """Whether ``item`` is a well-formed :class:`Submission` whose id starts with
     ``prefix`` (the fast path of ``daskdist_put``: its checks build messages only for
     a bad one)."""
-    return (type(item) in (list, tuple) and len(item) == 3
+    return (type(item) in (list, tuple) and 3 <= len(item) <= 4
             and _is_text(item[0]) and item[0].startswith(prefix)
             and type(item[1]) in (list, tuple) and len(item[1]) == 2
             and type(item[1][0]) is bytes and (item[1][1] is None or type(item[1][1]) is bytes)
-            and type(item[2]) is int and 0 <= item[2] <= MAX_RETRIES)
+            and type(item[2]) is int and 0 <= item[2] <= MAX_RETRIES
+            and (len(item) == 3 or (type(item[3]) is str and len(item[3]) <= MAX_TEXT)))
 
 
 MAX_RETRIES = 1_000_000  # a closure's retries

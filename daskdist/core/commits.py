@@ -41,14 +41,66 @@ No Dask, torch or I/O here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from daskdist.core.leases import LeaseTable
-from daskdist.core.protocol import CommitKey
+from daskdist.core.intervals import normalize
+from daskdist.core.leases import LeaseTable, group_tokens
+from daskdist.core.protocol import CommitKey, dataset_key
 
-__all__ = ["CommitBook", "RankLedger"]
+__all__ = ["CommitBook", "RankLedger", "pack_tokens", "unpack_part"]
+
+
+def pack_tokens(tokens: Iterable[Any]) -> list[int] | None:
+    """One rank's lease tokens as int64s for the commit's allgather: per epoch table,
+    ``[dataset_key(id), epoch, n, a1, b1, ..., an, bn]`` (its rows as ``n`` sorted,
+    disjoint intervals). ``None`` for a malformed lease token (the rank sends its part
+    itself then, and the scheduler refuses it)."""
+    try:
+        groups = group_tokens(tokens)
+    except ValueError:
+        return None
+    out: list[int] = []
+    for (dataset_id, epoch), ranges in groups.items():
+        pieces = normalize(ranges)
+        out += (dataset_key(dataset_id), epoch, len(pieces))
+        for a, b in pieces:
+            out += (a, b)
+    return out
+
+
+def unpack_part(ints: Sequence[int],
+                dataset_of: Callable[[int], str | None]) -> dict[tuple[str, int], list]:
+    """A rank's :func:`pack_tokens` ints back as its rows grouped by epoch table (as
+    :func:`~daskdist.core.leases.group_tokens` gives them), each dataset key named by
+    ``dataset_of``; ``ValueError`` if malformed or a key names no dataset."""
+    groups: dict[tuple[str, int], list] = {}
+    i, end = 0, len(ints)
+    while i < end:
+        if i + 3 > end:
+            raise ValueError(f"a packed part ends inside a table header at {i}")
+        key, epoch, n = ints[i], ints[i + 1], ints[i + 2]
+        if type(key) is not int or type(epoch) is not int or type(n) is not int or n < 1:
+            raise ValueError(f"a packed part's table header at {i} is malformed")
+        stop = i + 3 + 2 * n
+        if stop > end:
+            raise ValueError(f"a packed part's table at {i} holds fewer than {n} intervals")
+        if n == 1:  # a rank's batches since its last commit, one run of its lease
+            a, b = ints[i + 3], ints[i + 4]
+            pairs = [(a, b)] if type(a) is int and type(b) is int else None
+        else:
+            flat = ints[i + 3:stop]
+            pairs = (list(zip(flat[::2], flat[1::2], strict=True))
+                     if all(type(v) is int for v in flat) else None)
+        if pairs is None:
+            raise ValueError(f"a packed part's intervals at {i} are not integers")
+        dataset_id = dataset_of(key)
+        if dataset_id is None:
+            raise ValueError(f"a packed part names dataset key {key}, defined nowhere here")
+        groups.setdefault((dataset_id, epoch), []).extend(pairs)
+        i = stop
+    return groups
 
 
 @dataclass

@@ -43,12 +43,12 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from daskdist.core.intervals import Interval, RowSet, intersect, normalize, size_of, subtract, union
 from daskdist.core.partitions import Permutation, StridedUnits
-from daskdist.core.protocol import LeaseToken
+from daskdist.core.protocol import LeaseToken, dataset_key
 
 __all__ = [
     "EpochFailed",
@@ -252,6 +252,19 @@ class LeaseTable:
         self._max_expired = max_expired
         # session -> keys of the epochs where it holds rows now (for drop_session)
         self._session_keys: dict[str, set[tuple[str, int]]] = {}
+        # dataset_key(id) -> id (None: two ids share the key): a packed commit names it
+        self._keys: dict[int, str | None] = {}
+
+    def _keyed(self, dataset_id: str) -> None:
+        key = dataset_key(dataset_id)
+        known = self._keys.get(key, dataset_id)
+        self._keys[key] = dataset_id if known == dataset_id else None
+
+    def dataset_of(self, key: int) -> str | None:
+        """The dataset whose :func:`~daskdist.core.protocol.dataset_key` is ``key``
+        (``None``: none, or two datasets share it and a packed commit naming it is
+        refused)."""
+        return self._keys.get(key)
 
     # -- datasets --------------------------------------------------------------------
     def register(self, dataset_id: str, label: str = "", owner: str = "",
@@ -260,6 +273,7 @@ class LeaseTable:
         ds = self.datasets.get(dataset_id)
         if ds is None:
             self.datasets[dataset_id] = _Dataset(label, owner, seed)
+            self._keyed(dataset_id)
         elif label and not ds.label:
             ds.label = label
 
@@ -276,6 +290,7 @@ class LeaseTable:
                 owner = parent.owner
                 label = label or parent.label
             ds = self.datasets[dataset_id] = _Dataset(label, owner, seed)
+            self._keyed(dataset_id)
         elif label and not ds.label:
             ds.label = label
         ds.seed = seed
@@ -507,6 +522,9 @@ class LeaseTable:
                 if d == dataset_id or d.startswith(dataset_id + ".")]
         for d in gone:
             ds = self.datasets.pop(d)
+            key = dataset_key(d)
+            if self._keys.get(key) == d:
+                del self._keys[key]
             for epoch, ep in ds.epochs.items():
                 for session in ep.leased:
                     self._unkey(session, (d, epoch))
@@ -518,6 +536,31 @@ class LeaseTable:
         for d in gone:
             self.forget(d)
         return gone
+
+    def takes(self, dataset_id: str, session: str) -> bool:
+        """Whether a closure reading ``dataset_id`` should run on ``session`` now: yes
+        unless the dataset's free rows are gone and other sessions, not this one, hold
+        its leased rows (the epoch's tail: the rows are with those readers, a closure
+        elsewhere would find none). O(the dataset's unfinished epochs)."""
+        ds = self.datasets.get(dataset_id)
+        if ds is None:
+            return True
+        held = False
+        for ep in ds.epochs.values():
+            if ep.free or ep.deferred:
+                return True
+            if ep.leased:
+                if session in ep.leased:
+                    return True
+                held = True
+        return not held
+
+    def holders(self, dataset_id: str) -> Iterator[str]:
+        """The sessions holding leased rows of ``dataset_id`` (lazily: take a few)."""
+        ds = self.datasets.get(dataset_id)
+        if ds is not None:
+            for ep in ds.epochs.values():
+                yield from ep.leased
 
     def is_complete(self, dataset_id: str, epoch: int) -> bool:
         """Every row of the epoch was acknowledged (its table may be dropped already)."""

@@ -62,8 +62,10 @@ class Membership:
         self.joins += 1
         return member, replaced
 
-    def leave(self, session: str) -> SessionMembership | None:
-        """Remove ``session`` (no-op if unknown); frees its index."""
+    def leave(self, session: str, counted: bool = True) -> SessionMembership | None:
+        """Remove ``session`` (no-op if unknown); frees its index. ``counted=False``: the
+        leave does not change ``version`` (a retired worker the group already left: its
+        retirement was the change)."""
         member = self.members.pop(session, None)
         if member is not None:
             if self._by_address.get(member.address) == session:
@@ -73,7 +75,7 @@ class Membership:
             else:  # none left: indices start from 0 again
                 self._free.clear()
                 self._next = 0
-            self.version += 1
+            self.version += counted
             self.leaves += 1
         return member
 

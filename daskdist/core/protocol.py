@@ -8,6 +8,7 @@ kinds are defined here once. Imports nothing from Dask, torch or the rest of the
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, NamedTuple
 
 # -- closure states (a RemoteValue's status on the client: values.RemoteValueStatus) --
@@ -30,6 +31,18 @@ COLLECTIVE_REPEATED = "collective-repeated"
 UNSTARTED = "unstarted"
 
 
+# The one reply of every handler to a call naming a worker session that ended (fenced,
+# expired, its worker gone, its coordinator closed); the handlers' other replies are
+# theirs. The worker side recognises it in one place (plugins/worker/services.py
+# ``SessionServices``, runner.py through :func:`is_session_ended`). Never mutated.
+SESSION_ENDED = {"session_ended": True}
+
+
+def is_session_ended(reply: object) -> bool:
+    """Whether a handler's ``reply`` is :data:`SESSION_ENDED`."""
+    return type(reply) is dict and reply.get("session_ended") is True
+
+
 PLUGIN_NAME = "daskdist-coordinator"  # the scheduler plugin's name (and extension key)
 
 
@@ -44,6 +57,9 @@ class Submission(NamedTuple):
     cid: str
     payload: Any  # [function bytes, argument bytes or None]
     retries: int
+    # the dynamic dataset whose per-worker iterator is an argument ("": none): at the
+    # epoch's tail the scheduler sends it to a worker still holding that dataset's rows
+    dataset: str = ""
 
 
 class Dispatch(NamedTuple):
@@ -121,6 +137,22 @@ class CommitKey(NamedTuple):
 
 
 LEASE_TOKEN = "lease"  # the tag of a lease token (other tokens are ignored)
+
+
+def dataset_key(dataset_id: str) -> int:
+    """A dataset id as a positive 63-bit integer, the same in every process: how a gang
+    commit's packed parts (:func:`daskdist.core.commits.pack_tokens`) name it in an
+    int64 tensor; the scheduler's lease table maps it back."""
+    digest = hashlib.blake2b(dataset_id.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 1) or 1
+
+
+# A commit's allgather carries each rank's packed lease tokens in this many int64 slots
+# at first and at most (the ranks agree on the size from the previous commit's heads,
+# so these are wire format, alike in every process, not settings): parts that do not
+# fit are sent one per rank instead (``daskdist_gang_commit_part``).
+COMMIT_SLOTS_MIN = 8
+COMMIT_SLOTS_MAX = 1024
 
 
 # Dask worker statuses of a worker that is leaving (retired, closing, closed): it gets

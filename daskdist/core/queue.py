@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,7 @@ class Closure:
     worker_failures: int = 0
     session: str | None = None
     pinned: str | None = None  # only this session may run it (gang members)
+    tag: str | None = None  # the dynamic dataset whose per-worker iterator it reads
     # what its session last reported: it had received it (``seen``) and started it
     seen: bool = False
     started: bool = False
@@ -97,6 +98,12 @@ class ClosureQueue:
     _own: dict[str, int] = field(default_factory=dict)  # session -> leased, not pinned
     # sessions holding prefetched closures, most first (stale entries skipped lazily)
     _victims: list[tuple[int, str]] = field(default_factory=list)
+    # ``router(tag, session)``: whether ``session`` should run a closure tagged ``tag``
+    # now (False: the tag's dataset has no free rows left and other sessions hold its
+    # leased rows); such closures are set aside for the sessions it says yes to
+    router: Callable[[str, str], bool] | None = None
+    _routed: dict[str, deque[str]] = field(default_factory=dict)  # tag -> cids set aside
+    _n_routed: int = 0  # entries in _routed (stale ones included)
 
     # -- sessions -------------------------------------------------------------------
     def add_session(self, session: str, slots: int = 1) -> None:
@@ -220,13 +227,14 @@ class ClosureQueue:
 
     # -- put / dispatch -------------------------------------------------------------
     def put(self, cid: str, owner: str, payload: Any, retries: int = 0,
-            pinned: str | None = None) -> bool:
-        """Queue a closure at the tail. A cid seen before is ignored (resends are safe)."""
+            pinned: str | None = None, tag: str | None = None) -> bool:
+        """Queue a closure at the tail. A cid seen before is ignored (resends are safe).
+        ``tag``: the dynamic dataset it reads (see :attr:`router`)."""
         if cid in self.closures:
             return False
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
-        self.closures[cid] = Closure(cid, owner, payload, retries, pinned=pinned)
+        self.closures[cid] = Closure(cid, owner, payload, retries, pinned=pinned, tag=tag)
         self._unfinished[owner] = self._unfinished.get(owner, 0) + 1
         if pinned is None:
             self._queue.append(cid)
@@ -241,7 +249,9 @@ class ClosureQueue:
 
         Pinned closures (gang members) go out even when ``n`` is 0 or the session is
         draining: every member of a gang must run for any of them to finish. Closures
-        of ``held`` owners (raising an error) stay queued.
+        of ``held`` owners (raising an error) stay queued. A tagged closure the
+        :attr:`router` does not give this session is set aside (O(1), once) for the
+        sessions it does: they take those first, being older than the queue's head.
         """
         if session not in self._sessions:
             return []
@@ -252,8 +262,15 @@ class ClosureQueue:
             out.append(self._lease(self.closures[pinned.popleft()], session, running))
         if n <= 0 or session in self._draining:
             return out
-        q = self._queue
         budget = n
+        if self._routed:  # O(tags with closures set aside): the datasets in their tail
+            for tag in list(self._routed):
+                if budget and self.router(tag, session):  # type: ignore[misc]
+                    budget = self._take(self._routed[tag], session, running, budget, out)
+                    if not self._routed[tag]:
+                        del self._routed[tag]
+        q = self._queue
+        router = self.router
         skipped: list[str] = []  # of held owners (only what came back while they raise)
         while q and budget:
             cid = q.popleft()
@@ -262,6 +279,10 @@ class ClosureQueue:
                 continue  # stale entry (cancelled, or re-queued elsewhere)
             if c.owner in self.held:
                 skipped.append(cid)
+                continue
+            if c.tag is not None and router is not None and not router(c.tag, session):
+                self._routed.setdefault(c.tag, deque()).append(cid)
+                self._n_routed += 1
                 continue
             out.append(self._lease(c, session, running))
             budget -= 1
@@ -272,6 +293,26 @@ class ClosureQueue:
             self._own[session] += taken
             self._note_prefetch(session)
         return out
+
+    def _take(self, routed: deque[str], session: str, running: dict[str, None],
+              budget: int, out: list[Closure]) -> int:
+        """Lease closures set aside for their tag to ``session``, oldest first; the
+        budget left."""
+        skipped: list[str] = []
+        while routed and budget:
+            cid = routed.popleft()
+            self._n_routed -= 1
+            c = self.closures.get(cid)
+            if c is None or c.state != PENDING:
+                continue
+            if c.owner in self.held:
+                skipped.append(cid)
+                continue
+            out.append(self._lease(c, session, running))
+            budget -= 1
+        routed.extendleft(reversed(skipped))
+        self._n_routed += len(skipped)
+        return budget
 
     @staticmethod
     def _lease(c: Closure, session: str, running: dict[str, None]) -> Closure:
@@ -406,14 +447,25 @@ class ClosureQueue:
 
     @property
     def backlog(self) -> int:
-        """Queue entries (O(1); may count a few stale ones): for fair-share dispatch."""
-        return len(self._queue)
+        """Queue entries, those set aside for their tag included (O(1); may count a few
+        stale ones): for fair-share dispatch."""
+        return len(self._queue) + self._n_routed
 
     def cancel_pending(self, owner: str | None = None) -> list[Outcome]:
         """Cancel every queued closure (of ``owner``, or all)."""
-        out = []
+        out: list[Outcome] = []
+        self._queue = self._cancel_in(self._queue, owner, out)
+        for tag in list(self._routed):
+            kept = self._routed[tag] = self._cancel_in(self._routed[tag], owner, out)
+            if not kept:
+                del self._routed[tag]
+        self._n_routed = sum(len(d) for d in self._routed.values())
+        return out
+
+    def _cancel_in(self, cids: deque[str], owner: str | None,
+                   out: list[Outcome]) -> deque[str]:
         keep: deque[str] = deque()
-        for cid in self._queue:
+        for cid in cids:
             c = self.closures.get(cid)
             if c is None or c.state != PENDING:
                 continue
@@ -422,8 +474,7 @@ class ClosureQueue:
                 out.append(self._finish(c, CANCELLED, None, None))
             else:
                 keep.append(cid)
-        self._queue = keep
-        return out
+        return keep
 
     def take_error(self, owner: str) -> Outcome | None:
         """Clear and return ``owner``'s first unraised error (call once none of its

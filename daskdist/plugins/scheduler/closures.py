@@ -11,6 +11,7 @@ the plugin as they are. Runs on the scheduler's event loop; imports nothing from
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -24,6 +25,7 @@ from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
     READY,
+    SESSION_ENDED,
     UNSTARTED,
     Dispatch,
     Outcome,
@@ -108,6 +110,8 @@ class ClosureBook:
     def __init__(self, co: CoordinatorState, max_worker_failures: int) -> None:
         self.co = co
         self.queue = ClosureQueue(max_worker_failures=max_worker_failures)
+        self.queue.router = self._route  # the epoch's tail: closures to the rows' holders
+        self.routed: set[str] = set()  # datasets whose closures were just set aside
         self.outboxes: dict[str, Outbox] = {}
         # long-polls of workers that may take work, oldest first: a queued closure wakes
         # one; ``woken``: those woken for a closure and not yet back (not woken twice)
@@ -173,6 +177,27 @@ class ClosureBook:
             box = self.outboxes.get(o.owner)
             if box is not None:
                 box.push(o)
+
+    # -- the epoch's tail: closures reading a dataset go to the holders of its rows --------
+    def _route(self, dataset: str, session: str) -> bool:
+        """The queue's router: whether ``session`` should run a closure reading
+        ``dataset`` now (the lease table's word: not when the dataset's free rows are
+        gone and other sessions hold its leased rows)."""
+        if self.co.leases.takes(dataset, session):
+            return True
+        self.routed.add(dataset)
+        return False
+
+    def _wake_holders(self) -> None:
+        """Closures were set aside for the sessions holding their dataset's rows: wake
+        those of them waiting in a long-poll (the first few holders looked at, O(1);
+        a busy holder takes them at its next exchange)."""
+        datasets, self.routed = self.routed, set()
+        for dataset in datasets:
+            for session in itertools.islice(self.co.leases.holders(dataset), 4):
+                event = self.parked.get(session)
+                if event is not None:
+                    event.set()
 
     # -- waking long-polls ---------------------------------------------------------------
     def wake(self, n: int | None = None) -> None:
@@ -380,19 +405,23 @@ class ClosureBook:
         subs = []
         for i, item in enumerate(checks.items(closures, f"{op}: closures")):
             if checks.submission_ok(item, prefix):
-                subs.append(Submission._make(item))
+                subs.append(Submission(*item))  # without its dataset: ""
                 continue
-            sub = Submission._make(checks.record(item, f"{op}: closures[{i}]", 3))
+            if isinstance(item, (list, tuple)) and len(item) == 3:
+                item = (*item, "")
+            sub = Submission._make(checks.record(item, f"{op}: closures[{i}]",
+                                                 len(Submission._fields)))
             if not checks.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
                 raise PermissionError(f"{op}: closure id {sub.cid!r} is not one of owner "
                                       f"{owner!r}'s")
             checks.payload(sub.payload, f"{op}: closures[{i}].payload")
             checks.integer(sub.retries, f"{op}: closures[{i}].retries", 0, checks.MAX_RETRIES)
+            checks.text(sub.dataset, f"{op}: closures[{i}].dataset", empty=True)
             subs.append(sub)
         q = self.queue
         n = 0
         for sub in subs:
-            n += q.put(sub.cid, owner, sub.payload, sub.retries)
+            n += q.put(sub.cid, owner, sub.payload, sub.retries, tag=sub.dataset or None)
         self.wake(n)
 
     async def results(self, owner: str, token: str, ack: int,
@@ -444,7 +473,7 @@ class ClosureBook:
         held, started = checks.observed(op, held, started)
         co = self.co
         if not co.renew(session, time.monotonic()):
-            return {"unknown_session": True}  # fenced: the loop's exchange re-registers
+            return SESSION_ENDED  # fenced: the loop's exchange re-registers
         self.apply_results(session, outcomes)
         if held is not None:
             self.queue.observe(session, held, started)
@@ -457,10 +486,11 @@ class ClosureBook:
         op = "daskdist_renew"
         checks.text(session, f"{op}: session")
         held, started = checks.observed(op, held, started)
-        ok = self.co.renew(session, time.monotonic())
-        if ok and held is not None:
+        if not self.co.renew(session, time.monotonic()):
+            return SESSION_ENDED
+        if held is not None:
             self.queue.observe(session, held, started)
-        return {"ok": ok}
+        return {"ok": True}
 
     def _steal_for(self, thief: str) -> None:
         """An idle session found no work: ask the session holding the most prefetched,
@@ -496,7 +526,7 @@ class ClosureBook:
         if co.closed:
             return {"closed": True}
         if not co.renew(session, time.monotonic()):
-            return {"unknown_session": True}
+            return SESSION_ENDED
         q = self.queue
         if outcomes:
             self.apply_results(session, outcomes)
@@ -513,8 +543,12 @@ class ClosureBook:
 
         # A busy worker prefetches nothing while another waits idle for work (SPEC §2.4).
         closures = q.dispatch(session, fair(want) if block or not self.waiters else 0)
+        routed = bool(self.routed)
+        if routed:
+            self._wake_holders()
         if not closures and block and want > 0:
-            self._steal_for(session)
+            if not routed:  # closures set aside for the holders: theirs, not to steal
+                self._steal_for(session)
             deadline = time.monotonic() + co.poll_interval()
             event = asyncio.Event()
             self.parked[session] = event
@@ -523,6 +557,8 @@ class ClosureBook:
                     if comm.closed() or co.closed or session not in co.members:
                         break
                     closures = q.dispatch(session, fair(want))
+                    if self.routed:
+                        self._wake_holders()
                     if closures:
                         break
                     left = deadline - time.monotonic()
@@ -563,6 +599,6 @@ CLOSURE_HANDLERS = {
     "daskdist_raise": (ClosureBook.raise_owner_error, CLOSED),
     "daskdist_closure_state": (ClosureBook.closure_state, CLOSED),
     "daskdist_exchange": (ClosureBook.exchange, {"closed": True}),
-    "daskdist_report": (ClosureBook.report, {"unknown_session": True}),
-    "daskdist_renew": (ClosureBook.renew, {"ok": False}),
+    "daskdist_report": (ClosureBook.report, SESSION_ENDED),
+    "daskdist_renew": (ClosureBook.renew, SESSION_ENDED),
 }

@@ -21,7 +21,7 @@ from daskdist.core.checks import satisfies
 from daskdist.core.leases import EpochFailed, SessionExpired
 from daskdist.core.locality import LocalityIndex
 from daskdist.core.partitions import MAX_UNITS
-from daskdist.core.protocol import CollectionDef
+from daskdist.core.protocol import SESSION_ENDED, CollectionDef
 
 
 def _key(value: Any) -> Any:
@@ -79,7 +79,7 @@ class CollectionHandlers:
             raise ValueError(f"dataset {dataset_id!r} has more than {checks.MAX_ROWS} rows")
         if session is not None:
             if checks.text(session, "session") not in co.members:
-                return {"expired": True}
+                return SESSION_ENDED
             owner = ""
         else:
             co.closure_book.owner_box(checks.text(owner, "owner"), checks.text(token, "token"))
@@ -119,16 +119,16 @@ class CollectionHandlers:
         (read from its own memory), else the next in the collection's order; none while
         it holds its share of the rows not yet acknowledged (the tail rule's hold-back:
         the last partitions go to the members holding less; a partition is never split).
-        ``{"lease": intervals or None}``, ``{"expired": True}`` (also once the
+        ``{"lease": intervals or None}``, ``SESSION_ENDED`` (also once the
         coordinator closed), ``{"failed": why}``."""
         co = self.plugin.coordinators.get(checks.text(name, "name"))
         if co is None:
-            return {"expired": True}
+            return SESSION_ENDED
         session = checks.text(session, "session")
         dataset_id = checks.text(dataset_id, "dataset_id")
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
         if not co.renew(session, time.monotonic()):
-            return {"expired": True}
+            return SESSION_ENDED
         table = co.leases
         parts = max(1, len(co.members))
         try:
@@ -157,7 +157,7 @@ class CollectionHandlers:
                 if lease is not None and found is not None:
                     self.other_leases += 1
         except SessionExpired:
-            return {"expired": True}
+            return SESSION_ENDED
         except EpochFailed as e:
             return {"failed": str(e)}
         return {"lease": lease}
@@ -166,17 +166,17 @@ class CollectionHandlers:
                length: int) -> dict:
         """``session`` computed partition ``unit``: ``length`` rows. ``{"failed": why}``
         when it differs from the length learned before (the epoch fails);
-        ``{"expired": True}`` from an ended session or a closed coordinator."""
+        ``SESSION_ENDED`` from an ended session or a closed coordinator."""
         co = self.plugin.coordinators.get(checks.text(name, "name"))
         if co is None:
-            return {"expired": True}
+            return SESSION_ENDED
         session = checks.text(session, "session")
         dataset_id = checks.text(dataset_id, "dataset_id")
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
         unit = checks.integer(unit, "unit", 0, MAX_UNITS)
         length = checks.integer(length, "length", 0, checks.MAX_ROWS)
         if not co.renew(session, time.monotonic()):
-            return {"expired": True}
+            return SESSION_ENDED
         why = co.leases.set_length(session, dataset_id, epoch, unit, length)
         return {} if why is None else {"failed": why}
 

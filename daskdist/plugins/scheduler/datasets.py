@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from daskdist.core import checks
 from daskdist.core.leases import EpochFailed, LeaseTable, SessionExpired
 from daskdist.core.ledgers import Ledgers
-from daskdist.core.protocol import DatasetDef, EpochLedger
+from daskdist.core.protocol import SESSION_ENDED, DatasetDef, EpochLedger
 from daskdist.plugins.scheduler.closures import CLOSED
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ class LeaseBook:
         self.ledgers = Ledgers()  # the datasets each State trained (checkpoint ledgers)
 
     # -- dynamic datasets: the lease handlers (registered by the plugin as they are) -------
-    # Worker calls name their session and are refused once it ended (``{"expired":
-    # True}``); client calls name their owner. Arguments are checked first: a bad one is
+    # Worker calls name their session and are refused once it ended
+    # (``SESSION_ENDED``); client calls name their owner. Arguments are checked first: a bad one is
     # a TypeError / ValueError naming it, raised to the caller, and changes nothing.
 
     def dataset_define(self, dataset: Any, owner: str | None = None, token: str | None = None,
@@ -56,8 +56,8 @@ class LeaseBook:
         if runs is not None and sum(r * n for r, n in runs) > checks.MAX_ROWS:
             raise ValueError(f"dataset {dataset_id!r} has more than {checks.MAX_ROWS} rows")
         if session is not None:
-            if checks.text(session, "session") not in self.co.members:
-                return {"expired": True}
+            if not self.co.live_session(session):
+                return SESSION_ENDED
             owner = ""
         else:
             self.co.closure_book.owner_box(checks.text(owner, "owner"), checks.text(token, "token"))
@@ -71,7 +71,7 @@ class LeaseBook:
     def lease_acquire(self, session: str, dataset_id: str, epoch: int, rows: int,
                       least: int = 1) -> dict:
         """Lease ``rows`` rows of an epoch to ``session`` (fewer, not under ``least``,
-        near the epoch's end): ``{"lease": intervals or None}``, ``{"expired": True}``
+        near the epoch's end): ``{"lease": intervals or None}``, ``SESSION_ENDED``
         for an ended session, ``{"failed": why}`` when the epoch cannot complete."""
         session = checks.text(session, "session")
         dataset_id = checks.text(dataset_id, "dataset_id")
@@ -79,13 +79,13 @@ class LeaseBook:
         rows = checks.integer(rows, "rows", 1, checks.MAX_ROWS)
         least = checks.integer(least, "least", 1, checks.MAX_ROWS)
         if not self.co.renew(session, time.monotonic()):
-            return {"expired": True}
+            return SESSION_ENDED
         try:
             lease = self.leases.acquire(session, dataset_id, epoch, rows,
                                         parts=max(1, len(self.co.members)), least=least,
                                         tail=True)
         except SessionExpired:
-            return {"expired": True}
+            return SESSION_ENDED
         except EpochFailed as e:
             return {"failed": str(e)}
         return {"lease": lease}
@@ -96,9 +96,9 @@ class LeaseBook:
                                     checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH))
 
     def lease_release(self, session: str, dataset_id: str, epoch: int, ranges: Any,
-                      failure: Any = None) -> int:
-        """Rows a session gives back (``failure``: ``[file, message]`` of a failed read);
-        refused (0) from a session that ended. Rows freed."""
+                      failure: Any = None) -> int | dict:
+        """Rows a session gives back (``failure``: ``[file, message]`` of a failed read):
+        rows freed (``SESSION_ENDED`` from a session that ended)."""
         session = checks.text(session, "session")
         dataset_id = checks.text(dataset_id, "dataset_id")
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
@@ -109,7 +109,7 @@ class LeaseBook:
             failure = (checks.text(failure[0], "failure file", 4096),
                        checks.text(failure[1], "failure message", 16384))
         if session not in self.co.members:
-            return 0
+            return SESSION_ENDED
         return self.leases.release(session, dataset_id, epoch, ranges, failure)
 
     def dataset_state(self, dataset_id: str, epoch: int) -> tuple:
@@ -152,27 +152,31 @@ class LeaseBook:
     def dataset_ledger(self, session: str, state: str) -> dict:
         """The ledger of State ``state``'s dynamic datasets now, by name (a checkpoint
         written at the State's current commit keeps it)."""
-        self.co.live_session(session)
+        if not self.co.live_session(session):
+            return SESSION_ENDED
         return self.ledgers.export(checks.text(state, "state", 1024), self.leases)
 
-    def restore_ledger(self, session: str, state: str, ledger: Any) -> list:
+    def restore_ledger(self, session: str, state: str, ledger: Any) -> list | dict:
         """State ``state`` resumed from a checkpoint: its datasets' epochs go on from
         ``ledger`` (a name not defined yet waits for its dataset). The ids restored."""
-        self.co.live_session(session)
+        if not self.co.live_session(session):
+            return SESSION_ENDED
         if not isinstance(ledger, dict) or len(ledger) > 1024:
             raise TypeError(f"ledger must be a dict of at most 1024 datasets, got "
                             f"{type(ledger).__name__}")
         return self.ledgers.restore(checks.text(state, "state", 1024), ledger, self.leases)
 
     def checkpoint_written(self, session: str, state: str, url: str, commits: int,
-                           seconds: float, nbytes: int) -> None:
+                           seconds: float, nbytes: int) -> dict | None:
         """A State's writer reports a complete checkpoint (dashboard and metrics)."""
-        if checks.text(session, "session") in self.co.members:
-            self.co.stats.on_checkpoint(checks.text(state, "state", 1024),
-                                     checks.text(url, "url", 4096),
-                                     checks.integer(commits, "commits", 0, checks.MAX_ROWS),
-                                     float(seconds),
-                                     checks.integer(nbytes, "nbytes", 0, checks.MAX_ROWS))
+        if not self.co.live_session(session):
+            return SESSION_ENDED
+        self.co.stats.on_checkpoint(checks.text(state, "state", 1024),
+                                    checks.text(url, "url", 4096),
+                                    checks.integer(commits, "commits", 0, checks.MAX_ROWS),
+                                    float(seconds),
+                                    checks.integer(nbytes, "nbytes", 0, checks.MAX_ROWS))
+        return None
 
     def forget_datasets(self, dataset_ids: list[str]) -> None:
         """Their handles were dropped: their lease tables and completed epochs go."""
@@ -186,11 +190,11 @@ LEASE_HANDLERS = {
     "daskdist_dataset_define": (LeaseBook.dataset_define, CLOSED),
     "daskdist_dataset_state": (LeaseBook.dataset_state, CLOSED),
     "daskdist_dataset_start": (LeaseBook.dataset_start, CLOSED),
-    # a loader's lease or give-back after its coordinator closed: nothing to lease, nothing
-    # to give back (its table went with the coordinator), as the collection handlers answer
-    "daskdist_lease_acquire": (LeaseBook.lease_acquire, {"expired": True}),
+    # a loader's lease or give-back after its coordinator closed: its session ended with
+    # it (nothing to lease, nothing to give back), as the collection handlers answer
+    "daskdist_lease_acquire": (LeaseBook.lease_acquire, SESSION_ENDED),
     "daskdist_lease_progress": (LeaseBook.lease_progress, CLOSED),
-    "daskdist_lease_release": (LeaseBook.lease_release, 0),
+    "daskdist_lease_release": (LeaseBook.lease_release, SESSION_ENDED),
     "daskdist_dataset_ledger": (LeaseBook.dataset_ledger, CLOSED),
     "daskdist_restore_ledger": (LeaseBook.restore_ledger, CLOSED),
     "daskdist_checkpoint_written": (LeaseBook.checkpoint_written, CLOSED),

@@ -15,10 +15,9 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from daskdist.core import checks
-from daskdist.core.commits import CommitBook
+from daskdist.core.commits import CommitBook, unpack_part
 from daskdist.core.gang import INTERRUPTING, GangBook
-from daskdist.core.leases import group_tokens
-from daskdist.core.protocol import READY, CommitKey, Outcome
+from daskdist.core.protocol import READY, SESSION_ENDED, CommitKey, Outcome
 from daskdist.plugins.scheduler.closures import CLOSED, wait_event
 
 if TYPE_CHECKING:
@@ -37,6 +36,7 @@ class GroupBook:
         self.changed = asyncio.Event()  # the gang pump waits on it
         self.left = asyncio.Event()  # a session ended (a formation in progress checks)
         self.departing: set[str] = set()  # retired group members finishing their step
+        self.told = -1  # the last generation whose members heard it broke (peer-lost)
         self.driver: GroupDriver | None = None  # set by names.py with the book
 
     # -- what happened to the group -------------------------------------------------------
@@ -58,9 +58,15 @@ class GroupBook:
     def tell_members(self) -> None:
         """The group broke (a member left, or a member's closure failed): its members'
         collective calls of this generation raise ``CollectiveError`` at once, saying why
-        (``GroupRecord.why``), instead of waiting for the group's timeout."""
+        (``GroupRecord.why``), instead of waiting for the group's timeout. Once a
+        generation: a later loss in it (a node's other workers) tells them nothing new,
+        and the counters it changed reach them with the next formation (one message per
+        member a broken generation, not a loss; :meth:`CoordinatorState.flush`)."""
         group = self.gangs.group
         co = self.co
+        if self.told == group.generation:
+            return  # they heard it; the next formation's init carries the counters
+        self.told = group.generation
         co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
                       "generation": group.generation, "reason": group.why,
                       **co.counters()}, group.sessions, addressed=True)
@@ -115,13 +121,14 @@ class GroupBook:
         return self._outcome(key)
 
     def gang_commit(self, session: str, key: Any, world: int, parts: list) -> bool:
-        """Every rank's part of a gang commit in one message (``parts``: ``[rank,
-        tokens]`` for each rank), sent by the generation's rank 0 once the commit's
-        allgather brought them: the commit's outcome, decided at once. One message per
-        step instead of ``world``: O(parts) on the scheduler, with no waiter per part.
-        Refused unless ``session`` is rank 0 of ``key``'s generation, the current one,
-        and every rank's part is there (each rank's tokens are checked against the rows
-        leased to that rank's session, as a part of its own would be)."""
+        """Every rank's part of a gang commit in one message, sent by the generation's
+        rank 0 once the commit's allgather brought them (``parts``: one per rank, in rank
+        order, each the rank's :func:`~daskdist.core.commits.pack_tokens` ints): the
+        commit's outcome, decided at once. One message per step instead of ``world``:
+        O(parts) on the scheduler, with no waiter per part. Refused unless ``session``
+        is rank 0 of ``key``'s generation, the current one, and every rank's part is
+        there (each rank's rows are checked against the rows leased to that rank's
+        session, as a part of its own would be)."""
         key, world = CommitKey.parse(key), int(world)
         co = self.co
         group = self.gangs.group
@@ -130,13 +137,17 @@ class GroupBook:
             sessions = None  # only rank 0 speaks for the group
         grouped: dict[int, dict] = {}
         tables: set = set()
-        try:
-            for rank, tokens in checks.items(parts, "daskdist_gang_commit: parts"):
-                groups = group_tokens(tokens)
-                grouped[int(rank)] = groups
-                tables.update(groups)
-        except (TypeError, ValueError):
-            sessions = None  # malformed: refused
+        if sessions is not None and key not in self.commits.recorded:
+            try:
+                dataset_of = co.leases.dataset_of
+                for rank, ints in enumerate(checks.items(parts, "daskdist_gang_commit: parts")):
+                    if ints:
+                        groups = grouped[rank] = unpack_part(ints, dataset_of)
+                        tables.update(groups)
+                    else:
+                        grouped[rank] = {}
+            except (TypeError, ValueError):
+                sessions = None  # malformed: refused
         if sessions is not None:
             co.ledgers.note_tables(key.state, tables)  # datasets trained under the State
         ok = self.commits.add_all(co.leases, key, world, grouped, sessions,
@@ -144,11 +155,13 @@ class GroupBook:
         self._commits_decided([key])
         return ok
 
-    def commit_outcome(self, session: str, key: Any) -> bool:
+    def commit_outcome(self, session: str, key: Any) -> bool | dict:
         """Whether commit ``key`` was applied (a rank that missed the outcome asks). Not
         read-only by design: a commit still open is refused now, so every rank, and any
-        part still on its way, gets the same definite answer."""
-        self.co.live_session(session)
+        part still on its way, gets the same definite answer. ``SESSION_ENDED`` to an
+        ended session."""
+        if not self.co.live_session(session):
+            return SESSION_ENDED
         return self._outcome(CommitKey.parse(key))
 
     def _outcome(self, key: CommitKey) -> bool:
@@ -156,11 +169,12 @@ class GroupBook:
         self._commits_decided([key])
         return ok
 
-    def state_commits(self, session: str, state: str, committed: bool = False) -> int:
+    def state_commits(self, session: str, state: str, committed: bool = False) -> int | dict:
         """How many commits of State ``state`` happened (``committed``: one more, a plain
         commit its rank reports once), so ``sync()`` can tell a lost state from a fresh
-        start."""
-        self.co.live_session(session)
+        start. ``SESSION_ENDED`` to an ended session."""
+        if not self.co.live_session(session):
+            return SESSION_ENDED
         state = str(state)
         if committed:
             self.commits.note_committed(state)

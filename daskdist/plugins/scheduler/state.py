@@ -160,6 +160,11 @@ class CoordinatorState:
         if self.closed or self.told_version == self.members.version:
             return  # the members heard it with a peer loss
         group = self.gangs.group
+        if self.group_book.told == group.generation:
+            # they heard that their generation broke: the next formation's init carries
+            # the counters (a further loss in it costs no message to every member)
+            self.told_version = self.members.version
+            return
         self.broadcast({"op": "daskdist-membership", "name": self.name, **self.counters()},
                        group.sessions, addressed=True)
         self.told_version = self.members.version
@@ -257,12 +262,16 @@ class CoordinatorState:
         killed, crashed, cut off (False: counted as a lost worker).
         """
         self.stats.on_session_end(self, session)
-        self.members.leave(session)
+        # a retiring worker outside the group (it left at a commit, or never joined it)
+        # changes nothing for the group's members: no second re-formation (issue 23)
+        member = self.members.members.get(session)
+        self.members.leave(session, counted=not (member is not None and member.draining
+                                                 and session not in self.gangs.group.ranks))
         self.liveness.forget(session)
         self.workers_lost += not expected
         self.leases.drop_session(session)
-        self.membership_changed()
-        self.group_book.session_lost(session, expected)
+        self.group_book.session_lost(session, expected)  # a member's loss tells the rest
+        self.membership_changed()  # (so this sends nothing more to them)
         book = self.closure_book
         backlog = self.queue.backlog
         book.deliver(self.queue.remove_session(session, expected))
@@ -302,12 +311,10 @@ class CoordinatorState:
         """Sessions that may run closures, in worker-index (rank) order."""
         return tuple(m.session for m in self.members.by_index() if not m.draining)
 
-    def live_session(self, session: Any) -> str:
-        """``session`` if it is a live member; ``ValueError`` naming it if it ended."""
-        session = checks.text(session, "session")
-        if session not in self.members:
-            raise ValueError(f"session {session!r} of coordinator {self.name!r} ended")
-        return session
+    def live_session(self, session: Any) -> bool:
+        """Whether ``session`` (checked: an id) is a live member (a handler answers
+        :data:`~daskdist.core.protocol.SESSION_ENDED` if not)."""
+        return checks.text(session, "session") in self.members
 
     def status(self) -> dict[str, Any]:
         c = self.queue.counters

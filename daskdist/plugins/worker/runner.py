@@ -56,6 +56,7 @@ from daskdist.core.protocol import (
     USER_ERROR,
     Dispatch,
     Outcome,
+    is_session_ended,
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
 from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
@@ -316,7 +317,7 @@ class ClosureRunner:
             except (OSError, CommClosedError, asyncio.TimeoutError) as e:
                 logger.info("daskdist: lease renewal failed (%r); retrying", e)
                 continue
-            if isinstance(reply, dict) and not reply.get("ok", True):
+            if is_session_ended(reply):
                 self.poke()  # the next exchange learns the session is gone
 
     # -- the loop -----------------------------------------------------------------------
@@ -383,7 +384,7 @@ class ClosureRunner:
             backoff = 0.05
             if reply.get("closed"):  # its last owner closed: this plugin is being removed
                 return
-            if reply.get("unknown_session"):
+            if is_session_ended(reply):
                 # The scheduler ended this session (it put our closures back): start anew.
                 self.unacked.clear()
                 self.done.clear()
@@ -512,7 +513,7 @@ class ClosureRunner:
                 except (OSError, CommClosedError):
                     self.done[:0] = results
                     return
-                if reply.get("unknown_session"):
+                if is_session_ended(reply):
                     self.poke()  # fenced: the loop's next exchange registers anew
                     return
                 for r in results:

@@ -23,10 +23,18 @@ from typing import Any
 from distributed.utils import sync
 
 from daskdist.core.leases import group_tokens
-from daskdist.core.protocol import RETIRING, CollectionDef, CommitKey, DatasetDef
+from daskdist.core.protocol import (
+    RETIRING,
+    CollectionDef,
+    CommitKey,
+    DatasetDef,
+    is_session_ended,
+)
 from daskdist.errors import CollectiveError, InputError
 
 Interval = tuple[int, int]
+_RAISE = object()  # SessionServices._call's default: an ended session raises
+_NO_LEASE: dict = {"lease": None}  # what a lease call gets from an ended session
 
 
 class SessionServices:
@@ -43,9 +51,22 @@ class SessionServices:
         """The session ended: every later call is refused without asking the scheduler."""
         self.ended = True
 
-    def _call(self, op: str, **kwargs: Any) -> Any:
-        return sync(self.worker.loop, getattr(self.worker.scheduler, op), name=self.name,
-                    session=self.session, **kwargs)
+    def _call(self, op: str, ended: Any = _RAISE, **kwargs: Any) -> Any:
+        """Call handler ``op`` for this session and wait: its reply, or ``ended``
+        (default: raise ``CollectiveError``) if the session ended."""
+        return self._reply(sync(self.worker.loop, getattr(self.worker.scheduler, op),
+                                name=self.name, session=self.session, **kwargs), ended)
+
+    def _reply(self, reply: Any, ended: Any = _RAISE) -> Any:
+        """The one place a handler's :data:`SESSION_ENDED` reply is recognised: the
+        session ended (every later call is refused here at once), and the caller gets
+        ``ended`` (the call's "nothing", or ``CollectiveError`` raised)."""
+        if not is_session_ended(reply):
+            return reply
+        self.end()
+        if ended is _RAISE:
+            raise self._ended_error()
+        return ended
 
     def _ended_error(self) -> CollectiveError:
         # a membership change for elastic state: the gang runs again on a new group
@@ -57,7 +78,7 @@ class SessionServices:
         """Define a dataset's units (once per loader; ``ValueError`` if they differ from
         the definition the scheduler has)."""
         if not self.ended:
-            self._call("daskdist_dataset_define", dataset=tuple(dataset))
+            self._call("daskdist_dataset_define", ended=None, dataset=tuple(dataset))
 
     def acquire(self, dataset_id: str, epoch: int, rows: int,
                 least: int = 1) -> list[Interval] | None:
@@ -66,8 +87,9 @@ class SessionServices:
         ``InputError`` when the epoch failed (a file's reads failed too often)."""
         if self.ended:
             return None
-        return _lease(self._call("daskdist_lease_acquire", dataset_id=dataset_id,
-                                 epoch=int(epoch), rows=int(rows), least=int(least)))
+        return _lease(self._call("daskdist_lease_acquire", ended=_NO_LEASE,
+                                 dataset_id=dataset_id, epoch=int(epoch), rows=int(rows),
+                                 least=int(least)))
 
     def acquire_async(self, dataset_id: str, epoch: int, rows: int,
                       least: int = 1) -> concurrent.futures.Future:
@@ -84,7 +106,7 @@ class SessionServices:
 
         def done(f: concurrent.futures.Future) -> None:
             try:
-                out.set_result(_lease(f.result()))
+                out.set_result(_lease(self._reply(f.result(), _NO_LEASE)))
             except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
                 out.set_exception(e)
 
@@ -102,8 +124,8 @@ class SessionServices:
         ``(file, message)`` when they could not be read); rows freed."""
         if self.ended or not ranges:
             return 0
-        return self._call("daskdist_lease_release", dataset_id=dataset_id, epoch=int(epoch),
-                          ranges=[(int(a), int(b)) for a, b in ranges],
+        return self._call("daskdist_lease_release", ended=0, dataset_id=dataset_id,
+                          epoch=int(epoch), ranges=[(int(a), int(b)) for a, b in ranges],
                           failure=None if failure is None else list(failure))
 
     def release_tokens(self, tokens: list) -> int:
@@ -117,41 +139,44 @@ class SessionServices:
         """Define a collection's partitions (once per loader; ``ValueError`` if the
         definition differs from the scheduler's)."""
         if not self.ended:
-            self._call("daskdist_collection_define", dataset=tuple(definition))
+            self._call("daskdist_collection_define", ended=None, dataset=tuple(definition))
 
     def acquire_partition(self, dataset_id: str, epoch: int) -> list[Interval] | None:
         """Lease one partition's free rows (one this worker holds first); ``None`` when
         none is free now or the session ended. ``InputError`` when the epoch failed."""
         if self.ended:
             return None
-        return _lease(self._call("daskdist_partition_acquire", dataset_id=dataset_id,
-                                 epoch=int(epoch)))
+        return _lease(self._call("daskdist_partition_acquire", ended=_NO_LEASE,
+                                 dataset_id=dataset_id, epoch=int(epoch)))
 
     def report_length(self, dataset_id: str, epoch: int, unit: int, length: int) -> None:
         """A computed partition's length; ``InputError`` naming it when it differs from
         the length learned before (the epoch failed)."""
         if self.ended:
             return
-        _length_reply(self._call("daskdist_partition_length", dataset_id=dataset_id,
-                                 epoch=int(epoch), unit=int(unit), length=int(length)))
+        _length_reply(self._call("daskdist_partition_length", ended={},
+                                 dataset_id=dataset_id, epoch=int(epoch), unit=int(unit),
+                                 length=int(length)))
 
     def acquire_partition_async(self, dataset_id: str,
                                 epoch: int) -> concurrent.futures.Future:
         """:meth:`acquire_partition` without waiting (asked while a partition is read)."""
-        return self._async(_lease, "daskdist_partition_acquire", dataset_id=dataset_id,
-                           epoch=int(epoch))
+        return self._async(_lease, "daskdist_partition_acquire", _NO_LEASE,
+                           dataset_id=dataset_id, epoch=int(epoch))
 
     def report_length_async(self, dataset_id: str, epoch: int, unit: int,
                             length: int) -> concurrent.futures.Future:
         """:meth:`report_length` without waiting: a future that raises ``InputError``
         when the length differs."""
-        return self._async(_length_reply, "daskdist_partition_length",
+        return self._async(_length_reply, "daskdist_partition_length", {},
                            dataset_id=dataset_id, epoch=int(epoch), unit=int(unit),
                            length=int(length))
 
-    def _async(self, parse: Any, op: str, **kwargs: Any) -> concurrent.futures.Future:
+    def _async(self, parse: Any, op: str, ended: Any,
+               **kwargs: Any) -> concurrent.futures.Future:
         """A scheduler call sent from any thread without waiting: a future of
-        ``parse(reply)`` (``None`` at once for an ended session)."""
+        ``parse(reply)`` (``parse(ended)`` once the session ended; ``None`` at once for
+        one known ended)."""
         out: concurrent.futures.Future = concurrent.futures.Future()
         if self.ended:
             out.set_result(None)
@@ -162,7 +187,7 @@ class SessionServices:
 
         def done(f: concurrent.futures.Future) -> None:
             try:
-                out.set_result(parse(f.result()))
+                out.set_result(parse(self._reply(f.result(), ended)))
             except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
                 out.set_exception(e)
 
@@ -174,7 +199,8 @@ class SessionServices:
         under ``Coordinator(resources=...)``); asked at most every 5 s."""
         now = time.monotonic()
         if self._helpers is None or now - self._helpers[0] > 5.0:
-            helpers = [] if self.ended else list(self._call("daskdist_collection_helpers"))
+            helpers = [] if self.ended else list(self._call("daskdist_collection_helpers",
+                                                            ended=[]))
             self._helpers = (now, helpers)
         return self._helpers[1]
 
@@ -188,6 +214,18 @@ class SessionServices:
         coro = self.worker.scheduler.daskdist_gang_commit_part(
             name=self.name, session=self.session, key=list(key), rank=int(rank),
             world=int(world), tokens=list(tokens), timeout=float(timeout))
+        return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+
+    def send_commit(self, key: CommitKey, world: int,
+                    parts: list[list[int]]) -> concurrent.futures.Future:
+        """Rank 0: send every rank's part of commit ``key`` in one message (``parts``:
+        each rank's packed tokens, in rank order) without waiting: a future of the
+        commit's outcome (``True``: applied)."""
+        if self.ended:
+            raise self._ended_error()
+        coro = self.worker.scheduler.daskdist_gang_commit(
+            name=self.name, session=self.session, key=list(key), world=int(world),
+            parts=parts)
         return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
 
     def commit_outcome(self, key: CommitKey) -> bool:
@@ -228,7 +266,7 @@ class SessionServices:
                            nbytes: int) -> None:
         """Report a complete checkpoint (the dashboard and metrics show the newest)."""
         if not self.ended:
-            self._call("daskdist_checkpoint_written", state=state, url=url,
+            self._call("daskdist_checkpoint_written", ended=None, state=state, url=url,
                        commits=int(commits), seconds=float(seconds), nbytes=int(nbytes))
 
 
