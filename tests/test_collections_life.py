@@ -178,7 +178,10 @@ def no_threads(client, prefix: str = "daskdist") -> bool:
 def test_close_while_partitions_compute_ends_at_once_and_leaves_nothing(cluster2, tmp_path):
     _, client = cluster2
     gate, log = str(tmp_path / "gate"), str(tmp_path / "computed.log")
-    frame = ddf.from_map(functools.partial(gated_part, gate=gate, log=log), range(PARTS))
+    # meta given: without it Dask computes partition 0 on the cluster to learn it, and
+    # partition 0 waits for the gate (the whole 120 s)
+    frame = ddf.from_map(functools.partial(gated_part, gate=gate, log=log), range(PARTS),
+                         meta=gated_part(0, gate, log).iloc[:0])
     coord = dd.Coordinator(client, name="close-in-flight")
     wait_for_workers(client, coord, 2)
     ds = coord.distribute_dataset(frame, global_batch_size=2 * ROWS, name="gated")
