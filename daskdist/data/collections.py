@@ -556,10 +556,12 @@ class PartitionSource:
     def chunks(self) -> Iterator[ChunkItem]:
         """Lease, compute (ahead), convert partitions until none is free right now.
 
-        ``partitions_ahead`` partitions are leased (and being computed) at any time:
-        when one is taken to be read, its replacement is asked for without waiting
-        (when the service can), so the lease's round trip overlaps the read. Lengths
-        are reported without waiting too; a differing one raises at the next one."""
+        ``partitions_ahead`` partitions are leased (and being computed) ahead of the
+        one being read: when one is taken to be read, its replacement is asked for
+        without waiting (when the service can) and goes to Dask as soon as its lease is
+        here (once the taken one is computed, or before the next), so the lease's round
+        trip overlaps the compute and the read. Lengths are reported without waiting
+        too; a differing one raises at the next one."""
         ld = self.loader
         svc = ld.ctx.services
         coll = ld.shards
@@ -571,6 +573,18 @@ class PartitionSource:
         reports: deque = deque()  # length reports on their way
         ask = None  # a lease asked for, not yet taken
         exhausted = False
+
+        def take(ranges: list | None) -> bool:
+            """A lease's partitions go to Dask to compute; ``False`` for no lease."""
+            if not ranges:
+                return False
+            ranges = [(int(a), int(b)) for a, b in ranges]
+            with self._lock:
+                self._leases.append(RowSet(ranges))
+            for unit, rows in self._by_unit(ranges):
+                pending.append((unit, rows, computer.submit(coll, unit)))
+            return True
+
         try:
             while True:
                 while not exhausted and len(pending) < ld.partitions_ahead:
@@ -578,14 +592,7 @@ class PartitionSource:
                         ranges, ask = ask.result(), None
                     else:
                         ranges = svc.acquire_partition(ld.dataset_id, self.epoch)
-                    if not ranges:
-                        exhausted = True
-                        break
-                    ranges = [(int(a), int(b)) for a, b in ranges]
-                    with self._lock:
-                        self._leases.append(RowSet(ranges))
-                    for unit, rows in self._by_unit(ranges):
-                        pending.append((unit, rows, computer.submit(coll, unit)))
+                    exhausted = not take(ranges)
                 while reports and reports[0].done():
                     reports.popleft().result()  # InputError: a length differed
                 if not pending:
@@ -609,6 +616,12 @@ class PartitionSource:
                         raise InputError(failed, e) from e
                     raise err from e
                 try:
+                    if ask is not None and ask.done():
+                        # the replacement's lease came while this partition computed: it
+                        # computes while this one is read, so ``partitions_ahead`` are
+                        # computing ahead of the reader, not one fewer
+                        ranges, ask = ask.result(), None
+                        exhausted = not take(ranges)
                     n = part_rows(data)
                     if report_ahead is not None:
                         reports.append(report_ahead(ld.dataset_id, self.epoch, unit, n))
