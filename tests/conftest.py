@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import dask
 import pytest
@@ -117,3 +118,24 @@ def coord(client, request):
     wait_for_workers(client, co, 2)
     yield co
     co.close()
+
+
+@contextlib.contextmanager
+def gpu_and_plain_cluster(threads: int = 2) -> Iterator[tuple]:
+    """Two workers declaring the Dask resource ``GPU=1`` and one plain worker (worker
+    processes, ``threads`` each): ``(cluster, client, members, plain)``, the two GPU
+    workers' addresses and the plain one's."""
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    gpu = {"cls": Nanny, "options": {"nthreads": threads, "resources": {"GPU": 1},
+                                     "silence_logs": logging.ERROR}}
+    plain = {"cls": Nanny, "options": {"nthreads": threads, "silence_logs": logging.ERROR}}
+    spec = {"gpu-a": gpu, "gpu-b": gpu, "cpu": plain}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
+    with SpecCluster(workers=spec, scheduler=scheduler, silence_logs=logging.ERROR) as cluster, \
+            Client(cluster) as client:
+        client.wait_for_workers(3)
+        info = client.scheduler_info()["workers"]
+        members = {a for a, w in info.items() if w.get("resources", {}).get("GPU")}
+        (cpu,) = set(info) - members
+        yield cluster, client, members, cpu

@@ -137,3 +137,25 @@ def kill_a_job_past_its_checkpoints(argv: list[str], url: Path, logdir: Path,
         finally:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
+
+
+def rss_and_threads() -> tuple[int, list[str]]:
+    """This worker's RSS and its threads' names (run with ``client.run``)."""
+    import threading
+
+    import psutil
+
+    return psutil.Process().memory_info().rss, sorted(t.name for t in threading.enumerate())
+
+
+def assert_flat(samples: list[dict]) -> None:
+    """``samples``: :func:`rss_and_threads` per worker after each run of a cell. After the
+    first run (imports, first allocations), flat: the last run's RSS within 30 MB of the
+    second's, and the same threads every time."""
+    for addr in samples[0]:
+        rss = [s[addr][0] for s in samples]
+        threads = [s[addr][1] for s in samples]
+        print(f"{addr}: RSS after each cell {[r // 2**20 for r in rss]} MB, "
+              f"threads {[len(t) for t in threads]}")
+        assert rss[-1] - rss[1] < 30 * 2**20, [r // 2**20 for r in rss]
+        assert threads[-1] == threads[1], (threads[1], threads[-1])

@@ -7,7 +7,6 @@ training with State.commit, and an error in the user's graph."""
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import time
 from collections import Counter
@@ -21,7 +20,13 @@ ddf = pytest.importorskip("dask.dataframe")
 da = pytest.importorskip("dask.array")
 
 import daskdist as dd  # noqa: E402
-from tests.conftest import make_cluster, sigkill, wait_for_workers, wait_until  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    gpu_and_plain_cluster,
+    make_cluster,
+    sigkill,
+    wait_for_workers,
+    wait_until,
+)
 from tests.row_ledger import (  # noqa: E402
     assert_every_row_once,
     final_counts,
@@ -276,19 +281,7 @@ def test_a_member_killed_mid_epoch_every_row_once():
 
 
 def test_resources_make_only_those_workers_members():
-    from distributed import Client, Nanny, Scheduler, SpecCluster
-
-    gpu = {"cls": Nanny, "options": {"nthreads": THREADS, "resources": {"GPU": 1},
-                                     "silence_logs": logging.ERROR}}
-    plain = {"cls": Nanny, "options": {"nthreads": THREADS, "silence_logs": logging.ERROR}}
-    spec = {"gpu-a": gpu, "gpu-b": gpu, "cpu": plain}
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
-    with SpecCluster(workers=spec, scheduler=scheduler, silence_logs=logging.ERROR) as cluster, \
-            Client(cluster) as client:
-        client.wait_for_workers(3)
-        info = client.scheduler_info()["workers"]
-        members = {a for a, w in info.items() if w.get("resources", {}).get("GPU")}
-        (cpu,) = set(info) - members
+    with gpu_and_plain_cluster(THREADS) as (cluster, client, members, cpu):
         coord = dd.Coordinator(client, name="gpus", resources={"GPU": 1})
         wait_until(lambda: coord.status()["workers"] == 2, 60, "the two GPU workers")
         with pytest.raises(ValueError, match="resources"):

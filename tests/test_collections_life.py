@@ -18,7 +18,12 @@ ddf = pytest.importorskip("dask.dataframe")
 
 import daskdist as dd  # noqa: E402
 from daskdist.core.partitions import STRIDE  # noqa: E402
-from tests.conftest import make_cluster, wait_for_workers, wait_until  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    gpu_and_plain_cluster,
+    make_cluster,
+    wait_for_workers,
+    wait_until,
+)
 
 THREADS = 2
 PARTS, ROWS = 12, 40
@@ -271,23 +276,10 @@ def test_the_worker_computing_the_partitions_killed_mid_epoch_every_row_once(tmp
     """Members that train (GPU=1) and a plain worker that computes their partitions:
     SIGKILL the plain worker while it computes; Dask computes them again (on the members
     or its replacement), every row once, nothing left."""
-    import logging
     import signal
 
-    from distributed import Client, Nanny, Scheduler, SpecCluster
-
-    gpu = {"cls": Nanny, "options": {"nthreads": THREADS, "resources": {"GPU": 1},
-                                     "silence_logs": logging.ERROR}}
-    plain = {"cls": Nanny, "options": {"nthreads": THREADS, "silence_logs": logging.ERROR}}
-    spec = {"gpu-a": gpu, "gpu-b": gpu, "cpu": plain}
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
     log = str(tmp_path / "computed.log")
-    with SpecCluster(workers=spec, scheduler=scheduler, silence_logs=logging.ERROR) as cluster, \
-            Client(cluster) as client:
-        client.wait_for_workers(3)
-        info = client.scheduler_info()["workers"]
-        members = {a for a, w in info.items() if w.get("resources", {}).get("GPU")}
-        (cpu,) = set(info) - members
+    with gpu_and_plain_cluster(THREADS) as (cluster, client, members, cpu):
         coord = dd.Coordinator(client, name="helper-killed", resources={"GPU": 1})
         wait_until(lambda: coord.status()["workers"] == 2, 60, "the two GPU workers")
         parts = 2 * PARTS

@@ -32,11 +32,13 @@ from daskdist.integrations.transformers import (  # noqa: E402
 )
 from tests.conftest import make_cluster, sigkill, wait_for_workers, wait_until  # noqa: E402
 from tests.framework_rows import (  # noqa: E402
+    assert_flat,
     committed_counts,
     complete_checkpoints,
     hf_row_model,
     kill_a_job_past_its_checkpoints,
     read_events,
+    rss_and_threads,
     write_rows,
 )
 from tests.hf_job import BATCH, NAME, SEED, drive  # noqa: E402
@@ -206,15 +208,6 @@ def test_the_callback_prepares_the_trainer_it_is_given_to_once(tmp_path):
     assert DaskdistCallback(already).batches is already
 
 
-def _rss_threads_and_accelerate() -> tuple[int, list[str], bool]:
-    import psutil
-    from accelerate.state import PartialState
-
-    return (psutil.Process().memory_info().rss,
-            sorted(t.name for t in threading.enumerate()),
-            PartialState._shared_state != {})
-
-
 def test_running_the_train_cell_five_times_leaves_memory_and_threads_flat(tmp_path):
     """The notebook cell (a model, a dataset, Trainer.train through the callback) run 5
     times on the same workers: every run trains every row once on Accelerate's state
@@ -236,12 +229,6 @@ def test_running_the_train_cell_five_times_leaves_memory_and_threads_flat(tmp_pa
             assert_every_row_once(coord.fetch(coord.schedule_on_all(
                 committed_counts, args=(model, "transformers"))), n)
             del model, ds, it
-            samples.append(client.run(_rss_threads_and_accelerate))
-        for addr in samples[0]:
-            rss = [s[addr][0] for s in samples]
-            threads = [s[addr][1] for s in samples]
-            print(f"{addr}: RSS after each cell {[r // 2**20 for r in rss]} MB, "
-                  f"threads {[len(t) for t in threads]}")
-            assert rss[-1] - rss[1] < 30 * 2**20, [r // 2**20 for r in rss]
-            assert threads[-1] == threads[1], (threads[1], threads[-1])
+            samples.append(client.run(rss_and_threads))
+        assert_flat(samples)
         coord.close()

@@ -29,10 +29,12 @@ from tests.conftest import (  # noqa: E402
     wait_until,
 )
 from tests.framework_rows import (  # noqa: E402
+    assert_flat,
     committed_counts,
     complete_checkpoints,
     kill_a_job_past_its_checkpoints,
     read_events,
+    rss_and_threads,
     write_rows,
 )
 from tests.lightning_job import BATCH, NAME, SEED, drive, fit, make_module  # noqa: E402
@@ -263,12 +265,6 @@ def test_fit_with_nccl_on_the_workers_gpu(tmp_path):
         coord.close()
 
 
-def _rss_and_threads() -> tuple[int, list[str]]:
-    import psutil
-
-    return psutil.Process().memory_info().rss, sorted(t.name for t in threading.enumerate())
-
-
 def test_running_the_cell_five_times_leaves_memory_and_threads_flat(tmp_path):
     n = 1000
     glob = write_rows(tmp_path, n)
@@ -286,14 +282,6 @@ def test_running_the_cell_five_times_leaves_memory_and_threads_flat(tmp_path):
             out = coord.fetch(coord.schedule_on_all(committed_counts, args=(module,)))
             assert_every_row_once(out, n)
             del module, ds, it
-            samples.append(client.run(_rss_and_threads))
-        for addr in samples[0]:
-            rss = [s[addr][0] for s in samples]
-            threads = [s[addr][1] for s in samples]
-            print(f"{addr}: RSS after each cell {[r // 2**20 for r in rss]} MB, "
-                  f"threads {[len(t) for t in threads]}")
-            # after the first cell (imports, first allocations), flat: the last cell's
-            # RSS within 30 MB of the second's, and the same threads every time
-            assert rss[-1] - rss[1] < 30 * 2**20, [r // 2**20 for r in rss]
-            assert threads[-1] == threads[1], (threads[1], threads[-1])
+            samples.append(client.run(rss_and_threads))
+        assert_flat(samples)
         coord.close()
