@@ -46,8 +46,12 @@ def all_ids(parts: int = PARTS) -> set[int]:
 
 def drain(loader, svc):
     """Run every batch as a completed closure (acknowledged); ids seen."""
+    return drain_iter(iter(loader), svc)
+
+
+def drain_iter(it, svc):
+    """:func:`drain` on an iterator already started."""
     seen: Counter = Counter()
-    it = iter(loader)
     while True:
         scope = ClosureScope()
         with closure_scope(scope):
@@ -271,3 +275,46 @@ def test_a_partitions_arrow_table_is_what_pyarrow_makes_of_the_frame():
     assert got.column("f32").null_count == 2
     sub = _frame_table(frame, ["s", "f64"])
     assert sub.column_names == ["s", "f64"] and sub.equals(want.select(["s", "f64"]))
+
+
+STARTED: list[int] = []
+GATE = threading.Event()
+
+
+def gated_part(i: int) -> pd.DataFrame:
+    """Partition ``i``, logged as it starts; from partition 1 on, computed once ``GATE``
+    is set (at most 60 s)."""
+    STARTED.append(i)
+    if i >= 1:
+        GATE.wait(60)
+    return pd.DataFrame({"id": np.arange(ROWS) + 1000 * i})
+
+
+def test_a_reader_computes_the_partition_it_reads_and_partitions_ahead_more():
+    """While partition 0 is read, partitions_ahead (2) partitions compute behind it,
+    never more: the first batch comes with exactly 3 partitions started (read inline,
+    prefetch=0: a prefetch thread would read on, one partition further)."""
+    from tests.conftest import wait_until
+
+    STARTED.clear()
+    GATE.clear()
+    svc = LocalLeaseService()
+    df = ddf.from_map(gated_part, range(6), meta=pd.DataFrame({"id": np.arange(0)}))
+    ld = ArrowLoader(df, InputContext(services=svc), batch_size=ROWS, partitions_ahead=2,
+                     prefetch=0)
+    it = iter(ld)
+    try:
+        scope = ClosureScope()
+        with closure_scope(scope):
+            first = next(it)
+        assert first["id"].tolist() == list(range(ROWS))
+        wait_until(lambda: len(STARTED) >= 3, 30, "two partitions computing ahead")
+        assert sorted(STARTED) == [0, 1, 2], STARTED
+        assert svc.ack_tokens(scope.tokens)
+    finally:
+        GATE.set()
+    seen = Counter(first["id"].tolist())
+    seen.update(drain_iter(it, svc))
+    assert set(seen) == {1000 * i + k for i in range(6) for k in range(ROWS)}
+    assert set(seen.values()) == {1}
+    ld.close()

@@ -497,7 +497,7 @@ def make_computer(loader: ArrowLoader) -> Any:
     if worker is not None and hasattr(worker, "_get_client"):
         helpers = getattr(svc, "collection_helpers", None)
         return DaskComputer(worker, helpers)
-    return LocalComputer(loader.partitions_ahead)
+    return LocalComputer(loader.partitions_ahead + 1)  # the one read next and those ahead
 
 
 def partition_error(coll: DaskCollection, unit: int, exc: BaseException) -> InputError:
@@ -557,11 +557,11 @@ class PartitionSource:
         """Lease, compute (ahead), convert partitions until none is free right now.
 
         ``partitions_ahead`` partitions are leased (and being computed) ahead of the
-        one being read: when one is taken to be read, its replacement is asked for
-        without waiting (when the service can) and goes to Dask as soon as its lease is
-        here (once the taken one is computed, or before the next), so the lease's round
-        trip overlaps the compute and the read. Lengths are reported without waiting
-        too; a differing one raises at the next one."""
+        one being read or waited for, so at most ``partitions_ahead + 1`` are held per
+        reader: when one is taken, its replacement is asked for without waiting (when
+        the service can), so the lease's round trip overlaps the compute and the read.
+        Lengths are reported without waiting too; a differing one raises at the next
+        one."""
         ld = self.loader
         svc = ld.ctx.services
         coll = ld.shards
@@ -587,7 +587,8 @@ class PartitionSource:
 
         try:
             while True:
-                while not exhausted and len(pending) < ld.partitions_ahead:
+                # the partition to read next and ``partitions_ahead`` behind it
+                while not exhausted and len(pending) <= ld.partitions_ahead:
                     if ask is not None:
                         ranges, ask = ask.result(), None
                     else:
@@ -616,12 +617,6 @@ class PartitionSource:
                         raise InputError(failed, e) from e
                     raise err from e
                 try:
-                    if ask is not None and ask.done():
-                        # the replacement's lease came while this partition computed: it
-                        # computes while this one is read, so ``partitions_ahead`` are
-                        # computing ahead of the reader, not one fewer
-                        ranges, ask = ask.result(), None
-                        exhausted = not take(ranges)
                     n = part_rows(data)
                     if report_ahead is not None:
                         reports.append(report_ahead(ld.dataset_id, self.epoch, unit, n))
@@ -760,7 +755,8 @@ class StaticPartitionSource:
         nxt = 0
         try:
             while True:
-                while nxt < len(order) and len(pending) < ld.partitions_ahead:
+                # the partition to read next and ``partitions_ahead`` behind it
+                while nxt < len(order) and len(pending) <= ld.partitions_ahead:
                     pending.append(computer.submit(ld.shards, order[nxt]))
                     nxt += 1
                 if not pending:
