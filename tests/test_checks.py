@@ -125,6 +125,14 @@ def test_checks_name_the_argument_and_what_it_got():
             ([[0, 1 << 60]], ValueError, r"ranges\[0\]\[1\] must be between 0 and")]:
         with pytest.raises(exc, match=match):
             checks.pairs(value, "ranges", 2)
+    from daskdist.core.protocol import DatasetDef
+
+    fields = len(DatasetDef._fields)
+    d = checks.named(["d"] + [None] * (fields - 1), "dataset", DatasetDef)
+    assert isinstance(d, DatasetDef) and d.dataset_id == "d"
+    for value in (["d"] * (fields - 1), "d" * fields, None):
+        with pytest.raises(TypeError, match=r"dataset must be a DatasetDef \('dataset_id'"):
+            checks.named(value, "dataset", DatasetDef)
 
 
 def test_read_only_handlers_never_create_state(client):

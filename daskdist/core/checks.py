@@ -116,12 +116,19 @@ def pairs(value: Any, what: str, limit: int = MAX_ITEMS, lo: int = 0, hi: int = 
     return out
 
 
-def record(value: Any, what: str, size: int) -> list | tuple:
+def record(value: Any, what: str, size: int, kind: str = "") -> list | tuple:
     """One message record of ``size`` fields (a NamedTuple on the wire: a list)."""
     if not isinstance(value, (list, tuple)) or len(value) != size:
-        raise TypeError(f"{what} must be a record of {size} fields, got "
+        raise TypeError(f"{what} must be {kind or f'a record of {size} fields'}, got "
                         f"{type(value).__name__} {_name(value)}")
     return value
+
+
+def named(value: Any, what: str, cls: Any) -> Any:
+    """A message record as its named type ``cls`` (a NamedTuple; a list on the wire),
+    its fields not yet checked; ``TypeError`` naming ``cls`` and its fields."""
+    n = len(cls._fields)
+    return cls._make(record(value, what, n, f"a {cls.__name__} {cls._fields}"))
 
 
 def submission_ok(item: Any, prefix: str) -> bool:

@@ -59,10 +59,7 @@ class CollectionHandlers:
         definition is refused. A persisted collection's locality index is built here,
         once."""
         co = self.plugin._get(name)
-        if not isinstance(dataset, (list, tuple)) or len(dataset) != len(CollectionDef._fields):
-            raise TypeError(f"dataset must be a CollectionDef {CollectionDef._fields}, got "
-                            f"{type(dataset).__name__}")
-        d = CollectionDef._make(dataset)
+        d = checks.named(dataset, "dataset", CollectionDef)
         dataset_id = checks.text(d.dataset_id, "dataset_id")
         label = checks.text(d.label, "label", empty=True)
         units = checks.integer(d.units, "units", 0, MAX_UNITS)

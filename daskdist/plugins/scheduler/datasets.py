@@ -45,10 +45,7 @@ class LeaseBook:
         """Define a dynamic dataset's units once (:class:`DatasetDef`), from its owner's
         client (``distribute_dataset``; ``runs=None`` registers a per-worker dataset)
         or a worker's loader (``session``); a differing definition is refused."""
-        if not isinstance(dataset, (list, tuple)) or len(dataset) != len(DatasetDef._fields):
-            raise TypeError(f"dataset must be a DatasetDef {DatasetDef._fields}, got "
-                            f"{type(dataset).__name__}")
-        d = DatasetDef._make(dataset)
+        d = checks.named(dataset, "dataset", DatasetDef)
         dataset_id = checks.text(d.dataset_id, "dataset_id")
         label = checks.text(d.label, "label", empty=True)
         runs = checks.optional(checks.pairs, d.runs, "runs", checks.MAX_RUNS)
