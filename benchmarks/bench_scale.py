@@ -649,6 +649,10 @@ def _write_rows(root: str, rows: int, group: int) -> str:
     return f"{root}/*.parquet"
 
 
+# the `dask` command of this interpreter's environment (run without activating it)
+_DASK = os.path.join(os.path.dirname(sys.executable), "dask")
+
+
 def real_one(n: int, args, root: str) -> dict:
     """One scheduler process and ``n`` worker processes: every real figure."""
     import signal
@@ -662,7 +666,7 @@ def real_one(n: int, args, root: str) -> dict:
     sfile = f"{root}/scheduler-{n}.json"
     env = dict(os.environ, DASK_DISTRIBUTED__LOGGING__DISTRIBUTED="error",
                DASK_DISTRIBUTED__WORKER__DAEMON="False")
-    sched = subprocess.Popen(["dask", "scheduler", "--no-dashboard", "--port", "0",
+    sched = subprocess.Popen([_DASK, "scheduler", "--no-dashboard", "--port", "0",
                               "--preload", "daskdist.plugins.scheduler",
                               "--scheduler-file", sfile], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -672,7 +676,7 @@ def real_one(n: int, args, root: str) -> dict:
         client = Client(scheduler_file=sfile)
         coord = dd.Coordinator(client, name="scale", torch_threads=1)
         c0 = _proc_cpu(sched.pid)
-        workers = subprocess.Popen(["dask", "worker", "--nworkers", str(n), "--nthreads", "1",
+        workers = subprocess.Popen([_DASK, "worker", "--nworkers", str(n), "--nthreads", "1",
                                     "--no-dashboard", "--memory-limit", "0",
                                     "--scheduler-file", sfile], env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
