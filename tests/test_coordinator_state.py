@@ -46,7 +46,7 @@ def test_start_session_takes_the_lowest_free_index_and_a_lease():
                                       "joins": 1, "renew": 1.0}
     reply = start(co, "s2", "w2")
     assert reply["index"] == 1 and reply["num_workers"] == 2
-    assert co.renew("s1", 1.0) and co.renew("s2", 1.0)
+    assert co.members.renew("s1", 1.0) and co.members.renew("s2", 1.0)
     co.stop_session("s1")
     assert start(co, "s3", "w3")["index"] == 0  # a replacement reuses the lost index
     assert start(co, "s4", "w4")["index"] == 2
@@ -84,7 +84,7 @@ def test_a_new_session_of_the_same_worker_ends_the_old_one():
     co.queue.put("o-0", "me", b"")
     assert [c.cid for c in co.queue.dispatch("old", 1)] == ["o-0"]
     assert start(co, "new", "w1")["index"] == 0
-    assert "old" not in co.members and not co.renew("old", 1.0)  # fenced
+    assert "old" not in co.members and not co.members.renew("old", 1.0)  # fenced
     assert co.workers_lost == 0  # a restart of the plugin, not a loss
     assert [c.cid for c in co.queue.dispatch("new", 1)] == ["o-0"]  # put back
 
@@ -448,7 +448,7 @@ def test_membership_index_is_the_lowest_free_and_sessions_are_found_by_address()
 
 
 def test_liveness_expires_in_renewal_order_even_when_clocks_come_out_of_order():
-    from daskdist.core.liveness import LivenessTable
+    from daskdist.core.membership import LivenessTable
 
     t = LivenessTable(timeout=10)
     for i, s in enumerate("abcde"):
@@ -473,7 +473,7 @@ def test_a_put_wakes_one_long_poll_per_closure():
     co.closure_book.add_owner("me", None, "t")
     for i in range(6):
         start(co, f"s{i}", f"w{i}")
-    co.poll_interval = lambda: 30.0
+    co.members.poll = 30.0
 
     async def run():
         polls = {f"s{i}": asyncio.ensure_future(book.exchange(_Comm(), f"s{i}", [], [], 1, True))
@@ -563,7 +563,7 @@ def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
         got = await book.exchange(_Comm(), "s2", [], ["me-0"], 5, False)
         assert [d[0] for d in got["closures"]] == ["me-2"]
 
-    co.poll_interval = lambda: 0.05
+    co.members.poll = 0.05
     asyncio.run(run())
     assert not [m for _, m in sent if m.get("op") == "daskdist-steal"]
     co.leases.ack("s2", "ds", 0, rows)

@@ -252,16 +252,19 @@ def test_stats_counts_rows_rates_and_group_events():
     member = SimpleNamespace(address="tcp://w0", index=0, device="cpu")
     group = SimpleNamespace(sessions=("s0", "s1"), ranks={"s0": 0, "s1": 1}, generation=3,
                             broken=False)
+    status = [dict(done=0, failed=0, retried=0, recovered=0, queued=5, running=1)]
     co = SimpleNamespace(members=SimpleNamespace(members={"s0": member}),
-                         gangs=SimpleNamespace(group=group))
-    base = dict(done=0, failed=0, retried=0, recovered=0, queued=5, running=1)
-    stats.sample(base)
-    stats.on_results(co, "s0", True, True)
+                         gangs=SimpleNamespace(group=group), status=lambda: status[0])
+    stats.sample(co)
+    # the closure book's counts: one closure done and one failed on s0 (a fenced
+    # duplicate is not counted there), folded in at the next sample
+    stats.finished["s0"] = [1, 1]
     stats.on_rows(co, "s0", "ds", 150)  # what the lease table acknowledged for it
-    stats.on_results(co, "s0", True, False)  # failed
-    stats.on_results(co, "s0", False, True)  # fenced duplicate: nothing
+    assert stats.workers["tcp://w0"].closures == 0
     now[0] = 102.0
-    stats.sample({**base, "done": 4, "queued": 1})
+    status[0] = {**status[0], "done": 4, "queued": 1}
+    stats.sample(co)
+    assert not stats.finished
     assert stats.workers["tcp://w0"].closures == 1 and stats.workers["tcp://w0"].rows == 150
     assert stats.workers["tcp://w0"].failed == 1 and stats.dataset_rows == {"ds": 150}
     series = stats.series()

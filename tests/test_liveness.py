@@ -13,7 +13,7 @@ import pytest
 from distributed import Client
 
 import daskdist as dd
-from daskdist.core.liveness import LivenessTable
+from daskdist.core.membership import LivenessTable
 from tests.conftest import make_cluster, wait_for_workers, wait_until, worker_pids
 from tests.tables import check_leases, check_queue, leased_to
 
@@ -82,10 +82,10 @@ def test_coordinator_state_expires_like_a_lost_worker():
     co.leases.define("ds", [(10, 1)])
     lease = co.leases.acquire("s1", "ds", 0, 10)
     assert lease is not None
-    assert co.renew("s2", 4.0)
+    assert co.members.renew("s2", 4.0)
     assert co.expire_sessions(5.5) == ["s1"]
     assert "s1" not in co.members and co.workers_lost == 1
-    assert not co.renew("s1", 6.0)
+    assert not co.members.renew("s1", 6.0)
     assert [c.cid for c in co.queue.dispatch("s2", 4)] == ["o-0", "o-1", "o-2", "o-3"]
     assert co.leases.progress("ds", 0)["free"] == 10
     assert co.status()["lease_expiries"] == 1

@@ -1,14 +1,21 @@
-"""Membership: which worker sessions belong to a coordinator and their dense indices.
+"""Membership: a coordinator's worker sessions, their dense indices and their leases.
 
 Pure bookkeeping (no Dask imports). A session is one worker plugin's life on one
 worker; a joining session takes the lowest free index, so a replacement reuses a lost
 worker's index and indices stay dense in steady state (SPEC §2.2). ``version`` grows on
 every join and leave so workers (and elastic state) can tell that membership changed.
+
+Each session holds a lease (:class:`LivenessTable`): it renews it (every
+``liveness.renew-interval`` from the worker's event loop, and with every message it
+sends); a session silent for ``lease-timeout`` is *expired*: the scheduler plugin ends
+it like a lost worker and fences it (SPEC §2.4). Time is passed in (a monotonic
+clock's seconds), so every transition is unit-tested without sleeping.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -26,6 +33,85 @@ class SessionMembership:
 
 
 @dataclass
+class LivenessTable:
+    """Last renewal time per live session; ``expired(now)`` names the silent ones.
+
+    Sessions are kept in the order of their last renewal (a renewal moves its session
+    to the end), so :meth:`expire` looks only at the sessions it expires, plus one:
+    the liveness loop's tick costs O(1) however many sessions are live.
+    """
+
+    timeout: float = 30.0
+    _last: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    expiries: int = 0  # sessions expired so far (cumulative)
+    _ordered: bool = True  # False after a renewal older than the newest (re-sorted lazily)
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ValueError(f"lease-timeout must be positive, got {self.timeout!r}")
+
+    def _touch(self, session: str, now: float) -> None:
+        last = self._last
+        if last and self._ordered and now < next(reversed(last.values())):
+            self._ordered = False  # clocks passed in out of order (tests): sort later
+        last[session] = now
+        last.move_to_end(session)
+
+    def renew(self, session: str, now: float) -> bool:
+        """Record that ``session`` is alive at ``now``; ``False`` for an unknown session
+        (never added, expired or forgotten: it must not come back to life)."""
+        t = self._last.get(session)
+        if t is None:
+            return False
+        if now > t:
+            self._touch(session, now)
+        return True
+
+    def add(self, session: str, now: float) -> None:
+        """A new session starts with a fresh lease."""
+        self._touch(session, now)
+
+    def last(self, session: str) -> float | None:
+        """When ``session`` last renewed (``None``: not live)."""
+        return self._last.get(session)
+
+    def forget(self, session: str) -> None:
+        """The session ended for another reason (worker left, plugin torn down)."""
+        self._last.pop(session, None)
+
+    def expire(self, now: float) -> list[str]:
+        """Remove and return the sessions whose last renewal is older than ``timeout``."""
+        last = self._last
+        if not self._ordered:
+            self._last = last = OrderedDict(sorted(last.items(), key=lambda kv: kv[1]))
+            self._ordered = True
+        limit = now - self.timeout
+        out = []
+        while last:
+            s, t = next(iter(last.items()))
+            if t >= limit:
+                break
+            last.popitem(last=False)
+            out.append(s)
+        self.expiries += len(out)
+        return out
+
+    def extend(self, seconds: float) -> None:
+        """The scheduler itself did not listen for ``seconds`` (its event loop stalled):
+        renewals sent meanwhile may still be unread, so no session is blamed for it
+        (O(n), once per stall)."""
+        if seconds > 0:
+            for s in self._last:
+                self._last[s] += seconds
+
+    def __contains__(self, session: str) -> bool:
+        return session in self._last
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+
+@dataclass
 class Membership:
     """Sessions by id, at most one per worker address.
 
@@ -40,6 +126,9 @@ class Membership:
     _by_address: dict[str, str] = field(default_factory=dict)  # address -> session
     _free: list[int] = field(default_factory=list)  # a heap of indices below _next
     _next: int = 0  # indices 0 .. _next - 1 were handed out
+    leases: LivenessTable = field(default_factory=LivenessTable)  # the sessions' leases
+    poll: float = 0.0  # ``scheduler.poll-interval``: see :meth:`poll_interval`
+    renew_base: float = 1.0  # ``liveness.renew-interval``: see :meth:`renew_interval`
 
     def join(self, session: str, address: str, device: str = "cpu",
              gpu: str = "") -> tuple[SessionMembership, SessionMembership | None]:
@@ -100,3 +189,28 @@ class Membership:
         """Members in index order (the rank order of collective groups; O(n log n): for
         a group's formation, not per event)."""
         return sorted(self.members.values(), key=lambda m: m.index)
+
+    def renew(self, session: str, now: float) -> bool:
+        """A message from ``session``: its lease runs on. ``False`` if it is not a member
+        (ended or expired: the worker must register a new session)."""
+        return session in self.members and self.leases.renew(session, now)
+
+    def counters(self) -> dict[str, int]:
+        """The membership counters a worker session keeps (``State.commit()`` compares
+        them): ``version`` (every join, leave or retirement) and ``joins`` (joins only:
+        a change without one is Horovod's ``skip_sync``)."""
+        return {"version": self.version, "joins": self.joins}
+
+    def poll_interval(self) -> float:
+        """How long a worker's long-poll waits for work: ``scheduler.poll-interval``,
+        longer on large clusters so idle workers poll at most ~200 times a second
+        (Dask's heartbeats: ``n / 200``)."""
+        return max(self.poll, len(self.members) / 200)
+
+    def renew_interval(self) -> float:
+        """How often a worker session renews its lease (the register and exchange
+        replies say): ``liveness.renew-interval``, growing like Dask's heartbeats
+        (``n / 200`` seconds: at most ~200 renewals a second), at most a quarter of
+        ``lease-timeout``."""
+        base = self.renew_base
+        return min(max(base, len(self.members) / 200), max(base, self.leases.timeout / 4))

@@ -19,7 +19,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from daskdist import config
 from daskdist.core import checks
 from daskdist.core.protocol import (
     CANCELLED,
@@ -273,6 +272,7 @@ class ClosureBook:
         q = self.queue
         backlog = q.backlog
         unstarted = []
+        finished = co.stats.finished
         dropped = set()  # dropped owners whose closures came back or ended
         for r in map(Outcome._make, results):
             cid, value, kind, tokens = r.cid, r.value, r.kind, r.tokens
@@ -286,7 +286,11 @@ class ClosureBook:
             accepted = q.holds(session, cid)
             gang = c is not None and c.owner == GANG_OWNER
             o = q.finish(session, cid, ok, value, kind)
-            co.stats.on_results(co, session, accepted, ok)
+            if accepted:  # the dashboard's count (folded in at its samples)
+                counts = finished.get(session)
+                if counts is None:
+                    counts = finished[session] = [0, 0]
+                counts[not ok] += 1
             if tokens:
                 if accepted and ok and not gang:
                     if not leases.ack_tokens(session, tokens):
@@ -437,7 +441,7 @@ class ClosureBook:
         timeout = checks.optional(checks.number, timeout, f"{op}: timeout", 0.0, 3600.0)
         if not box.items:
             if timeout is None:
-                timeout = config.seconds("scheduler.poll-interval")
+                timeout = self.co.members.poll  # scheduler.poll-interval
             await wait_event(box.event, timeout)
         if self.outboxes.get(owner) is not box:
             return {"detached": True}
@@ -472,12 +476,12 @@ class ClosureBook:
         outcomes = checks.outcomes(op, results)
         held, started = checks.observed(op, held, started)
         co = self.co
-        if not co.renew(session, time.monotonic()):
+        if not co.members.renew(session, time.monotonic()):
             return SESSION_ENDED  # fenced: the loop's exchange re-registers
         self.apply_results(session, outcomes)
         if held is not None:
             self.queue.observe(session, held, started)
-        return {**co.counters(), "hold": self.hold}
+        return {**co.members.counters(), "hold": self.hold}
 
     def renew(self, session: str, held: list | None = None,
               started: list | None = None) -> dict:
@@ -486,7 +490,7 @@ class ClosureBook:
         op = "daskdist_renew"
         checks.text(session, f"{op}: session")
         held, started = checks.observed(op, held, started)
-        if not self.co.renew(session, time.monotonic()):
+        if not self.co.members.renew(session, time.monotonic()):
             return SESSION_ENDED
         if held is not None:
             self.queue.observe(session, held, started)
@@ -525,7 +529,7 @@ class ClosureBook:
         co = self.co
         if co.closed:
             return {"closed": True}
-        if not co.renew(session, time.monotonic()):
+        if not co.members.renew(session, time.monotonic()):
             return SESSION_ENDED
         q = self.queue
         if outcomes:
@@ -549,7 +553,7 @@ class ClosureBook:
         if not closures and block and want > 0:
             if not routed:  # closures set aside for the holders: theirs, not to steal
                 self._steal_for(session)
-            deadline = time.monotonic() + co.poll_interval()
+            deadline = time.monotonic() + co.members.poll_interval()
             event = asyncio.Event()
             self.parked[session] = event
             try:
@@ -584,9 +588,9 @@ class ClosureBook:
             "closures": [Dispatch(c.cid, c.payload, c.attempt, c.pinned is not None, c.owner)
                          for c in closures],
             "num_workers": len(co.members),
-            **co.counters(),
+            **co.members.counters(),
             "hold": self.hold,
-            "renew": co.renew_interval(),
+            "renew": co.members.renew_interval(),
         }
 
 

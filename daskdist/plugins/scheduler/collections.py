@@ -124,7 +124,7 @@ class CollectionHandlers:
         session = checks.text(session, "session")
         dataset_id = checks.text(dataset_id, "dataset_id")
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
-        if not co.renew(session, time.monotonic()):
+        if not co.members.renew(session, time.monotonic()):
             return SESSION_ENDED
         table = co.leases
         parts = max(1, len(co.members))
@@ -172,7 +172,7 @@ class CollectionHandlers:
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
         unit = checks.integer(unit, "unit", 0, MAX_UNITS)
         length = checks.integer(length, "length", 0, checks.MAX_ROWS)
-        if not co.renew(session, time.monotonic()):
+        if not co.members.renew(session, time.monotonic()):
             return SESSION_ENDED
         why = co.leases.set_length(session, dataset_id, epoch, unit, length)
         return {} if why is None else {"failed": why}

@@ -75,7 +75,7 @@ class LeaseBook:
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
         rows = checks.integer(rows, "rows", 1, checks.MAX_ROWS)
         least = checks.integer(least, "least", 1, checks.MAX_ROWS)
-        if not self.co.renew(session, time.monotonic()):
+        if not self.co.members.renew(session, time.monotonic()):
             return SESSION_ENDED
         try:
             lease = self.leases.acquire(session, dataset_id, epoch, rows,

@@ -69,7 +69,7 @@ class GroupBook:
         self.told = group.generation
         co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
                       "generation": group.generation, "reason": group.why,
-                      **co.counters()}, group.sessions, addressed=True)
+                      **co.members.counters()}, group.sessions, addressed=True)
         co.told_version = co.members.version  # the members know it: no membership message
 
     def session_lost(self, session: str, expected: bool) -> None:

@@ -198,7 +198,7 @@ class Sampler:
             stats: CoordinatorStats = co.stats
             if stats.history.maxlen != history:
                 stats.history = type(stats.history)(stats.history, maxlen=max(2, history))
-            stats.sample(co.status())
+            stats.sample(co)
 
 
 _collector: MetricsCollector | None = None

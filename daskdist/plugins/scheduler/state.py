@@ -27,8 +27,7 @@ from typing import Any
 
 from daskdist import config
 from daskdist.core import checks
-from daskdist.core.liveness import LivenessTable
-from daskdist.core.membership import Membership
+from daskdist.core.membership import LivenessTable, Membership
 from daskdist.core.protocol import RETIRING
 from daskdist.plugins.scheduler.closures import CLOSED, ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
@@ -46,8 +45,12 @@ class CoordinatorState:
                  lease_timeout: float = 30.0):
         self.name = name
         self.send = send or (lambda address, msg: None)
-        self.liveness = LivenessTable(lease_timeout)  # session leases (SPEC §2.4)
-        self.members = Membership()
+        # sessions, their indices and leases (SPEC §2.4); the settings read on every
+        # exchange, read once (parsing a duration is not free)
+        self.members = Membership(leases=LivenessTable(lease_timeout),
+                                  poll=config.seconds("scheduler.poll-interval"),
+                                  renew_base=config.seconds("liveness.renew-interval"))
+        self.liveness = self.members.leases
         self.stats = CoordinatorStats()  # dashboard counters and history (stats.py)
         self.closure_book = ClosureBook(self, max_worker_failures)
         self.group_book = GroupBook(self, max_worker_failures)
@@ -65,9 +68,6 @@ class CoordinatorState:
         self.resources_released = 0
         self._membership_flush: asyncio.TimerHandle | None = None
         self.told_version = 0  # the membership version the group's members last heard
-        # the settings read on every exchange, read once (parsing a duration is not free)
-        self._poll = config.seconds("scheduler.poll-interval")
-        self._renew = config.seconds("liveness.renew-interval")
         self.closed = False  # the last owner left: the plugin tears this coordinator down
         # Coordinator(resources=...): the Dask resources a worker must declare to be a
         # member (the first Coordinator of the name decides; None: every worker)
@@ -129,12 +129,6 @@ class CoordinatorState:
             if m is not None:
                 self.send(m.address, {**msg, "session": session} if addressed else msg)
 
-    def counters(self) -> dict[str, int]:
-        """The membership counters a worker session keeps (``State.commit()`` compares
-        them): ``version`` (every join, leave or retirement) and ``joins`` (joins only:
-        a change without one is Horovod's ``skip_sync``)."""
-        return {"version": self.members.version, "joins": self.members.joins}
-
     def membership_changed(self) -> None:
         """A session joined or left, or a group member's status changed: the group's
         members hear the new membership version (what ``State.commit()`` compares) in
@@ -165,23 +159,9 @@ class CoordinatorState:
             # the counters (a further loss in it costs no message to every member)
             self.told_version = self.members.version
             return
-        self.broadcast({"op": "daskdist-membership", "name": self.name, **self.counters()},
+        self.broadcast({"op": "daskdist-membership", "name": self.name, **self.members.counters()},
                        group.sessions, addressed=True)
         self.told_version = self.members.version
-
-    def poll_interval(self) -> float:
-        """How long a worker's long-poll waits for work: ``scheduler.poll-interval``,
-        longer on large clusters so idle workers poll at most ~200 times a second
-        (Dask's heartbeats: ``n / 200``)."""
-        return max(self._poll, len(self.members) / 200)
-
-    def renew_interval(self) -> float:
-        """How often a worker session renews its lease (the register and exchange
-        replies say): ``liveness.renew-interval``, growing like Dask's heartbeats
-        (``n / 200`` seconds: at most ~200 renewals a second), at most a quarter of
-        ``lease-timeout``."""
-        base = self._renew
-        return min(max(base, len(self.members) / 200), max(base, self.liveness.timeout / 4))
 
     def start_session(self, session: str, address: str, slots: int, device: str, gpu: str,
                       retiring: Callable[[str], bool], now: float) -> dict[str, int]:
@@ -202,8 +182,8 @@ class CoordinatorState:
         return {
             "index": member.index,
             "num_workers": len(self.members),
-            **self.counters(),
-            "renew": self.renew_interval(),
+            **self.members.counters(),
+            "renew": self.members.renew_interval(),
         }
 
     def stop_session(self, session: str, results: list | None = None) -> None:
@@ -279,11 +259,6 @@ class CoordinatorState:
             book.settle_dropped(set(book.dropped))
         book.wake_sessions((session,))  # its own long-poll returns
         book.wake(max(0, self.queue.backlog - backlog))  # its closures, back in the queue
-
-    def renew(self, session: str, now: float) -> bool:
-        """A message from ``session``: its lease runs on. ``False`` if it is not a member
-        (ended or expired: the worker must register a new session)."""
-        return session in self.members and self.liveness.renew(session, now)
 
     def expire_sessions(self, now: float) -> list[str]:
         """End every session silent for ``lease-timeout`` like a lost worker (fenced: its

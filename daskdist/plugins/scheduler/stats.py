@@ -1,11 +1,12 @@
 """Scheduler-side statistics for the dashboard: per worker, per dataset, group events, history.
 
 Pure bookkeeping (no Dask, Bokeh or torch import). :class:`CoordinatorState` owns one
-:class:`CoordinatorStats` and calls it, on the scheduler's event loop, where results are
-applied (``on_results``), the lease table acknowledges rows (``on_rows``) and sessions
-end (``on_session_end``); the group driver calls
-``on_formation``. ``sample`` appends one point of history (the observe module's sampler
-calls it every ``daskdist.dashboard.sample-interval``); :func:`snapshot` turns a
+:class:`CoordinatorStats`, on the scheduler's event loop. The closure book counts each
+result in ``finished`` (a dict: nothing here runs on a closure's path) and the stats
+fold those counts in at each sample, snapshot and session end; the lease table calls
+``on_rows`` as it acknowledges rows, a session's end ``on_session_end``, the group
+driver ``on_formation``. ``sample`` appends one point of history (the observe module's
+sampler calls it every ``daskdist.dashboard.sample-interval``); :func:`snapshot` turns a
 coordinator into the JSON-able dict that ``/daskdist/status.json``, the plain page, the
 Bokeh documents and the Prometheus collector all read. Nothing here changes the
 coordinator's state.
@@ -91,6 +92,9 @@ class CoordinatorStats:
         self.formations = 0  # successful formations (the first and every re-formation)
         self.checkpoint: CheckpointRecord | None = None  # the newest one written
         self.checkpoints = 0  # checkpoints written (reported)
+        # session -> [done, failed]: closures accepted since the last fold (the closure
+        # book adds each result here; :meth:`fold` moves them to the worker's counters)
+        self.finished: dict[str, list[int]] = {}
 
     # -- hooks (scheduler event loop) -----------------------------------------------------
     def _worker(self, co: Any, session: str) -> WorkerCounters:
@@ -107,15 +111,20 @@ class CoordinatorStats:
                 w.marks.append((t, w.closures, w.rows))
         return w
 
-    def on_results(self, co: Any, session: str, accepted: bool, ok: bool) -> None:
-        """A closure's result from ``session`` (not ``accepted``: a fenced duplicate)."""
-        if not accepted:
-            return
-        w = self._worker(co, session)
-        if ok:
-            w.closures += 1
+    def fold(self, co: Any, session: str | None = None) -> None:
+        """Move the closure book's counts of finished closures (``finished``: of
+        ``session``, or of every session) to their workers' counters. O(sessions that
+        finished closures since the last fold): at a sample, a snapshot, a session's end."""
+        finished = self.finished
+        if session is not None:
+            counts = finished.pop(session, None)
+            items = [] if counts is None else [(session, counts)]
         else:
-            w.failed += 1
+            items, self.finished = list(finished.items()), {}
+        for s, (done, failed) in items:
+            w = self._worker(co, s)
+            w.closures += done
+            w.failed += failed
 
     def on_rows(self, co: Any, session: str, dataset_id: str, rows: int) -> None:
         """The lease table acknowledged ``rows`` of ``dataset_id`` leased to ``session``
@@ -124,7 +133,9 @@ class CoordinatorStats:
         self.dataset_rows[dataset_id] = self.dataset_rows.get(dataset_id, 0) + rows
 
     def on_session_end(self, co: Any, session: str) -> None:
-        """Before ``session`` leaves: a loss event when it was a member of the group."""
+        """Before ``session`` leaves: its counts folded in; a loss event when it was a
+        member of the group."""
+        self.fold(co, session)
         group = co.gangs.group
         member = co.members.members.get(session)
         if member is not None and member.address in self.workers:
@@ -151,7 +162,11 @@ class CoordinatorStats:
             self.checkpoint = CheckpointRecord(state, url, commits, seconds, nbytes,
                                                self.clock())
 
-    def sample(self, status: dict) -> Sample:
+    def sample(self, co: Any) -> Sample:
+        """One point of history from ``co``'s status, after folding in what its workers
+        finished since the last one (their rates' marks are the previous sample's)."""
+        self.fold(co)
+        status = co.status()
         s = Sample(self.clock(), status["done"], status["failed"], status["retried"],
                    status["recovered"], status["queued"], status["running"])
         self.history.append(s)
@@ -209,6 +224,7 @@ def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
     ``group`` is the group driver's ``info()`` (generation, members, backend, ...).
     """
     stats: CoordinatorStats = co.stats
+    stats.fold(co)
     status = dict(co.status())
     status.setdefault("lease_expiries", 0)
     rates = stats.worker_rates()
