@@ -28,9 +28,9 @@ _LAZY = {
     "Coordinator": "daskdist.client.coordinator",
     "DistributedDataset": "daskdist.client.datasets",
     "PerWorkerDataset": "daskdist.client.datasets",
-    "PerWorkerValues": "daskdist.client.values",
-    "RemoteValue": "daskdist.client.values",
-    "RemoteValueStatus": "daskdist.client.values",
+    "PerWorkerValues": "daskdist.client.closures",
+    "RemoteValue": "daskdist.client.closures",
+    "RemoteValueStatus": "daskdist.client.closures",
     "collective": None,
     "data": None,
 }

@@ -574,7 +574,7 @@ def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
 def test_a_closure_reading_a_per_worker_iterator_names_its_dataset():
     """The client tags a closure whose argument is a dataset's per-worker iterator with
     the dataset's id (Submission.dataset), whichever argument it is; else ''."""
-    from daskdist.client.coordinator import _dataset_read
+    from daskdist.client.closures import _dataset_read
     from daskdist.client.datasets import _ResourceHandle
 
     ds = _ResourceHandle("ds-1", "dataset")

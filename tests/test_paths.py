@@ -67,5 +67,5 @@ def test_a_closure_crosses_at_most_eight_files():
             client.run(path_trace.uninstall)
             client.run_on_scheduler(path_trace.uninstall)
     print("closure path:", files, "seen:", dict(counts))
-    assert "client/coordinator.py" in files and "core/queue.py" in files, counts
+    assert "client/closures.py" in files and "core/queue.py" in files, counts
     assert len(files) <= 8, f"a closure runs code in {len(files)} files: {files} ({counts})"

@@ -8,7 +8,7 @@ import pickle
 import pytest
 from distributed.protocol import dumps, loads
 
-from daskdist.client.values import RemoteValueStatus
+from daskdist.client.closures import RemoteValueStatus
 from daskdist.core import protocol
 from daskdist.core.protocol import (
     CANCELLED,
@@ -70,7 +70,7 @@ def test_named_types_equal_their_positional_tuples():
 def test_a_per_worker_value_travels_as_a_resource_ref():
     """What a worker unpickles from a closure's arguments: a named reference, never the
     client's class (a worker resolves it to its own component)."""
-    from daskdist.client.values import PerWorkerValues
+    from daskdist.client.closures import PerWorkerValues
 
     back = pickle.loads(pickle.dumps(([PerWorkerValues("resource-1", "dataset")], {})))
     assert back == ([ResourceRef("resource-1", "dataset")], {})

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from daskdist.client import reprs
-from daskdist.client.values import PerWorkerValues
+from daskdist.client.closures import PerWorkerValues
 from daskdist.core.protocol import EpochLedger
 from daskdist.errors import InputError
 
