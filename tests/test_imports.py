@@ -30,7 +30,7 @@ def loaded_after(statement: str) -> set[str]:
 
 def test_the_pure_modules_are_the_ones_the_issue_names():
     names = {m.rsplit(".", 1)[1] for m in PURE}
-    assert {"queue", "leases", "commits", "gang", "membership", "liveness", "backends",
+    assert {"queue", "leases", "commits", "gang", "membership", "backends",
             "protocol", "intervals"} <= names
 
 

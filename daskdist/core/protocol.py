@@ -1,17 +1,35 @@
-"""Named message types and constants between client, scheduler plugin and workers (pure).
+"""What crosses the wire between client, scheduler plugin and workers (pure): the named
+messages, the checks of what arrives, and how a handler's message reaches its book.
 
 Each message is a ``NamedTuple``: on the wire (msgpack) it travels as a plain list, and
 pickled it stays itself, so it is wire-compatible with the positional tuples it
 replaced; a receiver rebuilds it with ``Type._make(item)``. Closure states and error
-kinds are defined here once. Imports nothing from Dask, torch or the rest of the package.
+kinds are defined here once.
+
+Every scheduler handler runs its arguments through the checks below before it touches
+any state, and the client checks its settings with the same rules, so a bad call is
+refused with an error that names the handler (or setting), the argument and what it got
+(SPEC §2.5b, issue 16 point 7). Limits on sizes are wire limits, shared by both sides:
+no message carries more than :data:`MAX_ITEMS` items in one list, nor an id longer than
+:data:`MAX_TEXT` characters.
+
+:func:`book_handler` is what the scheduler plugin registers for each handler of a
+coordinator's book (``CLOSURE_HANDLERS``, ``GROUP_HANDLERS``, ``LEASE_HANDLERS``): it
+finds the book of the coordinator the message names and calls the handler's method.
+
+Imports nothing from Dask, torch or the rest of the package.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import inspect
+import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-# -- closure states (a RemoteValue's status on the client: values.RemoteValueStatus) --
+# -- closure states (a RemoteValue's status on the client: closures.RemoteValueStatus) --
 PENDING = "PENDING"
 RUNNING = "RUNNING"
 READY = "READY"
@@ -236,3 +254,255 @@ class CollectionDef(NamedTuple):
     seed: int = 0
     shuffle: bool = False
     holders: list | None = None
+
+
+# -- checks of what arrives -------------------------------------------------------------
+MAX_ITEMS = 100_000  # items in one list of one message (a batch of closures, of results)
+MAX_TEXT = 512  # characters of an id, a name or an address
+MAX_WORKER_FAILURES = 1_000  # max_worker_failures is 1 ... this
+MAX_LEASE_TIMEOUT = 7 * 24 * 3600.0  # lease_timeout is (0, a week] seconds
+MAX_RANGES = 1 << 18  # row intervals in one message (a release, an epoch's ledger):
+# about 0.3 s of the scheduler's event loop at most
+MAX_RUNS = 1 << 22  # runs of one dataset's unit definition
+MAX_ROWS = 1 << 50  # rows of a dataset (and rows asked for in one lease)
+MAX_EPOCH = (1 << 31) - 1
+
+
+def _name(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def text(value: Any, what: str, limit: int = MAX_TEXT, empty: bool = False) -> str:
+    """``value`` as an id, name or address: a ``str`` of at most ``limit`` characters
+    (and not empty unless ``empty``)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__} {_name(value)}")
+    if len(value) > limit or (not value and not empty):
+        raise ValueError(f"{what} must be a non-empty str of at most {limit} characters, "
+                         f"got {len(value)} characters")
+    return value
+
+
+def integer(value: Any, what: str, lo: int, hi: int) -> int:
+    """``value`` as an ``int`` in ``[lo, hi]`` (a bool is not an int here)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {_name(value)}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{what} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def number(value: Any, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    """``value`` as a finite ``float`` in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} "
+                        f"{_name(value)}")
+    value = float(value)
+    low_ok = value > lo if lo_open else value >= lo
+    if not (math.isfinite(value) and low_ok and value <= hi):
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{what} must be in {bracket}{lo:g}, {hi:g}], got {value!r}")
+    return value
+
+
+def optional(check: Callable[..., Any], value: Any, *args: Any, **kwargs: Any) -> Any:
+    """``None``, or ``value`` passed through ``check``."""
+    return None if value is None else check(value, *args, **kwargs)
+
+
+def flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {type(value).__name__} {_name(value)}")
+    return value
+
+
+def items(value: Any, what: str, limit: int = MAX_ITEMS) -> list | tuple:
+    """``value`` as a list (or tuple) of at most ``limit`` items."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} must be a list, got {type(value).__name__} {_name(value)}")
+    if len(value) > limit:
+        raise ValueError(f"{what} must hold at most {limit} items, got {len(value)}")
+    return value
+
+
+def _is_text(v: Any) -> bool:
+    return type(v) is str and 0 < len(v) <= MAX_TEXT
+
+
+def texts(value: Any, what: str, limit: int = MAX_ITEMS) -> list[str]:
+    """A list of ids (each checked by :func:`text`; the error message is only built
+    for a bad one: lists of ids come with every worker exchange)."""
+    value = items(value, what, limit)
+    for i, v in enumerate(value):
+        if not _is_text(v):
+            text(v, f"{what}[{i}]")  # raises, naming the item
+    return list(value)
+
+
+def pairs(value: Any, what: str, limit: int = MAX_ITEMS, lo: int = 0, hi: int = MAX_ROWS
+          ) -> list[tuple[int, int]]:
+    """A list of at most ``limit`` int pairs ``[a, b]`` with both in ``[lo, hi]`` (row
+    intervals, a dataset's ``(rows, count)`` runs), as tuples."""
+    out = []
+    for i, item in enumerate(items(value, what, limit)):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise TypeError(f"{what}[{i}] must be a pair [a, b], got {_name(item)}")
+        a, b = item
+        if type(a) is not int or type(b) is not int or not (lo <= a <= hi and lo <= b <= hi):
+            # the slow path only for what the fast one refuses: the error names the field
+            a = integer(a, f"{what}[{i}][0]", lo, hi)
+            b = integer(b, f"{what}[{i}][1]", lo, hi)
+        out.append((a, b))
+    return out
+
+
+def record(value: Any, what: str, size: int, kind: str = "") -> list | tuple:
+    """One message record of ``size`` fields (a NamedTuple on the wire: a list)."""
+    if not isinstance(value, (list, tuple)) or len(value) != size:
+        raise TypeError(f"{what} must be {kind or f'a record of {size} fields'}, got "
+                        f"{type(value).__name__} {_name(value)}")
+    return value
+
+
+def named(value: Any, what: str, cls: Any) -> Any:
+    """A message record as its named type ``cls`` (a NamedTuple; a list on the wire),
+    its fields not yet checked; ``TypeError`` naming ``cls`` and its fields."""
+    n = len(cls._fields)
+    return cls._make(record(value, what, n, f"a {cls.__name__} {cls._fields}"))
+
+
+def submission_ok(item: Any, prefix: str) -> bool:
+    """Whether ``item`` is a well-formed :class:`Submission` whose id starts with
+    ``prefix`` (the fast path of ``daskdist_put``: its checks build messages only for
+    a bad one)."""
+    return (type(item) in (list, tuple) and 3 <= len(item) <= 4
+            and _is_text(item[0]) and item[0].startswith(prefix)
+            and type(item[1]) in (list, tuple) and len(item[1]) == 2
+            and type(item[1][0]) is bytes and (item[1][1] is None or type(item[1][1]) is bytes)
+            and type(item[2]) is int and 0 <= item[2] <= MAX_RETRIES
+            and (len(item) == 3 or (type(item[3]) is str and len(item[3]) <= MAX_TEXT)))
+
+
+MAX_RETRIES = 1_000_000  # a closure's retries
+
+
+def payload(value: Any, what: str) -> list | tuple:
+    """A closure's payload: ``[function bytes, argument bytes or None]``."""
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not isinstance(value[0], bytes)
+            or not (value[1] is None or isinstance(value[1], bytes))):
+        raise TypeError(f"{what} must be [function bytes, argument bytes or None], got "
+                        f"{_name(value)}")
+    return value
+
+
+# -- what workers send ----------------------------------------------------------------------
+
+WORKER_STATES = frozenset({READY, FAILED, PENDING})  # what a worker may report
+
+
+def _is_outcome(item: Any) -> bool:
+    """Whether ``item`` passes :func:`outcomes`' checks (the fast path, no messages)."""
+    return (type(item) in (list, tuple) and len(item) == _OUTCOME_FIELDS
+            and _is_text(item[0]) and type(item[1]) is str and item[1] in WORKER_STATES
+            and (item[3] is None or _is_text(item[3]))
+            and type(item[4]) is int and 0 <= item[4] <= 2**31
+            and type(item[6]) in (list, tuple) and len(item[6]) <= MAX_ITEMS)
+
+
+_OUTCOME_FIELDS = len(Outcome._fields)
+
+
+def outcomes(op: str, results: Any) -> list[Outcome]:
+    """A worker's results, checked as a whole (nothing is applied if one is malformed)."""
+    out = []
+    for i, item in enumerate(items(results, f"{op}: results")):
+        if _is_outcome(item):
+            out.append(Outcome._make(item))
+            continue
+        o = Outcome._make(record(item, f"{op}: results[{i}]", len(Outcome._fields)))
+        text(o.cid, f"{op}: results[{i}].cid")
+        if o.state not in WORKER_STATES:
+            raise ValueError(f"{op}: results[{i}].state must be one of "
+                             f"{sorted(WORKER_STATES)}, got {o.state!r}")
+        optional(text, o.kind, f"{op}: results[{i}].kind")
+        integer(o.attempt, f"{op}: results[{i}].attempt", 0, 2**31)
+        items(o.tokens, f"{op}: results[{i}].tokens")
+        out.append(o)
+    return out
+
+
+def observed(op: str, held: Any, started: Any) -> tuple[list[str] | None, list[str]]:
+    """What a worker says it holds and which of those started."""
+    held = optional(texts, held, f"{op}: held")
+    return held, texts(started if started is not None else [], f"{op}: started")
+
+
+# -- settings (the client checks them too) -----------------------------------------------
+
+def max_worker_failures(value: Any, what: str = "max_worker_failures") -> int:
+    return integer(value, what, 1, MAX_WORKER_FAILURES)
+
+
+def lease_timeout(value: Any, what: str = "lease_timeout") -> float:
+    return number(value, what, 0.0, MAX_LEASE_TIMEOUT, lo_open=True)
+
+
+# -- members by Dask resources (Coordinator(resources=...)) ------------------------------
+
+def satisfies(worker_resources: dict | None, required: dict | None) -> bool:
+    """Whether a worker declaring ``worker_resources`` may be a member of a coordinator
+    that requires ``required`` (``None``: every worker)."""
+    if not required:
+        return True
+    have = worker_resources or {}
+    return all(float(have.get(k, 0)) >= float(v) for k, v in required.items())
+
+
+def resources(value: Any, what: str = "resources") -> dict[str, float]:
+    """``resources=`` as ``{name: positive amount}``."""
+    if not isinstance(value, dict) or not value or len(value) > 64:
+        raise TypeError(f"{what} must be a non-empty dict of Dask resources such as "
+                        f"{{'GPU': 1}}, got {value!r:.80}")
+    out = {}
+    for k, v in value.items():
+        text(k, f"{what} name")
+        out[k] = number(v, f"{what}[{k!r}]", 0.0, 1e12, lo_open=True)
+    return out
+
+
+# -- handlers: a message to its coordinator's book ---------------------------------------
+CLOSED = object()  # a book handler's default reply: KeyError naming the coordinator
+
+
+def book_handler(states: dict[str, Any], book: str, op: str,
+                 method: Callable[..., Any], missing: Any) -> Callable[..., Any]:
+    """Handler ``op`` (what the plugin registers): ``method`` called on the book
+    ``book`` of the coordinator (in ``states``, by name) the message names; with no such
+    coordinator, the reply is ``missing`` (:data:`CLOSED`: ``KeyError`` naming it). A
+    method whose first parameter (after ``self``) is ``comm`` gets Dask's comm."""
+
+    def book_of(name: Any) -> Any:
+        co = states.get(text(name, f"{op}: name"))
+        if co is None:
+            if missing is CLOSED:
+                raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler")
+            return None
+        return getattr(co, book)
+
+    if list(inspect.signature(method).parameters)[1:2] == ["comm"]:
+        async def handler(comm, name: str, **kwargs: Any) -> Any:
+            b = book_of(name)
+            return missing if b is None else await method(b, comm, **kwargs)
+    elif asyncio.iscoroutinefunction(method):
+        async def handler(name: str, **kwargs: Any) -> Any:  # type: ignore[misc]
+            b = book_of(name)
+            return missing if b is None else await method(b, **kwargs)
+    else:
+        def handler(name: str, **kwargs: Any) -> Any:  # type: ignore[misc]
+            b = book_of(name)
+            return missing if b is None else method(b, **kwargs)
+
+    handler.__name__ = method.__name__
+    return handler

@@ -16,12 +16,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from daskdist.core import checks
-from daskdist.core.checks import satisfies
+from daskdist.core import protocol
 from daskdist.core.leases import EpochFailed, SessionExpired
 from daskdist.core.locality import LocalityIndex
 from daskdist.core.partitions import MAX_UNITS
-from daskdist.core.protocol import SESSION_ENDED, CollectionDef
+from daskdist.core.protocol import SESSION_ENDED, CollectionDef, satisfies
 
 
 def _key(value: Any) -> Any:
@@ -59,27 +58,27 @@ class CollectionHandlers:
         definition is refused. A persisted collection's locality index is built here,
         once."""
         co = self.plugin._get(name)
-        d = checks.named(dataset, "dataset", CollectionDef)
-        dataset_id = checks.text(d.dataset_id, "dataset_id")
-        label = checks.text(d.label, "label", empty=True)
-        units = checks.integer(d.units, "units", 0, MAX_UNITS)
-        runs = checks.optional(checks.pairs, d.runs, "runs", checks.MAX_RUNS)
-        seed = checks.integer(d.seed, "seed", -(1 << 63), (1 << 63) - 1)
-        shuffle = checks.flag(d.shuffle, "shuffle")
+        d = protocol.named(dataset, "dataset", CollectionDef)
+        dataset_id = protocol.text(d.dataset_id, "dataset_id")
+        label = protocol.text(d.label, "label", empty=True)
+        units = protocol.integer(d.units, "units", 0, MAX_UNITS)
+        runs = protocol.optional(protocol.pairs, d.runs, "runs", protocol.MAX_RUNS)
+        seed = protocol.integer(d.seed, "seed", -(1 << 63), (1 << 63) - 1)
+        shuffle = protocol.flag(d.shuffle, "shuffle")
         holders = None
         if d.holders is not None:
-            holders = list(checks.items(d.holders, "holders", MAX_UNITS))
+            holders = list(protocol.items(d.holders, "holders", MAX_UNITS))
             if len(holders) != units:
                 raise ValueError(f"holders must name one key per partition ({units}), got "
                                  f"{len(holders)}")
-        if runs is not None and sum(r * n for r, n in runs) > checks.MAX_ROWS:
-            raise ValueError(f"dataset {dataset_id!r} has more than {checks.MAX_ROWS} rows")
+        if runs is not None and sum(r * n for r, n in runs) > protocol.MAX_ROWS:
+            raise ValueError(f"dataset {dataset_id!r} has more than {protocol.MAX_ROWS} rows")
         if session is not None:
-            if checks.text(session, "session") not in co.members:
+            if protocol.text(session, "session") not in co.members:
                 return SESSION_ENDED
             owner = ""
         else:
-            co.closure_book.owner_box(checks.text(owner, "owner"), checks.text(token, "token"))
+            co.closure_book.owner_box(protocol.text(owner, "owner"), protocol.text(token, "token"))
         co.leases.define_collection(dataset_id, units, runs, label, owner or "", seed,
                                     shuffle)
         co.ledgers.defined(dataset_id, co.leases)
@@ -118,12 +117,12 @@ class CollectionHandlers:
         the last partitions go to the members holding less; a partition is never split).
         ``{"lease": intervals or None}``, ``SESSION_ENDED`` (also once the
         coordinator closed), ``{"failed": why}``."""
-        co = self.plugin.coordinators.get(checks.text(name, "name"))
+        co = self.plugin.coordinators.get(protocol.text(name, "name"))
         if co is None:
             return SESSION_ENDED
-        session = checks.text(session, "session")
-        dataset_id = checks.text(dataset_id, "dataset_id")
-        epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
+        session = protocol.text(session, "session")
+        dataset_id = protocol.text(dataset_id, "dataset_id")
+        epoch = protocol.integer(epoch, "epoch", 0, protocol.MAX_EPOCH)
         if not co.members.renew(session, time.monotonic()):
             return SESSION_ENDED
         table = co.leases
@@ -164,14 +163,14 @@ class CollectionHandlers:
         """``session`` computed partition ``unit``: ``length`` rows. ``{"failed": why}``
         when it differs from the length learned before (the epoch fails);
         ``SESSION_ENDED`` from an ended session or a closed coordinator."""
-        co = self.plugin.coordinators.get(checks.text(name, "name"))
+        co = self.plugin.coordinators.get(protocol.text(name, "name"))
         if co is None:
             return SESSION_ENDED
-        session = checks.text(session, "session")
-        dataset_id = checks.text(dataset_id, "dataset_id")
-        epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
-        unit = checks.integer(unit, "unit", 0, MAX_UNITS)
-        length = checks.integer(length, "length", 0, checks.MAX_ROWS)
+        session = protocol.text(session, "session")
+        dataset_id = protocol.text(dataset_id, "dataset_id")
+        epoch = protocol.integer(epoch, "epoch", 0, protocol.MAX_EPOCH)
+        unit = protocol.integer(unit, "unit", 0, MAX_UNITS)
+        length = protocol.integer(length, "length", 0, protocol.MAX_ROWS)
         if not co.members.renew(session, time.monotonic()):
             return SESSION_ENDED
         why = co.leases.set_length(session, dataset_id, epoch, unit, length)
@@ -182,7 +181,7 @@ class CollectionHandlers:
         """Workers that are not members of a coordinator restricted by ``resources=``
         (they compute partitions for the members); ``[]`` without a restriction."""
         co = self.plugin._get(name)
-        checks.text(session, "session")
+        protocol.text(session, "session")
         required = co.member_resources
         if not required:
             return []

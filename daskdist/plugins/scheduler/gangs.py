@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from daskdist.core import checks
+from daskdist.core import protocol
 from daskdist.core.commits import CommitBook, unpack_part
 from daskdist.core.gang import INTERRUPTING, GangBook
 from daskdist.core.protocol import READY, SESSION_ENDED, CommitKey, Outcome
-from daskdist.plugins.scheduler.closures import CLOSED, wait_event
+from daskdist.plugins.scheduler.closures import wait_event
 
 if TYPE_CHECKING:
     from daskdist.plugins.scheduler.groups import GroupDriver
@@ -140,7 +140,7 @@ class GroupBook:
         if sessions is not None and key not in self.commits.recorded:
             try:
                 dataset_of = co.leases.dataset_of
-                for rank, ints in enumerate(checks.items(parts, "daskdist_gang_commit: parts")):
+                for rank, ints in enumerate(protocol.items(parts, "daskdist_gang_commit: parts")):
                     if ints:
                         groups = grouped[rank] = unpack_part(ints, dataset_of)
                         tables.update(groups)
@@ -192,13 +192,13 @@ class GroupBook:
                          timeout: float = 60.0, rejoin_grace: float | None = None) -> dict:
         """(Re-)form the collective group on the current workers; its description."""
         op = "daskdist_group_form"
-        self.co.closure_book.owner_box(checks.text(owner, f"{op}: owner"),
-                                       checks.text(token, f"{op}: token"))
+        self.co.closure_book.owner_box(protocol.text(owner, f"{op}: owner"),
+                                       protocol.text(token, f"{op}: token"))
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"{op}: backend must be 'auto', 'gloo' or 'nccl', got "
                              f"{backend!r}")
-        timeout = checks.number(timeout, f"{op}: timeout", 0.0, 86400.0, lo_open=True)
-        rejoin_grace = checks.optional(checks.number, rejoin_grace, f"{op}: rejoin_grace",
+        timeout = protocol.number(timeout, f"{op}: timeout", 0.0, 86400.0, lo_open=True)
+        rejoin_grace = protocol.optional(protocol.number, rejoin_grace, f"{op}: rejoin_grace",
                                        0.0, 86400.0)
         self.gangs.configure(backend, timeout)
         driver = self.driver
@@ -215,11 +215,11 @@ class GroupBook:
     async def schedule_gang(self, owner: str, token: str, cid: str, payload: list) -> dict:
         """Queue a gang closure; forms the group first if there is none yet."""
         op = "daskdist_schedule_gang"
-        self.co.closure_book.owner_box(checks.text(owner, f"{op}: owner"),
-                                       checks.text(token, f"{op}: token"))
-        if not checks.text(cid, f"{op}: cid").startswith(f"{owner}-"):
+        self.co.closure_book.owner_box(protocol.text(owner, f"{op}: owner"),
+                                       protocol.text(token, f"{op}: token"))
+        if not protocol.text(cid, f"{op}: cid").startswith(f"{owner}-"):
             raise PermissionError(f"{op}: gang id {cid!r} is not one of owner {owner!r}'s")
-        checks.payload(payload, f"{op}: payload")
+        protocol.payload(payload, f"{op}: payload")
         driver = self.driver
         if not self.gangs.group.sessions:
             await driver.form()
@@ -232,12 +232,12 @@ class GroupBook:
 # The group book's handlers (the plugin registers each as ``method(book, **kwargs)`` on
 # the named coordinator's book).
 GROUP_HANDLERS = {
-    "daskdist_group_form": (GroupBook.group_form, CLOSED),
-    "daskdist_group_info": (GroupBook.group_info, CLOSED),
-    "daskdist_schedule_gang": (GroupBook.schedule_gang, CLOSED),
+    "daskdist_group_form": (GroupBook.group_form, protocol.CLOSED),
+    "daskdist_group_info": (GroupBook.group_info, protocol.CLOSED),
+    "daskdist_schedule_gang": (GroupBook.schedule_gang, protocol.CLOSED),
     # elastic commits (SPEC §4.2)
-    "daskdist_gang_commit_part": (GroupBook.gang_commit_part, CLOSED),
-    "daskdist_gang_commit": (GroupBook.gang_commit, CLOSED),
-    "daskdist_commit_outcome": (GroupBook.commit_outcome, CLOSED),
-    "daskdist_state_commits": (GroupBook.state_commits, CLOSED),
+    "daskdist_gang_commit_part": (GroupBook.gang_commit_part, protocol.CLOSED),
+    "daskdist_gang_commit": (GroupBook.gang_commit, protocol.CLOSED),
+    "daskdist_commit_outcome": (GroupBook.commit_outcome, protocol.CLOSED),
+    "daskdist_state_commits": (GroupBook.state_commits, protocol.CLOSED),
 }

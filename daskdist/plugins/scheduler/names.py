@@ -26,7 +26,7 @@ from typing import Any
 from distributed.protocol.pickle import dumps
 
 from daskdist import config
-from daskdist.core import checks
+from daskdist.core import protocol
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins import WORKER_PLUGIN, PluginRef
 from daskdist.plugins.scheduler.closures import wait_event
@@ -53,7 +53,7 @@ class Coordinators:
 
     def get(self, name: Any) -> CoordinatorState:
         """The coordinator ``name`` (``KeyError`` naming it if there is none)."""
-        checks.text(name, "name")
+        protocol.text(name, "name")
         try:
             return self.states[name]
         except KeyError:
@@ -81,11 +81,11 @@ class Coordinators:
                     f"asking for resources={resources} needs another name")
             if co is None:
                 if max_worker_failures is None:
-                    max_worker_failures = checks.max_worker_failures(
+                    max_worker_failures = protocol.max_worker_failures(
                         config.integer("coordinator.max-worker-failures"),
                         "daskdist.coordinator.max-worker-failures")
                 if lease_timeout is None:
-                    lease_timeout = checks.lease_timeout(
+                    lease_timeout = protocol.lease_timeout(
                         config.seconds("liveness.lease-timeout"),
                         "daskdist.liveness.lease-timeout")
                 co = CoordinatorState(name, max_worker_failures, send=self._send,
@@ -138,7 +138,7 @@ class Coordinators:
                 f"on {len(failed)} of {len(replies)} workers; {worker}: "
                 f"{reply.get('exception_text') or reply}")
         if resources:  # only members register a session
-            return sum(checks.satisfies(ws.resources, resources)
+            return sum(protocol.satisfies(ws.resources, resources)
                        for ws in self.scheduler.workers.values())
         return len(replies or {})
 

@@ -14,7 +14,7 @@ Load it with ``dask scheduler --preload daskdist.plugins.scheduler`` or let
 ``Coordinator`` register it from the client.
 
 The scheduler checks who calls (SPEC §2.5b): each handler, here and in the books,
-checks its arguments' types and sizes (:mod:`daskdist.core.checks`) before it touches
+checks its arguments' types and sizes (:mod:`daskdist.core.protocol`) before it touches
 any state; a client acts only as an owner it created (each owner has a secret token,
 given only in the reply to the ``daskdist_create`` call that attached it); a worker acts
 only with its own session (``daskdist_register`` asks the worker at the address it
@@ -33,7 +33,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskdist import config
-from daskdist.core import checks
+from daskdist.core import protocol
 from daskdist.core.protocol import PLUGIN_NAME, RETIRING
 from daskdist.plugins.scheduler import observe
 from daskdist.plugins.scheduler.closures import CLOSURE_HANDLERS
@@ -42,7 +42,7 @@ from daskdist.plugins.scheduler.datasets import LEASE_HANDLERS
 from daskdist.plugins.scheduler.gangs import GROUP_HANDLERS
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.names import Coordinators
-from daskdist.plugins.scheduler.state import CoordinatorState, book_handler
+from daskdist.plugins.scheduler.state import CoordinatorState
 
 # each book's handlers: the attribute of CoordinatorState that holds the book, and its table
 BOOK_HANDLERS = {
@@ -93,7 +93,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         # the books' handlers, as their tables say (closures.py, gangs.py, datasets.py)
         for book, table in BOOK_HANDLERS.items():
             for op, (method, missing) in table.items():
-                scheduler.handlers[op] = book_handler(self.coordinators, book, op, method,
+                scheduler.handlers[op] = protocol.book_handler(self.coordinators, book, op, method,
                                                       missing)
         scheduler.extensions["daskdist"] = self
         self._sampler = observe.install(self, scheduler)
@@ -161,14 +161,14 @@ class CoordinatorPlugin(SchedulerPlugin):
     def _owned(self, op: str, name: Any, owner: Any, token: Any) -> CoordinatorState:
         """The coordinator ``name`` if the caller is its owner ``owner`` (holds its token)."""
         co = self._get(name)
-        co.closure_book.owner_box(checks.text(owner, f"{op}: owner"),
-                                  checks.text(token, f"{op}: token"))
+        co.closure_book.owner_box(protocol.text(owner, f"{op}: owner"),
+                                  protocol.text(token, f"{op}: token"))
         return co
 
     def _member(self, op: str, name: Any, session: Any) -> CoordinatorState:
         """The coordinator ``name`` if ``session`` is one of its live worker sessions."""
         co = self._get(name)
-        if checks.text(session, f"{op}: session") not in co.members:
+        if protocol.text(session, f"{op}: session") not in co.members:
             raise PermissionError(f"{op}: {session!r} is not a live worker session of "
                                   f"coordinator {name!r}")
         return co
@@ -207,15 +207,15 @@ class CoordinatorPlugin(SchedulerPlugin):
         declaring those Dask resources are members (a later caller asking for others
         is refused)."""
         op = "daskdist_create"
-        checks.text(name, f"{op}: name")
-        client = checks.optional(checks.text, client, f"{op}: client")
-        max_worker_failures = checks.optional(checks.max_worker_failures, max_worker_failures,
+        protocol.text(name, f"{op}: name")
+        client = protocol.optional(protocol.text, client, f"{op}: client")
+        max_worker_failures = protocol.optional(protocol.max_worker_failures, max_worker_failures,
                                               f"{op}: max_worker_failures")
-        torch_threads = checks.optional(checks.integer, torch_threads, f"{op}: torch_threads",
+        torch_threads = protocol.optional(protocol.integer, torch_threads, f"{op}: torch_threads",
                                         -(2**31), 2**31)
-        lease_timeout = checks.optional(checks.lease_timeout, lease_timeout,
+        lease_timeout = protocol.optional(protocol.lease_timeout, lease_timeout,
                                         f"{op}: lease_timeout")
-        resources = checks.optional(checks.resources, resources, f"{op}: resources")
+        resources = protocol.optional(protocol.resources, resources, f"{op}: resources")
         return await self.names.create(name, client, max_worker_failures, torch_threads,
                                        lease_timeout, resources=resources)
 
@@ -224,7 +224,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         released on every worker; ``{"items": outcomes it had not read}``. The last
         owner's detach closes the coordinator, and returns once its worker plugin is
         gone from the workers (or after 5 s, the teardown going on)."""
-        co = self.coordinators.get(checks.text(name, "daskdist_detach: name"))
+        co = self.coordinators.get(protocol.text(name, "daskdist_detach: name"))
         if co is None:
             return {"items": []}
         co = self._owned("daskdist_detach", name, owner, token)
@@ -236,7 +236,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                      payload: bytes) -> None:
         op = "daskdist_add_resource"
         co = self._owned(op, name, owner, token)
-        checks.text(rid, f"{op}: rid")
+        protocol.text(rid, f"{op}: rid")
         if not isinstance(payload, bytes):
             raise TypeError(f"{op}: payload must be bytes, got {type(payload).__name__}")
         if co.resource_owners.get(rid, owner) != owner:
@@ -246,14 +246,14 @@ class CoordinatorPlugin(SchedulerPlugin):
     def get_resource(self, name: str, session: str, rid: str) -> bytes | None:
         """A worker session's per-worker resource spec (``None``: released or unknown)."""
         co = self._member("daskdist_get_resource", name, session)
-        return co.resources.get(checks.text(rid, "daskdist_get_resource: rid"))
+        return co.resources.get(protocol.text(rid, "daskdist_get_resource: rid"))
 
     def release_resources(self, name: str, owner: str, token: str, rids: list) -> None:
         """The client dropped these per-worker resources: forget them here and on every
         worker (one-way; the client sends it once no closure can still use them)."""
         op = "daskdist_release_resources"
         co = self._owned(op, name, owner, token)
-        rids = checks.texts(rids, f"{op}: rids")
+        rids = protocol.texts(rids, f"{op}: rids")
         co.release_resources([rid for rid in rids if co.resource_owners.get(rid) == owner])
 
     def status(self, name: str | None = None) -> dict:
@@ -272,15 +272,15 @@ class CoordinatorPlugin(SchedulerPlugin):
         scheduler that has since restarted): later generations are numbered above it.
         """
         op = "daskdist_register"
-        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        co = self.coordinators.get(protocol.text(name, f"{op}: name"))
         if co is None or co.closed:  # closed: its plugin is being removed from workers
             return {"closed": True}
-        checks.text(session, f"{op}: session")
-        checks.text(address, f"{op}: address")
-        slots = checks.integer(slots, f"{op}: slots", 1, 1_000_000)
-        checks.text(device, f"{op}: device")
-        checks.text(gpu, f"{op}: gpu", empty=True)
-        generation = checks.integer(generation, f"{op}: generation", 0, 2**53)
+        protocol.text(session, f"{op}: session")
+        protocol.text(address, f"{op}: address")
+        slots = protocol.integer(slots, f"{op}: slots", 1, 1_000_000)
+        protocol.text(device, f"{op}: device")
+        protocol.text(gpu, f"{op}: gpu", empty=True)
+        generation = protocol.integer(generation, f"{op}: generation", 0, 2**53)
         if address not in self.scheduler.workers:
             raise PermissionError(f"{op}: {address!r} is not a worker of this scheduler")
         member = co.members.members.get(session)
@@ -306,10 +306,10 @@ class CoordinatorPlugin(SchedulerPlugin):
         """A worker session stops (its plugin is torn down): its last results, and which
         of its closures started (exactly: nothing more starts); then its end."""
         op = "daskdist_unregister"
-        co = self.coordinators.get(checks.text(name, f"{op}: name"))
-        checks.text(session, f"{op}: session")
-        outcomes = checks.outcomes(op, results or [])
-        _, started = checks.observed(op, None, started)
+        co = self.coordinators.get(protocol.text(name, f"{op}: name"))
+        protocol.text(session, f"{op}: session")
+        outcomes = protocol.outcomes(op, results or [])
+        _, started = protocol.observed(op, None, started)
         if co is not None and session in co.members:
             co.queue.observe(session, (), started, final=True)
             co.stop_session(session, outcomes)

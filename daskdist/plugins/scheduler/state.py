@@ -20,16 +20,15 @@ the worker's stream), so it imports nothing from Dask.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from daskdist import config
-from daskdist.core import checks
+from daskdist.core import protocol
 from daskdist.core.membership import LivenessTable, Membership
 from daskdist.core.protocol import RETIRING
-from daskdist.plugins.scheduler.closures import CLOSED, ClosureBook
+from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
 from daskdist.plugins.scheduler.stats import CoordinatorStats
@@ -289,7 +288,7 @@ class CoordinatorState:
     def live_session(self, session: Any) -> bool:
         """Whether ``session`` (checked: an id) is a live member (a handler answers
         :data:`~daskdist.core.protocol.SESSION_ENDED` if not)."""
-        return checks.text(session, "session") in self.members
+        return protocol.text(session, "session") in self.members
 
     def status(self) -> dict[str, Any]:
         c = self.queue.counters
@@ -321,35 +320,3 @@ class CoordinatorState:
             "group_size": len(group.sessions),
             "gangs_pending": len(self.gangs.pending),
         }
-
-
-def book_handler(states: dict[str, CoordinatorState], book: str, op: str,
-                 method: Callable[..., Any], missing: Any) -> Callable[..., Any]:
-    """Handler ``op`` (what the plugin registers): ``method`` called on the book
-    ``book`` of the coordinator the message names; with no such coordinator, the reply
-    is ``missing`` (``CLOSED``: ``KeyError`` naming it). A method whose first parameter
-    (after ``self``) is ``comm`` gets Dask's comm."""
-
-    def book_of(name: Any) -> Any:
-        co = states.get(checks.text(name, f"{op}: name"))
-        if co is None:
-            if missing is CLOSED:
-                raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler")
-            return None
-        return getattr(co, book)
-
-    if list(inspect.signature(method).parameters)[1:2] == ["comm"]:
-        async def handler(comm, name: str, **kwargs: Any) -> Any:
-            b = book_of(name)
-            return missing if b is None else await method(b, comm, **kwargs)
-    elif asyncio.iscoroutinefunction(method):
-        async def handler(name: str, **kwargs: Any) -> Any:  # type: ignore[misc]
-            b = book_of(name)
-            return missing if b is None else await method(b, **kwargs)
-    else:
-        def handler(name: str, **kwargs: Any) -> Any:  # type: ignore[misc]
-            b = book_of(name)
-            return missing if b is None else method(b, **kwargs)
-
-    handler.__name__ = method.__name__
-    return handler

@@ -19,7 +19,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from daskdist.context import _set_formation_version, _set_membership
-from daskdist.core import checks
+from daskdist.core import protocol
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins.worker import preemption
 from daskdist.plugins.worker.runner import ClosureRunner
@@ -136,7 +136,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
         self.runner: ClosureRunner | None = None
 
     async def setup(self, worker) -> None:
-        if not checks.satisfies(worker.state.total_resources, self.resources):
+        if not protocol.satisfies(worker.state.total_resources, self.resources):
             return  # not a member (Coordinator(resources=...)): free for Dask's own tasks
         install_handlers(worker)
         preemption.install(worker, lambda: _runners(worker))
