@@ -1,16 +1,25 @@
-"""What a closure or a per-worker factory knows about where it runs."""
+"""What a closure runs with: its contexts (what it and a per-worker factory know about
+where they run), the session's per-worker resources (:class:`ResourceRegistry`), its
+scope (:class:`ClosureScope`) and the lease tokens it consumed."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import InitVar, dataclass, field
 from typing import Any
+
+from daskdist.core.nest import map_structure
+from daskdist.core.protocol import ResourceRef, ResourceSpec
+from daskdist.errors import InputError
+
+logger = logging.getLogger(__name__)
 
 _local = threading.local()  # what a per-worker resource being built mints States after
 # The closure a thread runs, as a context variable: a thread the closure starts in its
@@ -149,6 +158,14 @@ class ClosureScope:
         return out
 
 
+def origin_of(cid: str) -> str:
+    """What a closure's :attr:`ClosureScope.origin` is: the gang a member closure belongs
+    to (the same on every rank and attempt: a member's id is
+    ``<gang>@<generation>#<rank>``, see ``core.gang.member_cid``); any other closure's
+    own id."""
+    return cid.split("@", 1)[0]
+
+
 class ClosureEndedError(RuntimeError):
     """A thread the closure started consumed rows after the closure returned: no closure
     can acknowledge them any more."""
@@ -219,6 +236,123 @@ def resource_id(obj: Any) -> str | None:
         return _resource_ids.get(obj)
     except TypeError:
         return None
+
+
+class ResourceRegistry:
+    """One worker session's per-worker resources, built on first use.
+
+    A resource (a replica, a dataset, an iterator over a dataset) is built from the
+    factory its client registered (a :class:`~daskdist.core.protocol.ResourceSpec`,
+    fetched from the scheduler) the first time a closure of the session needs it, with
+    the session's contexts: a dataset's :class:`InputContext` carries the session's
+    services, so a loader can only lease rows for the session that built it, and the
+    dataset's identity (its resource id: the call that made it). When the session ends,
+    :meth:`close` closes every resource that has a ``close()`` (loaders and their
+    iterators: their prefetch threads and open files go). Any closure thread may call
+    :meth:`get`; a resource is built once (a lock per rid).
+    """
+
+    def __init__(self, fetch_spec: Callable[[str], bytes | None],
+                 contexts: Callable[[str], tuple[WorkerContext, InputContext]]):
+        self._fetch_spec = fetch_spec
+        self._contexts = contexts
+        self._objects: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._building: dict[str, threading.Lock] = {}
+        self._closed = False
+
+    def get(self, rid: str) -> Any:
+        try:
+            return self._objects[rid]
+        except KeyError:
+            pass
+        with self._lock:
+            if self._closed:
+                raise InputError(f"per-worker resource {rid}: its worker session ended")
+            lock = self._building.setdefault(rid, threading.Lock())
+        with lock:
+            if rid not in self._objects:
+                obj = self._build(rid)
+                with self._lock:
+                    if self._closed:  # the session ended while this was built
+                        _close(rid, obj)
+                        raise InputError(f"per-worker resource {rid}: its worker session "
+                                         "ended")
+                    self._objects[rid] = obj
+                note_resource(obj, rid)  # integrations name their States after it
+            return self._objects[rid]
+
+    def _build(self, rid: str) -> Any:
+        # distributed's unpickler, imported here: ``import daskdist`` (this module)
+        # loads no Dask, and only a worker builds resources
+        from distributed.protocol.pickle import loads
+
+        payload = self._fetch_spec(rid)
+        if payload is None:
+            raise InputError(f"per-worker resource {rid} is not registered with the coordinator")
+        spec = ResourceSpec._make(loads(payload))
+        worker_ctx, input_ctx = self._contexts(rid)
+        try:
+            if spec.kind == "iterator":
+                return (spec.factory or iter)(self.get(spec.parent))
+            with minting(rid):  # elastic States it makes are named alike on every worker
+                return spec.factory(input_ctx if spec.kind == "dataset" else worker_ctx)
+        except InputError:
+            raise
+        except Exception as e:
+            raise InputError(
+                f"per-worker {spec.kind} {rid} could not be built on worker "
+                f"{worker_ctx.address}: {type(e).__name__}: {e}", e
+            ) from e
+
+    def resolve(self, structure: Any) -> Any:
+        """Replace every per-worker reference in ``structure`` by this worker's component."""
+        def is_ref(v: Any) -> bool:
+            return isinstance(v, ResourceRef)
+
+        return map_structure(lambda v: self.get(v.rid) if is_ref(v) else v, structure, is_ref)
+
+    def drop(self, rids: list[str]) -> None:
+        """Forget released resources (the client dropped them after every closure that
+        could use them had finished) and close them in a thread of their own: called on
+        the event loop, and closing a loader may wait for its producer's lease RPC, or
+        make one (giving back leased rows), both of which need that loop."""
+        with self._lock:
+            gone = [(rid, self._objects.pop(rid)) for rid in rids if rid in self._objects]
+            for rid in rids:
+                self._building.pop(rid, None)
+        if gone:
+            threading.Thread(target=_close_all, args=(gone,), daemon=True,
+                             name="daskdist-close-dropped").start()
+
+    def close(self) -> None:
+        """The session ended: close every resource (iterators before their datasets) and
+        build no more. Blocks while a producer thread finishes its read: call it off the
+        event loop."""
+        with self._lock:
+            self._closed = True
+            objects, self._objects = self._objects, {}
+            self._building.clear()
+        for rid, obj in reversed(list(objects.items())):  # built after their parents
+            _close(rid, obj)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+
+def _close_all(objects: list[tuple[str, Any]]) -> None:
+    for rid, obj in reversed(objects):  # iterators before their datasets
+        _close(rid, obj)
+
+
+def _close(rid: str, obj: Any) -> None:
+    close = getattr(obj, "close", None)
+    if not callable(close):
+        return
+    try:
+        close()
+    except Exception as e:  # noqa: BLE001 - a user's resource: say so and go on
+        logger.warning("daskdist: closing per-worker resource %s failed: %r", rid, e)
 
 
 def session_services() -> Any:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.core.gang import GangBook, member_cid, origin_of
+from daskdist.context import origin_of
+from daskdist.core.gang import GangBook, member_cid
 from daskdist.core.protocol import FAILED, READY
 
 

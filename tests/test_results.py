@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import daskdist as dd
-from daskdist.plugins.worker.results import dump_result
+from daskdist.plugins.worker.runner import dump_result
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -62,12 +62,6 @@ def member_cid(gang_cid: str, generation: int, rank: int) -> str:
     return f"{gang_cid}@{generation}#{rank}"
 
 
-def origin_of(cid: str) -> str:
-    """The gang a member closure belongs to (the same on every rank and attempt); any
-    other closure's own id."""
-    return cid.split("@", 1)[0]
-
-
 @dataclass
 class Gang:
     cid: str

@@ -1,48 +1,48 @@
-"""ClosureRunner: one coordinator's pull loop on one worker, and the sessions it runs under.
+"""ClosureRunner: one coordinator's pull loop on one worker, the threads it runs
+closures in and how their values leave.
 
 The loop pulls closures from the scheduler plugin (reporting finished ones in the same
 call), keeps a small prefetch so RPC latency is hidden, and runs closures in its own
-threads (never on the worker's event loop). Everything it runs belongs to a *session*
-(:class:`Session`): a new one each time the plugin registers with the scheduler (at
-setup, and after the scheduler fenced the old one). A session owns its scheduler
-services and its per-worker resources; each closure runs bound to the session it was
-dispatched under (:func:`daskdist.context.closure_scope`), so a closure that outlives
-its session can only make calls the scheduler refuses, and its result is dropped.
+daemon threads (:class:`DaemonPool`, never on the worker's event loop). Everything it
+runs belongs to a *session* (:class:`~daskdist.plugins.worker.services.Session`,
+registered, renewed and ended by the runner's base,
+:class:`~daskdist.plugins.worker.services.SessionLifecycle`). A session owns its
+scheduler services and its per-worker resources; each closure runs bound to the session
+it was dispatched under (:func:`daskdist.context.closure_scope`), so a closure that
+outlives its session can only make calls the scheduler refuses, and its result is
+dropped. A closure's value is pickled with its tensors on the host (:func:`dump_result`).
 
 Threads: the event loop owns the loop state (``unacked``, ``done``, ``taken``, the
-current session); closure threads run ``_run`` and hand results back with
-``add_callback``; ``_pending`` (received, not started) and ``_started`` (started, not
-finished) are shared under ``_lock``. Every message to the scheduler says which held
-closures started, so a lost worker's prefetched closures count no failure.
+current session, which it registers, renews and ends); closure threads run ``_run``
+and hand results back with ``add_callback``; ``_pending`` (received, not started) and
+``_started`` (started, not finished) are shared under ``_lock``. Every message to the
+scheduler says which held closures started, so a lost worker's prefetched closures
+count no failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copyreg
 import functools
+import io
 import logging
+import pickle
+import queue
 import sys
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import cloudpickle
 from distributed.comm.core import CommClosedError
-from distributed.protocol.pickle import loads
+from distributed.protocol.pickle import dumps, loads
 from distributed.utils import sync
 
 from daskdist import config
-from daskdist.context import (
-    ClosureScope,
-    InputContext,
-    WorkerContext,
-    _forget_membership,
-    _set_membership,
-    closure_scope,
-)
-from daskdist.core.gang import origin_of
+from daskdist.context import ClosureScope, WorkerContext, _set_membership, closure_scope, origin_of
 from daskdist.core.leases import merge_tokens
 from daskdist.core.protocol import (
     COLLECTIVE_ERROR,
@@ -60,10 +60,7 @@ from daskdist.core.protocol import (
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
 from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
-from daskdist.plugins.worker.resources import ResourceRegistry
-from daskdist.plugins.worker.results import dump_result
-from daskdist.plugins.worker.services import SessionServices
-from daskdist.plugins.worker.threads import DaemonPool
+from daskdist.plugins.worker.services import Session, SessionLifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +83,6 @@ def _error_kind(e: BaseException) -> str:
     return USER_ERROR
 
 
-def highest_generation() -> int:
-    """The newest collective generation this process has seen (later ones must be
-    higher), read through ``sys.modules``: importing ``daskdist.collective`` imports
-    torch, and no collective code ran here if it is not imported."""
-    bootstrap = sys.modules.get("daskdist.collective.bootstrap")
-    return 0 if bootstrap is None else bootstrap.PROCESS.highest_generation()
-
-
 def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
     """This worker's device and its GPU's UUID (``""`` without CUDA)."""
     import torch
@@ -107,32 +96,141 @@ def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
     return device, gpu_uuid(device)
 
 
-class CoordinatorGone(Exception):
-    """The coordinator's last owner closed: the scheduler is removing this plugin."""
+class DaemonPool:
+    """At most ``size`` daemon threads running submitted calls in order (threads start
+    on demand, as ThreadPoolExecutor's do). ``submit`` and ``shutdown`` from any thread.
+
+    Daemon threads because ``concurrent.futures.ThreadPoolExecutor`` joins its threads
+    when the process exits: a closure still running when its worker process was asked
+    to exit (Ctrl-C on a LocalCluster's client, ``cluster.close()``) held the exit until
+    the nanny gave up and SIGKILLed the process (``0.8 x`` its 5 s timeout, every time).
+    A closure lives no longer than its worker: these threads end with the process, and
+    a stop takes the time the worker's own close takes.
+    """
+
+    def __init__(self, size: int, prefix: str) -> None:
+        self.size = max(1, int(size))
+        self.prefix = prefix
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # threads waiting for work
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` in a pool thread; ``RuntimeError`` after :meth:`shutdown`."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.prefix}: cannot submit after shutdown")
+            self._work.put((fn, args))
+            if self._idle.acquire(timeout=0):
+                return  # an idle thread takes it
+            if len(self._threads) < self.size:
+                t = threading.Thread(target=self._serve, daemon=True,
+                                     name=f"{self.prefix}_{len(self._threads)}")
+                self._threads.append(t)
+                t.start()
+
+    def _serve(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a pool thread outlives any one call
+                logger.exception("daskdist: %s: a call failed", self.prefix)
+            del item, fn, args
+            self._idle.release()
+
+    def shutdown(self) -> None:
+        """Drop calls not started and let the threads end once their call returns
+        (without waiting for them: a running closure may be blocked for long)."""
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    self._work.get_nowait()
+                except queue.Empty:
+                    break
+            for _ in self._threads:
+                self._work.put(None)
 
 
-class Session:
-    """One registration of the runner with the scheduler: the session id, the scheduler
-    services bound to it and the per-worker resources built for it."""
+def dump_result(value: Any, host: str | None = "cpu") -> bytes:
+    """``value`` pickled, every tensor not on ``host`` as a copy on ``host`` (``None``:
+    as they are). ``host`` is a parameter so the CPU tests can send every tensor to
+    ``"meta"`` and see that each one took the hook.
 
-    def __init__(self, sid: str, services: SessionServices, resources: ResourceRegistry):
-        self.id = sid
-        self.services = services
-        self.resources = resources
+    A closure that returns CUDA tensors (a loss, a state dict, predictions) could not be
+    fetched on a client without CUDA: torch pickles a tensor with its device, and
+    unpickling a CUDA tensor needs CUDA. So every tensor not on the host is pickled as
+    its host copy, at any depth of the value (lists, dicts, a user's object), unless
+    ``daskdist.worker.results-to-cpu`` is false (the client has the same GPUs). Tensors
+    on the host pickle as they are (no copy), and a value with no tensor pickles as it
+    always did: the hook is a per-type entry of the pickler's dispatch table.
+    """
+    torch = sys.modules.get("torch")
+    if host is None or torch is None:  # no torch imported here: no tensor in the value
+        return dumps(value)
+    plain, cloud = _tables(host, torch)
+    buf = io.BytesIO()
+    try:
+        p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        p.dispatch_table = plain
+        p.dump(value)
+    except Exception:  # a lambda, a local class: cloudpickle, as distributed does
+        buf = io.BytesIO()
+        _CloudPickler(buf, cloud).dump(value)
+    return buf.getvalue()
 
-    @property
-    def ended(self) -> bool:
-        return self.services.ended
 
-    def end(self) -> threading.Thread:
-        """Refuse the session's calls from now on, and close its resources in a thread
-        of their own (a loader's producer may be in the middle of a read); the thread."""
-        self.services.end()
-        _forget_membership(self.id)
-        closer = threading.Thread(target=self.resources.close, daemon=True,
-                                  name=f"daskdist-close-{self.id[:8]}")
-        closer.start()
-        return closer
+class _CloudPickler(cloudpickle.Pickler):
+    """cloudpickle with a dispatch table of its own: the C pickler reads the table when
+    it is made (cloudpickle's class attribute would win over one set afterwards)."""
+
+    def __init__(self, file: Any, table: dict) -> None:
+        self.dispatch_table = table
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_TABLES: dict[tuple[str, int], tuple[dict, dict]] = {}
+
+
+def _tables(host: str, torch: Any) -> tuple[dict, dict]:
+    """The dispatch tables of pickle and cloudpickle as plain dicts (the C pickler looks
+    every object's type up in them) with the tensor types' entry; made once per host
+    (and again if a package registered another reducer with ``copyreg``)."""
+    key = (host, len(copyreg.dispatch_table))
+    tables = _TABLES.get(key)
+    if tables is None:
+        reduce = _to_host(host)
+        made = []
+        for base in (copyreg.dispatch_table, cloudpickle.Pickler.dispatch_table):
+            table = dict(base.items())
+            table[torch.Tensor] = table[torch.nn.Parameter] = reduce
+            made.append(table)
+        tables = _TABLES[key] = (made[0], made[1])
+    return tables
+
+
+def _to_host(host: str):
+    import torch
+
+    host_type = torch.device(host).type
+
+    def reduce(t: Any) -> Any:
+        if t.device.type != host_type:
+            moved = t.detach().to(host)
+            if isinstance(t, torch.nn.Parameter):
+                moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+            else:
+                moved.requires_grad_(t.requires_grad and moved.is_floating_point())
+            t = moved
+        return t.__reduce_ex__(2)
+
+    return reduce
 
 
 class Work(NamedTuple):
@@ -146,8 +244,9 @@ class Work(NamedTuple):
     owner: str
 
 
-class ClosureRunner:
-    """The pull loop of one coordinator on one worker: exchange, run closures in threads."""
+class ClosureRunner(SessionLifecycle):
+    """The pull loop of one coordinator on one worker: exchange, run closures in threads
+    (its base, :class:`SessionLifecycle`, registers, renews and ends its sessions)."""
 
     def __init__(self, worker, name: str, prefetch: int | None = None):
         self.worker = worker
@@ -199,10 +298,6 @@ class ClosureRunner:
     def session_id(self) -> str:
         return self.session.id if self.session is not None else ""
 
-    @property
-    def resources(self) -> ResourceRegistry | None:
-        return self.session.resources if self.session is not None else None
-
     # -- life -----------------------------------------------------------------------
     async def start(self, torch_threads: int | None = None) -> None:
         """Bind the device (a failure fails the plugin's setup), then start the loop,
@@ -212,39 +307,6 @@ class ClosureRunner:
         self.device, self.gpu = await asyncio.to_thread(_bind_device, torch_threads)
         self.task = asyncio.create_task(self._loop())
         self.renewer = asyncio.create_task(self._renew_loop())
-
-    async def _register(self) -> None:
-        """Register a new session; the old one (if any) ends and its resources close.
-
-        Until the reply comes, ``registering`` names the session, so the scheduler's
-        confirmation request finds it (and ``stop`` unregisters it if cancelled)."""
-        sid = uuid.uuid4().hex
-        self.registering = sid
-        reply = await self.worker.scheduler.daskdist_register(
-            name=self.name, session=sid, address=self.worker.address,
-            slots=self.nthreads, device=str(self.device), gpu=self.gpu,
-            generation=highest_generation(),
-        )
-        self.registering = None
-        if reply is None:
-            raise RuntimeError("the daskdist scheduler plugin is not registered")
-        if reply.get("closed"):
-            raise CoordinatorGone(self.name)
-        self.index = reply["index"]
-        self.num_workers = reply["num_workers"]
-        self.renew_interval = reply.get("renew", self.renew_interval)
-        self._end_session()
-        _set_membership(reply["version"], reply.get("joins"), session=sid)
-        services = SessionServices(self.worker, self.name, sid)
-        self.session = Session(sid, services, ResourceRegistry(
-            functools.partial(self._fetch_spec, sid), self._contexts_for(services)))
-
-    def _end_session(self) -> None:
-        """The current session is over (fenced, or the plugin is stopping)."""
-        old, self.session = self.session, None
-        if old is not None:
-            self.closers = [t for t in self.closers if t.is_alive()]
-            self.closers.append(old.end())
 
     async def stop(self) -> None:
         """The plugin is torn down. A worker leaving gracefully (retired, or a
@@ -289,64 +351,9 @@ class ClosureRunner:
         return sync(self.worker.loop, getattr(self.worker.scheduler, op), name=self.name,
                     **kwargs)
 
-    async def _renew_loop(self) -> None:
-        """Renew this session's lease (SPEC §2.4) every ``renew_interval``: the
-        scheduler's word, growing with the cluster as Dask's heartbeats do
-        (``liveness.renew-interval`` until it speaks); skipped when an exchange left
-        since the last one (its arrival renewed the lease).
-
-        Runs on the worker's event loop, not in a closure thread: closures release the
-        GIL often enough for it to run (see ``tests/test_liveness.py``), so only a hung
-        process or event loop lets the lease lapse. A refused renewal (the scheduler
-        ended the session) wakes the exchange loop, which registers a new session.
-        Each call is bounded so a dead connection cannot stall renewals for good.
-        """
-        while not self.stopping:
-            interval = self.renew_interval
-            await asyncio.sleep(interval)
-            if self.session is None:
-                continue  # registering: the registration itself starts the lease
-            if time.monotonic() - self.last_sent < interval:
-                continue  # an exchange left since: its arrival renewed the lease
-            try:
-                reply = await asyncio.wait_for(
-                    self.worker.scheduler.daskdist_renew(
-                        name=self.name, session=self.session_id, held=list(self.unacked),
-                        started=self.started()),
-                    max(5.0, 5 * interval))
-            except (OSError, CommClosedError, asyncio.TimeoutError) as e:
-                logger.info("daskdist: lease renewal failed (%r); retrying", e)
-                continue
-            if is_session_ended(reply):
-                self.poke()  # the next exchange learns the session is gone
-
     # -- the loop -----------------------------------------------------------------------
     def _retiring(self) -> bool:
         return self.worker.status.name in RETIRING
-
-    async def _register_until_done(self) -> bool:
-        """Register a session, retrying while the scheduler cannot be reached; ``False``
-        when it refuses (the coordinator is gone: this plugin is about to be removed)."""
-        backoff = 0.05
-        while not self.stopping:
-            if self._retiring():  # leaving: its closures went back with its session
-                return False
-            try:
-                await self._register()
-                return True
-            except (OSError, CommClosedError) as e:
-                logger.info("daskdist: registering with the scheduler failed (%r); "
-                            "retrying", e)
-                await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
-            except CoordinatorGone:  # its last owner closed: this plugin is being removed
-                return False
-            except Exception as e:  # noqa: BLE001 - refused: say why, take no work
-                self.registering = None
-                logger.warning("daskdist[%s]: worker %s could not register: %r", self.name,
-                               self.worker.address, e)
-                return False
-        return False
 
     async def _loop(self) -> None:
         if not await self._register_until_done():
@@ -527,25 +534,9 @@ class ClosureRunner:
         return WorkerContext(self.index, self.num_workers, self.device,
                              self.worker.address, attempt, self.name)
 
-    def _contexts_for(self, services: SessionServices
-                      ) -> Callable[[str], tuple[WorkerContext, InputContext]]:
-        """What a session's per-worker factories receive (built when resource ``rid``
-        is): a dataset's input context carries its identity, the resource id."""
-        def contexts(rid: str) -> tuple[WorkerContext, InputContext]:
-            wctx = self._worker_context()
-            n = max(1, self.num_workers)
-            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, services=services,
-                                dataset_id=rid)
-            return wctx, ictx
-
-        return contexts
-
-    def _fetch_spec(self, session: str, rid: str) -> bytes | None:
-        return self.call("daskdist_get_resource", session=session, rid=rid)
-
     def _run(self, item: Work) -> None:
         session = item.session
-        if session.ended:  # not ours to run any more: the scheduler put it back
+        if session.services.ended:  # not ours to run any more: the scheduler put it back
             return
         if item.owner in self.hold and not item.gang:  # its owner's error is being raised
             self._finished(item, _unstarted(item))
@@ -564,8 +555,11 @@ class ClosureRunner:
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
                 state, payload, kind = FAILED, dump_error(e), _error_kind(e)
         # sealed: a thread the closure started takes no more rows for it (they would
-        # never be acknowledged), so the tokens sent now are all it consumed
-        tokens = merge_tokens(scope.end())
+        # never be acknowledged), so the tokens sent now are all it consumed; merged
+        # only when there are any (a closure that read no rows needs no merging)
+        tokens = scope.end()
+        if tokens:
+            tokens = merge_tokens(tokens)
         self._finished(item, Outcome(item.cid, state, payload, kind, item.attempt,
                                      tokens=tokens))
 

@@ -1,4 +1,5 @@
-"""SessionServices: the scheduler calls made on behalf of one worker session.
+"""A worker session's scheduler services (:class:`SessionServices`) and its life:
+registering, renewing and ending it (:class:`Session`, :class:`SessionLifecycle`).
 
 TensorFlow hands a closure its ``coordinator_context``; daskdist hands each closure
 (through :func:`daskdist.context.session_services`) and each per-worker resource built
@@ -9,19 +10,36 @@ ended (the scheduler fenced it, or the plugin was torn down) its calls are refus
 at once and by the scheduler for any already on the way. Data and collective code
 never import the worker plugin: they only see this object.
 
-Calls come from closure and producer threads, never the worker's event loop; each
-blocks its thread until the scheduler replies (or the comm fails).
+Threads: :class:`SessionServices` calls come from closure and producer threads, never
+the worker's event loop; each blocks its thread until the scheduler replies (or the
+comm fails). A session's life (:class:`SessionLifecycle`, the closure runner's half
+that registers, renews and ends sessions) runs on the event loop; an ended session's
+resources close in a thread of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import logging
+import sys
+import threading
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
+from distributed.comm.core import CommClosedError
 from distributed.utils import sync
 
+from daskdist.context import (
+    InputContext,
+    ResourceRegistry,
+    WorkerContext,
+    _forget_membership,
+    _set_membership,
+)
 from daskdist.core.leases import group_tokens
 from daskdist.core.protocol import (
     RETIRING,
@@ -31,6 +49,8 @@ from daskdist.core.protocol import (
     is_session_ended,
 )
 from daskdist.errors import CollectiveError, InputError
+
+logger = logging.getLogger(__name__)
 
 Interval = tuple[int, int]
 _RAISE = object()  # SessionServices._call's default: an ended session raises
@@ -285,3 +305,170 @@ def _lease(reply: dict) -> list[Interval] | None:
     if not lease:
         return None
     return [(int(a), int(b)) for a, b in lease]
+
+
+# -- a session's life (the closure runner's event loop) ------------------------------
+def highest_generation() -> int:
+    """The newest collective generation this process has seen (later ones must be
+    higher), read through ``sys.modules``: importing ``daskdist.collective`` imports
+    torch, and no collective code ran here if it is not imported."""
+    bootstrap = sys.modules.get("daskdist.collective.bootstrap")
+    return 0 if bootstrap is None else bootstrap.PROCESS.highest_generation()
+
+
+class CoordinatorGone(Exception):
+    """The coordinator's last owner closed: the scheduler is removing this plugin."""
+
+
+class Session:
+    """One registration of the runner with the scheduler: the session id, the scheduler
+    services bound to it (``services.ended`` once it ended) and the per-worker
+    resources built for it."""
+
+    def __init__(self, sid: str, services: SessionServices, resources: ResourceRegistry):
+        self.id = sid
+        self.services = services
+        self.resources = resources
+
+    def end(self) -> threading.Thread:
+        """Refuse the session's calls from now on, and close its resources in a thread
+        of their own (a loader's producer may be in the middle of a read); the thread."""
+        self.services.end()
+        _forget_membership(self.id)
+        closer = threading.Thread(target=self.resources.close, daemon=True,
+                                  name=f"daskdist-close-{self.id[:8]}")
+        closer.start()
+        return closer
+
+
+class SessionLifecycle:
+    """Registering, renewing and ending a closure runner's sessions (the worker's event
+    loop): the base of :class:`~daskdist.plugins.worker.runner.ClosureRunner`, whose
+    exchange loop and closure threads do the rest. A new session each time the runner
+    registers (at setup, and after the scheduler fenced the old one)."""
+
+    # the runner's state these read and set (ClosureRunner.__init__ makes them); they
+    # call its _retiring, started, poke, call and _worker_context
+    worker: Any
+    name: str
+    nthreads: int
+    device: Any
+    gpu: str
+    session: Session | None
+    registering: str | None  # the session the scheduler may ask us to confirm
+    index: int
+    num_workers: int
+    renew_interval: float
+    last_sent: float
+    unacked: set[str]
+    closers: list[threading.Thread]
+    stopping: bool
+
+    @property
+    def resources(self) -> ResourceRegistry | None:
+        """The current session's per-worker resources (``None`` between sessions)."""
+        return self.session.resources if self.session is not None else None
+
+    async def _register(self) -> None:
+        """Register a new session; the old one (if any) ends and its resources close.
+
+        Until the reply comes, ``registering`` names the session, so the scheduler's
+        confirmation request finds it (and ``stop`` unregisters it if cancelled)."""
+        sid = uuid.uuid4().hex
+        self.registering = sid
+        reply = await self.worker.scheduler.daskdist_register(
+            name=self.name, session=sid, address=self.worker.address,
+            slots=self.nthreads, device=str(self.device), gpu=self.gpu,
+            generation=highest_generation(),
+        )
+        self.registering = None
+        if reply is None:
+            raise RuntimeError("the daskdist scheduler plugin is not registered")
+        if reply.get("closed"):
+            raise CoordinatorGone(self.name)
+        self.index = reply["index"]
+        self.num_workers = reply["num_workers"]
+        self.renew_interval = reply.get("renew", self.renew_interval)
+        self._end_session()
+        _set_membership(reply["version"], reply.get("joins"), session=sid)
+        services = SessionServices(self.worker, self.name, sid)
+        self.session = Session(sid, services, ResourceRegistry(
+            functools.partial(self._fetch_spec, sid), self._contexts_for(services)))
+
+    def _end_session(self) -> None:
+        """The current session is over (fenced, or the plugin is stopping)."""
+        old, self.session = self.session, None
+        if old is not None:
+            self.closers = [t for t in self.closers if t.is_alive()]
+            self.closers.append(old.end())
+
+    async def _register_until_done(self) -> bool:
+        """Register a session, retrying while the scheduler cannot be reached; ``False``
+        when it refuses (the coordinator is gone: this plugin is about to be removed)."""
+        backoff = 0.05
+        while not self.stopping:
+            if self._retiring():  # leaving: its closures went back with its session
+                return False
+            try:
+                await self._register()
+                return True
+            except (OSError, CommClosedError) as e:
+                logger.info("daskdist: registering with the scheduler failed (%r); "
+                            "retrying", e)
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+            except CoordinatorGone:  # its last owner closed: this plugin is being removed
+                return False
+            except Exception as e:  # noqa: BLE001 - refused: say why, take no work
+                self.registering = None
+                logger.warning("daskdist[%s]: worker %s could not register: %r", self.name,
+                               self.worker.address, e)
+                return False
+        return False
+
+    async def _renew_loop(self) -> None:
+        """Renew this session's lease (SPEC §2.4) every ``renew_interval``: the
+        scheduler's word, growing with the cluster as Dask's heartbeats do
+        (``liveness.renew-interval`` until it speaks); skipped when an exchange left
+        since the last one (its arrival renewed the lease).
+
+        Runs on the worker's event loop, not in a closure thread: closures release the
+        GIL often enough for it to run (see ``tests/test_liveness.py``), so only a hung
+        process or event loop lets the lease lapse. A refused renewal (the scheduler
+        ended the session) wakes the exchange loop, which registers a new session.
+        Each call is bounded so a dead connection cannot stall renewals for good.
+        """
+        while not self.stopping:
+            interval = self.renew_interval
+            await asyncio.sleep(interval)
+            if self.session is None:
+                continue  # registering: the registration itself starts the lease
+            if time.monotonic() - self.last_sent < interval:
+                continue  # an exchange left since: its arrival renewed the lease
+            try:
+                reply = await asyncio.wait_for(
+                    self.worker.scheduler.daskdist_renew(
+                        name=self.name, session=self.session.id, held=list(self.unacked),
+                        started=self.started()),
+                    max(5.0, 5 * interval))
+            except (OSError, CommClosedError, asyncio.TimeoutError) as e:
+                logger.info("daskdist: lease renewal failed (%r); retrying", e)
+                continue
+            if is_session_ended(reply):
+                self.poke()  # the next exchange learns the session is gone
+
+    def _contexts_for(self, services: SessionServices
+                      ) -> Callable[[str], tuple[WorkerContext, InputContext]]:
+        """What a session's per-worker factories receive (built when resource ``rid``
+        is): a dataset's input context carries its identity, the resource id."""
+        def contexts(rid: str) -> tuple[WorkerContext, InputContext]:
+            wctx = self._worker_context()
+            n = max(1, self.num_workers)
+            ictx = InputContext(n, min(self.index, n - 1), n, worker=wctx, services=services,
+                                dataset_id=rid)
+            return wctx, ictx
+
+        return contexts
+
+    def _fetch_spec(self, session: str, rid: str) -> bytes | None:
+        return self.call("daskdist_get_resource", session=session, rid=rid)
