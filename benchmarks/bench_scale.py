@@ -580,6 +580,22 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid`` and its live descendants (``dask worker
+    --nworkers N``: its Nannies' process and the N worker processes)."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def _noop():
     return None
 
@@ -710,6 +726,7 @@ def real_one(n: int, args, root: str) -> dict:
         ds = coord.distribute_dataset(pattern, global_batch_size=256 * n, policy="dynamic")
         it = iter(ds)
         closures = empty = rows = 0
+        w0, u0 = _tree_cpu(workers.pid), _proc_cpu(os.getpid())
         c0, t0 = _proc_cpu(sched.pid), time.perf_counter()
         while not ds.progress()["complete"]:
             got = coord.fetch([coord.schedule(_take, args=(it,)) for _ in range(2 * n)])
@@ -719,6 +736,12 @@ def real_one(n: int, args, root: str) -> dict:
         dt = time.perf_counter() - t0
         cpu = _proc_cpu(sched.pid) - c0
         out["dynamic epoch rows/s"] = rows / dt
+        # where the epoch's CPU went, per 1,000 rows: on 2 cores the rows/s at 16 workers
+        # is what 2 cores give all the processes together
+        k = max(1, rows) / 1000
+        out["epoch CPU ms / 1k rows: workers"] = (_tree_cpu(workers.pid) - w0) / k * 1e3
+        out["epoch CPU ms / 1k rows: client"] = (_proc_cpu(os.getpid()) - u0) / k * 1e3
+        out["epoch CPU ms / 1k rows: scheduler"] = cpu / k * 1e3
         out["closures without a batch (%)"] = 100 * empty / max(1, closures)
         out["closure with a dynamic batch, rounds of 2N (ms)"] = cpu / max(1, closures) * 1e3
         # the same closures scheduled at once (as the no-op closures above)
