@@ -8,6 +8,7 @@ and a closure taking a dynamic batch to 16.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import path_trace
@@ -38,6 +39,22 @@ def _stop(client: Client) -> set[str]:
     return files
 
 
+@contextlib.contextmanager
+def tracing(client: Client):
+    """The profile hook on every thread of this process, the scheduler and the workers,
+    from before the Coordinator is made until the test is done."""
+    client.run(path_trace.install)
+    client.run_on_scheduler(path_trace.install)
+    client.sync(path_trace.install_async)
+    path_trace.install()
+    try:
+        yield
+    finally:
+        path_trace.uninstall()
+        client.run(path_trace.uninstall)
+        client.run_on_scheduler(path_trace.uninstall)
+
+
 def traced_files(client: Client, coord: dd.Coordinator, once) -> tuple[list[str], Counter]:
     """The files ``once()`` runs code in, in most of :data:`RUNS` traces; every file
     seen, with the number of traces that saw it."""
@@ -53,20 +70,11 @@ def traced_files(client: Client, coord: dd.Coordinator, once) -> tuple[list[str]
 
 @pytest.mark.timeout(180)
 def test_a_closure_crosses_at_most_eight_files():
-    with make_cluster(n_workers=2, threads=2) as cluster, Client(cluster) as client:
-        client.run(path_trace.install)
-        client.run_on_scheduler(path_trace.install)
-        client.sync(path_trace.install_async)
-        path_trace.install()
-        try:
-            with dd.Coordinator(client, name="paths") as coord:
-                coord.fetch([coord.schedule(_noop, args=(i,)) for i in range(20)])  # warm
-                files, counts = traced_files(
-                    client, coord, lambda: coord.fetch(coord.schedule(_noop, args=(1,))))
-        finally:
-            path_trace.uninstall()
-            client.run(path_trace.uninstall)
-            client.run_on_scheduler(path_trace.uninstall)
+    with make_cluster(n_workers=2, threads=2) as cluster, Client(cluster) as client, \
+            tracing(client), dd.Coordinator(client, name="paths") as coord:
+        coord.fetch([coord.schedule(_noop, args=(i,)) for i in range(20)])  # warm
+        files, counts = traced_files(
+            client, coord, lambda: coord.fetch(coord.schedule(_noop, args=(1,))))
     print("closure path:", files, "seen:", dict(counts))
     assert "client/closures.py" in files and "core/queue.py" in files, counts
     assert len(files) <= 8, f"a closure runs code in {len(files)} files: {files} ({counts})"
@@ -89,24 +97,15 @@ def test_a_dynamic_batch_path(tmp_path):
     for f in range(4):
         x = np.arange(f * 4000, (f + 1) * 4000, dtype=np.float32)
         pq.write_table(pa.table({"x": x}), tmp_path / f"p{f}.parquet", row_group_size=500)
-    with make_cluster(n_workers=2, threads=2) as cluster, Client(cluster) as client:
-        client.run(path_trace.install)
-        client.run_on_scheduler(path_trace.install)
-        client.sync(path_trace.install_async)
-        path_trace.install()
-        try:
-            with dd.Coordinator(client, name="lease-path") as coord:
-                ds = coord.distribute_dataset(str(tmp_path / "*.parquet"),
-                                              global_batch_size=64, policy="dynamic")
-                it = iter(ds)
-                assert sum(coord.fetch([coord.schedule(_take, args=(it,))
-                                        for _ in range(4)])) == 4 * 32  # warm
-                files, counts = traced_files(
-                    client, coord, lambda: coord.fetch(coord.schedule(_take, args=(it,))))
-        finally:
-            path_trace.uninstall()
-            client.run(path_trace.uninstall)
-            client.run_on_scheduler(path_trace.uninstall)
+    with make_cluster(n_workers=2, threads=2) as cluster, Client(cluster) as client, \
+            tracing(client), dd.Coordinator(client, name="lease-path") as coord:
+        ds = coord.distribute_dataset(str(tmp_path / "*.parquet"), global_batch_size=64,
+                                      policy="dynamic")
+        it = iter(ds)
+        assert sum(coord.fetch([coord.schedule(_take, args=(it,))
+                                for _ in range(4)])) == 4 * 32  # warm
+        files, counts = traced_files(
+            client, coord, lambda: coord.fetch(coord.schedule(_take, args=(it,))))
     print("dynamic batch path:", files, "seen:", dict(counts))
     closure_path = {"client/closures.py", "context.py", "core/membership.py", "core/nest.py",
                     "core/protocol.py", "core/queue.py", "plugins/scheduler/closures.py",
