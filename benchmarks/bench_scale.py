@@ -491,6 +491,8 @@ async def row_stats(n: int, samples: int = 600) -> dict[str, dict]:
         await sim.exchange(s, results=[Outcome(c[0], READY, None, None, 1)
                                        for c in reply["closures"]], want=0)
     stats = co.stats
+    if hasattr(stats, "fold"):  # the workers' counts of those closures, as before a sample
+        stats.fold(co)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     times = []
