@@ -473,7 +473,7 @@ def test_a_put_wakes_one_long_poll_per_closure():
     co.closure_book.add_owner("me", None, "t")
     for i in range(6):
         start(co, f"s{i}", f"w{i}")
-    co.members.poll = 30.0
+    co.members.poll_base = 30.0
 
     async def run():
         polls = {f"s{i}": asyncio.ensure_future(book.exchange(_Comm(), f"s{i}", [], [], 1, True))
@@ -563,7 +563,7 @@ def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
         got = await book.exchange(_Comm(), "s2", [], ["me-0"], 5, False)
         assert [d[0] for d in got["closures"]] == ["me-2"]
 
-    co.members.poll = 0.05
+    co.members.poll_base = 0.05
     asyncio.run(run())
     assert not [m for _, m in sent if m.get("op") == "daskdist-steal"]
     co.leases.ack("s2", "ds", 0, rows)

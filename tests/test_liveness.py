@@ -73,8 +73,7 @@ def test_coordinator_state_expires_like_a_lost_worker():
 
     co = CoordinatorState("t", lease_timeout=5)
     for s, addr in (("s1", "w1"), ("s2", "w2")):
-        co.members.join(s, addr)
-        co.liveness.add(s, 0.0)
+        co.members.join(s, addr, now=0.0)
         co.queue.add_session(s, 1)
     for i in range(4):
         co.queue.put(f"o-{i}", "o", b"")
@@ -264,7 +263,7 @@ def test_lease_timeout_constructor_argument_wins(short_lease_cluster):
     try:
         got = client.run_on_scheduler(
             lambda dask_scheduler: dask_scheduler.extensions["daskdist"]
-            .coordinators["lt"].liveness.timeout)
+            .coordinators["lt"].members.leases.timeout)
         assert got == 7.0
     finally:
         coord.close()

@@ -127,12 +127,13 @@ class Membership:
     _free: list[int] = field(default_factory=list)  # a heap of indices below _next
     _next: int = 0  # indices 0 .. _next - 1 were handed out
     leases: LivenessTable = field(default_factory=LivenessTable)  # the sessions' leases
-    poll: float = 0.0  # ``scheduler.poll-interval``: see :meth:`poll_interval`
+    poll_base: float = 0.0  # ``scheduler.poll-interval``: see :meth:`poll_interval`
     renew_base: float = 1.0  # ``liveness.renew-interval``: see :meth:`renew_interval`
 
-    def join(self, session: str, address: str, device: str = "cpu",
-             gpu: str = "") -> tuple[SessionMembership, SessionMembership | None]:
-        """Add ``session``; returns it and the older session of the same address it replaces.
+    def join(self, session: str, address: str, device: str = "cpu", gpu: str = "",
+             now: float | None = None) -> tuple[SessionMembership, SessionMembership | None]:
+        """Add ``session`` (with a fresh lease at ``now``, when given); returns it and the
+        older session of the same address it replaces.
 
         The caller must end the replaced session (its closures are put back).
         """
@@ -147,14 +148,17 @@ class Membership:
         member = SessionMembership(session, address, index, device=device, gpu=gpu)
         self.members[session] = member
         self._by_address[address] = session
+        if now is not None:
+            self.leases.add(session, now)
         self.version += 1
         self.joins += 1
         return member, replaced
 
     def leave(self, session: str, counted: bool = True) -> SessionMembership | None:
-        """Remove ``session`` (no-op if unknown); frees its index. ``counted=False``: the
-        leave does not change ``version`` (a retired worker the group already left: its
-        retirement was the change)."""
+        """Remove ``session`` (no-op if unknown); frees its index and drops its lease.
+        ``counted=False``: the leave does not change ``version`` (a retired worker the
+        group already left: its retirement was the change)."""
+        self.leases.forget(session)
         member = self.members.pop(session, None)
         if member is not None:
             if self._by_address.get(member.address) == session:
@@ -205,7 +209,7 @@ class Membership:
         """How long a worker's long-poll waits for work: ``scheduler.poll-interval``,
         longer on large clusters so idle workers poll at most ~200 times a second
         (Dask's heartbeats: ``n / 200``)."""
-        return max(self.poll, len(self.members) / 200)
+        return max(self.poll_base, len(self.members) / 200)
 
     def renew_interval(self) -> float:
         """How often a worker session renews its lease (the register and exchange

@@ -441,7 +441,7 @@ class ClosureBook:
         timeout = protocol.optional(protocol.number, timeout, f"{op}: timeout", 0.0, 3600.0)
         if not box.items:
             if timeout is None:
-                timeout = self.co.members.poll  # scheduler.poll-interval
+                timeout = self.co.members.poll_base  # scheduler.poll-interval
             await wait_event(box.event, timeout)
         if self.outboxes.get(owner) is not box:
             return {"detached": True}

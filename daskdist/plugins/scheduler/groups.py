@@ -142,11 +142,11 @@ class GroupDriver:
                     # silent for the whole of lease-timeout since the formation began:
                     # fenced now, like an expired lease (the expiry tick may lag)
                     silent = self.co.fence_silent(
-                        sessions, time.monotonic() - self.co.liveness.timeout)
+                        sessions, time.monotonic() - self.co.members.leases.timeout)
                     if silent:
                         continue
                     raise FormationAborted("no answer within lease-timeout "
-                                           f"({self.co.liveness.timeout:g} s)")
+                                           f"({self.co.members.leases.timeout:g} s)")
                 left.clear()
                 waiter = asyncio.ensure_future(left.wait())
                 await asyncio.wait({task, waiter}, timeout=remaining,
@@ -182,7 +182,7 @@ class GroupDriver:
             t0 = loop.time()
             # a deadline of lease-timeout (issue 23 item 6): a member that answers nothing
             # meanwhile is fenced by its lease, and the group forms without it
-            deadline = t0 + co.liveness.timeout
+            deadline = t0 + co.members.leases.timeout
             ok = False
             try:
                 host, port = await self._within(

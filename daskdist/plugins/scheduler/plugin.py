@@ -107,7 +107,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         """
         last = time.monotonic()
         while True:
-            timeouts = [co.liveness.timeout for co in self.coordinators.values()]
+            timeouts = [co.members.leases.timeout for co in self.coordinators.values()]
             timeout = min(timeouts, default=config.seconds("liveness.lease-timeout"))
             interval = max(0.05, min(0.5, timeout / 10))
             await asyncio.sleep(interval)
@@ -116,11 +116,11 @@ class CoordinatorPlugin(SchedulerPlugin):
             last = now
             for co in list(self.coordinators.values()):
                 if stall > 1.0:  # this loop was blocked: renewals may wait unread
-                    co.liveness.extend(stall)
+                    co.members.leases.extend(stall)
                 for session in co.expire_sessions(now):
                     logger.warning("daskdist[%s]: session %s sent nothing for %.1f s: "
                                    "ended (its closures run elsewhere)", co.name, session,
-                                   co.liveness.timeout)
+                                   co.members.leases.timeout)
 
     # -- Dask events ------------------------------------------------------------------
     def add_worker(self, scheduler, worker: str) -> None:

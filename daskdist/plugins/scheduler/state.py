@@ -47,9 +47,8 @@ class CoordinatorState:
         # sessions, their indices and leases (SPEC §2.4); the settings read on every
         # exchange, read once (parsing a duration is not free)
         self.members = Membership(leases=LivenessTable(lease_timeout),
-                                  poll=config.seconds("scheduler.poll-interval"),
+                                  poll_base=config.seconds("scheduler.poll-interval"),
                                   renew_base=config.seconds("liveness.renew-interval"))
-        self.liveness = self.members.leases
         self.stats = CoordinatorStats()  # dashboard counters and history (stats.py)
         self.closure_book = ClosureBook(self, max_worker_failures)
         self.group_book = GroupBook(self, max_worker_failures)
@@ -170,8 +169,7 @@ class CoordinatorState:
         old = self.members.session_of(address)
         if old is not None and old != session:
             self.end_session(old)
-        member, _ = self.members.join(session, address, device, gpu)
-        self.liveness.add(session, now)
+        member, _ = self.members.join(session, address, device, gpu, now=now)
         self.queue.add_session(session, slots)
         self.membership_changed()
         if retiring(address):
@@ -246,7 +244,6 @@ class CoordinatorState:
         member = self.members.members.get(session)
         self.members.leave(session, counted=not (member is not None and member.draining
                                                  and session not in self.gangs.group.ranks))
-        self.liveness.forget(session)
         self.workers_lost += not expected
         self.leases.drop_session(session)
         self.group_book.session_lost(session, expected)  # a member's loss tells the rest
@@ -262,7 +259,7 @@ class CoordinatorState:
     def expire_sessions(self, now: float) -> list[str]:
         """End every session silent for ``lease-timeout`` like a lost worker (fenced: its
         later messages are refused because it is no longer a member)."""
-        expired = self.liveness.expire(now)
+        expired = self.members.leases.expire(now)
         for session in expired:
             if session in self.members:
                 self.end_session(session, expected=session in self.group_book.departing)
@@ -273,9 +270,9 @@ class CoordinatorState:
         (time.monotonic()): a formation's members that answered nothing for its
         whole deadline. The ones ended."""
         out = [s for s in sessions if s in self.members
-               and self.liveness.last(s) is not None and self.liveness.last(s) < since]
+               and self.members.leases.last(s) is not None and self.members.leases.last(s) < since]
         for session in out:
-            self.liveness.expiries += 1
+            self.members.leases.expiries += 1
             logger.warning("daskdist[%s]: session %s answered nothing while the group "
                            "formed: ended (fenced)", self.name, session)
             self.end_session(session, expected=False)
@@ -308,7 +305,7 @@ class CoordinatorState:
             "worker_joins": self.members.joins,
             "worker_leaves": self.members.leaves,
             "workers_lost": self.workers_lost,
-            "lease_expiries": self.liveness.expiries,
+            "lease_expiries": self.members.leases.expiries,
             "steals": self.closure_book.steals,
             "acks_refused": self.closure_book.acks_refused,
             "resources": len(self.resources),
