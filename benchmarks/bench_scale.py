@@ -675,8 +675,10 @@ def _write_rows(root: str, rows: int, group: int) -> str:
     return f"{root}/*.parquet"
 
 
-# the `dask` command of this interpreter's environment (run without activating it)
-_DASK = os.path.join(os.path.dirname(sys.executable), "dask")
+# `dask scheduler` / `dask worker` of this interpreter, also where the `dask` entry point
+# is not installed (wheels unpacked into a folder on PYTHONPATH, as on the GPU machine)
+_SCHEDULER = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+_WORKER = [sys.executable, "-m", "distributed.cli.dask_worker"]
 
 
 def real_one(n: int, args, root: str) -> dict:
@@ -692,7 +694,7 @@ def real_one(n: int, args, root: str) -> dict:
     sfile = f"{root}/scheduler-{n}.json"
     env = dict(os.environ, DASK_DISTRIBUTED__LOGGING__DISTRIBUTED="error",
                DASK_DISTRIBUTED__WORKER__DAEMON="False")
-    sched = subprocess.Popen([_DASK, "scheduler", "--no-dashboard", "--port", "0",
+    sched = subprocess.Popen([*_SCHEDULER, "--no-dashboard", "--port", "0",
                               "--preload", "daskdist.plugins.scheduler",
                               "--scheduler-file", sfile], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -702,7 +704,7 @@ def real_one(n: int, args, root: str) -> dict:
         client = Client(scheduler_file=sfile)
         coord = dd.Coordinator(client, name="scale", torch_threads=1)
         c0 = _proc_cpu(sched.pid)
-        workers = subprocess.Popen([_DASK, "worker", "--nworkers", str(n), "--nthreads", "1",
+        workers = subprocess.Popen([*_WORKER, "--nworkers", str(n), "--nthreads", "1",
                                     "--no-dashboard", "--memory-limit", "0",
                                     "--scheduler-file", sfile], env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

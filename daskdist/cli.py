@@ -107,7 +107,7 @@ def sync_steps(state, iterator, steps):
         dd.collective.allreduce_gradients(state.model, average=True)
         state.optimizer.step()
         state.step += 1
-        total = torch.tensor([n])
+        total = torch.tensor([n], device=g.device)
         g.allreduce(total)
         state.rows += int(total.item())  # rows in the model (every rank's): committed with it
         state.commit()

@@ -49,7 +49,8 @@ def make_state(ctx, n: int):
         torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 3)).to(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     return dd.collective.State(model=model, optimizer=opt,
-                               seen=torch.zeros(n, dtype=torch.float64), step=0)
+                               seen=torch.zeros(n, dtype=torch.float64, device=ctx.device),
+                               step=0)
 
 
 def train_epoch(state, it, pause: float = 0.0):
@@ -67,7 +68,8 @@ def train_epoch(state, it, pause: float = 0.0):
         loss.backward()
         dd.collective.allreduce_gradients(state.model)
         state.optimizer.step()
-        seen = torch.bincount(batch["id"], minlength=state.seen.numel()).to(torch.float64)
+        seen = torch.bincount(batch["id"].to(g.device),
+                              minlength=state.seen.numel()).to(torch.float64)
         g.allreduce(seen)
         state.seen += seen
         state.step += 1

@@ -17,6 +17,17 @@ import pytest
 dask.config.set({"distributed.deploy.lost-worker-timeout": "600s"})
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(*first: str, **extra: str) -> dict[str, str]:
+    """This environment for a child Python process that imports daskdist (and the
+    tests) from this checkout: the checkout, then ``first``, ahead of the PYTHONPATH we
+    have (where Dask itself may come from, as on the GPU machine), plus ``extra``."""
+    path = os.pathsep.join([ROOT, *first, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "condition",
                interval: float = 0.02):
     """Poll ``pred`` until it is truthy; fail the test after ``timeout`` seconds."""

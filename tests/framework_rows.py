@@ -59,6 +59,23 @@ def read_events(logdir: Path) -> list[tuple]:
     return sorted(out)
 
 
+def rerun_after(events: list[tuple], t_kill: float) -> tuple[int, list[tuple]]:
+    """The last step logged before ``t_kill`` and the run that followed: each rank's
+    first ``start`` in the first generation that started after it. (A generation can
+    hold more runs: the driver runs the gang again when its ranks ran out of rows
+    while the lost worker's were still leased, and such a run starts where the last
+    ended.)"""
+    committed = max(e[2] for e in events if e[1] == "step" and e[0] < t_kill)
+    starts = [e for e in events if e[1] == "start" and e[0] > t_kill]
+    assert starts, "the gang did not run again after the kill"
+    first_gen = min(e[3] for e in starts)
+    first: dict[int, tuple] = {}
+    for e in starts:  # by time
+        if e[3] == first_gen:
+            first.setdefault(e[4], e)
+    return committed, list(first.values())
+
+
 def committed_counts(module, label: str = "lightning") -> tuple[int, list[float]]:
     """A gang closure: the newest commit's ``global_step`` and per-row counts (every rank
     takes it with ``sync()``), of the adapter ``label``'s State."""
@@ -115,10 +132,9 @@ def kill_a_job_past_its_checkpoints(argv: list[str], url: Path, logdir: Path,
     """Run ``python -m argv`` (a job on a LocalCluster of its own, logging its steps to
     ``logdir``) until it wrote two complete checkpoints to ``url`` and trained two steps
     past the newest, then SIGKILL it whole (scheduler, workers, client: one session)."""
-    from tests.conftest import wait_until
+    from tests.conftest import child_env, wait_until
 
-    env = {**os.environ,
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = child_env()
 
     def past_a_second_checkpoint() -> bool:  # steps that only the killed job saw
         kept = complete_checkpoints(url)

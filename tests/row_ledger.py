@@ -26,7 +26,7 @@ def train_rows(state, it, pause: float = 0.0) -> tuple[int, int]:
     for batch in dd.collective.synced(it):
         c = torch.bincount(batch["id"], minlength=state.counts.numel()).to(torch.float64)
         g.allreduce(c)
-        state.counts += c
+        state.counts += c.to(state.counts.device)
         time.sleep(pause)
         state.commit()
         steps += 1

@@ -31,7 +31,7 @@ from distributed import Client, LocalCluster
 import daskdist as dd
 from daskdist.collective.checkpoint import CheckpointStore
 from tests.checkpoint_job import BATCH, N_ROWS, MakeCounts, final_counts, train_rows
-from tests.conftest import wait_until
+from tests.conftest import child_env, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -53,7 +53,7 @@ def complete(url: Path) -> list[int]:
 def test_a_new_cluster_resumes_a_killed_job_every_row_exactly_once(tmp_path):
     data = write_rows(tmp_path / "shards")
     url = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = child_env()
     log = open(tmp_path / "job.log", "w")
     job = subprocess.Popen([sys.executable, "-m", "tests.checkpoint_job", str(url), data, "3"],
                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -135,7 +135,8 @@ def test_checks_name_the_argument_and_what_it_got():
             protocol.named(value, "dataset", DatasetDef)
 
 
-def test_read_only_handlers_never_create_state(client):
+def test_read_only_handlers_never_create_state(client, coord):
+    # coord: the scheduler plugin is there (also when this test runs alone)
     for op, kwargs in [("daskdist_status", {}), ("daskdist_group_info", {}),
                        ("daskdist_closure_state", {"cid": "x-1"})]:
         with pytest.raises(KeyError, match="no daskdist coordinator named 'nobody'"):
@@ -156,7 +157,8 @@ def test_read_only_handlers_never_create_state(client):
     ({"lease_timeout": protocol.MAX_LEASE_TIMEOUT * 2}, ValueError),
     ({"lease_timeout": "30s"}, TypeError),
 ])
-def test_settings_are_range_checked_on_the_client_and_the_scheduler(client, kwargs, error):
+def test_settings_are_range_checked_on_the_client_and_the_scheduler(client, coord, kwargs,
+                                                                    error):
     (arg,) = kwargs
     with pytest.raises(error, match=arg):
         dd.Coordinator(client, name="bad-settings", **kwargs)

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import child_env, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(240)
 
 
 def cli(*args: str, tmp: Path, timeout: float = 200) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
+    env = child_env(TMPDIR=str(tmp))
     return subprocess.run([sys.executable, "-m", "daskdist.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=tmp)
 
@@ -97,7 +96,7 @@ def _start_demo(tmp: Path, **env: str) -> subprocess.Popen:
         [sys.executable, "-m", "daskdist.cli", "demo", "--workers", "2", "--epochs", "50",
          "--rows", "100000", "--batch-size", "64"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp), **env}, cwd=tmp,
+        env=child_env(TMPDIR=str(tmp), **env), cwd=tmp,
         start_new_session=True)
     line = ""
     deadline = time.monotonic() + 150

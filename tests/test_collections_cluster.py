@@ -167,7 +167,7 @@ def train_where(state, it):
     for batch in dd.collective.synced(it):
         c = torch.bincount(batch["id"], minlength=state.counts.numel()).to(torch.float64)
         dd.collective.get_group().allreduce(c)
-        state.counts += c
+        state.counts += c.to(state.counts.device)
         state.commit()
         out.append((where, batch["id"].tolist()))
     return out

@@ -143,7 +143,7 @@ def test_elastic_state_sync_commit_restore(coord):
 def slow_gang_step(i, seconds):
     g = dd.collective.get_group()
     time.sleep(seconds)
-    t = torch.ones(4)
+    t = torch.ones(4, device=g.device)
     g.allreduce(t)
     return i, g.generation, g.world_size, t[0].item(), os.getpid()
 
@@ -183,7 +183,7 @@ def test_dead_peer_raises_collective_error(coord, client):
         if g.generation == first_generation and g.rank == 1:
             os.kill(os.getpid(), 9)
         try:
-            g.allreduce(torch.ones(1))
+            g.allreduce(torch.ones(1, device=g.device))
             log.append(("ok", g.generation))
         except dd.CollectiveError as e:
             log.append(("collective-error", str(e)))

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import ast
 import difflib
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -59,7 +60,7 @@ def test_example_changes_at_most_three_marked_lines_of_the_plain_script(example,
 ])
 def test_example_runs_and_commits_every_row(example, args, tmp_path):
     pytest.importorskip("lightning" if "lightning" in example else "transformers")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    env = child_env(HF_HUB_OFFLINE="1")
     out = subprocess.run([sys.executable, str(EXAMPLES / example), *args],
                          capture_output=True, text=True, timeout=360, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -170,7 +170,7 @@ def train_horovod(state, it, n):
     for batch in dd.collective.synced(it):
         c = torch.bincount(batch["id"], minlength=n).to(torch.float64)
         g.allreduce(c)
-        state.counts += c
+        state.counts += c.to(state.counts.device)
         steps += 1
         if steps == STALL_AT and g.rank == 0:
             # this commit reaches the scheduler late: rank 0 sends every rank's part in

@@ -24,13 +24,13 @@ TIMEOUT = 3.0  # the group's timeout: each run of the divergent gang costs about
 def divergent():
     g = dd.collective.get_group()
     if g.rank == 0:  # a user's rank-dependent control flow: the others never call it
-        g.allreduce(torch.ones(4))
+        g.allreduce(torch.ones(4, device=g.device))
     return g.rank
 
 
 def agree():
     g = dd.collective.get_group()
-    return g.allreduce(torch.ones(1)).item()
+    return g.allreduce(torch.ones(1, device=g.device)).item()
 
 
 def test_a_divergent_gang_fails_naming_rank_and_call_after_the_budget():

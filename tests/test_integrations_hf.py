@@ -38,6 +38,7 @@ from tests.framework_rows import (  # noqa: E402
     hf_row_model,
     kill_a_job_past_its_checkpoints,
     read_events,
+    rerun_after,
     rss_and_threads,
     write_rows,
 )
@@ -107,12 +108,7 @@ def test_member_sigkilled_mid_train_resumes_from_the_committed_step(tmp_path):
         killer.join(60)
         assert killed, "the member was not killed"
         t_kill, victim = killed[0]
-        events = read_events(logdir)
-        committed = max(e[2] for e in events if e[1] == "step" and e[0] < t_kill)
-        starts = [e for e in events if e[1] == "start" and e[0] > t_kill]
-        assert starts, "train() did not run again after the kill"
-        first_gen = min(e[3] for e in starts)
-        rerun = [e for e in starts if e[3] == first_gen]
+        committed, rerun = rerun_after(read_events(logdir), t_kill)
         assert len({e[4] for e in rerun}) == rerun[0][5]  # every rank of it started ...
         assert {e[2] for e in rerun} == {rerun[0][2]}  # ... at the same step ...
         assert committed - 1 <= rerun[0][2] <= committed and rerun[0][2] > 0  # committed
@@ -176,6 +172,20 @@ def test_prepare_trainer_refuses_a_stream_without_max_steps(tmp_path):
     # the callback's Trainer refuses it when it is made
     with pytest.raises(ValueError, match="max_steps"):
         Trainer(model=model, args=args, callbacks=[DaskdistCallback(iter([]))])
+
+
+def test_use_cpu_on_an_nccl_group_is_refused_naming_both():
+    """TrainingArguments(use_cpu=True) on a worker whose group is NCCL (its own GPU):
+    a clear error before Accelerate is set up, not a loss on the wrong device later.
+    (The group here is its description: the check reads nothing else of it.)"""
+    from types import SimpleNamespace
+
+    from daskdist.integrations.transformers import _configure_accelerate
+
+    nccl = SimpleNamespace(backend="nccl", device="cuda:0", rank=0, world_size=1,
+                           generation=1)
+    with pytest.raises(ValueError, match=r"use_cpu=True.*NCCL on cuda:0.*backend='gloo'"):
+        _configure_accelerate(nccl, cpu=True)
 
 
 def test_the_callback_prepares_the_trainer_it_is_given_to_once(tmp_path):

@@ -12,7 +12,7 @@ from distributed import Client
 
 import daskdist as dd
 import daskdist.plugins.scheduler
-from tests.conftest import wait_for_workers, wait_until
+from tests.conftest import child_env, wait_for_workers, wait_until
 
 
 def triple(x):
@@ -23,23 +23,19 @@ def triple(x):
 def preloaded_cluster(tmp_path):
     """`dask scheduler --preload daskdist.plugins.scheduler` that refuses client plugins."""
     sched_file = tmp_path / "scheduler.json"
-    env = dict(os.environ)
+    env = child_env(os.path.dirname(os.path.abspath(__file__)))
     env["DASK_DISTRIBUTED__SCHEDULER__BLOCKED_HANDLERS"] = json.dumps(
         ["register_scheduler_plugin", "register_worker_plugin"])
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here),
-                                         env.get("PYTHONPATH", "")])
-    bindir = os.path.dirname(sys.executable)
     procs = [subprocess.Popen(
-        [os.path.join(bindir, "dask"), "scheduler", "--port", "0", "--no-dashboard",
+        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--port", "0", "--no-dashboard",
          "--scheduler-file", str(sched_file), "--preload", "daskdist.plugins.scheduler"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         wait_until(lambda: sched_file.exists() and sched_file.read_text().strip(), 60,
                    "the scheduler file")
         procs.append(subprocess.Popen(
-            [os.path.join(bindir, "dask"), "worker", "--scheduler-file", str(sched_file),
-             "--nthreads", "1", "--no-dashboard"],
+            [sys.executable, "-m", "distributed.cli.dask_worker",
+             "--scheduler-file", str(sched_file), "--nthreads", "1", "--no-dashboard"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         yield str(sched_file)
     finally:
@@ -92,16 +88,19 @@ def _visible():
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def test_gpu_pin_on_a_local_cluster_whose_workers_are_named_0_1_2(tmp_path, monkeypatch):
+def test_gpu_pin_on_a_local_cluster_whose_workers_are_named_0_1_2(tmp_path):
     """LocalCluster names its workers 0, 1, 2 (no ``-N`` suffix): each still gets its
     own device (here among 3 devices made visible, as a 3-GPU host shows them)."""
     import dask
 
     from tests.conftest import make_cluster
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
-    with dask.config.set({"daskdist.gpu-pin.slots-dir": str(tmp_path / "slots")}):
-        with make_cluster(3, preload=["daskdist.plugins.gpu_pin"]) as cluster, \
+    # the devices are made visible to the workers only, and distributed's NVML monitor
+    # is off there: on a host with a real GPU it would look for devices 4, 6 and 7
+    with dask.config.set({"daskdist.gpu-pin.slots-dir": str(tmp_path / "slots"),
+                          "distributed.diagnostics.nvml": False}):
+        with make_cluster(3, preload=["daskdist.plugins.gpu_pin"],
+                          env={"CUDA_VISIBLE_DEVICES": "4,6,7"}) as cluster, \
                 Client(cluster) as client:
             client.wait_for_workers(3)
             names = client.run(lambda dask_worker: dask_worker.name)

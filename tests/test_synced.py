@@ -169,7 +169,7 @@ def _train_text(state, it, k: int):
         assert text == [f"row-{i}" for i in ids.tolist()], (text, ids)
         c = torch.bincount(ids, minlength=state.counts.numel()).to(torch.float64)
         g.allreduce(c)
-        state.counts += c
+        state.counts += c.to(state.counts.device)
         state.commit()
         steps += 1
     return steps

@@ -27,7 +27,7 @@ def broadcast_parameters(
     g = group or get_group()
     tensors = [p.data for p in model.parameters()] + [b for b in model.buffers()]
     for bucket in _buckets(tensors, bucket_mb):
-        flat = _flatten_dense_tensors(bucket)
+        flat = _on_wire(_flatten_dense_tensors(bucket), g)
         g.broadcast(flat, src)
         if g.rank != src:
             for t, new in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
@@ -52,12 +52,21 @@ def allreduce_gradients(
             p.grad = torch.zeros_like(p)
     grads = [p.grad.data for p in params]
     for bucket in _buckets(grads, bucket_mb):
-        flat = _flatten_dense_tensors(bucket)
+        flat = _on_wire(_flatten_dense_tensors(bucket), g)
         g.allreduce(flat, op="sum")
         if average and g.world_size > 1:
             flat.div_(g.world_size)
         for t, new in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             t.copy_(new)
+
+
+def _on_wire(flat: torch.Tensor, g: Group) -> torch.Tensor:
+    """``flat`` where ``g``'s backend can send it: NCCL takes CUDA tensors only, so a
+    bucket of a model on the CPU in an NCCL group (Lightning moves a module back to the
+    CPU when a fit ends) goes through the group's device (``t.copy_`` brings it back)."""
+    if g.backend == "nccl" and not flat.is_cuda:
+        return flat.to(g.device)
+    return flat
 
 
 def _buckets(tensors: Iterable[torch.Tensor], bucket_mb: float) -> Iterator[list[torch.Tensor]]:

@@ -239,7 +239,7 @@ class _Prepared:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         g = get_group()
-        _configure_accelerate(g)
+        _configure_accelerate(g, cpu=bool(getattr(self.args, "use_cpu", False)))
         self.create_accelerator_and_postprocess()  # on the state just set
         disarm(self.model_wrapped)  # a DDP of an earlier train(), maybe another group's
         self.model_wrapped = self.model  # wrapped again, on this group
@@ -250,8 +250,9 @@ class _Prepared:
             disarm(self.model_wrapped)  # the model outlives this run (see disarm)
 
 
-def _configure_accelerate(g: Group) -> None:
-    """Reset Accelerate's process-wide state and set it from the group.
+def _configure_accelerate(g: Group, cpu: bool = False) -> None:
+    """Reset Accelerate's process-wide state and set it from the group (on the group's
+    device, or the CPU where the user's ``TrainingArguments(use_cpu=True)`` says so).
 
     Accelerate reads a distributed run from torchrun's variables (``LOCAL_RANK``,
     ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), and on the CPU refuses several
@@ -263,10 +264,15 @@ def _configure_accelerate(g: Group) -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     device = torch.device(g.device)
+    if cpu and g.backend == "nccl":
+        raise ValueError(
+            f"TrainingArguments(use_cpu=True) trains on the CPU, but this worker's group "
+            f"is NCCL on {device}, which takes CUDA tensors only: form the group with "
+            f"collective_group(backend='gloo'), or leave use_cpu out")
     env = {"LOCAL_RANK": "0", "RANK": str(g.rank), "WORLD_SIZE": str(g.world_size),
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     with _environ(env):
-        state = PartialState(cpu=device.type == "cpu")
+        state = PartialState(cpu=cpu or device.type == "cpu")
     if state.num_processes != g.world_size or state.process_index != g.rank:
         raise RuntimeError(
             f"Accelerate's state (process {state.process_index} of {state.num_processes}) "
