@@ -154,6 +154,74 @@ def test_ring_grows_a_slot_for_a_larger_block_and_skips_finished_waits():
     assert tr.host_buffers == 4 * 2  # 10 rows, then grown once for 40; 20 fits
 
 
+def test_a_block_is_handed_on_while_the_next_one_is_still_being_read():
+    """A source whose next block takes long (a lazy frame's partition still computing,
+    a lease) does not hold back the block before it: its rows are ready as soon as it
+    is staged. (The stage used to run one block behind: block 0 came out only once
+    block 1 had been read; on a GPU worker a lazy frame's first batch waited for the
+    second partition.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from daskdist.data.sources import ChunkItem
+
+    second_read = threading.Event()
+
+    def blocks():
+        yield ChunkItem(convert_chunk(table_of(np.arange(50, dtype=np.int64))), None, 50)
+        second_read.wait(30)  # the next partition: computed only when the test says so
+        yield ChunkItem(convert_chunk(table_of(np.arange(50, 80, dtype=np.int64))), None, 30)
+
+    stage = DeviceStage(LateTransfer(), slots=2)
+    gen = stage.stage_all(blocks())
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(lambda: stage.resolve(next(gen))).result(timeout=10)
+        stage.ready([first])
+        check(first.cols.slice(0, 50))
+        assert first.cols.slice(0, 50)["id"].tolist() == list(range(50))
+        assert not second_read.is_set()  # handed on while the next read still waited
+        second_read.set()
+        rest = [stage.resolve(x) for x in gen]
+    assert [r.rows for r in rest] == [30]
+    stage.ready(rest)
+    assert rest[0].cols.slice(0, 30)["id"].tolist() == list(range(50, 80))
+
+
+def test_closing_the_stage_drops_the_blocks_not_yet_staged():
+    """close() mid-stream: the block being staged is finished, those queued behind it
+    are dropped (``resolve`` gives ``None``), and the source is closed."""
+    from daskdist.data.sources import ChunkItem
+
+    closed, gate = threading.Event(), threading.Event()
+
+    def blocks():
+        try:
+            for k in range(10):
+                n = 21 if k == 1 else 20  # block 1: its staging waits for the gate
+                yield ChunkItem(convert_chunk(table_of(np.arange(n, dtype=np.int64))), None, n)
+        finally:
+            closed.set()
+
+    stage = DeviceStage(LateTransfer(), slots=2)
+    plain = stage.stage
+
+    def staging(item):
+        if item.rows == 21:
+            gate.wait(10)
+        return plain(item)
+
+    stage.stage = staging
+    gen = stage.stage_all(blocks())
+    pending = [next(gen) for _ in range(10)]
+    assert stage.resolve(pending[0]).cols.rows == 20  # staged
+    opener = threading.Timer(0.3, gate.set)  # block 1's staging ends during the close
+    opener.start()
+    gen.close()  # waits for block 1's staging; blocks 2..9 are dropped
+    opener.join()
+    assert closed.is_set()
+    assert stage.resolve(pending[1]).cols.rows == 21
+    assert [stage.resolve(p) for p in pending[2:]] == [None] * 8
+
+
 def write(root, files=3, rows=300, group=70):
     root.mkdir(parents=True, exist_ok=True)
     for f in range(files):

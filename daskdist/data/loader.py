@@ -507,6 +507,15 @@ class _LoaderIterator:
             if item is not END:
                 raise item.exc
             return None
+        if self._stage is not None:  # a pending block: wait for its staging (its doc)
+            try:
+                item = self._stage.resolve(item)
+            except BaseException:
+                self._done = True
+                feed.stop()  # the join ends once the producer returns from its read
+                raise
+            if item is None or self._closed:
+                return None
         return item
 
     # -- after the lock, in the caller's thread -------------------------------------------

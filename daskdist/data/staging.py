@@ -11,7 +11,9 @@ a CUDA event is recorded after them. The block's columns become views of those d
 batches cut from it are views too. Strings and other list columns stay on the host.
 
 Overlap: a block is staged (copied into its slot, its copies queued) in a staging thread
-while the prefetch thread decodes the next block (:meth:`DeviceStage.stage_all`), and
+while the prefetch thread decodes the next block (:meth:`DeviceStage.stage_all`; the
+block goes on pending at once and a consumer waits for its staging, never for the next
+block's read: :meth:`DeviceStage.resolve`), and
 the copy runs on the side stream while the next block is written into the next slot.
 A slot is written again only after the event of the copy out of it has completed
 (:meth:`Fence.synchronize`): that wait ends when the copy does.
@@ -44,7 +46,7 @@ a stand-in whose "copies" run late, to check that no slot is reused too early.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -325,24 +327,42 @@ class DeviceStage:
         return item._replace(cols=cols, staged=staged)
 
     def stage_all(self, items: Iterator[Any]) -> Iterator[Any]:
-        """Stage ``items`` in order, one block behind: block ``k`` is staged in a thread
-        of its own (which owns the ring) while the caller's generator decodes ``k + 1``.
-        """
+        """Stage ``items`` in order in a thread of its own (which owns the ring) while the
+        caller's generator decodes the next block, handing each block on at once as a
+        *pending* item (``staged`` holds the staging's future) that a consumer turns
+        into the staged block with :meth:`resolve`.
+
+        A block is never held back until the next one is read: from a lazy frame or a
+        lease that read can take long (the next partition still computing), and the
+        block's rows would wait for it (they did: one block behind, before). At the end
+        of ``items`` every block is staged before the generator returns; when it is
+        closed, the blocks not yet staged are dropped (their consumers see the loader
+        closed) and the one being staged is finished first."""
         pool = ThreadPoolExecutor(1, "daskdist-stage")
-        pending = None
+        ended = False
         try:
             for whole in items:
                 for item in self.pieces(whole):
-                    fut = pool.submit(self.stage, item)
-                    if pending is not None:
-                        yield pending.result()
-                    pending = fut
-            if pending is not None:
-                yield pending.result()
+                    yield item._replace(staged=pool.submit(self.stage, item))
+            ended = True
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=not ended)
             if isinstance(items, Generator):
                 items.close()
+
+    @staticmethod
+    def resolve(item: Any) -> Any:
+        """The staged block of a pending item of :meth:`stage_all` (an item that is not
+        pending as it is), or ``None`` if its staging was dropped by a close. Waits for
+        the staging (the host copy into a slot and the copies queued): that wait ends
+        when the staging thread gets to it, or at once once the stage was closed."""
+        fut = item.staged
+        if not isinstance(fut, Future):
+            return item
+        try:
+            return fut.result()
+        except CancelledError:
+            return None
 
     def ready(self, items: list[Any]) -> None:
         """Before a batch cut from ``items`` is used on the caller's current stream."""
