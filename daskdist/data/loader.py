@@ -7,7 +7,8 @@ The pipeline, in stages with one job each:
    order (:mod:`.batching`: shuffled pieces, each block's rows permuted by one gather);
    :class:`~.sources.DynamicSource` leases rows from ``ctx.services`` (``"dynamic"``);
 2. for a CUDA device, the *device stage* (:mod:`.staging`) copies each whole block to
-   the device through a ring of reused pinned buffers, one copy per dtype;
+   the device through a ring of reused pinned buffers, one copy per dtype, in a staging
+   thread: the block goes on at once, pending, and is resolved when it is taken;
 3. a *feed* (:mod:`.prefetch`) runs 1-2 in a prefetch thread and hands blocks over
    through a buffer bounded by ``prefetch`` batches (or inline with ``prefetch=0``);
 4. the *iterator* only cuts ``batch_size`` views from the current block (a batch
@@ -28,9 +29,11 @@ callers own only the batches they got.
 
 Every wait ends. A caller waits for the lock (ends when the holder finishes its cut,
 whose own waits end as follows) or for the next block (ends on a block, the end of the
-pass, a failure, or ``close()``); the producer waits for room in the buffer (ends when
-a caller takes a block, or ``close()``), or for a Dask collection's partition (ends when
-Dask has it, or ``close()``: the source's ``interrupt``). Shutdown, ``close()`` from any
+pass, a failure, or ``close()``), then, for CUDA, for that block's staging (ends when the
+staging thread has copied it, or at once once a close dropped it); the producer waits
+for room in the buffer (ends when a caller takes a block, or ``close()``), or for a Dask
+collection's partition (ends when Dask has it, or ``close()``: the source's
+``interrupt``). Shutdown, ``close()`` from any
 thread: mark closed, interrupt the source, end the feed's waits (callers waiting for a
 block get ``StopIteration``), join the prefetch thread without holding the lock (it
 returns once its current read or lease RPC does), take the lock, give back rows leased
