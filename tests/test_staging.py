@@ -222,6 +222,38 @@ def test_closing_the_stage_drops_the_blocks_not_yet_staged():
     assert [stage.resolve(p) for p in pending[2:]] == [None] * 8
 
 
+def test_a_failing_source_still_hands_on_the_blocks_before_the_failure():
+    """The source raises after two blocks while the first is still being staged: both
+    blocks are staged (not dropped as on a close), so a consumer gets their rows and
+    then the error, never an early end of the pass."""
+    from daskdist.data.sources import ChunkItem
+
+    gate = threading.Event()
+
+    def blocks():
+        for n in (20, 21):
+            yield ChunkItem(convert_chunk(table_of(np.arange(n, dtype=np.int64))), None, n)
+        raise OSError("the third partition is unreadable")
+
+    stage = DeviceStage(LateTransfer(), slots=2)
+    plain = stage.stage
+
+    def staging(item):
+        if item.rows == 20:
+            gate.wait(10)  # block 1 stays queued behind it while the source raises
+        return plain(item)
+
+    stage.stage = staging
+    gen = stage.stage_all(blocks())
+    pending = [next(gen), next(gen)]
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
+    with pytest.raises(OSError, match="third partition"):
+        next(gen)
+    opener.join()
+    assert [stage.resolve(p).cols.rows for p in pending] == [20, 21]
+
+
 def write(root, files=3, rows=300, group=70):
     root.mkdir(parents=True, exist_ok=True)
     for f in range(files):

@@ -335,18 +335,21 @@ class DeviceStage:
         A block is never held back until the next one is read: from a lazy frame or a
         lease that read can take long (the next partition still computing), and the
         block's rows would wait for it (they did: one block behind, before). At the end
-        of ``items`` every block is staged before the generator returns; when it is
-        closed, the blocks not yet staged are dropped (their consumers see the loader
-        closed) and the one being staged is finished first."""
+        of ``items``, or when it raises, every block handed on is staged before the
+        generator returns (or raises: its consumers get those rows, then the error);
+        when it is closed, the blocks not yet staged are dropped (their consumers see
+        the loader closed) and the one being staged is finished first."""
         pool = ThreadPoolExecutor(1, "daskdist-stage")
-        ended = False
+        closed = False
         try:
             for whole in items:
                 for item in self.pieces(whole):
                     yield item._replace(staged=pool.submit(self.stage, item))
-            ended = True
+        except GeneratorExit:
+            closed = True
+            raise
         finally:
-            pool.shutdown(wait=True, cancel_futures=not ended)
+            pool.shutdown(wait=True, cancel_futures=closed)
             if isinstance(items, Generator):
                 items.close()
 
