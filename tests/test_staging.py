@@ -19,6 +19,7 @@ from daskdist.data.convert import convert_chunk
 from daskdist.data.loader import _LoaderIterator
 from daskdist.data.staging import DeviceStage, StagingRing, piece_rows, plan_layout
 from daskdist.errors import InputError
+from tests.conftest import wait_until
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -213,7 +214,12 @@ def test_closing_the_stage_drops_the_blocks_not_yet_staged():
     gen = stage.stage_all(blocks())
     pending = [next(gen) for _ in range(10)]
     assert stage.resolve(pending[0]).cols.rows == 20  # staged
-    opener = threading.Timer(0.3, gate.set)  # block 1's staging ends during the close
+    def open_once_dropped():  # block 1's staging ends once the close dropped 2..9
+        wait_until(lambda: all(p.staged.cancelled() for p in pending[2:]), 10,
+                   "the queued stagings dropped")
+        gate.set()
+
+    opener = threading.Thread(target=open_once_dropped)
     opener.start()
     gen.close()  # waits for block 1's staging; blocks 2..9 are dropped
     opener.join()
@@ -246,7 +252,9 @@ def test_a_failing_source_still_hands_on_the_blocks_before_the_failure():
     stage.stage = staging
     gen = stage.stage_all(blocks())
     pending = [next(gen), next(gen)]
-    opener = threading.Timer(0.3, gate.set)
+    # block 0's staging ends a second later: by then the source has raised, with block 1
+    # queued (a close would drop it; a failure must not)
+    opener = threading.Timer(1.0, gate.set)
     opener.start()
     with pytest.raises(OSError, match="third partition"):
         next(gen)
