@@ -17,7 +17,6 @@ import argparse
 import os
 import signal
 import tempfile
-import threading
 import time
 
 import lightning as L
@@ -80,15 +79,17 @@ def main(argv: list[str] | None = None) -> dict:
         ds = coord.distribute_dataset(f"{data}/*.parquet", global_batch_size=args.batch_size,
                                       shuffle=True, policy="dynamic", name="lightning-fit")
         it = iter(ds)
-        if args.kill:
-            threading.Thread(target=_kill, args=(client, group.members[0], ds),
-                             daemon=True).start()
+        rank0 = group.members[0]
+        kill = [KillAt(client.run(os.getpid, workers=[rank0])[rank0],
+                       step=max(1, args.rows // args.batch_size // 3))] if args.kill else []
         t0 = time.perf_counter()
         runs = 0
         while not ds.progress()["complete"]:  # a re-run after a loss: fit resumes
             results = coord.fetch(coord.schedule_on_all(
-                train, args=(module, it, args.commit_every)))
+                train, args=(module, it, args.commit_every, kill if runs == 0 else ())))
             runs += 1
+        if kill and rank0 not in client.scheduler_info()["workers"]:
+            print(f"killed rank 0 (pid {kill[0].pid}) at step {kill[0].step}")
         progress = ds.progress()
         summary = {"acknowledged": progress["acknowledged"], "total": progress["total"],
                    "global_step": results[0][0], "loss": results[0][1], "runs": runs,
@@ -100,14 +101,17 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def _kill(client, addr, ds) -> None:
-    """SIGKILL worker ``addr`` (rank 0 when the group formed) once a third of the epoch
-    is committed (``--kill``)."""
-    while ds.progress()["acknowledged"] < ds.progress()["total"] // 3:
-        time.sleep(0.05)
-    pid = client.run(os.getpid, workers=[addr])[addr]
-    os.kill(pid, signal.SIGKILL)
-    print(f"killed rank 0 (pid {pid}) at {ds.progress()['acknowledged']} rows")
+class KillAt(L.Callback):
+    """SIGKILL the worker process ``pid`` (rank 0 when the group formed) after its
+    ``step``-th optimizer step (``--kill``): a real preemption at a known point of the
+    epoch, however fast the machine; any other process ignores it."""
+
+    def __init__(self, pid: int, step: int):
+        self.pid, self.step = pid, step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if os.getpid() == self.pid and trainer.global_step >= self.step:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
