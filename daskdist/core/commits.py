@@ -75,6 +75,14 @@ def unpack_part(ints: Sequence[int],
     """A rank's :func:`pack_tokens` ints back as its rows grouped by epoch table (as
     :func:`~daskdist.core.leases.group_tokens` gives them), each dataset key named by
     ``dataset_of``; ``ValueError`` if malformed or a key names no dataset."""
+    if len(ints) == 5:  # one table, one run of rows: a rank's usual part, checked at once
+        key, epoch, n, a, b = ints
+        if (type(key) is int and type(epoch) is int and type(n) is int and n == 1
+                and type(a) is int and type(b) is int):
+            dataset_id = dataset_of(key)
+            if dataset_id is None:
+                raise ValueError(f"a packed part names dataset key {key}, defined nowhere here")
+            return {(dataset_id, epoch): [(a, b)]}
     groups: dict[tuple[str, int], list] = {}
     i, end = 0, len(ints)
     while i < end:

@@ -289,7 +289,7 @@ class ClosureBook:
             if accepted:  # the dashboard's count (folded in at its samples)
                 counts = finished.get(session)
                 if counts is None:
-                    counts = finished[session] = [0, 0]
+                    counts = finished[session] = [0, 0, 0]
                 counts[not ok] += 1
             if tokens:
                 if accepted and ok and not gang:

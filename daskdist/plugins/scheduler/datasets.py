@@ -29,8 +29,7 @@ class LeaseBook:
     def __init__(self, co: CoordinatorState, max_worker_failures: int) -> None:
         self.co = co
         self.leases = LeaseTable(  # every acknowledgement is counted for the dashboard
-            on_ack=lambda session, dataset_id, rows: co.stats.on_rows(
-                co, session, dataset_id, rows),
+            on_ack=co.stats.on_rows,
             max_failures=max_worker_failures)
         self.ledgers = Ledgers()  # the datasets each State trained (checkpoint ledgers)
 

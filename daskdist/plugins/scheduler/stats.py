@@ -2,9 +2,9 @@
 
 Pure bookkeeping (no Dask, Bokeh or torch import). :class:`CoordinatorState` owns one
 :class:`CoordinatorStats`, on the scheduler's event loop. The closure book counts each
-result in ``finished`` (a dict: nothing here runs on a closure's path) and the stats
-fold those counts in at each sample, snapshot and session end; the lease table calls
-``on_rows`` as it acknowledges rows, a session's end ``on_session_end``, the group
+result in ``finished`` (a dict: nothing here runs on a closure's path), ``on_rows``
+each row the lease table acknowledges, and the stats fold those counts in at each
+sample, snapshot and session end; a session's end calls ``on_session_end``, the group
 driver ``on_formation``. ``sample`` appends one point of history (the observe module's
 sampler calls it every ``daskdist.dashboard.sample-interval``); :func:`snapshot` turns a
 coordinator into the JSON-able dict that ``/daskdist/status.json``, the plain page, the
@@ -92,8 +92,9 @@ class CoordinatorStats:
         self.formations = 0  # successful formations (the first and every re-formation)
         self.checkpoint: CheckpointRecord | None = None  # the newest one written
         self.checkpoints = 0  # checkpoints written (reported)
-        # session -> [done, failed]: closures accepted since the last fold (the closure
-        # book adds each result here; :meth:`fold` moves them to the worker's counters)
+        # session -> [done, failed, rows]: closures accepted and rows acknowledged since
+        # the last fold (the closure book and ``on_rows`` add each here; :meth:`fold`
+        # moves them to the worker's counters)
         self.finished: dict[str, list[int]] = {}
 
     # -- hooks (scheduler event loop) -----------------------------------------------------
@@ -112,7 +113,7 @@ class CoordinatorStats:
         return w
 
     def fold(self, co: Any, session: str | None = None) -> None:
-        """Move the closure book's counts of finished closures (``finished``: of
+        """Move the counts of finished closures and acknowledged rows (``finished``: of
         ``session``, or of every session) to their workers' counters. O(sessions that
         finished closures since the last fold): at a sample, a snapshot, a session's end."""
         finished = self.finished
@@ -121,15 +122,21 @@ class CoordinatorStats:
             items = [] if counts is None else [(session, counts)]
         else:
             items, self.finished = list(finished.items()), {}
-        for s, (done, failed) in items:
+        for s, (done, failed, rows) in items:
             w = self._worker(co, s)
             w.closures += done
             w.failed += failed
+            w.rows += rows
 
-    def on_rows(self, co: Any, session: str, dataset_id: str, rows: int) -> None:
+    def on_rows(self, session: str, dataset_id: str, rows: int) -> None:
         """The lease table acknowledged ``rows`` of ``dataset_id`` leased to ``session``
-        (a closure's result or a gang commit: every acknowledgement comes here)."""
-        self._worker(co, session).rows += rows
+        (a closure's result or a gang commit: every acknowledgement comes here). Counted
+        in ``finished`` beside its closures, folded in at the next sample: a gang
+        commit's thousand parts cost a dict update each."""
+        counts = self.finished.get(session)
+        if counts is None:
+            counts = self.finished[session] = [0, 0, 0]
+        counts[2] += rows
         self.dataset_rows[dataset_id] = self.dataset_rows.get(dataset_id, 0) + rows
 
     def on_session_end(self, co: Any, session: str) -> None:
