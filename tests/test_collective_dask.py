@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 
+import dask
 import pytest
 import torch
 
@@ -298,3 +299,40 @@ def test_explicit_nccl_on_workers_without_own_gpus_is_a_clear_error(coord, clien
         assert "CUDA on every member" in msg
     # auto still forms (gloo: no LocalCluster worker has a GPU of its own)
     assert coord.collective_group(backend="auto", timeout=30).backend == "gloo"
+
+
+def relay_probe(log, first_generation):
+    g = dd.collective.get_group()
+    if g.generation == first_generation and g.rank == 0:
+        os.kill(os.getpid(), 9)
+    try:
+        g.allreduce(torch.ones(1, device=g.device))
+        log.append(("ok", g.generation, g.rank))
+    except dd.CollectiveError as e:
+        log.append(("error", g.generation, g.rank, str(e)))
+        raise
+    return list(log)
+
+
+@pytest.mark.timeout(300)
+def test_a_wide_groups_loss_reaches_every_survivor_down_the_tree():
+    """Issue 25: with ``relay-fanout`` 2, rank 0 of 6 dies before its allreduce. The
+    scheduler tells ranks 1, 2 and 3 only; 4 and 5 hear it from rank 1, whose init named
+    them. Every survivor's call raises the loss at once (the group's timeout is past
+    the test's own), and the gang runs again on the re-formed group."""
+    from distributed import Client
+
+    with dask.config.set({"daskdist.collective.relay-fanout": 2}), \
+            make_cluster(6, threads=2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="relay")
+        wait_for_workers(client, coord, 6)
+        group = coord.collective_group(timeout=600)
+        assert group.world_size == 6
+        seen = coord.create_per_worker_resource(lambda ctx: [])
+        first = coord.status()["group_generation"]
+        out = coord.fetch(coord.schedule_on_all(relay_probe, args=(seen, first)))
+        errors = {e[2]: e[3] for log in out for e in log if e[0] == "error" and e[1] == first}
+        assert sorted(errors) == [1, 2, 3, 4, 5], out  # every survivor, none waited
+        assert all("timed out" not in text.lower() for text in errors.values()), errors
+        assert all(log[-1][0] == "ok" and log[-1][1] > first for log in out)
+        coord.close()

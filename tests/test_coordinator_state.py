@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import dask
 import pytest
 
 from daskdist.core.protocol import (
@@ -373,6 +374,29 @@ def test_a_broken_generations_members_are_told_once_however_many_leave():
     sent.clear()
     co.end_session("s4")  # the new generation's first loss: told at once
     assert [(a, m["op"]) for a, m in sent] == [("w1", "daskdist-peer-lost")]
+
+
+def test_a_wide_groups_loss_is_told_down_a_tree_in_fanout_messages():
+    """Issue 25: beyond ``relay-fanout`` members the scheduler tells the tree's top and
+    a lost rank's children; the others hear from their parents (the init named them)."""
+    sent: list = []
+    with dask.config.set({"daskdist.collective.relay-fanout": 2}):
+        co = make(sent)
+    for i in range(7):
+        start(co, f"s{i}", f"w{i}")
+    _formed_group(co, tuple(f"s{i}" for i in range(7)))
+    sent.clear()
+    co.worker_removed("s0", expected=False)  # rank 0: its children 2 and 3 in its place
+    assert [(a, m["op"], m["session"]) for a, m in sent] == [
+        ("w1", "daskdist-peer-lost", "s1"), ("w2", "daskdist-peer-lost", "s2"),
+        ("w3", "daskdist-peer-lost", "s3")]  # 4, 5 hear from rank 1, 6 from rank 2
+    assert all(m["version"] == co.members.version for _, m in sent)
+    sent.clear()
+    co.worker_removed("s2", expected=False)  # it may have died before passing it on
+    assert [(a, m["session"]) for a, m in sent] == [("w6", "s6")]
+    sent.clear()
+    co.worker_removed("s5", expected=False)  # a leaf: no one below it
+    assert sent == []
 
 
 def test_an_interruption_every_rank_raises_tells_no_one():

@@ -231,3 +231,54 @@ def test_a_repeated_failure_reaches_the_client_as_a_collective_error():
     assert isinstance(err, CollectiveError) and not err.transient
     assert "rank 0 failed first" in str(err) and "allreduce timed out" in str(err)
     assert isinstance(err.__cause__, CollectiveError)
+
+
+# -- a broken generation's word down the tree (issue 25) -------------------------------------
+
+def test_relay_children_tile_the_ranks_below_the_scheduler():
+    """Every rank has one parent: the scheduler's children are ranks 0..fanout-1, and
+    each rank's children follow in order; a group of at most ``fanout`` is flat."""
+    from daskdist.core.gang import relay_children
+
+    assert list(relay_children(0, 3, 32)) == [] and list(relay_children(2, 3, 32)) == []
+    assert [list(relay_children(r, 7, 2)) for r in range(7)] == [
+        [2, 3], [4, 5], [6], [], [], [], []]
+    for world in (1, 5, 33, 100):
+        for fanout in (1, 2, 3, 32):
+            below = [c for r in range(world) for c in relay_children(r, world, fanout)]
+            assert sorted(below) == list(range(min(fanout, world), world))
+
+
+@settings(max_examples=300, deadline=None)
+@given(world=st.integers(1, 120), fanout=st.integers(1, 6), data=st.data())
+def test_every_live_rank_hears_however_the_relays_die(world, fanout, data):
+    """Losses come one at a time; the scheduler tells ``tell_targets`` at each (the
+    tree's top at the first, the lost rank's children each time). In the worst case a
+    rank lost later never passed the word on: every rank never lost still hears it,
+    and the scheduler sent O(fanout) messages per loss, not O(world)."""
+    from daskdist.core.gang import relay_children, tell_targets
+
+    order = data.draw(st.permutations(range(world)))
+    k = data.draw(st.integers(1, world))
+    lost_in_order = order[:k]
+    lost: set[int] = set()
+    told: set[int] = set()
+    for i, r in enumerate(lost_in_order):
+        lost.add(r)
+        ranks = list(range(min(fanout, world))) if i == 0 else []
+        ranks += relay_children(r, world, fanout)
+        targets = tell_targets(ranks, world, fanout, lambda x: x in lost)
+        assert not (set(targets) & lost) and len(targets) == len(set(targets))
+        assert len(targets) <= fanout * (2 + len(lost))
+        told.update(targets)
+    survivors = set(range(world)) - set(lost_in_order)
+    heard, todo = set(), [r for r in told if r in survivors]
+    while todo:  # only ranks never lost pass the word on
+        r = todo.pop()
+        if r in heard:
+            continue
+        heard.add(r)
+        todo += [c for c in relay_children(r, world, fanout) if c in survivors]
+    assert heard == survivors
+    if world <= fanout:  # flat: the scheduler told every survivor itself, at once
+        assert told == set(range(world)) - {lost_in_order[0]}

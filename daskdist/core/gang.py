@@ -32,6 +32,12 @@ last run, naming its rank and saying that it repeats. A run that saw a member lo
 hosts-updated interrupt or any membership change (:meth:`GangBook.membership_changed`),
 or a run over other members than the last one, starts the count again.
 
+A broken generation's word (issue 25) travels down a tree over its ranks
+(:func:`relay_children`): the scheduler tells at most ``fanout`` members, each passes
+it on to as many more, so a loss costs the scheduler O(fanout) messages however wide
+the group. A lost rank passes nothing on: the scheduler tells its children in its
+place (:func:`tell_targets`), at the first loss and at each later one.
+
 No Dask, no I/O: the scheduler plugin asks :meth:`GangBook.next_step` what to do
 (form a group, dispatch a gang) and feeds back what happened. Member closures live
 in the :class:`~daskdist.core.queue.ClosureQueue` pinned to their sessions.
@@ -40,6 +46,7 @@ in the :class:`~daskdist.core.queue.ClosureQueue` pinned to their sessions.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +89,35 @@ class Gang:
     sessions: tuple[str, ...] = ()
     first_collective: tuple[int, Any] | None = None
     changed: bool = False
+
+
+def relay_children(rank: int, world: int, fanout: int) -> range:
+    """The ranks that ``rank`` passes a broken generation's word on to: its children in
+    a ``fanout``-ary tree over the ranks, rooted at the scheduler (whose children are
+    ranks ``0 .. fanout-1``; rank ``r`` is node ``r + 1``). A group of at most
+    ``fanout`` members is told by the scheduler alone."""
+    lo = min((rank + 1) * fanout, world)
+    return range(lo, min(lo + fanout, world))
+
+
+def tell_targets(ranks: Iterable[int], world: int, fanout: int,
+                 lost: Callable[[int], bool]) -> list[int]:
+    """The ranks the scheduler tells itself so that the word, passed down the tree
+    (:func:`relay_children`) by every rank it reaches, reaches every live rank below
+    ``ranks``: each live one, and for a lost one (which passes nothing on) its children
+    in its place. O(what it returns + fanout × the lost ranks it meets), never O(world)
+    for a group wider than ``fanout``."""
+    out: list[int] = []
+    todo, seen = list(ranks), set()
+    for r in todo:  # breadth first: grows as lost ranks hand their children on
+        if r in seen:
+            continue
+        seen.add(r)
+        if lost(r):
+            todo.extend(relay_children(r, world, fanout))
+        else:
+            out.append(r)
+    return out
 
 
 @dataclass

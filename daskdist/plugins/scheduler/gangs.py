@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from daskdist.core import protocol
 from daskdist.core.commits import CommitBook, unpack_part
-from daskdist.core.gang import INTERRUPTING, GangBook
+from daskdist.core.gang import INTERRUPTING, GangBook, relay_children, tell_targets
 from daskdist.core.protocol import READY, SESSION_ENDED, CommitKey, Outcome
 from daskdist.plugins.scheduler.closures import wait_event
 
@@ -28,8 +28,12 @@ if TYPE_CHECKING:
 class GroupBook:
     """Gangs, the group's generations, and the commits of elastic States."""
 
-    def __init__(self, co: CoordinatorState, max_worker_failures: int) -> None:
+    def __init__(self, co: CoordinatorState, max_worker_failures: int,
+                 relay_fanout: int = 32) -> None:
         self.co = co
+        # a broken generation's word goes down a tree of this fanout (core.gang's
+        # relay_children): each member's init names the members it passes it on to
+        self.relay_fanout = relay_fanout
         self.gangs = GangBook(max_losses=max_worker_failures)
         self.commits = CommitBook()  # commits that acknowledged gang members' rows
         self.commit_events: dict[CommitKey, asyncio.Event] = {}  # open commits' waiters
@@ -55,22 +59,34 @@ class GroupBook:
             self.co.closure_book.deliver_gang(g)
         self.changed.set()
 
-    def tell_members(self) -> None:
-        """The group broke (a member left, or a member's closure failed): its members'
-        collective calls of this generation raise ``CollectiveError`` at once, saying why
-        (``GroupRecord.why``), instead of waiting for the group's timeout. Once a
-        generation: a later loss in it (a node's other workers) tells them nothing new,
-        and the counters it changed reach them with the next formation (one message per
-        member a broken generation, not a loss; :meth:`CoordinatorState.flush`)."""
+    def tell_members(self, lost_rank: int | None = None) -> None:
+        """The group broke (a member left: ``lost_rank``, or a member's closure failed):
+        its members' collective calls of this generation raise ``CollectiveError`` at
+        once, saying why (``GroupRecord.why``), instead of waiting for the group's
+        timeout. The word goes down a tree (:func:`~daskdist.core.gang.relay_children`;
+        the scheduler alone tells a group of up to ``relay_fanout``): the generation's
+        first word goes to the tree's top, and a lost rank's children are told in its
+        place, then and at each later loss in the generation (a node's other workers),
+        so a loss costs O(fanout) messages. The counters it changed reach the members
+        with the word, and later ones with the next formation (its init carries them;
+        :meth:`CoordinatorState.flush`)."""
         group = self.gangs.group
         co = self.co
-        if self.told == group.generation:
-            return  # they heard it; the next formation's init carries the counters
+        world, fanout = len(group.sessions), self.relay_fanout
+        first = self.told != group.generation
         self.told = group.generation
-        co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
-                      "generation": group.generation, "reason": group.why,
-                      **co.members.counters()}, group.sessions, addressed=True)
-        co.told_version = co.members.version  # the members know it: no membership message
+        ranks = list(range(min(fanout, world))) if first else []
+        if lost_rank is not None:
+            ranks += relay_children(lost_rank, world, fanout)
+        live, sessions = co.members.members, group.sessions
+        targets = tell_targets(ranks, world, fanout, lambda r: sessions[r] not in live)
+        if targets:
+            co.broadcast({"op": "daskdist-peer-lost", "name": co.name,
+                          "generation": group.generation, "reason": group.why,
+                          **co.members.counters()}, [sessions[r] for r in targets],
+                         addressed=True)
+        if first:
+            co.told_version = co.members.version  # the members know it: no membership message
 
     def session_lost(self, session: str, expected: bool) -> None:
         """A session ended (``members`` no longer has it): a group member's loss breaks
@@ -78,11 +94,12 @@ class GroupBook:
         (with the new membership version)."""
         self.departing.discard(session)
         self.left.set()
+        rank = self.gangs.group.ranks.get(session)
         if self.gangs.session_lost(session, expected):
             # a member's part may never come: its generation's open commits are refused,
             # and the surviving members' collective calls fail at once
             self._commits_decided(self.commits.abort_open())
-            self.tell_members()
+            self.tell_members(rank)
 
     def close(self) -> None:
         self.changed.set()

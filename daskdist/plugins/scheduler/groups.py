@@ -33,6 +33,7 @@ from daskdist.core.backends import (
     describe_sharing,
     shared_gpus,
 )
+from daskdist.core.gang import relay_children
 from daskdist.core.protocol import COLLECTIVE_ERROR
 from daskdist.errors import CollectiveError, dump_error
 from daskdist.plugins.scheduler.closures import GANG_OWNER
@@ -190,11 +191,14 @@ class GroupDriver:
                         action="store", name=co.name, generation=generation,
                         timeout=group.timeout,
                     ), sessions[:1], deadline)
+                fanout = co.group_book.relay_fanout
                 await self._within(asyncio.gather(*[
                     self.rpc(m.address).daskdist_collective(
                         action="init", name=co.name, rank=rank, world_size=len(members),
                         host=host, port=port, backend=backend, generation=generation,
                         timeout=group.timeout, version=version, joins=joins,
+                        relay=[members[c].address  # whom it tells if the group breaks
+                               for c in relay_children(rank, len(members), fanout)],
                     )
                     for rank, m in enumerate(members)
                 ]), sessions, deadline)

@@ -51,7 +51,9 @@ class CoordinatorState:
                                   renew_base=config.seconds("liveness.renew-interval"))
         self.stats = CoordinatorStats()  # dashboard counters and history (stats.py)
         self.closure_book = ClosureBook(self, max_worker_failures)
-        self.group_book = GroupBook(self, max_worker_failures)
+        self.group_book = GroupBook(self, max_worker_failures, relay_fanout=protocol.integer(
+            config.integer("collective.relay-fanout"), "daskdist.collective.relay-fanout",
+            1, 2**16))
         self.lease_book = LeaseBook(self, max_worker_failures)
         # the books' pure state machines, by the names the rest of the package uses
         self.queue = self.closure_book.queue

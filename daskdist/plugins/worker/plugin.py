@@ -5,16 +5,21 @@ The scheduler plugin registers one on every present and future worker (by refere
 installs the stream and RPC handlers the scheduler side calls: wake, steal, hold,
 release and leaving for the runner, and the confirmation of a session it registers;
 peer-lost, membership and the collective actions (store, init, destroy) for this
-process's collective group. torch is imported only by those actions. The first one in
-a worker process turns SIGTERM into a graceful leave (:mod:`.preemption`).
+process's collective group. A broken group's word (peer-lost) also comes from a peer,
+which passes it down the tree the group's init drew (:func:`_pass_on`). torch is
+imported only by those actions. The first one in a worker process turns SIGTERM into
+a graceful leave (:mod:`.preemption`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from typing import Any
 
+import dask.config
+from dask.utils import parse_timedelta
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -23,6 +28,8 @@ from daskdist.core import protocol
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins.worker import preemption
 from daskdist.plugins.worker.runner import ClosureRunner
+
+logger = logging.getLogger(__name__)
 
 
 def _runners(worker) -> list[ClosureRunner]:
@@ -36,6 +43,28 @@ def _runner(worker, name: str) -> ClosureRunner | None:
     return getattr(plugin, "runner", None)
 
 
+_relaying: set[asyncio.Task] = set()  # broken-group words on their way to peers
+
+
+def _pass_on(worker, address: str, word: dict) -> None:
+    """Tell the member at ``address`` (this one's child in the word's tree) that its
+    group broke, in the background (event loop). Ends once delivered, refused, or after
+    ``distributed.comm.timeouts.connect``; a member gone meanwhile hears nothing from
+    here, and the scheduler tells its children in its place when it sees it go."""
+    timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
+
+    async def send() -> None:
+        try:
+            await asyncio.wait_for(worker.rpc(address).daskdist_peer_lost(**word), timeout)
+        except Exception as e:  # noqa: BLE001 - gone or stuck: the scheduler's to tell
+            logger.debug("daskdist: passing a broken group's word to %s failed: %r",
+                         address, e)
+
+    task = asyncio.ensure_future(send())
+    _relaying.add(task)
+    task.add_done_callback(_relaying.discard)
+
+
 def install_handlers(worker) -> None:
     """Stream and RPC handlers shared by every coordinator's plugin on this worker."""
     def wake(name: str) -> None:
@@ -46,12 +75,22 @@ def install_handlers(worker) -> None:
     def peer_lost(name: str, generation: int, reason: str = "a peer left the group",
                   version: int | None = None, joins: int | None = None,
                   session: str | None = None) -> None:
+        """The group of ``generation`` broke: from the scheduler (a stream message) or
+        from the member above this one in the word's tree (an RPC): this process's
+        calls in it raise now, and the word goes on to this member's children once."""
         if version is not None:  # the membership counters the loss made (one message)
             membership(name, version, joins, session)
         # through sys.modules: no group was ever formed in this process otherwise
         collective = sys.modules.get("daskdist.collective")
         if collective is not None:
             collective.mark_peer_lost(generation, reason or "a peer left the group")
+        runner = _runner(worker, name)
+        relay = runner.relay if runner is not None else None
+        if relay is not None and relay[0] == generation:
+            runner.relay = None  # passed on once (a later word of it finds it gone)
+            for address in relay[1]:  # their own sessions: the counters go unaddressed
+                _pass_on(worker, address, dict(name=name, generation=generation,
+                                               reason=reason, version=version, joins=joins))
 
     def membership(name: str, version: int, joins: int | None = None,
                    session: str | None = None) -> None:
@@ -92,6 +131,8 @@ def install_handlers(worker) -> None:
                                                 kw["timeout"]))
         if action == "init":
             _set_formation_version(kw["generation"], kw.get("version"), kw.get("joins"))
+            if runner is not None:  # whom to tell if this generation breaks
+                runner.relay = (kw["generation"], list(kw.get("relay") or ()))
             await asyncio.to_thread(
                 coll.init_member, kw["rank"], kw["world_size"], kw["host"], kw["port"],
                 kw["backend"], kw["generation"], kw["timeout"],
@@ -119,6 +160,7 @@ def install_handlers(worker) -> None:
         return runner is not None and runner.registering == session
 
     worker.handlers["daskdist_collective"] = collective
+    worker.handlers["daskdist_peer_lost"] = peer_lost  # the word from a peer (a relay)
     worker.handlers["daskdist_confirm_session"] = confirm_session
 
 

@@ -268,6 +268,9 @@ class ClosureRunner(SessionLifecycle):
         self.taken = 0  # received, not yet finished here: running or prefetched (not gangs)
         self.gangs = 0  # gang members received, not yet finished (their own executor)
         self.leaving = False  # the scheduler said this worker retires (see stop())
+        # (generation, the members this one passes that generation's broken-group word on
+        # to): set by the group's init, taken once by the peer-lost handler (event loop)
+        self.relay: tuple[int, list[str]] | None = None
         # Received closures not yet started, oldest first: ``nthreads`` drain loops in
         # the executor take them in order; ``give_back`` (event loop) takes from the
         # tail. Guarded by ``_lock`` (both sides).
