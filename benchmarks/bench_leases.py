@@ -42,15 +42,19 @@ DS = "bench"
 def old_module() -> types.ModuleType | None:
     """The pre-issue-19 lease table, from git (``None`` outside a checkout)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        src = subprocess.run(["git", "show", f"{BASE_COMMIT}:daskdist/core/leases.py"],
-                             cwd=root, capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    mod = types.ModuleType("old_leases")
-    sys.modules["old_leases"] = mod  # dataclasses look their module up
-    exec(compile(src, "old_leases.py", "exec"), mod.__dict__)  # noqa: S102 - our own file
-    return mod
+    mods = []
+    for name in ("intervals", "leases"):  # its interval helpers of that day, too
+        try:
+            src = subprocess.run(["git", "show", f"{BASE_COMMIT}:daskdist/core/{name}.py"],
+                                 cwd=root, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        src = src.replace("from daskdist.core.intervals import", "from old_intervals import")
+        mod = types.ModuleType(f"old_{name}")
+        sys.modules[f"old_{name}"] = mod  # dataclasses look their module up
+        exec(compile(src, f"old_{name}.py", "exec"), mod.__dict__)  # noqa: S102 - ours
+        mods.append(mod)
+    return mods[-1]
 
 
 def batches(ranges):
