@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs = 0
         while not ds.progress()["complete"]:  # a re-run after a loss: fit resumes
             results = coord.fetch(coord.schedule_on_all(
-                train, args=(module, it, args.commit_every, kill if runs == 0 else ())))
+                train, args=(module, it, args.commit_every, kill)))
             runs += 1
         if kill and rank0 not in client.scheduler_info()["workers"]:
             print(f"killed rank 0 (pid {kill[0].pid}) at step {kill[0].step}")

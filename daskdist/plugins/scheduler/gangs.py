@@ -29,7 +29,7 @@ class GroupBook:
     """Gangs, the group's generations, and the commits of elastic States."""
 
     def __init__(self, co: CoordinatorState, max_worker_failures: int,
-                 relay_fanout: int = 32) -> None:
+                 relay_fanout: int) -> None:
         self.co = co
         # a broken generation's word goes down a tree of this fanout (core.gang's
         # relay_children): each member's init names the members it passes it on to
