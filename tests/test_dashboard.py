@@ -259,7 +259,7 @@ def test_stats_counts_rows_rates_and_group_events():
     # the closure book's counts: one closure done and one failed on s0 (a fenced
     # duplicate is not counted there), folded in at the next sample
     stats.finished["s0"] = [1, 1, 0]
-    stats.on_rows("s0", "ds", 150)  # what the lease table acknowledged for it
+    stats.on_rows("ds", [("s0", 150)])  # what the lease table acknowledged for it
     assert "tcp://w0" not in stats.workers and stats.finished["s0"] == [1, 1, 150]
     now[0] = 102.0
     status[0] = {**status[0], "done": 4, "queued": 1}

@@ -12,7 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.core.commits import CommitBook, RankLedger, pack_tokens, unpack_part
+from daskdist.core.commits import (
+    CommitBook,
+    RankLedger,
+    pack_tokens,
+    unpack_part,
+    unpack_parts,
+)
 from daskdist.core.intervals import normalize
 from daskdist.core.leases import LeaseTable, group_tokens, unit_runs
 from daskdist.core.protocol import CommitKey, LeaseToken, dataset_key
@@ -108,9 +114,8 @@ class Sim:
 
     def _one(self, key: CommitKey, taken: list, sessions: tuple) -> bool:
         """Rank 0 sends every rank's packed part (as the commit's allgather brought it)."""
-        parts = {r: unpack_part(pack_tokens(t), self.table.dataset_of)
-                 for r, t in enumerate(taken)}
-        return self.book.add_all(self.table, key, len(sessions), parts, sessions, self.live)
+        tables = unpack_parts([pack_tokens(t) for t in taken], sessions, self.table.dataset_of)
+        return self.book.add_all(self.table, key, len(sessions), tables, sessions, self.live)
 
     def _lose(self, victim: int, taken: list) -> None:
         """A member dies mid-commit: survivors' calls fail, their closures end (tokens
@@ -300,3 +305,39 @@ def test_packed_tokens_give_back_the_rows_of_each_epoch_table(spec):
         with pytest.raises(ValueError):
             unpack_part(packed, {}.get)
     assert pack_tokens([("lease", "ds", 0, "not ranges")]) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from(["ds", "other"]), st.integers(0, 2),
+                                   st.lists(st.tuples(st.integers(0, 10**6),
+                                                      st.integers(1, 50)),
+                                            min_size=1, max_size=3)), max_size=3),
+                min_size=1, max_size=8))
+def test_every_ranks_packed_part_lands_in_its_tables_list_under_its_session(ranks):
+    """unpack_parts (rank 0's one-message commit) gives, per epoch table, each rank's
+    session and its rows, whether the rank's part is the usual one run of one table
+    (read at once) or several; a part too few or too many, a cut part, a key no
+    dataset has or a non-integer row raises."""
+    names = {dataset_key(d): d for d in ("ds", "other")}
+    sessions = [f"s{r}" for r in range(len(ranks))]
+    tokens = [[LeaseToken.of(ds, ep, [(a, a + n) for a, n in rows]) for ds, ep, rows in spec]
+              for spec in ranks]
+    parts = [pack_tokens(t) for t in tokens]
+    got = unpack_parts(parts, sessions, names.get)
+    want: dict = {}
+    for session, t in zip(sessions, tokens, strict=True):
+        for table, rows in group_tokens(t).items():
+            want.setdefault(table, []).append((session, normalize(rows)))
+    assert {table: [(s, normalize(r)) for s, r in runs] for table, runs in got.items()} == want
+    with pytest.raises(ValueError):
+        unpack_parts(parts + [[]], sessions, names.get)
+    usual = next((p for p in parts if len(p) == 5), None)
+    if usual is not None:
+        with pytest.raises(ValueError):
+            unpack_parts([usual[:3] + [1.5, usual[4]]], ["s"], names.get)
+        with pytest.raises(ValueError):
+            unpack_parts([usual], ["s"], {}.get)
+    longer = next((p for p in parts if len(p) > 5), None)
+    if longer is not None:
+        with pytest.raises(ValueError):
+            unpack_parts([longer[:-1]], ["s"], names.get)

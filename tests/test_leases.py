@@ -414,7 +414,7 @@ def test_acknowledging_several_sessions_at_once_completes_and_drops_the_epoch():
     """A gang commit acknowledges every rank's rows in one call; the epoch it completes
     drops its table like any other (memory stays bounded)."""
     told = []
-    t = LeaseTable(on_ack=lambda *a: told.append(a))
+    t = LeaseTable(on_ack=lambda ds, counts: told.extend((s, ds, n) for s, n in counts))
     t.define(DS, unit_runs([3, 4]))
     a = t.acquire("a", DS, 0, 1)
     b = t.acquire("b", DS, 0, 1)

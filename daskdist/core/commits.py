@@ -49,7 +49,7 @@ from daskdist.core.intervals import normalize
 from daskdist.core.leases import LeaseTable, group_tokens
 from daskdist.core.protocol import CommitKey, dataset_key
 
-__all__ = ["CommitBook", "RankLedger", "pack_tokens", "unpack_part"]
+__all__ = ["CommitBook", "RankLedger", "pack_tokens", "unpack_part", "unpack_parts"]
 
 
 def pack_tokens(tokens: Iterable[Any]) -> list[int] | None:
@@ -75,14 +75,6 @@ def unpack_part(ints: Sequence[int],
     """A rank's :func:`pack_tokens` ints back as its rows grouped by epoch table (as
     :func:`~daskdist.core.leases.group_tokens` gives them), each dataset key named by
     ``dataset_of``; ``ValueError`` if malformed or a key names no dataset."""
-    if len(ints) == 5:  # one table, one run of rows: a rank's usual part, checked at once
-        key, epoch, n, a, b = ints
-        if (type(key) is int and type(epoch) is int and type(n) is int and n == 1
-                and type(a) is int and type(b) is int):
-            dataset_id = dataset_of(key)
-            if dataset_id is None:
-                raise ValueError(f"a packed part names dataset key {key}, defined nowhere here")
-            return {(dataset_id, epoch): [(a, b)]}
     groups: dict[tuple[str, int], list] = {}
     i, end = 0, len(ints)
     while i < end:
@@ -94,21 +86,52 @@ def unpack_part(ints: Sequence[int],
         stop = i + 3 + 2 * n
         if stop > end:
             raise ValueError(f"a packed part's table at {i} holds fewer than {n} intervals")
-        if n == 1:  # a rank's batches since its last commit, one run of its lease
-            a, b = ints[i + 3], ints[i + 4]
-            pairs = [(a, b)] if type(a) is int and type(b) is int else None
-        else:
-            flat = ints[i + 3:stop]
-            pairs = (list(zip(flat[::2], flat[1::2], strict=True))
-                     if all(type(v) is int for v in flat) else None)
-        if pairs is None:
+        flat = ints[i + 3:stop]
+        if not all(type(v) is int for v in flat):
             raise ValueError(f"a packed part's intervals at {i} are not integers")
-        dataset_id = dataset_of(key)
-        if dataset_id is None:
-            raise ValueError(f"a packed part names dataset key {key}, defined nowhere here")
-        groups.setdefault((dataset_id, epoch), []).extend(pairs)
+        groups.setdefault((_named(dataset_of, key), epoch), []).extend(
+            zip(flat[::2], flat[1::2], strict=True))
         i = stop
     return groups
+
+
+def unpack_parts(parts: Sequence[Sequence[int]], sessions: Sequence[str],
+                 dataset_of: Callable[[int], str | None]) -> dict[tuple[str, int], list]:
+    """Every rank's :func:`pack_tokens` ints (``parts``, in rank order) as the lease
+    table's :meth:`~daskdist.core.leases.LeaseTable.ack_tables` takes them: per epoch
+    table, ``(session, rows)`` of each rank that read from it, ``sessions`` naming the
+    ranks. ``ValueError`` if there is not one part per rank, or one is malformed.
+
+    A rank's usual part (one table, one run of rows: its batches since the last commit)
+    is read at once, its table's list found again without a lookup while the ranks
+    share it, so a thousand-rank step costs a few dict and list operations a rank."""
+    if len(parts) != len(sessions):
+        raise ValueError(f"{len(parts)} packed parts for a group of {len(sessions)} ranks")
+    tables: dict[tuple[str, int], list] = {}
+    last_key = last_epoch = None
+    last: list = []
+    for session, ints in zip(sessions, parts, strict=True):
+        if not ints:
+            continue
+        if len(ints) == 5:
+            key, epoch, n, a, b = ints
+            if (n == 1 and type(key) is int and type(epoch) is int and type(n) is int
+                    and type(a) is int and type(b) is int):
+                if key != last_key or epoch != last_epoch:
+                    last = tables.setdefault((_named(dataset_of, key), epoch), [])
+                    last_key, last_epoch = key, epoch
+                last.append((session, ((a, b),)))
+                continue
+        for table, ranges in unpack_part(ints, dataset_of).items():
+            tables.setdefault(table, []).append((session, ranges))
+    return tables
+
+
+def _named(dataset_of: Callable[[int], str | None], key: int) -> str:
+    dataset_id = dataset_of(key)
+    if dataset_id is None:
+        raise ValueError(f"a packed part names dataset key {key}, defined nowhere here")
+    return dataset_id
 
 
 @dataclass
@@ -150,19 +173,19 @@ class CommitBook:
         return ok
 
     def add_all(self, table: LeaseTable, key: CommitKey, world: int,
-                parts: Mapping[int, Mapping[tuple[str, int], list]],
+                tables: Mapping[tuple[str, int], Sequence[tuple[str, Sequence]]],
                 sessions: Sequence[str] | None, live: Container[str]) -> bool:
-        """Every rank's part of commit ``key`` at once (``parts``: rank -> its tokens
-        grouped by epoch table, :func:`~daskdist.core.leases.group_tokens`): the outcome,
-        decided now (applied only if every rank of the generation is there and live, and
-        every row still leased to its rank's session). O(parts)."""
+        """Every rank's part of commit ``key`` at once (``tables``: per epoch table, the
+        ``(session, rows)`` of each rank that read from it, as :func:`unpack_parts`
+        gives them from one part per rank): the outcome, decided now (applied only if
+        ``sessions``, the generation's ranks, are the current ones, ``world`` of them,
+        all live, and every row still leased to its rank's session). O(parts)."""
         if key in self.recorded:
             return self.recorded[key]
         self.open.pop(key, None)
-        ok = (sessions is not None and len(sessions) == world and len(parts) == world
-              and all(0 <= r < world for r in parts)
+        ok = (sessions is not None and len(sessions) == world
               and all(s in live for s in sessions)
-              and table.ack_grouped({sessions[r]: g for r, g in parts.items() if g}))
+              and table.ack_tables(tables))
         self._record(key, ok)
         if ok:
             self.note_committed(key.state)

@@ -240,10 +240,11 @@ class LeaseTable:
     """
 
     def __init__(self, max_expired: int = 4096,
-                 on_ack: Callable[[str, str, int], None] | None = None,
+                 on_ack: Callable[[str, list[tuple[str, int]]], None] | None = None,
                  max_failures: int = 3, max_epochs: int = 1024) -> None:
-        # told (session, dataset_id, rows) of every acknowledgement, whichever path made
-        # it (a closure's result, a gang commit): counters for the dashboard and metrics
+        # told (dataset_id, [(session, rows), ...]) of every acknowledgement, whichever
+        # path made it (a closure's result, a gang commit: one call a table), for the
+        # dashboard's and the metrics' counters
         self._on_ack = on_ack
         self.max_failures = max(1, int(max_failures))
         self.max_epochs = max_epochs
@@ -795,7 +796,7 @@ class LeaseTable:
         All or nothing: ``False`` (nothing changed) if the session expired, the table is
         unknown, or any row is not currently leased to this session.
         """
-        return self.ack_grouped({session: {(dataset_id, int(epoch)): normalize(ranges)}})
+        return self.ack_tables({(dataset_id, int(epoch)): [(session, normalize(ranges))]})
 
     def ack_tokens(self, session: str, tokens: Iterable[object]) -> bool:
         """Acknowledge every lease token (``LeaseToken``) of one completed closure,
@@ -807,57 +808,61 @@ class LeaseTable:
         of one (a closure): all tokens are checked first and, if any is refused (a
         malformed token, an expired session, a row not leased to its session), nothing
         changes and ``False`` is returned. Other tokens are ignored."""
-        grouped = {}
+        tables: dict[tuple[str, int], list] = {}
         for session, tokens in per_session.items():
             try:
-                grouped[session] = group_tokens(tokens)
+                groups = group_tokens(tokens)
             except ValueError:
                 return False  # refused: nothing acknowledged
-        return self.ack_grouped(grouped)
-
-    def ack_grouped(self, per_session: Mapping[str, Mapping[tuple[str, int], list]]) -> bool:
-        """:meth:`ack_sessions` with each session's tokens already grouped by epoch table
-        (:func:`group_tokens`): all or nothing. Checked, then applied, table by table:
-        a gang commit's thousand parts of one table look it up once. O(parts)."""
-        tables: dict = {}  # (dataset_id, epoch) -> [dataset, table, [(session, held, pieces)]]
-        expired = self._expired
-        for session, groups in per_session.items():
-            if groups and session in expired:
-                return False
             for key, ranges in groups.items():
-                found = tables.get(key)
-                if found is None:
-                    table = self._table(*key)
-                    if table is None:
-                        return False
-                    found = tables[key] = [*table, []]
-                held = found[1].leased.get(session)
-                if held is None:
+                tables.setdefault(key, []).append((session, ranges))
+        return self.ack_tables(tables)
+
+    def ack_tables(self, tables: Mapping[tuple[str, int],
+                                         Sequence[tuple[str, Sequence[Sequence[int]]]]]) -> bool:
+        """Acknowledge, per epoch table ``(dataset_id, epoch)``, the rows of each
+        ``(session, rows)`` in its list (a session at most once a table): all or
+        nothing, as :meth:`ack_sessions`. Checked, then applied, table by table, so a
+        gang commit's thousand parts of one table look it up once. O(parts)."""
+        checked = []  # (key, dataset, epoch table, [(session, held, rows)])
+        expired = self._expired
+        for key, parts in tables.items():
+            found = self._table(*key)
+            if found is None:
+                return False
+            leased = found[1].leased
+            holds = []
+            for session, ranges in parts:
+                held = leased.get(session)
+                if held is None or session in expired:
                     return False
                 if len(ranges) != 1 or ranges[0][0] >= ranges[0][1]:  # one batch: usual
                     ranges = normalize(ranges)
                 for a, b in ranges:
                     if not held.covers(a, b):
                         return False
-                found[2].append((session, held, ranges))
+                holds.append((session, held, ranges))
+            checked.append((key, *found, holds))
         on_ack = self._on_ack
-        for (dataset_id, epoch), (ds, ep, parts) in tables.items():
-            acked, total = ep.acked, 0
-            for session, held, ranges in parts:
+        for key, ds, ep, holds in checked:
+            acked, leased, total, counts = ep.acked, ep.leased, 0, []
+            for session, held, ranges in holds:
                 rows = 0
                 for a, b in ranges:
                     held.remove(a, b)
                     acked.add(a, b)
                     rows += b - a
                 if not held.size:
-                    del ep.leased[session]
-                    self._unkey(session, (dataset_id, epoch))
-                if on_ack is not None and rows:
-                    on_ack(session, dataset_id, rows)
-                total += rows
+                    del leased[session]
+                    self._unkey(session, key)
+                if rows:
+                    counts.append((session, rows))
+                    total += rows
             ep.n_leased -= total
+            if on_ack is not None and counts:
+                on_ack(key[0], counts)
             if acked.size == ep.total:
-                self._complete(dataset_id, ds, epoch, ep)
+                self._complete(key[0], ds, key[1], ep)
         return True
 
     def release_tokens(self, session: str, tokens: Iterable[object]) -> int:

@@ -15,7 +15,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from daskdist.core import protocol
-from daskdist.core.commits import CommitBook, unpack_part
+from daskdist.core.commits import CommitBook, unpack_parts
 from daskdist.core.gang import INTERRUPTING, GangBook, relay_children, tell_targets
 from daskdist.core.protocol import READY, SESSION_ENDED, CommitKey, Outcome
 from daskdist.plugins.scheduler.closures import wait_event
@@ -152,22 +152,16 @@ class GroupBook:
         sessions = group.sessions if key.generation == group.generation else None
         if sessions is not None and group.ranks.get(str(session)) != 0:
             sessions = None  # only rank 0 speaks for the group
-        grouped: dict[int, dict] = {}
-        tables: set = set()
+        tables: dict = {}
         if sessions is not None and key not in self.commits.recorded:
             try:
-                dataset_of = co.leases.dataset_of
-                for rank, ints in enumerate(protocol.items(parts, "daskdist_gang_commit: parts")):
-                    if ints:
-                        groups = grouped[rank] = unpack_part(ints, dataset_of)
-                        tables.update(groups)
-                    else:
-                        grouped[rank] = {}
+                tables = unpack_parts(protocol.items(parts, "daskdist_gang_commit: parts"),
+                                      sessions, co.leases.dataset_of)
             except (TypeError, ValueError):
                 sessions = None  # malformed: refused
         if sessions is not None:
             co.ledgers.note_tables(key.state, tables)  # datasets trained under the State
-        ok = self.commits.add_all(co.leases, key, world, grouped, sessions,
+        ok = self.commits.add_all(co.leases, key, world, tables, sessions,
                                   co.members.members)
         self._commits_decided([key])
         return ok

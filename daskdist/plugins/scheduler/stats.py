@@ -128,16 +128,19 @@ class CoordinatorStats:
             w.failed += failed
             w.rows += rows
 
-    def on_rows(self, session: str, dataset_id: str, rows: int) -> None:
-        """The lease table acknowledged ``rows`` of ``dataset_id`` leased to ``session``
-        (a closure's result or a gang commit: every acknowledgement comes here). Counted
-        in ``finished`` beside its closures, folded in at the next sample: a gang
-        commit's thousand parts cost a dict update each."""
-        counts = self.finished.get(session)
-        if counts is None:
-            counts = self.finished[session] = [0, 0, 0]
-        counts[2] += rows
-        self.dataset_rows[dataset_id] = self.dataset_rows.get(dataset_id, 0) + rows
+    def on_rows(self, dataset_id: str, counts: list[tuple[str, int]]) -> None:
+        """The lease table acknowledged rows of ``dataset_id``, ``(session, rows)`` each
+        (a closure's result, or a gang commit's ranks: every acknowledgement comes
+        here). Counted in ``finished`` beside the closures, folded in at the next
+        sample: a gang commit's thousand parts cost a dict update each."""
+        finished, total = self.finished, 0
+        for session, rows in counts:
+            done = finished.get(session)
+            if done is None:
+                done = finished[session] = [0, 0, 0]
+            done[2] += rows
+            total += rows
+        self.dataset_rows[dataset_id] = self.dataset_rows.get(dataset_id, 0) + total
 
     def on_session_end(self, co: Any, session: str) -> None:
         """Before ``session`` leaves: its counts folded in; a loss event when it was a
