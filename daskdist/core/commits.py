@@ -115,7 +115,7 @@ def unpack_parts(parts: Sequence[Sequence[int]], sessions: Sequence[str],
             continue
         if len(ints) == 5:
             key, epoch, n, a, b = ints
-            if (n == 1 and type(key) is int and type(epoch) is int and type(n) is int
+            if (type(n) is int and n == 1 and type(key) is int and type(epoch) is int
                     and type(a) is int and type(b) is int):
                 if key != last_key or epoch != last_epoch:
                     last = tables.setdefault((_named(dataset_of, key), epoch), [])

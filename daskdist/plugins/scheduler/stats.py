@@ -135,10 +135,10 @@ class CoordinatorStats:
         sample: a gang commit's thousand parts cost a dict update each."""
         finished, total = self.finished, 0
         for session, rows in counts:
-            done = finished.get(session)
-            if done is None:
-                done = finished[session] = [0, 0, 0]
-            done[2] += rows
+            entry = finished.get(session)  # [done, failed, rows], as the closure book's
+            if entry is None:
+                entry = finished[session] = [0, 0, 0]
+            entry[2] += rows
             total += rows
         self.dataset_rows[dataset_id] = self.dataset_rows.get(dataset_id, 0) + total
 
