@@ -1,13 +1,14 @@
 """Dask collections on the scheduler (SPEC §3.2): their definition, partition leases
 (a partition the member's own worker holds first), learned lengths, and the workers
-that compute partitions for the members of a coordinator restricted by ``resources=``.
+that compute partitions for the members of a coordinator restricted by ``resources=``
+or ``members=``.
 
 The lease table keeps the rows (``core/leases.py``); this module adds what needs Dask's
 scheduler: a :class:`~daskdist.core.locality.LocalityIndex` per persisted collection,
 built once from ``Scheduler.tasks[key].who_has`` when the collection is defined and
 checked lazily when a partition comes up (so an acquire costs O(1) amortized, whatever
-the number of partitions), and the set of non-member workers, kept up to date by the
-plugin's ``add_worker`` / ``remove_worker`` events (no scan of all workers per call).
+the number of partitions), and the non-member workers, which the coordinator keeps as
+they say so (no scan of all workers per call).
 Never imports torch, pyarrow or ``collective/``.
 """
 
@@ -20,7 +21,7 @@ from daskdist.core import protocol
 from daskdist.core.leases import EpochFailed, SessionExpired
 from daskdist.core.locality import LocalityIndex
 from daskdist.core.partitions import MAX_UNITS
-from daskdist.core.protocol import SESSION_ENDED, CollectionDef, satisfies
+from daskdist.core.protocol import SESSION_ENDED, CollectionDef
 
 
 def _key(value: Any) -> Any:
@@ -37,8 +38,6 @@ class CollectionHandlers:
         self.plugin = plugin
         # (coordinator, dataset id) -> (its locality index, the holder key per partition)
         self.indexes: dict[tuple[str, str], tuple[LocalityIndex, list]] = {}
-        # coordinator -> workers that are not members (resources=), once asked for
-        self.helpers: dict[str, set[str]] = {}
         self.local_leases = 0  # partitions leased to the member holding them
         self.other_leases = 0  # partitions of persisted collections leased elsewhere
 
@@ -106,8 +105,6 @@ class CollectionHandlers:
         for key in [k for k in self.indexes
                     if k[0] not in states or k[1] not in states[k[0]].leases.datasets]:
             del self.indexes[key]
-        for gone in [n for n in self.helpers if n not in states]:
-            del self.helpers[gone]
 
     # -- leases ------------------------------------------------------------------------
     def acquire(self, name: str, session: str, dataset_id: str, epoch: int) -> dict:
@@ -176,30 +173,11 @@ class CollectionHandlers:
         why = co.leases.set_length(session, dataset_id, epoch, unit, length)
         return {} if why is None else {"failed": why}
 
-    # -- members and helpers (resources=) ------------------------------------------------
+    # -- members and helpers (resources=, members=) ---------------------------------------
     def helpers_of(self, name: str, session: str) -> list[str]:
-        """Workers that are not members of a coordinator restricted by ``resources=``
-        (they compute partitions for the members); ``[]`` without a restriction."""
+        """Workers that are not members of a coordinator restricted by ``resources=`` or
+        ``members=`` (they compute partitions for the members): the ones whose plugin
+        said so (the plugin keeps ``helpers``); ``[]`` without a restriction."""
         co = self.plugin._get(name)
         protocol.text(session, "session")
-        required = co.member_resources
-        if not required:
-            return []
-        helpers = self.helpers.get(name)
-        if helpers is None:  # once per coordinator; then kept by add/remove_worker
-            helpers = self.helpers[name] = {
-                a for a, ws in self.plugin.scheduler.workers.items()
-                if not satisfies(ws.resources, required)}
-        return sorted(helpers)
-
-    def worker_added(self, address: str) -> None:
-        for name, helpers in self.helpers.items():
-            co = self.plugin.coordinators.get(name)
-            ws = self.plugin.scheduler.workers.get(address)
-            if co is not None and ws is not None and not satisfies(
-                    ws.resources, co.member_resources):
-                helpers.add(address)
-
-    def worker_removed(self, address: str) -> None:
-        for helpers in self.helpers.values():
-            helpers.discard(address)
+        return sorted(co.helpers)

@@ -86,6 +86,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                 "daskdist_register": self.register,
                 "daskdist_unregister": self.unregister,
                 "daskdist_status": self.status,
+                "daskdist_members": self.members,
                 # Dask collections: definitions, partition leases, lengths, helpers
                 **self.collections.handlers(),
             }
@@ -95,6 +96,8 @@ class CoordinatorPlugin(SchedulerPlugin):
             for op, (method, missing) in table.items():
                 scheduler.handlers[op] = protocol.book_handler(self.coordinators, book, op, method,
                                                       missing)
+        # a worker that is not a member says so on its own stream (Dask adds worker=)
+        scheduler.stream_handlers["daskdist-helper"] = self.helper
         scheduler.extensions["daskdist"] = self
         self._sampler = observe.install(self, scheduler)
         self._liveness_task = asyncio.create_task(self._expire_loop())
@@ -123,12 +126,9 @@ class CoordinatorPlugin(SchedulerPlugin):
                                    co.members.leases.timeout)
 
     # -- Dask events ------------------------------------------------------------------
-    def add_worker(self, scheduler, worker: str) -> None:
-        self.collections.worker_added(worker)
-
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
-        self.collections.worker_removed(worker)
         for co in self.coordinators.values():
+            co.helpers.discard(worker)
             session = co.members.session_of(worker)
             if session is not None:
                 logger.info("daskdist[%s]: worker %s left (%s)", co.name, worker, stimulus_id)
@@ -200,12 +200,12 @@ class CoordinatorPlugin(SchedulerPlugin):
                      max_worker_failures: int | None = None,
                      torch_threads: int | None = None,
                      lease_timeout: float | None = None,
-                     resources: dict | None = None) -> dict:
+                     resources: dict | None = None, members: str | None = None) -> dict:
         """Create the named coordinator if new (its settings: the first caller's), make
         sure workers run its plugin, and attach the caller as a new owner: its id and
         secret token (``{"workers", "owner", "token"}``). ``resources``: only workers
-        declaring those Dask resources are members (a later caller asking for others
-        is refused)."""
+        declaring those Dask resources are members; ``members="gpu"``: only workers with
+        a GPU by the Dask convention (a later caller asking for others is refused)."""
         op = "daskdist_create"
         protocol.text(name, f"{op}: name")
         client = protocol.optional(protocol.text, client, f"{op}: client")
@@ -216,8 +216,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         lease_timeout = protocol.optional(protocol.lease_timeout, lease_timeout,
                                         f"{op}: lease_timeout")
         resources = protocol.optional(protocol.resources, resources, f"{op}: resources")
+        members = protocol.optional(protocol.members, members, f"{op}: members")
         return await self.names.create(name, client, max_worker_failures, torch_threads,
-                                       lease_timeout, resources=resources)
+                                       lease_timeout, resources=resources, members=members)
 
     async def detach(self, name: str, owner: str, token: str) -> dict:
         """The owner closes: its queued closures are cancelled, its per-worker resources
@@ -261,7 +262,25 @@ class CoordinatorPlugin(SchedulerPlugin):
             return self._get(name).status()
         return {n: co.status() for n, co in self.coordinators.items()}
 
+    def members(self, name: str) -> dict:
+        """Who works for coordinator ``name``: ``{"members": [...], "helpers": [...]}``,
+        each member ``{"address", "index", "device", "gpu"}`` as its worker reported
+        them, by index; helpers are the workers that are not members (sorted)."""
+        co = self._get(name)
+        return {"members": [{"address": m.address, "index": m.index, "device": m.device,
+                             "gpu": m.gpu} for m in co.members.by_index()],
+                "helpers": sorted(co.helpers)}
+
     # -- worker handlers ---------------------------------------------------------------
+    def helper(self, name: Any, worker: str) -> None:
+        """The worker whose stream this came on is not a member of coordinator ``name``
+        (``resources=`` or ``members=``): it computes partitions for the members."""
+        co = self.coordinators.get(name) if isinstance(name, str) else None
+        if co is None or co.closed or worker not in self.scheduler.workers:
+            return
+        if co.members.session_of(worker) is None:
+            co.helpers.add(worker)
+            co.closure_book.changed.set()  # a create waiting for the workers counts it
     async def register(self, name: str, session: str, address: str, slots: int = 1,
                        device: str = "cpu", gpu: str = "", generation: int = 0) -> dict:
         """A worker plugin session joins: it gets the lowest free worker index.

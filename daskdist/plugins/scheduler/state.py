@@ -69,9 +69,14 @@ class CoordinatorState:
         self._membership_flush: asyncio.TimerHandle | None = None
         self.told_version = 0  # the membership version the group's members last heard
         self.closed = False  # the last owner left: the plugin tears this coordinator down
-        # Coordinator(resources=...): the Dask resources a worker must declare to be a
-        # member (the first Coordinator of the name decides; None: every worker)
+        # Coordinator(resources=..., members=...): the Dask resources a worker must
+        # declare to be a member, and "gpu" when it must have a GPU by the Dask
+        # convention (the first Coordinator of the name decides; None: every worker)
         self.member_resources: dict | None = None
+        self.member_kind: str | None = None
+        # the workers that are not members (their plugin said so on their own stream):
+        # they compute a collection's partitions for the members
+        self.helpers: set[str] = set()
 
     # -- owners (client-side Coordinators) ---------------------------------------------
     def drop_owner(self, owner: str) -> list:
