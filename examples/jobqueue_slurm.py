@@ -25,7 +25,7 @@ test cancels every job of the first run and closes its scheduler). Its shards ne
 ``id`` column (0 .. rows-1): the state counts how often each row was trained. Its jobs
 hold one worker each, started so that Slurm's SIGTERM (``scancel``, or
 ``--signal=B:TERM@120`` before the walltime) reaches the worker process itself, which
-then leaves gracefully (the README's HPC section says why these settings).
+then leaves gracefully (docs/hpc.md, "Preemption notices", says why these settings).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def main() -> None:
     if args.checkpoint:
         # one worker (one GPU) per job, no nanny, exec'd as the batch shell, told 120 s
         # before the walltime: each worker gets Slurm's SIGTERM itself and leaves
-        # gracefully, checkpointing when it holds the last copy (README: HPC)
+        # gracefully, checkpointing when it holds the last copy (docs/hpc.md)
         cluster = SLURMCluster(
             cores=8, processes=1, memory="64GB", walltime=args.walltime, nanny=False,
             python=f"exec {sys.executable}",
@@ -220,8 +220,9 @@ def main() -> None:
         cluster = SLURMCluster(
             cores=gpus, processes=gpus, memory=f"{16 * gpus}GB", walltime=args.walltime,
             job_extra_directives=[f"--gres=gpu:{gpus}"],
-            # worker i of a job sees only GPU i (SLURM_LOCALID is not per worker process,
-            # so use the worker name's suffix that dask-jobqueue appends: -0, -1, ...)
+            # each worker process of a job sees only a GPU of its own: gpu_pin gives it
+            # the device of its slot among the job's workers on the node
+            # (SLURM_LOCALID is not per worker process)
             worker_extra_args=["--preload", "daskdist.plugins.gpu_pin"],
             scheduler_options=SCHEDULER_PRELOAD,
         )

@@ -143,7 +143,7 @@ def test_checks_name_the_argument_and_what_it_got():
 def test_read_only_handlers_never_create_state(client, coord):
     # coord: the scheduler plugin is there (also when this test runs alone)
     for op, kwargs in [("daskdist_status", {}), ("daskdist_group_info", {}),
-                       ("daskdist_closure_state", {"cid": "x-1"})]:
+                       ("daskdist_closure_state", {"cid": "x-1"}), ("daskdist_members", {})]:
         with pytest.raises(KeyError, match="no daskdist coordinator named 'nobody'"):
             call(client, op, name="nobody", **kwargs)
     assert call(client, "daskdist_results", name="nobody", owner="o", token="t",
@@ -161,6 +161,8 @@ def test_read_only_handlers_never_create_state(client, coord):
     ({"lease_timeout": float("inf")}, ValueError),
     ({"lease_timeout": protocol.MAX_LEASE_TIMEOUT * 2}, ValueError),
     ({"lease_timeout": "30s"}, TypeError),
+    ({"members": "gpus"}, ValueError),
+    ({"members": 1}, TypeError),
 ])
 def test_settings_are_range_checked_on_the_client_and_the_scheduler(client, coord, kwargs,
                                                                     error):

@@ -90,9 +90,11 @@ def _visible():
 
 def test_gpu_pin_on_a_local_cluster_whose_workers_are_named_0_1_2(tmp_path):
     """LocalCluster names its workers 0, 1, 2 (no ``-N`` suffix): each still gets its
-    own device (here among 3 devices made visible, as a 3-GPU host shows them)."""
+    own device (here among 3 devices made visible, as a 3-GPU host shows them), its
+    slot one of this job's (outside a batch system: the cluster's scheduler)."""
     import dask
 
+    from daskdist.plugins import gpu_pin
     from tests.conftest import make_cluster
 
     # the devices are made visible to the workers only, and distributed's NVML monitor
@@ -106,3 +108,10 @@ def test_gpu_pin_on_a_local_cluster_whose_workers_are_named_0_1_2(tmp_path):
             names = client.run(lambda dask_worker: dask_worker.name)
             assert sorted(names.values()) == [0, 1, 2]
             assert sorted(client.run(_visible).values()) == ["4", "6", "7"]
+            job = gpu_pin.job_key(None, os.environ,
+                                  dask.config.get("daskdist.gpu-pin.job-variables"),
+                                  cluster.scheduler_address)
+            assert [p.name for p in (tmp_path / "slots").iterdir()] == [
+                os.path.basename(gpu_pin.slots_dir(job))]
+            assert sorted(p.name for p in (tmp_path / "slots").glob("*/*.lock")) == [
+                "0.lock", "1.lock", "2.lock"]

@@ -67,6 +67,13 @@ class Coordinator(ClosureClient):
     collective group and loaders run there; the other workers stay free for Dask's own
     tasks, such as computing a collection's partitions (the first Coordinator of a name
     decides; another asking for other resources gets a ``ValueError``).
+    ``members="gpu"`` makes only the workers with a GPU by the Dask convention members,
+    as a stock dask-cuda cluster builds them (no resource declared): a worker whose
+    ``CUDA_VISIBLE_DEVICES`` names a device (its first entry, an index, ``GPU-`` UUID or
+    ``MIG-`` id, is its GPU), or, with the variable unset, that declares a ``GPU``
+    resource or whose host has a GPU; ``CUDA_VISIBLE_DEVICES=""`` is no GPU. The other
+    workers (plain ``dask worker``s beside dask-cuda's) are helpers, as with
+    ``resources``; with both, a member needs both. :meth:`members` says who is which.
 
     Each Coordinator is an *owner* of the named queue: its closures, its errors and its
     per-worker resources are its own. ``close()`` (or its client staying away longer
@@ -85,6 +92,7 @@ class Coordinator(ClosureClient):
         torch_threads: int | None = None,
         lease_timeout: float | None = None,
         resources: dict[str, float] | None = None,
+        members: str | None = None,
     ):
         self._init_closures(max_queued)
         if max_worker_failures is None:
@@ -94,6 +102,7 @@ class Coordinator(ClosureClient):
         max_worker_failures = protocol.max_worker_failures(max_worker_failures)
         lease_timeout = protocol.optional(protocol.lease_timeout, lease_timeout)
         resources = protocol.optional(protocol.resources, resources)
+        members = protocol.optional(protocol.members, members)
         self.client = client if client is not None else get_client()
         if self.client.asynchronous:
             raise TypeError("Coordinator needs a synchronous Client (asynchronous=False)")
@@ -106,7 +115,8 @@ class Coordinator(ClosureClient):
         info = self._call("daskdist_create", client=self.client.id,
                           max_worker_failures=max_worker_failures,
                           torch_threads=torch_threads, lease_timeout=lease_timeout,
-                          **({"resources": resources} if resources else {}))
+                          **({"resources": resources} if resources else {}),
+                          **({"members": members} if members else {}))
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "
@@ -281,6 +291,21 @@ class Coordinator(ClosureClient):
         s = self._call("daskdist_status")
         s["recoveries"] = s["recovered"]
         return s
+
+    def members(self) -> dict[str, list]:
+        """Who works for this coordinator: ``{"members": [...], "helpers": [...]}``.
+
+        Each member is ``{"address", "index", "device", "gpu"}`` as its worker reported
+        it when it joined, in index (rank) order: ``device`` is what it bound
+        (``"cuda:0"`` or ``"cpu"``), ``gpu`` the GPU it was given (the ``GPU-``/``MIG-``
+        id of its ``CUDA_VISIBLE_DEVICES``, else its device's UUID, else the index it
+        was given; ``""``: none). ``helpers`` are the workers that are not members
+        (``resources=`` or ``members=``): they compute collections' partitions.
+        """
+        self._check_open()
+        who = self._call("daskdist_members")
+        return {"members": [dict(m) for m in who["members"]],
+                "helpers": list(who["helpers"])}
 
     def _closure_state(self, cid: str) -> str | None:
         return self._call("daskdist_closure_state", cid=cid)

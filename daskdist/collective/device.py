@@ -1,24 +1,32 @@
 """Device binding and backend choice for collective members.
 
 Each worker binds one device: ``cuda:0`` when CUDA is visible (dask-cuda sets the
-worker's ``CUDA_VISIBLE_DEVICES`` so that index 0 is its own GPU), else the CPU.
+worker's ``CUDA_VISIBLE_DEVICES`` so that index 0 is its own GPU), else the CPU; a
+worker whose ``CUDA_VISIBLE_DEVICES`` shows no device (``""``) binds the CPU.
 ``backend_for`` is pure: it takes the members' device strings, so it can run
-anywhere (client or worker) once the devices are gathered; ``gpu_uuid`` is what a
-worker reports so the scheduler can tell members that share a GPU apart.
+anywhere (client or worker) once the devices are gathered; ``gpu_uuid`` is the UUID
+torch reports for the device, from which a worker's reported GPU is made
+(:func:`daskdist.core.gpus.gpu_identity`) so the scheduler can tell members that share
+a GPU apart.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
 from daskdist.core.backends import backend_for_devices
+from daskdist.core.gpus import visible_devices
 
 
 def bind_device() -> Any:
-    """This process's device: ``torch.device('cuda:0')`` with CUDA, else ``cpu``."""
+    """This process's device: ``torch.device('cuda:0')`` with CUDA, else ``cpu`` (also
+    when ``CUDA_VISIBLE_DEVICES`` shows no device, whatever the host has)."""
     import torch
 
+    if visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")) == ():
+        return torch.device("cpu")
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)

@@ -1,10 +1,11 @@
 """Which process-group backend a set of members can use: a pure decision (SPEC §4).
 
 NCCL needs a GPU of its own for every rank (two ranks on one device is "invalid
-usage" to NCCL). Members report their device and, for CUDA, the GPU's UUID at
-registration; the scheduler plugin decides here, before any member starts to form,
-so a user sees which workers share which GPU instead of a failed formation. No torch,
-no Dask: the scheduler imports this.
+usage" to NCCL, or a hang). Members report their device and the GPU they were given
+(:func:`daskdist.core.gpus.gpu_identity`: a UUID or MIG id, else an index on their
+host) at registration; the scheduler plugin decides here, before any member starts to
+form, so a user sees which workers share which GPU instead of a failed formation. No
+torch, no Dask: the scheduler imports this.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from daskdist.core.gpus import gpu_key
+
 BACKENDS = ("auto", "nccl", "gloo")
 
 HOW_TO_SPLIT = (
-    "give each worker its own GPU (dask-cuda's LocalCUDACluster / dask-cuda-worker, or "
-    "start workers with `--preload daskdist.plugins.gpu_pin`), or use backend='gloo'"
+    "give each worker its own GPU through its CUDA_VISIBLE_DEVICES (dask-cuda's "
+    "LocalCUDACluster and `dask cuda worker` set one per worker; or start workers with "
+    "`--preload daskdist.plugins.gpu_pin`), or use backend='gloo'"
 )
 
 
@@ -27,21 +31,20 @@ class BackendError(ValueError):
 
 @dataclass(frozen=True)
 class MemberDevice:
-    """What one member reported: its Dask address, its device and its GPU's UUID."""
+    """What one member reported: its Dask address, its device and its GPU."""
 
     address: str
     device: str  # "cpu", "cuda:0", ...
-    gpu: str = ""  # the GPU's UUID ("" without CUDA, or when torch could not tell)
+    gpu: str = ""  # its GPU's UUID or MIG id, or its index on the host ("": none given)
 
     @property
     def kind(self) -> str:
         return self.device.split(":", 1)[0]
 
     def gpu_key(self) -> str | None:
-        """Identifies the physical GPU: its UUID, else host + device (``None``: no GPU)."""
-        if self.kind != "cuda":
-            return None
-        return self.gpu or f"{host_of(self.address)}/{self.device}"
+        """Identifies the physical GPU: its UUID or MIG id, else host + index (``None``:
+        not on CUDA)."""
+        return gpu_key(host_of(self.address), self.device, self.gpu)
 
 
 def host_of(address: str) -> str:

@@ -463,6 +463,24 @@ def resources(value: Any, what: str = "resources") -> dict[str, float]:
     return out
 
 
+# -- members by the Dask GPU convention (Coordinator(members="gpu")) -----------------------
+MEMBER_KINDS = ("gpu",)
+
+
+def members(value: Any, what: str = "members") -> str:
+    """``members=``: ``"gpu"``, the workers with a GPU by the Dask convention (their
+    ``CUDA_VISIBLE_DEVICES`` names a device, or they declare a ``GPU`` resource; see
+    :func:`daskdist.core.gpus.has_gpu`)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be None (every worker) or 'gpu', got "
+                        f"{type(value).__name__} {value!r:.80}")
+    if value not in MEMBER_KINDS:
+        raise ValueError(f"{what} must be None (every worker) or 'gpu' (the workers with "
+                         f"a GPU by the Dask convention: CUDA_VISIBLE_DEVICES names a "
+                         f"device, or a declared GPU resource), got {value!r:.80}")
+    return value
+
+
 # -- handlers: a message to its coordinator's book ---------------------------------------
 CLOSED = object()  # a route's default reply to a gone coordinator: KeyError naming it
 

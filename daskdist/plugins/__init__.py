@@ -1,5 +1,6 @@
 """Everything that runs inside Dask's processes: ``scheduler/`` (the scheduler plugin),
-``worker/`` (the worker plugin) and the ``gpu_pin`` worker preload.
+``worker/`` (the worker plugin), the ``gpu_pin`` worker preload, and ``devices`` (what a
+worker process was given of its host's GPUs, which both of the last read).
 
 :class:`PluginRef` lets one side hand another a plugin without importing the plugin's
 code: it pickles as a call of :func:`instantiate` with the plugin's dotted path, so the

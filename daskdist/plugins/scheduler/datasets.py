@@ -145,12 +145,10 @@ class LeaseBook:
         return {} if why is None else {"failed": why}
 
     def dataset_helpers(self, session: str) -> list[str]:
-        """Workers that are not members of a coordinator restricted by ``resources=``
-        (they compute partitions for the members); ``[]`` without a restriction."""
-        co = self.co
-        if co.locality is None:
-            return []
-        return co.locality.helpers_of(co.name, co.member_resources)
+        """Workers that are not members of a coordinator restricted by ``resources=`` or
+        ``members=`` (they compute partitions for the members): those whose plugin said
+        so; ``[]`` without a restriction."""
+        return sorted(self.co.helpers)
 
     def dataset_state(self, dataset_id: str, epoch: int) -> tuple:
         """The epoch's acknowledged rows (an :class:`EpochLedger`), for resuming."""

@@ -1,15 +1,11 @@
 """Where a dataset's units already are, on the scheduler (SPEC §3.2): partitions of a Dask
-collection the user persisted, leased first to the member whose worker holds them, and
-the workers that compute partitions for the members of a coordinator restricted by
-``resources=`` (its helpers).
+collection the user persisted, leased first to the member whose worker holds them.
 
 A :class:`~daskdist.core.locality.LocalityIndex` per persisted collection is built once
 from ``Scheduler.tasks[key].who_has`` when the dataset is defined and checked lazily
 when a partition comes up, so a lease costs O(1) amortized whatever the number of
-partitions; the helper sets are kept up to date by the plugin's ``add_worker`` /
-``remove_worker`` events (no scan of all workers per call). The lease book asks it;
-an index goes with its dataset or coordinator. Never imports torch, pyarrow or
-``collective/``.
+partitions. The lease book asks it; an index goes with its dataset or coordinator.
+Never imports torch, pyarrow or ``collective/``.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ from typing import Any
 
 from daskdist.core.intervals import Interval
 from daskdist.core.locality import LocalityIndex
-from daskdist.core.protocol import satisfies
 
 
 def _key(value: Any) -> Any:
@@ -30,14 +25,12 @@ def _key(value: Any) -> Any:
 
 
 class Locality:
-    """Persisted partitions' holders and coordinators' helpers, for one scheduler."""
+    """Persisted partitions' holders, for one scheduler."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         # (coordinator, dataset id) -> (its locality index, the holder key per partition)
         self.indexes: dict[tuple[str, str], tuple[LocalityIndex, list]] = {}
-        # coordinator -> workers that are not members (resources=), once asked for
-        self.helpers: dict[str, set[str]] = {}
         self.local_leases = 0  # partitions leased to the member holding them
         self.other_leases = 0  # partitions of persisted collections leased elsewhere
 
@@ -88,35 +81,8 @@ class Locality:
         """Datasets gone (their handles dropped: every id, those of their further
         loaders too), or a whole coordinator (``None``)."""
         if dataset_ids is None:
-            self.helpers.pop(name, None)
             gone = [k for k in self.indexes if k[0] == name]
         else:
             gone = [(name, d) for d in dataset_ids]
         for key in gone:
             self.indexes.pop(key, None)
-
-    # -- helpers (resources=) --------------------------------------------------------------
-    def helpers_of(self, name: str, required: dict | None) -> list[str]:
-        """Workers that are not members of coordinator ``name`` (members declare
-        ``required``); ``[]`` without a restriction."""
-        if not required:
-            return []
-        helpers = self.helpers.get(name)
-        if helpers is None:  # once per coordinator; then kept by add/remove_worker
-            helpers = self.helpers[name] = {
-                a for a, ws in self.scheduler.workers.items()
-                if not satisfies(ws.resources, required)}
-        return sorted(helpers)
-
-    def worker_added(self, address: str, required: Callable[[str], dict | None]) -> None:
-        """A worker joined: a helper of each coordinator it is not a member of."""
-        ws = self.scheduler.workers.get(address)
-        if ws is None:
-            return
-        for name, helpers in self.helpers.items():
-            if not satisfies(ws.resources, required(name)):
-                helpers.add(address)
-
-    def worker_removed(self, address: str) -> None:
-        for helpers in self.helpers.values():
-            helpers.discard(address)

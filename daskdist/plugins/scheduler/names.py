@@ -37,6 +37,13 @@ from daskdist.plugins.scheduler.state import CoordinatorState
 logger = logging.getLogger(__name__)
 
 
+def _describe(co: CoordinatorState) -> str:
+    """The workers a coordinator admits as members, for messages."""
+    parts = (["a GPU"] if co.member_kind == "gpu" else []) + (
+        [f"resources {co.member_resources}"] if co.member_resources else [])
+    return f"the workers with {' and '.join(parts)}" if parts else "every worker"
+
+
 class Coordinators:
     """The named coordinators of one scheduler: their creation, owners and teardown."""
 
@@ -79,20 +86,25 @@ class Coordinators:
     # -- creation and owners -------------------------------------------------------------
     async def create(self, name: str, client: str | None, max_worker_failures: int | None,
                      torch_threads: int | None, lease_timeout: float | None,
-                     resources: dict | None = None) -> dict:
+                     resources: dict | None = None, members: str | None = None) -> dict:
         """Create ``name`` if new (its settings: the first caller's; arguments already
         checked), make sure workers run its plugin, attach a new owner:
         ``{"workers", "owner", "token"}``. ``resources``: the Dask resources a worker must
-        declare to be a member (the first caller's; another asking for others gets a
-        ``ValueError`` naming both)."""
+        declare to be a member; ``members="gpu"``: a member must have a GPU by the Dask
+        convention (the first caller's; another asking for others gets a ``ValueError``
+        naming both)."""
         async with self._lock(name):
             co = self.states.get(name)
             if co is not None and resources is not None and \
                     resources != co.member_resources:
                 raise ValueError(
-                    f"coordinator {name!r} makes workers with resources "
-                    f"{co.member_resources} its members; a Coordinator "
-                    f"asking for resources={resources} needs another name")
+                    f"coordinator {name!r} makes {_describe(co)} its members; a "
+                    f"Coordinator asking for resources={resources} needs another name")
+            if co is not None and members is not None and members != co.member_kind:
+                raise ValueError(
+                    f"coordinator {name!r} makes {_describe(co)} its "
+                    f"members; a Coordinator asking for members={members!r} needs "
+                    f"another name")
             if co is None:
                 if max_worker_failures is None:
                     max_worker_failures = protocol.max_worker_failures(
@@ -105,39 +117,43 @@ class Coordinators:
                 co = CoordinatorState(name, max_worker_failures, send=self._send,
                                       lease_timeout=lease_timeout, locality=self.locality)
                 co.member_resources = resources  # only these workers are members
+                co.member_kind = members
                 self.states[name] = co
                 driver = GroupDriver(co, self.scheduler.rpc, self._next_generation)
                 self.drivers[name] = co.group_book.driver = driver
             try:
                 started = await self._register_worker_plugin(
-                    name, torch_threads, co.member_resources)
+                    name, torch_threads, co.member_resources, co.member_kind)
             except BaseException:
                 if not co.outboxes:  # nobody uses it: the next attempt starts afresh
                     self._forget(name)
                 raise
             owner, token = uuid.uuid4().hex[:12], secrets.token_hex(16)
             co.closure_book.add_owner(owner, client, token)
-        # workers register their sessions once their plugin is set up: wait a little for
-        # them, so the reply's worker count is the cluster's (its end: 5 poll intervals)
+        # workers register their sessions once their plugin is set up (the others say
+        # they are not members): wait a little for them, so the reply's worker count is
+        # the cluster's (its end: 5 poll intervals)
         deadline = time.monotonic() + 5 * config.seconds("scheduler.poll-interval")
-        while len(co.members) < started and not co.closed:
+        while len(co.members) + len(co.helpers) < started and not co.closed:
             co.closure_book.changed.clear()
             if not await wait_event(co.closure_book.changed, deadline - time.monotonic()):
                 break
         return {"workers": len(co.members), "owner": owner, "token": token}
 
     async def _register_worker_plugin(self, name: str, torch_threads: int | None,
-                                      resources: dict | None = None) -> int:
+                                      resources: dict | None = None,
+                                      members: str | None = None) -> int:
         """Register the worker plugin of ``name`` unless it is; how many workers set it
-        up now (0 if it was there). With ``resources``, it runs closures only on workers
-        that declare them; the others count as not started."""
+        up now (0 if it was there). With ``resources`` or ``members``, it runs closures
+        only on the workers that qualify; each of the others tells the scheduler it is
+        not a member (a helper)."""
         plugin_name = worker_plugin_name(name)
         if plugin_name in self.scheduler.worker_plugins:
             return 0
         replies = await self.scheduler.register_worker_plugin(
             comm=None,
             plugin=dumps(PluginRef(WORKER_PLUGIN, name=name, torch_threads=torch_threads,
-                                   resources=resources)),
+                                   resources=resources, members=members)),
             name=plugin_name,
             idempotent=True,
         )
@@ -151,9 +167,6 @@ class Coordinators:
                 f"the daskdist worker plugin of coordinator {name!r} failed to set up "
                 f"on {len(failed)} of {len(replies)} workers; {worker}: "
                 f"{reply.get('exception_text') or reply}")
-        if resources:  # only members register a session
-            return sum(protocol.satisfies(ws.resources, resources)
-                       for ws in self.scheduler.workers.values())
         return len(replies or {})
 
     def drop_owner(self, co: CoordinatorState, owner: str) -> list:

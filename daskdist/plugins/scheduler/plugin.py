@@ -59,7 +59,9 @@ PLUGIN_ROUTES = {
     "daskdist_register": "register",
     "daskdist_unregister": "unregister",
     "daskdist_status": "status",
+    "daskdist_members": "members",
 }
+PLUGIN_STREAM_ROUTES = {"daskdist-helper": "helper"}
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         self._expected: dict[str, bool] = {}
         self._liveness_task: asyncio.Task | None = None
         self._sampler: observe.Sampler | None = None  # dashboard history, until close
-        self.locality: Locality | None = None  # persisted partitions, helpers (at start)
+        self.locality: Locality | None = None  # persisted partitions' holders (at start)
 
     async def start(self, scheduler) -> None:
         self.scheduler = self.names.scheduler = scheduler
@@ -91,6 +93,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         for book, table in BOOK_ROUTES.items():
             for op, route in table.items():
                 scheduler.handlers[op] = protocol.book_handler(self.coordinators, book, op, route)
+        # messages on a worker's own stream (Dask adds worker=)
+        scheduler.stream_handlers.update(
+            {op: getattr(self, attr) for op, attr in PLUGIN_STREAM_ROUTES.items()})
         scheduler.extensions["daskdist"] = self
         self._sampler = observe.install(self, scheduler)
         self._liveness_task = asyncio.create_task(self._expire_loop())
@@ -119,14 +124,9 @@ class CoordinatorPlugin(SchedulerPlugin):
                                    co.members.leases.timeout)
 
     # -- Dask events ------------------------------------------------------------------
-    def add_worker(self, scheduler, worker: str) -> None:
-        if self.locality is not None:
-            self.locality.worker_added(worker, self._member_resources)
-
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
-        if self.locality is not None:
-            self.locality.worker_removed(worker)
         for co in self.coordinators.values():
+            co.helpers.discard(worker)
             session = co.members.session_of(worker)
             if session is not None:
                 logger.info("daskdist[%s]: worker %s left (%s)", co.name, worker, stimulus_id)
@@ -163,10 +163,6 @@ class CoordinatorPlugin(SchedulerPlugin):
                                   protocol.text(token, f"{op}: token"))
         return co
 
-    def _member_resources(self, name: str) -> dict | None:
-        co = self.coordinators.get(name)
-        return co.member_resources if co is not None else None
-
     def _next_generation(self) -> int:
         self.generations += 1
         return self.generations
@@ -194,12 +190,12 @@ class CoordinatorPlugin(SchedulerPlugin):
                      max_worker_failures: int | None = None,
                      torch_threads: int | None = None,
                      lease_timeout: float | None = None,
-                     resources: dict | None = None) -> dict:
+                     resources: dict | None = None, members: str | None = None) -> dict:
         """Create the named coordinator if new (its settings: the first caller's), make
         sure workers run its plugin, and attach the caller as a new owner: its id and
         secret token (``{"workers", "owner", "token"}``). ``resources``: only workers
-        declaring those Dask resources are members (a later caller asking for others
-        is refused)."""
+        declaring those Dask resources are members; ``members="gpu"``: only workers with
+        a GPU by the Dask convention (a later caller asking for others is refused)."""
         op = "daskdist_create"
         protocol.text(name, f"{op}: name")
         client = protocol.optional(protocol.text, client, f"{op}: client")
@@ -210,8 +206,9 @@ class CoordinatorPlugin(SchedulerPlugin):
         lease_timeout = protocol.optional(protocol.lease_timeout, lease_timeout,
                                         f"{op}: lease_timeout")
         resources = protocol.optional(protocol.resources, resources, f"{op}: resources")
+        members = protocol.optional(protocol.members, members, f"{op}: members")
         return await self.names.create(name, client, max_worker_failures, torch_threads,
-                                       lease_timeout, resources=resources)
+                                       lease_timeout, resources=resources, members=members)
 
     async def detach(self, name: str, owner: str, token: str) -> dict:
         """The owner closes: its queued closures are cancelled, its per-worker resources
@@ -231,7 +228,25 @@ class CoordinatorPlugin(SchedulerPlugin):
             return self._get(name).status()
         return {n: co.status() for n, co in self.coordinators.items()}
 
+    def members(self, name: str) -> dict:
+        """Who works for coordinator ``name``: ``{"members": [...], "helpers": [...]}``,
+        each member ``{"address", "index", "device", "gpu"}`` as its worker reported
+        them, by index; helpers are the workers that are not members (sorted)."""
+        co = self._get(name)
+        return {"members": [{"address": m.address, "index": m.index, "device": m.device,
+                             "gpu": m.gpu} for m in co.members.by_index()],
+                "helpers": sorted(co.helpers)}
+
     # -- worker handlers ---------------------------------------------------------------
+    def helper(self, name: Any, worker: str) -> None:
+        """The worker whose stream this came on is not a member of coordinator ``name``
+        (``resources=`` or ``members=``): it computes partitions for the members."""
+        co = self.coordinators.get(name) if isinstance(name, str) else None
+        if co is None or co.closed or worker not in self.scheduler.workers:
+            return
+        if co.members.session_of(worker) is None:
+            co.helpers.add(worker)
+            co.closure_book.changed.set()  # a create waiting for the workers counts it
     async def register(self, name: str, session: str, address: str, slots: int = 1,
                        device: str = "cpu", gpu: str = "", generation: int = 0) -> dict:
         """A worker plugin session joins: it gets the lowest free worker index.

@@ -45,7 +45,7 @@ class CoordinatorState:
                  lease_timeout: float = 30.0, locality: Any = None):
         self.name = name
         self.send = send or (lambda address, msg: None)
-        # where persisted partitions lie, and helpers (plugins/scheduler/locality.py; the
+        # where persisted partitions lie (plugins/scheduler/locality.py; the
         # plugin's, None when the state is driven without a scheduler)
         self.locality = locality
         # sessions, their indices and leases (SPEC §2.4); the settings read on every
@@ -73,9 +73,14 @@ class CoordinatorState:
         self._membership_flush: asyncio.TimerHandle | None = None
         self.told_version = 0  # the membership version the group's members last heard
         self.closed = False  # the last owner left: the plugin tears this coordinator down
-        # Coordinator(resources=...): the Dask resources a worker must declare to be a
-        # member (the first Coordinator of the name decides; None: every worker)
+        # Coordinator(resources=..., members=...): the Dask resources a worker must
+        # declare to be a member, and "gpu" when it must have a GPU by the Dask
+        # convention (the first Coordinator of the name decides; None: every worker)
         self.member_resources: dict | None = None
+        self.member_kind: str | None = None
+        # the workers that are not members (their plugin said so on their own stream):
+        # they compute a collection's partitions for the members
+        self.helpers: set[str] = set()
 
     # -- owners (client-side Coordinators) ---------------------------------------------
     def drop_owner(self, owner: str) -> list:

@@ -22,11 +22,13 @@ from typing import Any
 import dask.config
 from dask.utils import parse_timedelta
 from distributed.comm.addressing import get_address_host
+from distributed.comm.core import CommClosedError
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from daskdist.context import _set_formation_version, _set_membership
 from daskdist.core import protocol
 from daskdist.core.protocol import worker_plugin_name
+from daskdist.plugins import devices
 from daskdist.plugins.worker import preemption
 from daskdist.plugins.worker.runner import ClosureRunner
 
@@ -203,16 +205,34 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
     idempotent = True
 
     def __init__(self, name: str = "default", prefetch: int | None = None,
-                 torch_threads: int | None = None, resources: dict | None = None):
+                 torch_threads: int | None = None, resources: dict | None = None,
+                 members: str | None = None):
         self.name = name
         self.prefetch = prefetch
         self.torch_threads = torch_threads
         self.resources = resources  # only workers declaring these are members
+        self.members = members  # "gpu": only workers with a GPU (the Dask convention)
         self.runner: ClosureRunner | None = None
 
+    async def is_member(self, worker) -> bool:
+        """Whether this worker is a member: it declares the coordinator's ``resources``
+        and, with ``members="gpu"``, has a GPU by the Dask convention (its
+        ``CUDA_VISIBLE_DEVICES``, else a declared ``GPU`` resource or the host's GPUs,
+        counted in a thread: that may ask ``nvidia-smi``)."""
+        have = dict(worker.state.total_resources)
+        if not protocol.satisfies(have, self.resources):
+            return False
+        return self.members != "gpu" or await asyncio.to_thread(devices.has_gpu, have)
+
     async def setup(self, worker) -> None:
-        if not protocol.satisfies(worker.state.total_resources, self.resources):
-            return  # not a member (Coordinator(resources=...)): free for Dask's own tasks
+        if not await self.is_member(worker):
+            # not a member (resources= or members=): free for Dask's own tasks, and the
+            # scheduler hears it on this worker's own stream (a collection's helper)
+            try:
+                worker.batched_stream.send({"op": "daskdist-helper", "name": self.name})
+            except CommClosedError:  # the worker is closing: the scheduler sees it leave
+                pass
+            return
         install_handlers(worker)
         preemption.install(worker, lambda: _runners(worker))
         self.runner = ClosureRunner(worker, self.name, self.prefetch)
@@ -228,4 +248,4 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
     def __getstate__(self):
         return {"name": self.name, "prefetch": self.prefetch,
                 "torch_threads": self.torch_threads, "resources": self.resources,
-                "runner": None}
+                "members": self.members, "runner": None}

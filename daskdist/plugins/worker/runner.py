@@ -27,6 +27,7 @@ import copyreg
 import functools
 import io
 import logging
+import os
 import pickle
 import queue
 import sys
@@ -43,6 +44,7 @@ from distributed.utils import sync
 
 from daskdist import config
 from daskdist.context import ClosureScope, WorkerContext, _set_membership, closure_scope, origin_of
+from daskdist.core.gpus import given_gpu, gpu_identity
 from daskdist.core.leases import merge_tokens
 from daskdist.core.protocol import (
     COLLECTIVE_ERROR,
@@ -84,7 +86,9 @@ def _error_kind(e: BaseException) -> str:
 
 
 def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
-    """This worker's device and its GPU's UUID (``""`` without CUDA)."""
+    """This worker's device and the GPU it reports (:func:`gpu_identity`: the UUID or
+    MIG id it was given, else its device's UUID, else the index it was given; ``""``
+    with none). A worker given a GPU that binds the CPU says so in its log."""
     import torch
 
     from daskdist.collective.device import bind_device, gpu_uuid
@@ -93,7 +97,13 @@ def _bind_device(torch_threads: int | None = None) -> tuple[Any, str]:
     if torch_threads:  # Dask starts workers with OMP_NUM_THREADS=1
         torch.set_num_threads(torch_threads)
     device = bind_device()
-    return device, gpu_uuid(device)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cuda = device.type == "cuda"
+    gpu = gpu_identity(visible, gpu_uuid(device) if cuda else "", cuda)
+    if not cuda and given_gpu(visible) is not None:
+        logger.warning("daskdist: CUDA_VISIBLE_DEVICES=%r gives this worker GPU %s, but "
+                       "torch sees no CUDA device: it runs on the CPU", visible, gpu)
+    return device, gpu
 
 
 class DaemonPool:
@@ -263,7 +273,7 @@ class ClosureRunner(SessionLifecycle):
         self.index = -1
         self.num_workers = 0
         self.device: Any = None
-        self.gpu = ""  # the device's GPU UUID: the scheduler tells shared GPUs apart by it
+        self.gpu = ""  # the GPU it reports: the scheduler tells shared GPUs apart by it
         self.unacked: set[str] = set()  # received, not yet acknowledged by the scheduler
         self.taken = 0  # received, not yet finished here: running or prefetched (not gangs)
         self.gangs = 0  # gang members received, not yet finished (their own executor)
