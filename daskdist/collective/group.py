@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from daskdist.collective.bootstrap import PROCESS, ProcessMembership
 from daskdist.errors import CollectiveError
+from daskdist.observe import phases
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -201,6 +202,7 @@ class Group:
         if not 0 <= src < self.world_size:
             raise ValueError(f"src {src} outside [0, {self.world_size})")
 
+    @phases.timed(phases.COLLECTIVE)  # a gang member's collective phase (SPEC §5.1)
     def _run(self, what: str, issue: Callable[[Any], Any]) -> None:
         """Issue one async collective and wait for it, the lost signal, or the timeout."""
         gen = self.generation
@@ -275,7 +277,8 @@ class Group:
             PROCESS.bury(pg, work)
             reason = f"{what} timed out after {self.timeout:g} s"
             PROCESS.break_group(gen, reason)
-            raise CollectiveError(f"{reason} on rank {self.rank}")
+            # which ranks were stuck where: the scheduler asks every member's stack
+            raise CollectiveError(f"{reason} on rank {self.rank}{phases.stuck()}")
         return left
 
 

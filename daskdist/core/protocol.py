@@ -256,6 +256,28 @@ class CollectionDef(NamedTuple):
     holders: list | None = None
 
 
+class RankWindow(NamedTuple):
+    """One gang member's window of steps (``daskdist-rank-window``, on the worker's
+    stream to the scheduler): sent once a window while a gang closure runs, the last one
+    with ``ended`` when it returns. Phases and step-time buckets are those of
+    ``core.steptimes``."""
+
+    session: str
+    gang: str  # the gang closure's id (its members' ids without the run)
+    generation: int
+    rank: int
+    index: int  # the window: wall-clock seconds // the window's length
+    steps: int  # steps that ended in it
+    seconds: float  # their wall time
+    phases: list  # their seconds in each phase: data, collective, commit, compute
+    rows: int  # rows the rank's loaders handed them
+    hist: list  # [(bucket, count), ...]: their step times
+    total: int  # steps since the gang closure started
+    since_step: float  # seconds since its last step (or since it started, before one)
+    partitions: list  # [seconds Dask computed partitions waited for, seconds reading them]
+    ended: bool = False
+
+
 # -- checks of what arrives -------------------------------------------------------------
 MAX_ITEMS = 100_000  # items in one list of one message (a batch of closures, of results)
 MAX_TEXT = 512  # characters of an id, a name or an address
@@ -437,6 +459,38 @@ def observed(op: str, held: Any, started: Any) -> tuple[list[str] | None, list[s
     """What a worker says it holds and which of those started."""
     held = optional(texts, held, f"{op}: held")
     return held, texts(started if started is not None else [], f"{op}: started")
+
+
+# -- what a gang member measures -------------------------------------------------------
+MAX_WINDOW_BUCKETS = 512  # step-time buckets in one window (core.steptimes: at most 321)
+MAX_SECONDS = 1e9  # any duration a window reports
+
+
+def rank_window(value: Any, op: str) -> RankWindow:
+    """A :class:`RankWindow` as it arrived, every field checked (its histogram's pairs
+    as tuples)."""
+    w = named(value, f"{op}: window", RankWindow)
+    text(w.session, f"{op}: window.session")
+    text(w.gang, f"{op}: window.gang")
+    for name in ("generation", "rank", "index", "steps", "rows", "total"):
+        integer(getattr(w, name), f"{op}: window.{name}", 0 if name != "index" else -2**62,
+                2**62)
+    for name in ("seconds", "since_step"):
+        number(getattr(w, name), f"{op}: window.{name}", 0.0, MAX_SECONDS)
+    phases = items(w.phases, f"{op}: window.phases", 4)
+    parts = items(w.partitions, f"{op}: window.partitions", 2)
+    if len(phases) != 4 or len(parts) != 2:
+        raise ValueError(f"{op}: window.phases must hold 4 numbers and window.partitions "
+                         f"2, got {len(phases)} and {len(parts)}")
+    for i, v in enumerate([*phases, *parts]):
+        number(v, f"{op}: window phase or partition time [{i}]", 0.0, MAX_SECONDS)
+    hist = pairs(w.hist, f"{op}: window.hist", MAX_WINDOW_BUCKETS, lo=-MAX_WINDOW_BUCKETS,
+                 hi=2**62)
+    if any(n < 0 for _, n in hist):
+        raise ValueError(f"{op}: window.hist counts must not be negative")
+    flag(w.ended, f"{op}: window.ended")
+    return w._replace(phases=[float(v) for v in phases],
+                      partitions=[float(v) for v in parts], hist=hist)
 
 
 # -- settings (the client checks them too) -----------------------------------------------

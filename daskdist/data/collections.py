@@ -43,6 +43,7 @@ from daskdist.data import batching
 from daskdist.data.convert import Chunk, convert_chunk
 from daskdist.data.sources import ChunkItem
 from daskdist.errors import InputError
+from daskdist.observe import phases
 
 if TYPE_CHECKING:
     from daskdist.data.loader import ArrowLoader
@@ -324,6 +325,7 @@ def _frame_table(frame: Any, columns: Sequence[str]) -> pa.Table:
     return pa.Table.from_arrays(arrays, names=list(columns))
 
 
+@phases.partitions(phases.READING)  # ... or on reading partitions (SPEC §5.1)
 def convert_part(coll: DaskCollection, data: Any, rows: np.ndarray | None,
                  fill_null: Any, collate: bool, shared: bool,
                  columns: Sequence[str] | None = None) -> Any:
@@ -371,6 +373,7 @@ class Interrupt:
             for ev in self._waits:
                 ev.set()
 
+    @phases.partitions(phases.COMPUTING)  # a gang's data waits on Dask (SPEC §5.1)
     def wait(self, future: Any) -> None:
         """Until ``future`` (a Dask or ``concurrent.futures`` future) is done."""
         ev = threading.Event()

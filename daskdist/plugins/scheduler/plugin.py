@@ -42,6 +42,7 @@ from daskdist.plugins.scheduler.datasets import LEASE_HANDLERS
 from daskdist.plugins.scheduler.gangs import GROUP_HANDLERS
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.names import Coordinators
+from daskdist.plugins.scheduler.ranks import RANK_HANDLERS, RANK_STREAM_HANDLERS
 from daskdist.plugins.scheduler.state import CoordinatorState
 
 # each book's handlers: the attribute of CoordinatorState that holds the book, and its table
@@ -49,7 +50,10 @@ BOOK_HANDLERS = {
     "closure_book": CLOSURE_HANDLERS,
     "group_book": GROUP_HANDLERS,
     "lease_book": LEASE_HANDLERS,
+    "rank_book": RANK_HANDLERS,
 }
+# messages on workers' streams to a book: the attribute that holds it, and its table
+BOOK_STREAM_HANDLERS = {"rank_book": RANK_STREAM_HANDLERS}
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,10 @@ class CoordinatorPlugin(SchedulerPlugin):
             for op, (method, missing) in table.items():
                 scheduler.handlers[op] = protocol.book_handler(self.coordinators, book, op, method,
                                                       missing)
+        for book, stream_table in BOOK_STREAM_HANDLERS.items():
+            for op, method in stream_table.items():
+                scheduler.stream_handlers[op] = _never_raises(
+                    op, protocol.book_handler(self.coordinators, book, op, method, None))
         scheduler.extensions["daskdist"] = self
         self._sampler = observe.install(self, scheduler)
         self._liveness_task = asyncio.create_task(self._expire_loop())
@@ -314,6 +322,19 @@ class CoordinatorPlugin(SchedulerPlugin):
             co.queue.observe(session, (), started, final=True)
             co.stop_session(session, outcomes)
 
+
+
+def _never_raises(op: str, handler: Any) -> Any:
+    """A stream handler that logs what it cannot take: an exception in a stream handler
+    would close the worker's stream (and Dask would remove the worker)."""
+    def on_message(**kwargs: Any) -> None:
+        try:
+            handler(**kwargs)
+        except Exception as e:  # noqa: BLE001 - see above
+            logger.warning("daskdist: %s from %s dropped: %r", op, kwargs.get("worker"), e)
+
+    on_message.__name__ = handler.__name__
+    return on_message
 
 
 def dask_setup(scheduler) -> None:

@@ -27,6 +27,7 @@ from daskdist.context import _set_formation_version, _set_membership
 from daskdist.core import protocol
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins.worker import preemption
+from daskdist.plugins.worker.observe import gang_stack
 from daskdist.plugins.worker.runner import ClosureRunner
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ def install_handlers(worker) -> None:
     worker.handlers["daskdist_collective"] = collective
     worker.handlers["daskdist_peer_lost"] = peer_lost  # the word from a peer (a relay)
     worker.handlers["daskdist_confirm_session"] = confirm_session
+    worker.handlers["daskdist_gang_stack"] = gang_stack  # from the event loop (SPEC §5.1)
 
 
 class CoordinatorWorkerPlugin(WorkerPlugin):
