@@ -43,8 +43,9 @@ def start(co: CoordinatorState, session: str, address: str, slots: int = 1,
 def test_start_session_takes_the_lowest_free_index_and_a_lease():
     sent: list = []
     co = make(sent)
+    # "observe": the window gang members sum their steps in (daskdist.observe.window)
     assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1,
-                                      "joins": 1, "renew": 1.0}
+                                      "joins": 1, "renew": 1.0, "observe": 10.0}
     reply = start(co, "s2", "w2")
     assert reply["index"] == 1 and reply["num_workers"] == 2
     assert co.members.renew("s1", 1.0) and co.members.renew("s2", 1.0)

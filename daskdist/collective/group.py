@@ -210,6 +210,7 @@ class Group:
         # Always this generation's own process group, never "the current default":
         # a call racing a re-formation must not land in the next generation's group.
         pg = self._pg
+        start = time.monotonic()
         try:
             work = issue(pg)
         except Exception as e:
@@ -223,7 +224,9 @@ class Group:
             work.wait()
         except Exception as e:
             PROCESS.break_group(gen, f"{what} failed: {e}")
-            raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
+            # the transport's own timeout: which ranks were stuck where
+            stuck = phases.stuck() if time.monotonic() - start >= self.timeout else ""
+            raise CollectiveError(f"{what} failed on rank {self.rank}: {e}{stuck}") from e
 
     def _wait_in_torch(self, work: Any, pg: Any, gen: int, what: str) -> None:
         """Gloo: block inside torch's own wait, ``_SLICE`` at a time, until ``work`` ended.

@@ -75,6 +75,8 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
             yield item
             trained = True
         finally:
+            if not trained:  # the loop stopped with this batch: its step ends here
+                phases.step(phases.SYNCED)
             if not trained and mine:
                 back = take_tokens(mine)  # taken, not trained: back to the pool
                 if back:

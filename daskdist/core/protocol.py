@@ -466,9 +466,40 @@ MAX_WINDOW_BUCKETS = 512  # step-time buckets in one window (core.steptimes: at 
 MAX_SECONDS = 1e9  # any duration a window reports
 
 
+_WINDOW_FIELDS = len(RankWindow._fields)
+_WINDOW_INTS = (2, 3, 4, 5, 8, 10)  # generation, rank, index, steps, rows, total
+
+
+def _seconds_ok(v: Any) -> bool:
+    return type(v) is float and 0.0 <= v <= MAX_SECONDS
+
+
+def _window_ok(w: Any) -> bool:
+    """Whether ``w`` passes :func:`rank_window`'s checks (the fast path: a member's
+    report every window; no message is built)."""
+    if not (type(w) in (list, tuple) and len(w) == _WINDOW_FIELDS and _is_text(w[0])
+            and _is_text(w[1]) and type(w[13]) is bool):
+        return False
+    if not all(type(w[i]) is int and 0 <= w[i] <= 2**62 for i in _WINDOW_INTS):
+        return False
+    ph, parts, hist = w[7], w[12], w[9]
+    return (_seconds_ok(w[6]) and _seconds_ok(w[11])
+            and type(ph) in (list, tuple) and len(ph) == 4 and all(map(_seconds_ok, ph))
+            and type(parts) in (list, tuple) and len(parts) == 2
+            and all(map(_seconds_ok, parts))
+            and type(hist) in (list, tuple) and len(hist) <= MAX_WINDOW_BUCKETS
+            and all(type(p) in (list, tuple) and len(p) == 2 and type(p[0]) is int
+                    and type(p[1]) is int and -MAX_WINDOW_BUCKETS <= p[0] <= 2**62
+                    and 0 <= p[1] <= 2**62 for p in hist))
+
+
 def rank_window(value: Any, op: str) -> RankWindow:
     """A :class:`RankWindow` as it arrived, every field checked (its histogram's pairs
     as tuples)."""
+    if _window_ok(value):
+        w = RankWindow._make(value)
+        return w._replace(phases=list(w.phases), partitions=list(w.partitions),
+                          hist=[tuple(p) for p in w.hist])
     w = named(value, f"{op}: window", RankWindow)
     text(w.session, f"{op}: window.session")
     text(w.gang, f"{op}: window.gang")

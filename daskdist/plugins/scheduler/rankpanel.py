@@ -13,7 +13,7 @@ import html
 from typing import Any
 
 from bokeh.layouts import column
-from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool, LabelSet
+from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool
 from bokeh.plotting import figure
 
 PHASES = ("data", "collective", "commit", "compute")
@@ -34,7 +34,7 @@ class RankPanel:
     def __init__(self, **fig: Any) -> None:
         self.summary = Div(text="", sizing_mode="stretch_width")
         self.source = ColumnDataSource({k: [] for k in (
-            "rank", *PHASES, "total", "note", "color", "steps", "median", "p90",
+            "rank", *PHASES, "total", "outline", "steps", "median", "p90",
             "rows_per_second", "data_share")})
         hover = HoverTool(tooltips=[("", "@rank"), ("steps", "@steps"),
                                     ("step ms (median, p90)", "@median{0.0}, @p90{0.0}"),
@@ -47,14 +47,15 @@ class RankPanel:
         self.figure.hbar_stack(list(PHASES), y="rank", height=0.7, source=self.source,
                                color=[COLORS[p] for p in PHASES],
                                legend_label=list(PHASES))
-        self.figure.add_layout(LabelSet(x="total", y="rank", text="note", source=self.source,
-                                        x_offset=6, y_offset=-6, text_color="color",
-                                        text_font_size="10pt", text_font_style="bold"))
+        # a straggler's whole bar outlined in red (its name says why on the axis)
+        self.figure.hbar(y="rank", left=0, right="total", height=0.8, source=self.source,
+                         fill_alpha=0.0, line_color=STRAGGLER, line_width=3,
+                         line_alpha="outline")
         self.figure.x_range.start = 0
-        self.figure.x_range.range_padding = 0.25
         self.figure.xaxis.axis_label = "ms a step"
-        self.figure.legend.orientation = "horizontal"
-        self.figure.legend.location = "bottom_right"
+        legend = self.figure.legend[0]
+        legend.orientation = "horizontal"
+        self.figure.add_layout(legend, "below")  # beside no bar
 
     def layout(self) -> Any:
         return column(self.summary, self.figure, sizing_mode="stretch_width")
@@ -70,9 +71,7 @@ class RankPanel:
         self.source.data = {
             "rank": labels, **ms,
             "total": [sum(ms[p][i] for p in PHASES) for i in range(len(ranks))],
-            "note": [f"straggler: {slow[r['rank']]['cause']}" if r["rank"] in slow else ""
-                     for r in ranks],
-            "color": [STRAGGLER] * len(ranks),
+            "outline": [1.0 if r["rank"] in slow else 0.0 for r in ranks],
             "steps": [r["steps"] for r in ranks],
             "median": [1e3 * r["step_seconds"]["median"] for r in ranks],
             "p90": [1e3 * r["step_seconds"]["p90"] for r in ranks],
