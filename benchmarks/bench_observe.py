@@ -164,8 +164,9 @@ def main() -> None:
           "alternating:")
     print(f"  anchor (no measurement):  {off * 1e3:8.3f} ms a step (median)")
     print(f"  ours (phases measured):   {on * 1e3:8.3f} ms a step (median)")
+    noise = float(np.percentile(steps[False], 90)) - off
     print(f"  ours / anchor = {on / off:.4f}x ({(on - off) * 1e6:+.0f} µs a step; a step's "
-          f"noise: p90 - median of the anchor {np.percentile(steps[False], 90) * 1e3 - off * 1e3:.2f} ms)")
+          f"noise: p90 - median of the anchor {noise * 1e3:.2f} ms)")
     h_off, h_on = min(hooks[False]), min(hooks[True])
     cost = h_on - h_off
     print(f"The hooks alone (a step's sequence, best of {args.rounds} rounds of "

@@ -48,6 +48,8 @@ def test_start_session_takes_the_lowest_free_index_and_a_lease():
                                       "joins": 1, "renew": 1.0, "observe": 10.0}
     reply = start(co, "s2", "w2")
     assert reply["index"] == 1 and reply["num_workers"] == 2
+    with dask.config.set({"daskdist.observe.enabled": False}):  # members measure nothing
+        assert start(make([]), "s3", "w3")["observe"] == 0.0
     assert co.members.renew("s1", 1.0) and co.members.renew("s2", 1.0)
     co.stop_session("s1")
     assert start(co, "s3", "w3")["index"] == 0  # a replacement reuses the lost index

@@ -233,14 +233,17 @@ def test_a_lazy_frame_of_slow_partitions_makes_every_rank_wait_on_data(gang):
     ds = coord.distribute_dataset(frame, global_batch_size=30, policy="dynamic",
                                   name="lazy")
     assert coord.fetch(coord.schedule_on_all(consume, args=(iter(ds), 30))) == [30] * 3
-    d = coord.report().to_dict()
+    # the last windows travel on the workers' streams, beside the results
+    d = wait_until(lambda: (d := coord.report().to_dict()) and len(d["ranks"]) == 3
+                   and all(r["steps"] == 30 for r in d["ranks"]) and d, 10,
+                   "every rank's last window")
     assert d["bottleneck"] == "data", d
     assert len(d["ranks"]) == 3 and d["stragglers"] == []
     for r in d["ranks"]:
         assert r["data_share"] >= 0.5, r
         assert r["phases"]["data"] > r["phases"]["compute"], r
         assert r["data_source"] == "computing", r  # waiting for Dask, not reading
-        assert r["rows_per_second"] > 0 and r["steps"] == 30
+        assert r["rows_per_second"] > 0
 
 
 # -- a framework's loop ---------------------------------------------------------------------
@@ -258,10 +261,11 @@ def test_a_lightning_fit_shows_the_same_figures(gang, tmp_path):
                                   policy="dynamic", prefetch=0)
     out = coord.fetch(coord.schedule_on_all(fit, args=(module, iter(ds), 1)))
     assert [rank for rank, _ in out] == [0, 1, 2] and out[0][1] > 10
-    d = coord.report().to_dict()
+    d = wait_until(lambda: (d := coord.report().to_dict()) and len(d["ranks"]) == 3
+                   and all(r["steps"] >= out[0][1] for r in d["ranks"]) and d, 10,
+                   "every rank's last window")
     assert [r["rank"] for r in d["ranks"]] == [0, 1, 2]
     for r in d["ranks"]:
-        assert r["steps"] >= out[0][1] - 1, (r, out)
         assert min(r["phases"].values()) > 0, r  # data, DDP's allreduce, commits, compute
         assert r["phases"]["compute"] >= 0.015, r  # the module's 20 ms a step
         assert r["rows_per_second"] > 0 and "data_source" not in r

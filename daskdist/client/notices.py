@@ -3,7 +3,7 @@ coordinator's gang (a straggler episode began, the gang hung) logged as one WARN
 on the ``daskdist.observe`` logger, a child of ``daskdist``.
 
 :class:`NoticeListener` long-polls ``daskdist_rank_notices`` on the client's event loop
-from the coordinator's first gang (or group) until it closes: the scheduler answers when
+from the coordinator's first gang until it closes: the scheduler answers when
 a notice is posted or after its poll interval, so an idle client costs next to nothing.
 It hears the notices posted from its start on, never older ones.
 """
