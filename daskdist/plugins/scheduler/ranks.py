@@ -75,12 +75,13 @@ class RankBook:
         self.seq = 0  # notices posted so far (the next one's number)
         self._posted = asyncio.Event()  # set (and replaced) at each notice
         self.stacks: dict[int, str] | None = None  # the last collection, until a step
+        self._stacks_at = 0.0  # when it was collected (time.monotonic())
         self._collecting: asyncio.Task | None = None
         self._collected: tuple[float, dict] | None = None  # (when, what) of the last
         self._tasks: set[asyncio.Task] = set()  # hang collections under way
 
     # -- a member's window (its stream) ----------------------------------------------------
-    def window(self, worker: str, window: Any) -> None:
+    def on_window(self, worker: str, window: Any) -> None:
         """A member's window report (one-way, on its stream: a bad one is logged and
         dropped, never raised, since an error would close the worker's stream)."""
         op = "daskdist-rank-window"
@@ -99,14 +100,13 @@ class RankBook:
         episode = self.table.add(w.session, worker, w.rank, w.generation, w.gang, ws, w.total)
         if episode is not None:
             self._episode(episode)
-        run = (w.gang, w.generation)
+        run, now = (w.gang, w.generation), time.monotonic()
+        if self.stacks is not None and w.steps and now - w.since_step > self._stacks_at:
+            self.stacks = None  # kept until the next step
         if w.ended:
             self.hang.ended(run)
             return
-        what = self.hang.report(run, w.steps, w.since_step, time.monotonic())
-        if what == "stepped":
-            self.stacks = None  # kept until the next step
-        elif what == "hang":
+        if self.hang.report(run, w.steps, w.since_step, now) == "hang":
             task = asyncio.ensure_future(self._hung(w.since_step))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -136,7 +136,9 @@ class RankBook:
         """No step for ``hang-after``: every member's stack, and a notice naming the ranks
         whose place differs from the most common one."""
         got = await self.collect()
-        self.stacks = dict(got["stacks"])
+        if not self.hang.fired:
+            return  # a step came meanwhile: no hang any more
+        self._keep(got)
         self._post("hang", f"no step for {_secs(since)}; " + _places(got),
                    ranks=odd_ranks(got["wheres"], got["waiting"])[0])
 
@@ -152,9 +154,14 @@ class RankBook:
             self._collecting = asyncio.ensure_future(self._collect())
         return await asyncio.shield(self._collecting)
 
+    def _keep(self, got: dict) -> None:
+        """The report shows these stacks until a step ends after they were taken."""
+        self.stacks, self._stacks_at = dict(got["stacks"]), got["at"]
+
     async def _collect(self) -> dict:
         group, members = self.co.gangs.group, self.co.members.members
         rpc = self.scheduler.rpc if self.scheduler is not None else None
+        at = time.monotonic()
 
         async def one(rank: int, session: str) -> tuple[int, str, Any]:
             m = members.get(session)
@@ -169,7 +176,8 @@ class RankBook:
             return rank, m.address, got
 
         answers = await asyncio.gather(*(one(r, s) for r, s in enumerate(group.sessions)))
-        out: dict[str, dict] = {"stacks": {}, "wheres": {}, "waiting": {}, "workers": {}}
+        out: dict[str, Any] = {"stacks": {}, "wheres": {}, "waiting": {}, "workers": {},
+                               "at": at}
         for rank, address, got in answers:
             if isinstance(got, dict) and isinstance(got.get("stack"), str):
                 out["stacks"][rank] = got["stack"]
@@ -242,7 +250,7 @@ class RankBook:
         self.co.closure_book.owner_box(protocol.text(owner, f"{op}: owner"),
                                        protocol.text(token, f"{op}: token"))
         got = await self.collect()
-        self.stacks = dict(got["stacks"])
+        self._keep(got)
         return sorted(got["stacks"].items())
 
     async def stuck(self, session: str) -> str | dict:
@@ -292,4 +300,4 @@ RANK_HANDLERS = {
     "daskdist_rank_stacks": (RankBook.stacks_now, protocol.CLOSED),
     "daskdist_rank_stuck": (RankBook.stuck, ""),
 }
-RANK_STREAM_HANDLERS = {"daskdist-rank-window": RankBook.window}
+RANK_STREAM_HANDLERS = {"daskdist-rank-window": RankBook.on_window}
