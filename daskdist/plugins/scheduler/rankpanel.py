@@ -67,7 +67,7 @@ class RankPanel:
         labels = [_label(r, slow) for r in ranks]
         if list(self.figure.y_range.factors) != labels:
             self.figure.y_range.factors = labels
-            self.figure.height = max(200, 110 + 30 * len(labels))  # a bar a rank
+            self.figure.height = max(260, 140 + 40 * len(labels))  # a bar a rank
         ms = {p: [1e3 * r["phases"][p] for r in ranks] for p in PHASES}
         self.source.data = {
             "rank": labels, **ms,
