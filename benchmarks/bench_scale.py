@@ -79,6 +79,7 @@ class SimScheduler:
 
     def __init__(self) -> None:
         self.handlers: dict[str, Any] = {}
+        self.stream_handlers: dict[str, Any] = {}  # messages on workers' streams
         self.extensions: dict[str, Any] = {}
         self.worker_plugins: dict[str, Any] = {}
         self.workers: dict[str, _WorkerState] = {}
@@ -412,6 +413,56 @@ async def row_commit(n: int, repeat: int) -> dict[str, dict]:
     return {"commit part": {"us": step_s / n * 1e6, "msgs": statistics.median(parts) / n},
             "commit step, a part from each rank (fallback)": {"us": step_s * 1e6,
                                           "msgs": statistics.median(parts)}, **out}
+
+
+async def row_rank_window(n: int, repeat: int) -> dict[str, dict]:
+    """A gang member's window report (SPEC §5.1) in a group of N ranks: every rank
+    reports each window (steps, phases, step-time histogram); a report judges the rank's
+    previous window against the ranks' medians of that window, and watches for a hang.
+    Rank 1 is slow: its straggler episode (and notice) starts on the way. The median CPU
+    of a report, sampled over the windows after the first."""
+    from daskdist.core.protocol import RankWindow
+    from daskdist.core.steptimes import bucket
+
+    sim = Sim()
+    await sim.start()
+    handler = sim.sched.stream_handlers.get("daskdist-rank-window")
+    if handler is None:  # a tree without per-rank windows
+        await sim.plugin.close()
+        return {}
+    await sim.grow(n)
+    await sim.form()
+    sim.flush()
+    co = sim.co
+    group = co.gangs.group
+    address = dict(sim.sessions)
+    step = 0.1
+
+    def window(rank: int, session: str, index: int) -> tuple:
+        wait = 0.0 if rank == 1 else 0.09  # the others wait for rank 1 in collectives
+        return tuple(RankWindow(session, "gang", group.generation, rank, index, 10,
+                                10 * step, [0.0, 10 * wait, 0.001, 10 * (step - wait) - 0.001],
+                                320, [(bucket(step), 10)], 10 * (index + 1), 0.01,
+                                [0.0, 0.0]))
+
+    every = max(1, n // max(repeat, 200))  # reports timed: a sample of each window's
+    samples = []
+    for index in range(5):
+        messages = [window(r, s, index) for r, s in enumerate(group.sessions)]
+        gc.collect()
+        for r, msg in enumerate(messages):
+            if index and r % every == 0:
+                t = _cpu()
+                handler(name=NAME, worker=address[msg[0]], window=msg)
+                samples.append(_cpu() - t)
+            else:
+                handler(name=NAME, worker=address[msg[0]], window=msg)
+    book = co.rank_book
+    assert len(book.table.tracks) == n and book.table.tracks[group.sessions[1]].streak.straggling
+    assert [x["kind"] for x in book.notices] == ["straggler"]
+    await sim.plugin.close()
+    return {"rank window report (per-rank phases, stragglers)": {
+        "us": statistics.median(samples) * 1e6, "msgs": 0}}
 
 
 async def row_status(n: int, repeat: int) -> dict[str, dict]:
@@ -855,7 +906,7 @@ def print_real(results: dict) -> None:
 # -- driver --------------------------------------------------------------------------------
 
 ROWS = [row_join_leave, row_member_removed, row_idle_exchange, row_put, row_commit,
-        row_status, row_closures]
+        row_status, row_closures, row_rank_window]
 
 
 async def sim_part(sizes: list[int], repeat: int, idle_seconds: float,

@@ -31,6 +31,7 @@ _LAZY = {
     "PerWorkerValues": "daskdist.client.closures",
     "RemoteValue": "daskdist.client.closures",
     "RemoteValueStatus": "daskdist.client.closures",
+    "Report": "daskdist.client.report",
     "collective": None,
     "data": None,
 }
@@ -63,6 +64,7 @@ __all__ = [
     "PerWorkerValues",
     "RemoteValue",
     "RemoteValueStatus",
+    "Report",
     "WorkerContext",
     "WorkerLostError",
     "collective",

@@ -43,10 +43,13 @@ def start(co: CoordinatorState, session: str, address: str, slots: int = 1,
 def test_start_session_takes_the_lowest_free_index_and_a_lease():
     sent: list = []
     co = make(sent)
+    # "observe": the window gang members sum their steps in (daskdist.observe.window)
     assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1,
-                                      "joins": 1, "renew": 1.0}
+                                      "joins": 1, "renew": 1.0, "observe": 10.0}
     reply = start(co, "s2", "w2")
     assert reply["index"] == 1 and reply["num_workers"] == 2
+    with dask.config.set({"daskdist.observe.enabled": False}):  # members measure nothing
+        assert start(make([]), "s3", "w3")["observe"] == 0.0
     assert co.members.renew("s1", 1.0) and co.members.renew("s2", 1.0)
     co.stop_session("s1")
     assert start(co, "s3", "w3")["index"] == 0  # a replacement reuses the lost index
@@ -706,7 +709,9 @@ def test_every_session_route_answers_an_ended_session_with_one_reply():
     }
     sessions = {op for table in BOOK_ROUTES.values() for op, r in table.items()
                 if r.caller in (SESSION, OWNER_OR_SESSION)}
-    assert sessions == set(calls) | {"daskdist_exchange", "daskdist_gang_commit_part"}
+    assert sessions == set(calls) | {"daskdist_exchange", "daskdist_gang_commit_part",
+                                     "daskdist_rank_stuck"}
+    assert asyncio.run(route(co, "daskdist_rank_stuck")(session="gone")) == SESSION_ENDED
     for op, kw in calls.items():
         ended = next(t[op] for t in BOOK_ROUTES.values() if op in t).ended
         assert route(co, op)(session="gone", **kw) == ended, op

@@ -1,31 +1,23 @@
 """The daskdist dashboard on a live LocalCluster: status.json, the Bokeh pages, a browser.
 
-The browser test drives Debian's headless Chromium through the DevTools protocol (a
-websocket: tornado's client, already a Dask dependency): it loads the Bokeh page, waits
-until BokehJS has the document with non-empty data sources and drawn canvases, and saves
-a screenshot under the test's tmp dir. It skips, saying why, where Chromium is missing
-(``.ci/run`` installs it).
+The browser test drives Debian's headless Chromium (``tests/browser.py``): it loads the
+Bokeh page, waits until BokehJS has the document with non-empty data sources and drawn
+canvases, and saves a screenshot under the test's tmp dir. It skips, saying why, where
+Chromium is missing (``.ci/run`` installs it).
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import json
-import os
-import shutil
-import signal
-import subprocess
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import hypothesis  # noqa: F401 - see below
 import pytest
 from distributed import Client
 
 import daskdist as dd
+from tests.browser import CHROMIUM, browse
 from tests.conftest import make_cluster, wait_for_workers, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -108,7 +100,7 @@ def test_pages_in_navigation_and_individual_plots(live):
     plots = json.loads(get(live["base"] + "/individual-plots.json"))
     ours = {v for v in plots.values() if "daskdist" in v}
     assert ours == {f"/individual-daskdist-{p}"
-                    for p in ("closures", "workers", "datasets", "group")}
+                    for p in ("closures", "workers", "datasets", "group", "ranks")}
     assert 'href="daskdist-dashboard"' in get(live["base"] + "/status")  # Dask's nav bar
     for url in ["/daskdist-dashboard", *sorted(ours)]:
         assert "Bokeh" in get(live["base"] + url)
@@ -128,9 +120,6 @@ def test_group_formation_appears_in_status(live):
 
 
 # -- the browser ---------------------------------------------------------------------------
-
-CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
-                 if shutil.which(n)), None)
 
 # Runs in the page: per named figure, the rows of its renderers' data sources, and the
 # canvases drawn (BokehJS renders into shadow roots, so walk them).
@@ -156,49 +145,9 @@ PROBE = """(() => {
 })()"""
 
 
-class DevTools:
-    """A minimal Chrome DevTools Protocol client over one page's websocket."""
-
-    def __init__(self, ws):
-        self.ws = ws
-        self.next_id = 0
-
-    async def call(self, method: str, **params):
-        self.next_id += 1
-        self.ws.write_message(json.dumps({"id": self.next_id, "method": method,
-                                          "params": params}))
-        while True:
-            msg = await asyncio.wait_for(self.ws.read_message(), 30)
-            assert msg is not None, "DevTools websocket closed"
-            reply = json.loads(msg)
-            if reply.get("id") == self.next_id:
-                assert "error" not in reply, reply
-                return reply["result"]
-
-
-async def render(url: str, port: int, shot: Path, timeout: float = 60.0) -> dict:
-    from tornado.websocket import websocket_connect
-
-    targets = json.loads(get(f"http://127.0.0.1:{port}/json/list"))
-    page = next(t for t in targets if t["type"] == "page")
-    ws = await websocket_connect(page["webSocketDebuggerUrl"], max_message_size=1 << 27)
-    cdp = DevTools(ws)
-    await cdp.call("Page.enable")
-    await cdp.call("Page.navigate", url=url)
-    deadline = time.monotonic() + timeout
-    result = None
-    while time.monotonic() < deadline:
-        out = await cdp.call("Runtime.evaluate", expression=PROBE, returnByValue=True)
-        value = out["result"].get("value")
-        result = json.loads(value) if value else None
-        if (result and result["canvases"] >= 5
-                and all(n > 0 for n in result["rows"].values())):
-            break
-        await asyncio.sleep(0.25)
-    png = await cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
-    shot.write_bytes(base64.b64decode(png["data"]))
-    ws.close()
-    return result or {}
+def _drawn(result) -> bool:
+    return bool(result and result["canvases"] >= 5
+                and all(n > 0 for n in result["rows"].values()))
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs "
@@ -211,28 +160,8 @@ def test_browser_renders_live_plots(live, tmp_path):
     live["ds"].set_epoch(1)
     iter(live["ds"])
     coord.fetch([coord.schedule(abs, args=(-i,)) for i in range(40)])
-    profile = tmp_path / "profile"
-    proc = subprocess.Popen(
-        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
-         "--disable-dev-shm-usage", "--no-first-run", "--window-size=1280,1400",
-         "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        port_file = profile / "DevToolsActivePort"
-        wait_until(lambda: port_file.exists() and port_file.read_text().strip(), 30,
-                   "chromium's DevTools port")
-        port = int(port_file.read_text().split()[0])
-        shot = tmp_path / "daskdist-dashboard.png"
-        with ThreadPoolExecutor(1) as pool:  # a fresh event loop, off pytest's thread
-            result = pool.submit(asyncio.run, render(live["base"] + "/daskdist-dashboard",
-                                                     port, shot)).result()
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    shot = tmp_path / "daskdist-dashboard.png"
+    result = browse(live["base"] + "/daskdist-dashboard", shot, PROBE, _drawn) or {}
     print(f"screenshot: {shot} result: {result}")
     assert result, "BokehJS never loaded the document"
     assert all(n > 0 for n in result["rows"].values()), result["rows"]

@@ -71,6 +71,12 @@ def test_the_worker_plugin_loads_no_torch_until_a_device_is_bound():
                                                    "daskdist.client"))]
 
 
+def test_the_step_clock_loads_no_dask_tornado_or_torch():
+    loaded = loaded_after("import daskdist.observe.phases, daskdist.observe.stacks")
+    assert "daskdist.observe.phases" in loaded
+    assert not [m for m in loaded if m.split(".")[0] in HEAVY]
+
+
 # -- the import graph, read from the sources ------------------------------------------------
 def _module_name(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
@@ -135,7 +141,8 @@ RULES = {  # room -> rooms it must not import (anywhere in the file, lazily too)
     "daskdist.core": ("daskdist.client", "daskdist.plugins", "daskdist.data",
                       "daskdist.collective", "daskdist.cli", "daskdist.config"),
     "daskdist.plugins.scheduler": ("daskdist.client", "daskdist.plugins.worker",
-                                   "daskdist.data", "daskdist.collective", "daskdist.cli"),
+                                   "daskdist.data", "daskdist.collective", "daskdist.cli",
+                                   "daskdist.observe"),
     "daskdist.plugins.worker": ("daskdist.client", "daskdist.plugins.scheduler",
                                 "daskdist.cli"),
     "daskdist.client": ("daskdist.plugins.scheduler", "daskdist.plugins.worker",
@@ -144,6 +151,9 @@ RULES = {  # room -> rooms it must not import (anywhere in the file, lazily too)
                       "daskdist.cli"),
     "daskdist.collective": ("daskdist.data", "daskdist.plugins", "daskdist.client",
                             "daskdist.cli"),
+    # the step clock the data and collective layers call: theirs, and nobody's above
+    "daskdist.observe": ("daskdist.data", "daskdist.collective", "daskdist.plugins",
+                         "daskdist.client", "daskdist.cli"),
 }
 
 

@@ -30,6 +30,8 @@ from daskdist.client.datasets import (
     _ResourceHandle,
 )
 from daskdist.client.group import CollectiveGroup
+from daskdist.client.notices import NoticeListener
+from daskdist.client.report import Report
 from daskdist.core import protocol
 from daskdist.core.protocol import PLUGIN_NAME, DatasetDef, Outcome, ResourceSpec
 from daskdist.errors import CollectiveError
@@ -128,6 +130,8 @@ class Coordinator(ClosureClient):
         self._owner: str = info["owner"]
         self._token: str = info["token"]
         self.client.loop.add_callback(self._results_loop)
+        # stragglers and hangs of its gangs, logged as they happen (from the first gang)
+        self._notices = NoticeListener(self)
 
     # -- plumbing ------------------------------------------------------------------------
     def _plugin_loaded(self) -> bool:
@@ -163,6 +167,7 @@ class Coordinator(ClosureClient):
         if self._error_pending:
             self._raise_pending()
         payload = self._pickle(fn, args, kwargs, 0)
+        self._notices.start()
         gid = f"{self._owner}-g{next(self._seq)}"
         whole = RemoteValue(gid, None)
         view = GangValues(whole)
@@ -284,6 +289,25 @@ class Coordinator(ClosureClient):
         handle = _ResourceHandle(rid, kind, parent)
         weakref.finalize(handle, _dropped, weakref.ref(self), rid)
         return handle
+
+    def report(self) -> Report:
+        """Where each gang member's step time goes (SPEC §5.1): a row a rank of the current
+        generation (steps, step time median and p90, its split into data, collective,
+        commit and compute, data share, rows/s, GPU use where Dask's NVML metrics
+        exist), the stragglers, whether the input pipeline is the bottleneck, and the
+        stacks of the last collection until the next step. Its ``to_dict()``,
+        ``to_pandas()``, and a table with a bar per rank in JupyterLab."""
+        self._check_open()
+        data = self._call("daskdist_rank_report")
+        return Report(data, data.get("window", 0.0), self.name)
+
+    def stacks(self) -> dict[int, str]:
+        """Every gang member's Python stack of the thread running its gang closure, now:
+        ``{rank: stack}`` (``traceback.format_stack`` form), collected from each worker's
+        event loop, so a rank blocked in its closure answers too (within
+        ``daskdist.observe.stacks-timeout``; a rank that does not is left out)."""
+        self._check_open()
+        return {int(rank): str(stack) for rank, stack in self._owned("daskdist_rank_stacks")}
 
     def status(self) -> dict[str, Any]:
         """Queue and worker counts: queued, running, done, failed, retried, cancelled, ..."""

@@ -78,6 +78,7 @@ from daskdist.errors import (  # defined there: the worker plugin knows them
     CollectiveError,
     HostsUpdatedInterrupt,
 )
+from daskdist.observe import phases
 
 _OWN = ("model", "optimizer", "_objects", "_saved", "_spare", "_last_version", "_commits",
         "_synced",
@@ -214,6 +215,7 @@ class State:
         in host memory, refilled in place; from CUDA asynchronously (pinned buffers)."""
         self._saved.fill(self._live())
 
+    @phases.timed(phases.COMMIT, ends_step=True)  # the commit phase; a step (SPEC §5.1)
     def commit(self) -> None:
         """Save (acknowledging rows consumed since the last commit), then raise
         ``HostsUpdatedInterrupt`` on all ranks if hosts changed."""
@@ -359,6 +361,7 @@ class State:
             if back:
                 session_services().release_tokens(back)
 
+    @phases.timed(phases.COMMIT)  # the commit phase of a gang member (SPEC §5.1)
     def sync(self) -> None:
         """Make every rank equal to the newest commit among them, and record that as the
         last commit. Ranks that took part in a commit go back to it first; the source is

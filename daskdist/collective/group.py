@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from daskdist.collective.bootstrap import PROCESS, ProcessMembership
 from daskdist.errors import CollectiveError
+from daskdist.observe import phases
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -201,6 +202,7 @@ class Group:
         if not 0 <= src < self.world_size:
             raise ValueError(f"src {src} outside [0, {self.world_size})")
 
+    @phases.timed(phases.COLLECTIVE)  # a gang member's collective phase (SPEC §5.1)
     def _run(self, what: str, issue: Callable[[Any], Any]) -> None:
         """Issue one async collective and wait for it, the lost signal, or the timeout."""
         gen = self.generation
@@ -208,6 +210,7 @@ class Group:
         # Always this generation's own process group, never "the current default":
         # a call racing a re-formation must not land in the next generation's group.
         pg = self._pg
+        start = time.monotonic()
         try:
             work = issue(pg)
         except Exception as e:
@@ -221,7 +224,9 @@ class Group:
             work.wait()
         except Exception as e:
             PROCESS.break_group(gen, f"{what} failed: {e}")
-            raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
+            # the transport's own timeout: which ranks were stuck where
+            stuck = phases.stuck() if time.monotonic() - start >= self.timeout else ""
+            raise CollectiveError(f"{what} failed on rank {self.rank}: {e}{stuck}") from e
 
     def _wait_in_torch(self, work: Any, pg: Any, gen: int, what: str) -> None:
         """Gloo: block inside torch's own wait, ``_SLICE`` at a time, until ``work`` ended.
@@ -275,7 +280,8 @@ class Group:
             PROCESS.bury(pg, work)
             reason = f"{what} timed out after {self.timeout:g} s"
             PROCESS.break_group(gen, reason)
-            raise CollectiveError(f"{reason} on rank {self.rank}")
+            # which ranks were stuck where: the scheduler asks every member's stack
+            raise CollectiveError(f"{reason} on rank {self.rank}{phases.stuck()}")
         return left
 
 

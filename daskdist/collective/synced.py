@@ -38,6 +38,7 @@ from daskdist.collective.group import get_group
 from daskdist.collective.replicas import to_cpu
 from daskdist.context import consumed_mark, consumed_since, session_services, take_tokens
 from daskdist.core.nest import map_structure
+from daskdist.observe import phases
 
 T = TypeVar("T")
 
@@ -50,32 +51,38 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
     (call it inside a gang closure; every rank the same way)."""
     it = iter(iterable)
     while True:
-        mark = consumed_mark()
-        item: Any = next(it, _END)
-        # this batch's tokens, given back by identity if it is not trained (a position
-        # in the closure's list would be stale: see take_tokens)
-        mine = consumed_since(mark)
-        g = get_group()
-        have = 0 if item is _END else 1
-        flags = torch.tensor([have, -have], dtype=torch.int64, device=g._wire_device())
-        g.allreduce(flags, op="min")
-        every, anyone = int(flags[0]) == 1, int(flags[1]) == -1
-        if not anyone:
-            return
-        if not every:
-            pooled = g.allgather_object(None if item is _END else to_cpu(item))
-            item = _share([b for b in pooled if b is not None], g.rank, g.world_size,
-                          g.device)
+        phases.step(phases.SYNCED)  # a batch asked for: the previous step ended
+        with phases.phase(phases.DATA) as waited:  # the batch and its agreement
+            mark = consumed_mark()
+            item: Any = next(it, _END)
+            # this batch's tokens, given back by identity if it is not trained (a
+            # position in the closure's list would be stale: see take_tokens)
+            mine = consumed_since(mark)
+            g = get_group()
+            have = 0 if item is _END else 1
+            flags = torch.tensor([have, -have], dtype=torch.int64, device=g._wire_device())
+            g.allreduce(flags, op="min")
+            every, anyone = int(flags[0]) == 1, int(flags[1]) == -1
+            if not anyone:
+                return
+            if not every:
+                pooled = g.allgather_object(None if item is _END else to_cpu(item))
+                item = _share([b for b in pooled if b is not None], g.rank, g.world_size,
+                              g.device)
+            waited.rows(phases.batch_rows(item))
         trained = False
         try:
             yield item
             trained = True
         finally:
+            if not trained:  # the loop stopped with this batch: its step ends here
+                phases.step(phases.SYNCED)
             if not trained and mine:
                 back = take_tokens(mine)  # taken, not trained: back to the pool
                 if back:
                     session_services().release_tokens(back)
         if not every:
+            phases.step(phases.SYNCED)  # the pooled last step ended
             return
 
 

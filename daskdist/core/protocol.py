@@ -247,6 +247,28 @@ class EpochLedger(NamedTuple):
 
 
 
+class RankWindow(NamedTuple):
+    """One gang member's window of steps (``daskdist-rank-window``, on the worker's
+    stream to the scheduler): sent once a window while a gang closure runs, the last one
+    with ``ended`` when it returns. Phases and step-time buckets are those of
+    ``core.steptimes``."""
+
+    session: str
+    gang: str  # the gang closure's id (its members' ids without the run)
+    generation: int
+    rank: int
+    index: int  # the window: wall-clock seconds // the window's length
+    steps: int  # steps that ended in it
+    seconds: float  # their wall time
+    phases: list  # their seconds in each phase: data, collective, commit, compute
+    rows: int  # rows the rank's loaders handed them
+    hist: list  # [(bucket, count), ...]: their step times
+    total: int  # steps since the gang closure started
+    since_step: float  # seconds since its last step (or since it started, before one)
+    partitions: list  # [seconds Dask computed partitions waited for, seconds reading them]
+    ended: bool = False
+
+
 # -- checks of what arrives -------------------------------------------------------------
 MAX_ITEMS = 100_000  # items in one list of one message (a batch of closures, of results)
 MAX_TEXT = 512  # characters of an id, a name or an address
@@ -428,6 +450,69 @@ def observed(op: str, held: Any, started: Any) -> tuple[list[str] | None, list[s
     """What a worker says it holds and which of those started."""
     held = optional(texts, held, f"{op}: held")
     return held, texts(started if started is not None else [], f"{op}: started")
+
+
+# -- what a gang member measures -------------------------------------------------------
+MAX_WINDOW_BUCKETS = 512  # step-time buckets in one window (core.steptimes: at most 321)
+MAX_SECONDS = 1e9  # any duration a window reports
+
+
+_WINDOW_FIELDS = len(RankWindow._fields)
+_WINDOW_INTS = (2, 3, 4, 5, 8, 10)  # generation, rank, index, steps, rows, total
+
+
+def _seconds_ok(v: Any) -> bool:
+    return type(v) is float and 0.0 <= v <= MAX_SECONDS
+
+
+def _window_ok(w: Any) -> bool:
+    """Whether ``w`` passes :func:`rank_window`'s checks (the fast path: a member's
+    report every window; no message is built)."""
+    if not (type(w) in (list, tuple) and len(w) == _WINDOW_FIELDS and _is_text(w[0])
+            and _is_text(w[1]) and type(w[13]) is bool):
+        return False
+    if not all(type(w[i]) is int and 0 <= w[i] <= 2**62 for i in _WINDOW_INTS):
+        return False
+    ph, parts, hist = w[7], w[12], w[9]
+    return (_seconds_ok(w[6]) and _seconds_ok(w[11])
+            and type(ph) in (list, tuple) and len(ph) == 4 and all(map(_seconds_ok, ph))
+            and type(parts) in (list, tuple) and len(parts) == 2
+            and all(map(_seconds_ok, parts))
+            and type(hist) in (list, tuple) and len(hist) <= MAX_WINDOW_BUCKETS
+            and all(type(p) in (list, tuple) and len(p) == 2 and type(p[0]) is int
+                    and type(p[1]) is int and -MAX_WINDOW_BUCKETS <= p[0] <= 2**62
+                    and 0 <= p[1] <= 2**62 for p in hist))
+
+
+def rank_window(value: Any, op: str) -> RankWindow:
+    """A :class:`RankWindow` as it arrived, every field checked (its histogram's pairs
+    as tuples)."""
+    if _window_ok(value):
+        w = RankWindow._make(value)
+        return w._replace(phases=list(w.phases), partitions=list(w.partitions),
+                          hist=[tuple(p) for p in w.hist])
+    w = named(value, f"{op}: window", RankWindow)
+    text(w.session, f"{op}: window.session")
+    text(w.gang, f"{op}: window.gang")
+    for name in ("generation", "rank", "index", "steps", "rows", "total"):
+        integer(getattr(w, name), f"{op}: window.{name}", 0 if name != "index" else -2**62,
+                2**62)
+    for name in ("seconds", "since_step"):
+        number(getattr(w, name), f"{op}: window.{name}", 0.0, MAX_SECONDS)
+    phases = items(w.phases, f"{op}: window.phases", 4)
+    parts = items(w.partitions, f"{op}: window.partitions", 2)
+    if len(phases) != 4 or len(parts) != 2:
+        raise ValueError(f"{op}: window.phases must hold 4 numbers and window.partitions "
+                         f"2, got {len(phases)} and {len(parts)}")
+    for i, v in enumerate([*phases, *parts]):
+        number(v, f"{op}: window phase or partition time [{i}]", 0.0, MAX_SECONDS)
+    hist = pairs(w.hist, f"{op}: window.hist", MAX_WINDOW_BUCKETS, lo=-MAX_WINDOW_BUCKETS,
+                 hi=2**62)
+    if any(n < 0 for _, n in hist):
+        raise ValueError(f"{op}: window.hist counts must not be negative")
+    flag(w.ended, f"{op}: window.ended")
+    return w._replace(phases=[float(v) for v in phases],
+                      partitions=[float(v) for v in parts], hist=hist)
 
 
 # -- settings (the client checks them too) -----------------------------------------------

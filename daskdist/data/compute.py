@@ -21,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from daskdist.observe import phases
+
 __all__ = ["DaskComputer", "Interrupt", "Interrupted", "LocalComputer", "make_computer",
            "settled"]
 
@@ -47,6 +49,7 @@ class Interrupt:
             for ev in self._waits:
                 ev.set()
 
+    @phases.partitions(phases.COMPUTING)  # a gang's data waits on Dask (SPEC §5.1)
     def wait(self, when: Callable[[Callable[[], None]], None]) -> None:
         """Until ``when`` calls the callback it is given (once what it watches is done)."""
         ev = threading.Event()

@@ -70,6 +70,7 @@ from daskdist.data.shards import ArrowShards
 from daskdist.data.sources import ChunkItem, ChunkSource, ReadSpec, as_source
 from daskdist.data.staging import CudaTransfer, DeviceStage
 from daskdist.errors import InputError
+from daskdist.observe import phases
 
 __all__ = ["ArrowLoader"]
 
@@ -380,6 +381,7 @@ class _LoaderIterator:
     def __iter__(self) -> _LoaderIterator:
         return self
 
+    @phases.timed(phases.DATA, counts_rows=True)  # a gang member's data phase (SPEC §5.1)
     def __next__(self) -> Any:
         with self._lock:
             parts, ranges, items = self._cut()

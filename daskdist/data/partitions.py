@@ -36,6 +36,7 @@ from daskdist.data.convert import Chunk, convert_chunk
 from daskdist.data.sharding import Piece
 from daskdist.data.sources import ChunkItem, Pending, ReadSpec, SourceReader, UnitFailure
 from daskdist.errors import InputError
+from daskdist.observe import phases
 
 __all__ = ["PartitionReader", "convert_part", "part_rows"]
 
@@ -88,6 +89,7 @@ def _frame_table(frame: Any, columns: Sequence[Any]) -> pa.Table:
     return pa.Table.from_arrays(arrays, names=names)
 
 
+@phases.partitions(phases.READING)  # a gang's data waits on reading partitions (SPEC §5.1)
 def convert_part(coll: DaskCollection, data: Any, rows: np.ndarray | None,
                  fill_null: Any, collate: bool, shared: bool,
                  columns: Sequence[Any] | None = None) -> Any:

@@ -6,9 +6,10 @@ reads :func:`daskdist.plugins.scheduler.stats.snapshot` (never imports torch or 
 
 - ``/daskdist-dashboard``: every plot below, in Dask's page template, listed in the
   dashboard's navigation bar;
-- ``/individual-daskdist-closures``, ``-workers``, ``-datasets``, ``-group``: one plot
-  each, listed in ``/individual-plots.json`` (what dask-labextension reads), so a
-  JupyterLab user can dock them.
+- ``/individual-daskdist-closures``, ``-workers``, ``-datasets``, ``-group``, ``-ranks``
+  (:mod:`.rankpanel`: the gang's per-rank phases and stragglers): one plot each, listed
+  in ``/individual-plots.json`` (what dask-labextension reads), so a JupyterLab user can
+  dock them.
 
 Dask creates its Bokeh applications when the scheduler starts, before plugins and
 preloads run, so :func:`install` adds ours to the running ``BokehTornado`` the way its
@@ -39,11 +40,13 @@ from bokeh.models import (
 from bokeh.plotting import figure
 
 from daskdist import config
+from daskdist.plugins.scheduler.rankpanel import RankPanel
 from daskdist.plugins.scheduler.stats import snapshots
 
 logger = logging.getLogger(__name__)
 
 PAGE = "daskdist-dashboard"
+PARTS = ("closures", "workers", "datasets", "group", "ranks")  # the individual pages
 COLORS = {"done": "#2ca02c", "failed": "#d62728", "retried": "#ff7f0e",
           "recovered": "#9467bd", "queued": "#1f77b4", "running": "#17becf",
           "acknowledged": "#2ca02c", "leased": "#ff7f0e", "free": "#c7c7c7"}
@@ -162,6 +165,9 @@ class DaskdistDashboard:
         self.timeline.y_range.range_padding = 0.3
         self.timeline.yaxis.ticker.min_interval = 1  # generations are integers
 
+        # the gang's ranks: per-rank phases, stragglers (SPEC §5.1)
+        self.ranks = RankPanel(**fig)
+
     def update(self) -> None:
         snaps = snapshots(self.plugin)
         names = sorted(snaps)
@@ -214,6 +220,7 @@ class DaskdistDashboard:
             f"{g.get('formations', 0)} formations, {g.get('losses', 0)} members lost · "
             f"last formation {g.get('bootstrap_seconds', 0.0):.2f} s<br>members: {members}"
             f"<br>{_checkpoint_text(g.get('checkpoint'))}")
+        self.ranks.update(snap.get("ranks"))
         ev = snap["events"]
         self.events.data = {
             "time": [1000.0 * e["time"] for e in ev],
@@ -230,7 +237,7 @@ class DaskdistDashboard:
         return column(row(self.select, self.summary, sizing_mode="stretch_width"),
                       self.closures, self.backlog,
                       row(self.worker_closures, self.worker_rows, sizing_mode="stretch_width"),
-                      self.dataset_bars, self.group, self.timeline,
+                      self.ranks.layout(), self.dataset_bars, self.group, self.timeline,
                       sizing_mode="stretch_width")
 
 
@@ -245,6 +252,7 @@ def _doc(part: str, plugin: Any, extra: dict, doc: Any) -> None:
                                sizing_mode="stretch_both"),
         "datasets": lambda: dash.dataset_bars,
         "group": lambda: column(dash.group, dash.timeline, sizing_mode="stretch_both"),
+        "ranks": dash.ranks.layout,
     }
     interval = int(1000 * config.seconds("dashboard.update-interval"))
     doc.add_periodic_callback(dash.update, interval)
@@ -315,13 +323,12 @@ def install(plugin: Any, scheduler: Any) -> bool:
         if PAGE not in tv["pages"]:
             tv["pages"].append(PAGE)
             tv["plots"].extend({"url": f"individual-daskdist-{p}", "name": f"daskdist {p}"}
-                               for p in ("closures", "workers", "datasets", "group"))
+                               for p in PARTS)
         extra = {"prefix": bt._prefix + "/", **tv}
     except Exception as e:  # pragma: no cover - a Dask whose template differs
         logger.debug("daskdist: dashboard navigation not extended (%r)", e)
     urls = {f"/{PAGE}": "full"}
-    urls.update({f"/individual-daskdist-{p}": p
-                 for p in ("closures", "workers", "datasets", "group")})
+    urls.update({f"/individual-daskdist-{p}": p for p in PARTS})
     for url, part in urls.items():
         if url in bt._applications:
             continue  # idempotent: a second start on the same scheduler

@@ -121,6 +121,7 @@ class Coordinators:
                 self.states[name] = co
                 driver = GroupDriver(co, self.scheduler.rpc, self._next_generation)
                 self.drivers[name] = co.group_book.driver = driver
+                co.rank_book.scheduler = self.scheduler  # rpc to members, NVML metrics
             try:
                 started = await self._register_worker_plugin(
                     name, torch_threads, co.member_resources, co.member_kind)

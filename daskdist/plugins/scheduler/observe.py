@@ -20,6 +20,7 @@ from tornado.ioloop import PeriodicCallback
 from tornado.web import RequestHandler
 
 from daskdist import config
+from daskdist.core.steptimes import PHASES
 from daskdist.plugins.scheduler.stats import CoordinatorStats, snapshots
 
 logger = logging.getLogger(__name__)
@@ -66,12 +67,23 @@ class StatusPage(RequestHandler):
                       "<h4>collective group</h4>", _table(group, ["field", "value"]),
                       "<h4>group events</h4>",
                       _table(snap["events"], ["kind", "generation", "members", "seconds",
-                                              "worker"])]
+                                              "worker"]),
+                      "<h4>gang ranks (mean seconds a step)</h4>",
+                      _table(_rank_rows(snap["ranks"]), ["rank", "worker", "steps",
+                                                         "median", *PHASES, "straggler"])]
         if not self.plugin.coordinators:
             parts.append("<p>No coordinator yet.</p>")
         parts.append("</body></html>")
         self.set_header("Content-Type", "text/html")
         self.write("".join(parts))
+
+
+def _rank_rows(report: dict) -> list[dict]:
+    """The rank book's report as rows of the plain page."""
+    slow = {s["rank"]: s["cause"] for s in report.get("stragglers") or []}
+    return [{"rank": r["rank"], "worker": r["worker"], "steps": r["steps"],
+             "median": r["step_seconds"]["median"], **r["phases"],
+             "straggler": slow.get(r["rank"], "")} for r in report.get("ranks") or []]
 
 
 class StatusJSON(RequestHandler):
@@ -169,10 +181,40 @@ class MetricsCollector:
                 ck_age.add_metric([name], ck["age_seconds"])
                 ck_secs.add_metric([name], ck["seconds"])
                 ck_bytes.add_metric([name], ck["nbytes"])
+        yield from self._ranks()
         yield from fams.values()
         yield from (recoveries, reformations, losses, formation, expiries, lost,
                     w_closures, w_rows, d_rows, d_epoch, ck_total, ck_step, ck_age, ck_secs,
                     ck_bytes)
+
+
+    def _ranks(self):
+        """Per gang rank (SPEC §5.1): median step time, seconds in each phase, rows, and
+        whether it is a straggler; labelled by coordinator, rank and worker."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["coordinator", "rank", "worker"]
+        step = GaugeMetricFamily("daskdist_rank_step_seconds",
+                                 "Median step time of each gang rank (its last 3 windows)",
+                                 labels=labels)
+        phase = CounterMetricFamily("daskdist_rank_phase_seconds",
+                                    "Seconds of each gang rank's steps, by phase",
+                                    labels=[*labels, "phase"])
+        rows = CounterMetricFamily("daskdist_rank_rows",
+                                   "Rows daskdist loaders handed each gang rank's steps",
+                                   labels=labels)
+        straggler = GaugeMetricFamily("daskdist_rank_straggler",
+                                      "1 while a gang rank is a straggler, else 0",
+                                      labels=labels)
+        for name, co in sorted(self.plugin.coordinators.items()):
+            for rank, worker, totals, median, slow in co.rank_book.totals():
+                values = [name, str(rank), worker]
+                step.add_metric(values, median)
+                for i, p in enumerate(PHASES):
+                    phase.add_metric([*values, p], totals[i])
+                rows.add_metric(values, totals[-1])
+                straggler.add_metric(values, float(slow))
+        return step, phase, rows, straggler
 
 
 class Sampler:

@@ -42,6 +42,7 @@ from daskdist.plugins.scheduler.gangs import GROUP_ROUTES
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.locality import Locality
 from daskdist.plugins.scheduler.names import Coordinators
+from daskdist.plugins.scheduler.ranks import RANK_ROUTES, RANK_STREAM_ROUTES
 from daskdist.plugins.scheduler.state import STATE_ROUTES, CoordinatorState
 
 # Every route of a named coordinator, by the attribute of CoordinatorState that holds its
@@ -51,7 +52,10 @@ BOOK_ROUTES = {
     "closure_book": CLOSURE_ROUTES,
     "group_book": GROUP_ROUTES,
     "lease_book": LEASE_ROUTES,
+    "rank_book": RANK_ROUTES,
 }
+# ... and those of messages on a worker's own stream (one-way; Dask adds worker=)
+BOOK_STREAM_ROUTES = {"rank_book": RANK_STREAM_ROUTES}
 # The plugin's own routes (coordinators' lives, worker sessions, status): their methods
 PLUGIN_ROUTES = {
     "daskdist_create": "create",
@@ -93,9 +97,13 @@ class CoordinatorPlugin(SchedulerPlugin):
         for book, table in BOOK_ROUTES.items():
             for op, route in table.items():
                 scheduler.handlers[op] = protocol.book_handler(self.coordinators, book, op, route)
-        # messages on a worker's own stream (Dask adds worker=)
-        scheduler.stream_handlers.update(
-            {op: getattr(self, attr) for op, attr in PLUGIN_STREAM_ROUTES.items()})
+        # a worker's stream: a handler that raised would close it (Dask removes the worker)
+        scheduler.stream_handlers.update({op: _never_raises(op, getattr(self, attr))
+                                          for op, attr in PLUGIN_STREAM_ROUTES.items()})
+        for book, table in BOOK_STREAM_ROUTES.items():
+            for op, route in table.items():
+                scheduler.stream_handlers[op] = _never_raises(
+                    op, protocol.book_handler(self.coordinators, book, op, route))
         scheduler.extensions["daskdist"] = self
         self._sampler = observe.install(self, scheduler)
         self._liveness_task = asyncio.create_task(self._expire_loop())
@@ -299,6 +307,19 @@ class CoordinatorPlugin(SchedulerPlugin):
             co.queue.observe(session, (), started, final=True)
             co.stop_session(session, outcomes)
 
+
+
+def _never_raises(op: str, handler: Any) -> Any:
+    """A stream handler that logs what it cannot take: an exception in a stream handler
+    would close the worker's stream (and Dask would remove the worker)."""
+    def on_message(**kwargs: Any) -> None:
+        try:
+            handler(**kwargs)
+        except Exception as e:  # noqa: BLE001 - see above
+            logger.warning("daskdist: %s from %s dropped: %r", op, kwargs.get("worker"), e)
+
+    on_message.__name__ = handler.__name__
+    return on_message
 
 
 def dask_setup(scheduler) -> None:

@@ -11,6 +11,8 @@ in its books, each with its own handlers (the pattern of Dask's
   generations, elastic commits;
 - :class:`~daskdist.plugins.scheduler.datasets.LeaseBook`: dynamic datasets' leases
   and checkpoint ledgers;
+- :class:`~daskdist.plugins.scheduler.ranks.RankBook`: what gang members measure (per-rank
+  phases, stragglers, hangs and stacks);
 - :class:`~daskdist.plugins.scheduler.stats.CoordinatorStats`: the dashboard's counters.
 
 Talks to workers only through the ``send`` callable the plugin provides (a message on
@@ -32,6 +34,7 @@ from daskdist.core.protocol import OWNER, RETIRING, SESSION, Route
 from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
+from daskdist.plugins.scheduler.ranks import RankBook
 from daskdist.plugins.scheduler.stats import CoordinatorStats
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class CoordinatorState:
             config.integer("collective.relay-fanout"), "daskdist.collective.relay-fanout",
             1, 2**16))
         self.lease_book = LeaseBook(self, max_worker_failures)
+        self.rank_book = RankBook(self)  # per-rank phases, stragglers, hangs (SPEC §5.1)
         # the books' pure state machines, by the names the rest of the package uses
         self.queue = self.closure_book.queue
         self.outboxes = self.closure_book.outboxes
@@ -124,6 +128,7 @@ class CoordinatorState:
             self._membership_flush = None
         self.closure_book.close()
         self.group_book.close()
+        self.rank_book.close()
 
     # -- workers ---------------------------------------------------------------------
     def broadcast(self, msg: dict, sessions: Iterable[str] | None = None,
@@ -193,6 +198,7 @@ class CoordinatorState:
             "num_workers": len(self.members),
             **self.members.counters(),
             "renew": self.members.renew_interval(),
+            "observe": self.rank_book.window,  # its gang members' window (0: not measured)
         }
 
     def stop_session(self, session: str, results: list | None = None) -> None:
@@ -258,6 +264,7 @@ class CoordinatorState:
                                                  and session not in self.gangs.group.ranks))
         self.workers_lost += not expected
         self.leases.drop_session(session)
+        self.rank_book.session_ended(session)
         self.group_book.session_lost(session, expected)  # a member's loss tells the rest
         self.membership_changed()  # (so this sends nothing more to them)
         book = self.closure_book

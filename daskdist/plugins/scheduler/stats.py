@@ -24,6 +24,7 @@ from typing import Any
 RATE_WINDOW = 5.0  # seconds over which the per-worker rates are measured
 MARKS = 16  # per-worker counts kept at samples (enough for RATE_WINDOW at 1 s samples)
 TOP_WORKERS = 32  # workers a snapshot lists (the busiest), beside the totals of all
+TOP_RANKS = 32  # gang ranks a snapshot lists (the stragglers, then the slowest)
 DEPARTED = 256  # departed workers whose counters are kept (the newest)
 
 
@@ -281,6 +282,8 @@ def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
         "group": group,
         "events": [asdict(e) for e in stats.events],
         "history": stats.series(),
+        # the gang's per-rank phases and stragglers (SPEC §5.1)
+        "ranks": co.rank_book.report(limit=TOP_RANKS),
     }
 
 

@@ -30,6 +30,7 @@ from daskdist.core import protocol
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins import devices
 from daskdist.plugins.worker import preemption
+from daskdist.plugins.worker.observe import gang_stack
 from daskdist.plugins.worker.runner import ClosureRunner
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,12 @@ def confirm_session(worker, name: str, session: str) -> bool:
     return runner is not None and runner.registering == session
 
 
+def stack(worker, name: str) -> dict | None:
+    """The stack of the gang closure coordinator ``name`` runs here, served from the event
+    loop, which a blocked closure does not block (SPEC §5.1)."""
+    return gang_stack(name)
+
+
 # Every handler a worker serves for daskdist: stream messages (one-way, from the
 # scheduler) and RPCs (from the scheduler, or a peer passing a broken group's word on).
 # Each is ``fn(worker, **message)``; install_handlers binds them to the worker.
@@ -183,6 +190,7 @@ RPC_ROUTES = {
     "daskdist_collective": collective,
     "daskdist_peer_lost": peer_lost,
     "daskdist_confirm_session": confirm_session,
+    "daskdist_gang_stack": stack,
 }
 
 

@@ -62,6 +62,7 @@ from daskdist.core.protocol import (
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
 from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
+from daskdist.plugins.worker.observe import gang_scope
 from daskdist.plugins.worker.services import Session, SessionLifecycle
 
 logger = logging.getLogger(__name__)
@@ -292,6 +293,7 @@ class ClosureRunner(SessionLifecycle):
         # how often to renew the session's lease: the scheduler's word (it grows with
         # the cluster, as Dask's heartbeats do), the configured interval until it speaks
         self.renew_interval = config.seconds("liveness.renew-interval")
+        self.observe = 0.0  # gang members' window length, the scheduler's word (0: none)
         self.last_sent = 0.0  # when the last exchange left (it renews the lease too)
         self.done: list[Outcome] = []  # finished, not yet sent
         self.wakeup = asyncio.Event()
@@ -582,7 +584,8 @@ class ClosureRunner(SessionLifecycle):
     def _run_gang(self, item: Work) -> None:
         """A gang member's thread: run it, then count it finished (event loop)."""
         try:
-            self._run(item)
+            with gang_scope(self, item.cid, item.session):  # its steps' phases (SPEC §5.1)
+                self._run(item)
         finally:
             try:
                 self.worker.loop.add_callback(self._gang_ended)

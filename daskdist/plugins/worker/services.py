@@ -331,6 +331,7 @@ class SessionLifecycle:
     index: int
     num_workers: int
     renew_interval: float
+    observe: float
     last_sent: float
     unacked: set[str]
     closers: list[threading.Thread]
@@ -361,6 +362,7 @@ class SessionLifecycle:
         self.index = reply["index"]
         self.num_workers = reply["num_workers"]
         self.renew_interval = reply.get("renew", self.renew_interval)
+        self.observe = float(reply.get("observe") or 0.0)  # gang members' window (SPEC §5.1)
         self._end_session()
         _set_membership(reply["version"], reply.get("joins"), session=sid)
         services = SessionServices(self.worker, self.name, sid)
