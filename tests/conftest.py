@@ -89,6 +89,19 @@ def wait_for_workers(client, coord, n: int, timeout: float = 60.0,
     wait_until(ready, timeout, f"{n} workers")
 
 
+def route(co, op: str):
+    """Route ``op`` of coordinator state ``co`` as the scheduler plugin registers it (its
+    caller checked first), called with keyword arguments."""
+    from daskdist.core import protocol
+    from daskdist.plugins.scheduler.plugin import BOOK_ROUTES
+
+    for book, table in BOOK_ROUTES.items():
+        if op in table:
+            handler = protocol.book_handler({co.name: co}, book, op, table[op])
+            return lambda **kw: handler(name=co.name, **kw)
+    raise KeyError(op)
+
+
 def live_session(client, name: str) -> str:
     """A worker's live session of coordinator ``name`` (to call its routes as it)."""
     from daskdist.core.protocol import worker_plugin_name

@@ -21,6 +21,7 @@ from daskdist.core.protocol import (
 )
 from daskdist.plugins.scheduler.closures import GANG_OWNER, Outbox
 from daskdist.plugins.scheduler.state import CoordinatorState
+from tests.conftest import route
 from tests.tables import check_queue
 
 
@@ -660,18 +661,6 @@ def test_a_closure_reading_a_per_worker_iterator_names_its_dataset():
     assert _dataset_read((), {"batches": it, "x": other}) == "ds-1"
     assert _dataset_read((other, ds), None) == ""
     assert _dataset_read((), {}) == ""
-
-
-def route(co: CoordinatorState, op: str):
-    """Route ``op`` of ``co`` as the scheduler plugin registers it (its caller checked)."""
-    from daskdist.core import protocol
-    from daskdist.plugins.scheduler.plugin import BOOK_ROUTES
-
-    for book, table in BOOK_ROUTES.items():
-        if op in table:
-            handler = protocol.book_handler({co.name: co}, book, op, table[op])
-            return lambda **kw: handler(name=co.name, **kw)
-    raise KeyError(op)
 
 
 def test_every_session_route_answers_an_ended_session_with_one_reply():

@@ -12,6 +12,7 @@ import pytest
 from daskdist.core.protocol import SESSION_ENDED, RankWindow
 from daskdist.core.steptimes import bucket
 from daskdist.plugins.scheduler.state import CoordinatorState
+from tests.conftest import route
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,7 +98,7 @@ def test_windows_of_another_worker_or_an_ended_session_and_bad_ones_are_dropped(
         co.end_session("s0")
         book.on_window("w0", window(0, 1))
         assert not book.table.tracks
-        assert await book.stuck("s0") == SESSION_ENDED
+        assert await route(co, "daskdist_rank_stuck")(session="s0") == SESSION_ENDED
 
     logger.addHandler(handler)
     try:

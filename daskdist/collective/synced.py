@@ -1,19 +1,25 @@
-"""``synced(iterator)``: batches while every rank has one, for the end of an epoch (SPEC §4.2).
+"""``synced(iterator)``: the same steps on every rank, to the end of an epoch (SPEC §4.2).
 
 In synchronous training every rank must take the same number of steps. With a dynamic
 dataset the ranks' iterators run dry at different steps, so each step's batch is
 agreed on: one small allreduce (min and max of "I got a batch") per step.
 
 - Every rank got a batch: yield it.
-- No rank got one: stop (on every rank at the same step).
-- Some ranks got one, others are exhausted (the tail of the epoch): the batches taken
-  are pooled and split evenly over the ranks (one ``allgather_object``, at most once
-  per call), that last step is yielded, and ``synced`` stops on every rank. Each row's
-  lease token stays with the rank that leased it, so the next ``State.commit()``
-  acknowledges it as usual. When fewer rows than ranks are left, some ranks get a
-  batch of zero rows: keep the step's loss finite for them (e.g. a sum divided by
-  ``max(1, n)``). Pooling rather than giving the taken batches back is what lets the
-  tail finish: the rows left in one leased unit could otherwise never feed every rank.
+- Some ranks got one, others found no free rows (the tail of the epoch): the batches
+  taken are pooled and split evenly over the ranks (one ``allgather_object``), the step
+  is yielded, and the loop goes on: a rank that ran dry asks its iterator again at
+  every step (rows given back meanwhile, by a failed or lost rank, are served to it).
+  Each row's lease token stays with the rank that leased it, so the next
+  ``State.commit()`` acknowledges it as usual. When fewer rows than ranks are left,
+  some ranks get a batch of zero rows: keep the step's loss finite for them (e.g. a
+  sum divided by ``max(1, n)``). Pooling rather than giving the taken batches back is
+  what lets the tail finish in the same gang run: the rows left in one rank's lease
+  feed every rank.
+- No rank got one: the epoch's rows are all acknowledged or with the gang (consumed,
+  to be committed), unless some are leased elsewhere (a closure outside the gang, a
+  loader giving them back): then the ranks wait for them, asking again, at most
+  ``daskdist.collective.tail-wait``. Then ``synced`` stops on every rank at the same
+  step, so a fault-free dynamic epoch takes one gang run.
 - A batch taken but never trained (the loop body raised, or the generator was closed
   before the step) is given back: its lease tokens are taken out of the closure's list
   and released to the pool, never acknowledged. They are found by identity: a
@@ -29,15 +35,18 @@ The driver loops ``schedule_on_all`` until ``ds.progress()["complete"]``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
+from daskdist import config
 from daskdist.collective.group import get_group
 from daskdist.collective.replicas import to_cpu
 from daskdist.context import consumed_mark, consumed_since, session_services, take_tokens
 from daskdist.core.nest import map_structure
+from daskdist.core.protocol import LeaseToken
 from daskdist.observe import phases
 
 T = TypeVar("T")
@@ -46,25 +55,34 @@ _END = object()
 
 
 def synced(iterable: Iterable[T]) -> Iterator[T]:
-    """Yield ``iterable``'s batches while every rank of the group got one; at the first
-    step where only some did, yield their rows split evenly over the ranks, then stop
-    (call it inside a gang closure; every rank the same way)."""
+    """Yield ``iterable``'s batches while any rank of the group has rows: a step where
+    every rank got a batch yields it; at the epoch's tail, a step where only some did
+    yields their rows split evenly over the ranks and goes on; the loop ends on every
+    rank at the same step once no rank got one and no rows of the epoch are left with
+    anyone else (call it inside a gang closure; every rank the same way)."""
     it = iter(iterable)
+    tail = _Tail(it)
     while True:
         phases.step(phases.SYNCED)  # a batch asked for: the previous step ended
         with phases.phase(phases.DATA) as waited:  # the batch and its agreement
-            mark = consumed_mark()
-            item: Any = next(it, _END)
-            # this batch's tokens, given back by identity if it is not trained (a
-            # position in the closure's list would be stale: see take_tokens)
-            mine = consumed_since(mark)
-            g = get_group()
-            have = 0 if item is _END else 1
-            flags = torch.tensor([have, -have], dtype=torch.int64, device=g._wire_device())
-            g.allreduce(flags, op="min")
-            every, anyone = int(flags[0]) == 1, int(flags[1]) == -1
+            while True:
+                mark = consumed_mark()
+                item: Any = next(it, _END)
+                # this batch's tokens, given back by identity if it is not trained (a
+                # position in the closure's list would be stale: see take_tokens)
+                mine = consumed_since(mark)
+                g = get_group()
+                have = 0 if item is _END else 1
+                flags = torch.tensor([have, -have], dtype=torch.int64,
+                                     device=g._wire_device())
+                g.allreduce(flags, op="min")
+                every, anyone = int(flags[0]) == 1, int(flags[1]) == -1
+                # no rank got one: rows still out elsewhere? ask again after a while
+                if anyone or not tail.wait(g):
+                    break
             if not anyone:
                 return
+            tail.reset()
             if not every:
                 pooled = g.allgather_object(None if item is _END else to_cpu(item))
                 item = _share([b for b in pooled if b is not None], g.rank, g.world_size,
@@ -81,9 +99,50 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                 back = take_tokens(mine)  # taken, not trained: back to the pool
                 if back:
                     session_services().release_tokens(back)
-        if not every:
-            phases.step(phases.SYNCED)  # the pooled last step ended
-            return
+
+
+class _Tail:
+    """The end of a dynamic epoch in a gang: when no rank got a batch, are rows of the
+    epoch still leased to someone outside the gang's own hands (a closure elsewhere, a
+    rank's loader giving its rows back)? Then the ranks wait for them, polling, until
+    ``daskdist.collective.tail-wait``; rows the gang consumed and has not committed yet
+    are its own. Rank 0 asks the lease service and decides for all (one broadcast)."""
+
+    def __init__(self, it: Any) -> None:
+        loader = getattr(it, "loader", None)
+        # a daskdist loader under "dynamic" (other iterables end when they run dry)
+        self.loader = loader if getattr(loader, "policy", None) == "dynamic" else None
+        self.deadline: float | None = None
+        self.pause = 0.0
+
+    def reset(self) -> None:
+        self.deadline, self.pause = None, 0.0
+
+    def wait(self, g: Any) -> bool:
+        """Whether every rank asks again (after a pause), or the loop ends: the same
+        collective calls on every rank, whatever its iterable, and rank 0's answer
+        everywhere (it decides when its iterable is a dynamic loader's)."""
+        ld = self.loader
+        mine = 0 if ld is None else sum(
+            b - a for t in consumed_since(0) if (lease := LeaseToken.parse(t))
+            and (lease.dataset_id, lease.epoch) == (ld.dataset_id, ld.epoch)
+            for a, b in lease.ranges)
+        held = torch.tensor([mine], dtype=torch.int64, device=g._wire_device())
+        g.allreduce(held, op="sum")
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + config.seconds("collective.tail-wait")
+        decision = torch.zeros(1, dtype=torch.int64, device=g._wire_device())
+        if g.rank == 0 and ld is not None:
+            p = ld.progress()
+            out = p["leased"] - int(held[0])  # rows leased to others than the gang's
+            decision[0] = int(not p["complete"] and out > 0 and now < self.deadline)
+        g.broadcast(decision, src=0)
+        if not int(decision[0]):
+            return False
+        self.pause = min(1.0, max(0.05, 2 * self.pause))
+        time.sleep(self.pause)
+        return True
 
 
 def _is_column(x: Any) -> bool:

@@ -236,8 +236,9 @@ class FileUnits:
         self.reader = reader
         self.spec = reader.spec
         self.epoch = epoch
-        # a lease covers at least ``lease_rows`` rows and two batches (whole units)
-        self.lease_size = (self.spec.lease_rows, 2 * self.spec.batch_size)
+        # a lease covers at least ``lease_rows`` rows (whole units); near the end of
+        # the epoch leases shrink toward a batch (the tail rule), so ranks end together
+        self.lease_size = (self.spec.lease_rows, self.spec.batch_size)
         self._units = reader.shards.reader()
 
     def _parts(self, ranges: list[Interval]) -> list[Part]:
