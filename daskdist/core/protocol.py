@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import inspect
 import math
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -593,9 +594,9 @@ def book_handler(states: dict[str, Any], book: str, op: str, route: Route
                  ) -> Callable[..., Any]:
     """Handler ``op`` (what the plugin registers): ``route.method`` called on the book
     ``book`` (``""``: the coordinator itself) of the coordinator (in ``states``, by
-    name) the message names, once its
-    caller passed ``route.caller``'s check (the coordinator's ``session_alive`` or
-    ``check_owner``). A method whose first parameter (after ``self``) is ``comm`` gets
+    name) the message names, once its caller passed ``route.caller``'s check (its
+    session renewed by the coordinator's membership, or its owner's token found in its
+    closure book). A method whose first parameter (after ``self``) is ``comm`` gets
     Dask's comm."""
     method, closed, caller, ended = route
 
@@ -608,11 +609,13 @@ def book_handler(states: dict[str, Any], book: str, op: str, route: Route
             return None, closed
         if caller == SESSION or (caller == OWNER_OR_SESSION
                                  and kwargs.get("session") is not None):
-            if not co.session_alive(text(kwargs.get("session"), f"{op}: session")):
+            # a live member's message renews its lease
+            if not co.members.renew(text(kwargs.get("session"), f"{op}: session"),
+                                    time.monotonic()):
                 return None, ended
-        elif caller in (OWNER, OWNER_OR_SESSION):
-            co.check_owner(text(kwargs.get("owner"), f"{op}: owner"),
-                           text(kwargs.get("token"), f"{op}: token"))
+        elif caller in (OWNER, OWNER_OR_SESSION):  # PermissionError unless it is
+            co.closure_book.owner_box(text(kwargs.get("owner"), f"{op}: owner"),
+                                      text(kwargs.get("token"), f"{op}: token"))
         return (getattr(co, book) if book else co), None
 
     if list(inspect.signature(method).parameters)[1:2] == ["comm"]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -179,16 +178,23 @@ class CoordinatorState:
         self.told_version = self.members.version
 
     def start_session(self, session: str, address: str, slots: int, device: str, gpu: str,
-                      retiring: Callable[[str], bool], now: float) -> dict[str, int]:
+                      retiring: Callable[[str], bool], now: float) -> dict[str, Any]:
         """A worker plugin session joins: the lowest free worker index, a lease, ``slots``
         closure slots. An older session of the same worker ends first; a worker that
-        ``retiring(address)`` says is leaving joins draining. The register reply."""
+        ``retiring(address)`` says is leaving joins draining. With per-worker resources
+        registered, it *warms* first: the reply names them (``warm``), it builds them
+        and says it is ready (:meth:`session_ready`); until then it runs closures but is
+        left out of the group, and the group's members, unaware of it, train on. The
+        register reply."""
         old = self.members.session_of(address)
         if old is not None and old != session:
             self.end_session(old)
-        member, _ = self.members.join(session, address, device, gpu, now=now)
+        warm = [rid for rid in self.resources if not rid.startswith("iterator-")]
+        member, _ = self.members.join(session, address, device, gpu, now=now,
+                                      warming=bool(warm))
         self.queue.add_session(session, slots)
-        self.membership_changed()
+        if not warm:
+            self.membership_changed()
         if retiring(address):
             self.members.drain(address)
             self.queue.drain_session(session)
@@ -198,8 +204,15 @@ class CoordinatorState:
             "num_workers": len(self.members),
             **self.members.counters(),
             "renew": self.members.renew_interval(),
+            "warm": warm,
             "observe": self.rank_book.window,  # its gang members' window (0: not measured)
         }
+
+    def session_ready(self, session: str) -> None:
+        """A warming session built its per-worker resources: it joins the group at the
+        members' next commit (one-way)."""
+        if self.members.ready(session):
+            self.membership_changed()
 
     def stop_session(self, session: str, results: list | None = None) -> None:
         """A worker plugin session closes (teardown): its last results, then its end (an
@@ -298,18 +311,10 @@ class CoordinatorState:
         return out
 
     def active_sessions(self) -> tuple[str, ...]:
-        """Sessions that may run closures, in worker-index (rank) order."""
-        return tuple(m.session for m in self.members.by_index() if not m.draining)
-
-    # -- callers (protocol.book_handler asks, before a route's method runs) ---------------
-    def session_alive(self, session: str) -> bool:
-        """Whether ``session`` is a live member; a message from it renews its lease
-        (a route answers its ``ended`` reply if not)."""
-        return self.members.renew(session, time.monotonic())
-
-    def check_owner(self, owner: str, token: str) -> None:
-        """``PermissionError`` unless the caller is owner ``owner`` (holds its token)."""
-        self.closure_book.owner_box(owner, token)
+        """Sessions that may be in the group, in worker-index (rank) order (not leaving,
+        not warming)."""
+        return tuple(m.session for m in self.members.by_index()
+                     if not m.draining and not m.warming)
 
     # -- per-worker resources: routes ---------------------------------------------------------
     def resource_add(self, owner: str, token: str, rid: str, payload: bytes) -> None:
@@ -370,4 +375,5 @@ STATE_ROUTES = {
     "daskdist_add_resource": Route(CoordinatorState.resource_add, caller=OWNER),
     "daskdist_get_resource": Route(CoordinatorState.resource_get, caller=SESSION, ended=None),
     "daskdist_release_resources": Route(CoordinatorState.resource_release, caller=OWNER),
+    "daskdist_session_ready": Route(CoordinatorState.session_ready, None, SESSION, None),
 }
