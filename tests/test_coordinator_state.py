@@ -46,7 +46,7 @@ def test_start_session_takes_the_lowest_free_index_and_a_lease():
     co = make(sent)
     # "observe": the window gang members sum their steps in (daskdist.observe.window)
     assert start(co, "s1", "w1") == {"index": 0, "num_workers": 1, "version": 1,
-                                      "joins": 1, "renew": 1.0, "observe": 10.0}
+                                      "joins": 1, "renew": 1.0, "observe": 10.0, "warm": []}
     reply = start(co, "s2", "w2")
     assert reply["index"] == 1 and reply["num_workers"] == 2
     with dask.config.set({"daskdist.observe.enabled": False}):  # members measure nothing
@@ -695,6 +695,7 @@ def test_every_session_route_answers_an_ended_session_with_one_reply():
         "daskdist_get_resource": dict(rid="r"),
         "daskdist_report": dict(results=[]),
         "daskdist_renew": {},
+        "daskdist_session_ready": {},
     }
     sessions = {op for table in BOOK_ROUTES.values() for op, r in table.items()
                 if r.caller in (SESSION, OWNER_OR_SESSION)}
@@ -739,3 +740,27 @@ def test_the_worker_side_recognises_the_ended_reply_in_one_place():
         fresh._reply(SESSION_ENDED)
     assert fresh.ended
     assert fresh.acquire("ds", 0, 5) is None and fresh.release("ds", 0, [(0, 5)]) == 0
+
+
+def test_a_session_that_joins_with_resources_to_build_warms_out_of_the_group():
+    """With per-worker resources registered, a joining session warms: it runs closures,
+    but stays out of the group and the membership counters (the members' commits do not
+    interrupt) until it says it built them; then it counts as a join."""
+    co = make()
+    co.closure_book.add_owner("me", None, "t")
+    start(co, "s1", "w1")
+    co.add_resource("me", "resource-a", b"spec")
+    co.add_resource("me", "iterator-b", b"spec")
+    before = co.members.counters()
+    reply = start(co, "s2", "w2")
+    assert reply["warm"] == ["resource-a"]  # built ahead; an iterator is not
+    assert co.members.counters() == before and co.active_sessions() == ("s1",)
+    assert route(co, "daskdist_session_ready")(session="gone") is None  # its ended reply
+    route(co, "daskdist_session_ready")(session="s2")
+    after = co.members.counters()
+    assert after == {"version": before["version"] + 1, "joins": before["joins"] + 1}
+    assert co.active_sessions() == ("s1", "s2")
+    route(co, "daskdist_session_ready")(session="s2")  # once only
+    assert co.members.counters() == after
+    co.end_session("s2")
+    assert co.members.counters()["version"] == after["version"] + 1

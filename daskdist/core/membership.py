@@ -30,6 +30,9 @@ class SessionMembership:
     paused: bool = False  # memory-paused: no new closures, keeps its place in the group
     device: str = "cpu"
     gpu: str = ""  # the GPU's UUID, for telling members that share a GPU apart
+    # still building its per-worker resources: not in the group, the membership
+    # counters not bumped yet (the group's members train on meanwhile)
+    warming: bool = False
 
 
 @dataclass
@@ -131,9 +134,11 @@ class Membership:
     renew_base: float = 1.0  # ``liveness.renew-interval``: see :meth:`renew_interval`
 
     def join(self, session: str, address: str, device: str = "cpu", gpu: str = "",
-             now: float | None = None) -> tuple[SessionMembership, SessionMembership | None]:
+             now: float | None = None, warming: bool = False
+             ) -> tuple[SessionMembership, SessionMembership | None]:
         """Add ``session`` (with a fresh lease at ``now``, when given); returns it and the
-        older session of the same address it replaces.
+        older session of the same address it replaces. ``warming``: it builds its
+        per-worker resources first, and counts as a join once :meth:`ready`.
 
         The caller must end the replaced session (its closures are put back).
         """
@@ -145,14 +150,27 @@ class Membership:
             index = heapq.heappop(self._free)
         else:
             index, self._next = self._next, self._next + 1
-        member = SessionMembership(session, address, index, device=device, gpu=gpu)
+        member = SessionMembership(session, address, index, device=device, gpu=gpu,
+                                   warming=warming)
         self.members[session] = member
         self._by_address[address] = session
         if now is not None:
             self.leases.add(session, now)
+        if not warming:
+            self.version += 1
+            self.joins += 1
+        return member, replaced
+
+    def ready(self, session: str) -> bool:
+        """A warming session built its resources: its join counts now (whether it
+        did)."""
+        member = self.members.get(session)
+        if member is None or not member.warming:
+            return False
+        member.warming = False
         self.version += 1
         self.joins += 1
-        return member, replaced
+        return True
 
     def leave(self, session: str, counted: bool = True) -> SessionMembership | None:
         """Remove ``session`` (no-op if unknown); frees its index and drops its lease.
@@ -168,7 +186,7 @@ class Membership:
             else:  # none left: indices start from 0 again
                 self._free.clear()
                 self._next = 0
-            self.version += counted
+            self.version += counted and not member.warming  # a warming one never counted
             self.leaves += 1
         return member
 

@@ -133,6 +133,11 @@ class SessionServices:
         reply.add_done_callback(done)
         return out
 
+    def ready(self) -> None:
+        """This session built its per-worker resources: it may join the group."""
+        if not self.ended:
+            self._call("daskdist_session_ready", ended=None)
+
     # -- the dynamic policy's lease service (data.dynamic.LeaseService) ------------------
     def define(self, dataset: DatasetDef) -> None:
         """Define a dataset's units (once per loader; ``ValueError`` if they differ from
@@ -302,6 +307,30 @@ class Session:
         self.services = services
         self.resources = resources
 
+    def warm(self, rids: list[str]) -> threading.Thread:
+        """Build the per-worker resources ``rids`` now, in a thread of their own, then
+        tell the scheduler this session is ready to join the group: a replacement's
+        factories run while the group's members train (a factory that fails raises in
+        the closure that uses its resource, as it would have)."""
+        def build() -> None:
+            for rid in rids:
+                if self.services.ended:
+                    return
+                try:
+                    self.resources.get(rid)
+                except Exception as e:  # noqa: BLE001 - raised again where it is used
+                    logger.info("daskdist: building %s ahead failed: %r", rid, e)
+            if not self.services.ended:
+                try:
+                    self.services.ready()
+                except Exception as e:  # noqa: BLE001 - the session is being replaced
+                    logger.info("daskdist: telling the scheduler this session is ready "
+                                "failed: %r", e)
+
+        t = threading.Thread(target=build, daemon=True, name=f"daskdist-warm-{self.id[:8]}")
+        t.start()
+        return t
+
     def end(self) -> threading.Thread:
         """Refuse the session's calls from now on, and close its resources in a thread
         of their own (a loader's producer may be in the middle of a read); the thread."""
@@ -368,6 +397,8 @@ class SessionLifecycle:
         services = SessionServices(self.worker, self.name, sid)
         self.session = Session(sid, services, ResourceRegistry(
             functools.partial(self._fetch_spec, sid), self._contexts_for(services)))
+        if reply.get("warm"):
+            self.session.warm(list(reply["warm"]))
 
     def _end_session(self) -> None:
         """The current session is over (fenced, or the plugin is stopping)."""
