@@ -26,6 +26,7 @@ import time
 
 import psutil
 from distributed import Client, LocalCluster
+from figures import record
 
 import daskdist as dd
 from daskdist.core.protocol import worker_plugin_name
@@ -77,9 +78,12 @@ def idle_cpu(cluster, client, window: float) -> None:
         open(gate, "w").close()
         running.exception(timeout=60)
     coord.close()
-    print(f"idle CPU with an error pending: {100 * ours:.1f}% of a core; "
-          f"Dask alone (anchor): {100 * anchor:.1f}%; ours - anchor = "
-          f"{100 * (ours - anchor):+.1f} points (target < 5)")
+    record(f"idle CPU with an error pending: {100 * ours:.1f}% of a core; "
+           f"Dask alone (anchor): {100 * anchor:.1f}%; ours - anchor = "
+           f"{100 * (ours - anchor):+.1f} points (target < 5)",
+           what="idle CPU, client + scheduler, an error unread", ours=100 * ours,
+           unit="% of a core", anchor="Dask alone", anchor_value=100 * anchor,
+           target="< +5 points", met=ours - anchor < 0.05)
 
 
 def worker_rss(client) -> dict[str, float]:
@@ -104,11 +108,19 @@ def rss_cycles(cluster, client, cycles: int, mb: int) -> None:
             coord.close()
         until(lambda: plugin_gone(client), what="the worker plugin to go")
         rows.append(worker_rss(client))
+    worst = max(before, key=lambda w: rows[-1][w] - before[w])
     for w in sorted(before):
         trail = " -> ".join(f"{r[w]:.0f}" for r in rows)
-        print(f"worker RSS (MB), {cycles} create/close cycles with a {mb} MB resource: "
-              f"{before[w]:.0f} (anchor) -> {trail}; growth {rows[-1][w] - before[w]:+.0f} MB, "
-              f"{rows[-1][w] / before[w]:.2f}x (target: under +{mb} MB)")
+        line = (f"worker RSS (MB), {cycles} create/close cycles with a {mb} MB resource: "
+                f"{before[w]:.0f} (anchor) -> {trail}; growth {rows[-1][w] - before[w]:+.0f} "
+                f"MB, {rows[-1][w] / before[w]:.2f}x (target: under +{mb} MB)")
+        if w != worst:
+            print(line)
+            continue
+        record(line, what=f"worker RSS after {cycles} create/close cycles of a {mb} MB "
+               "resource (the worker that grew most)", ours=rows[-1][w], unit="MB",
+               anchor="before the first", anchor_value=before[w], target=f"< +{mb} MB",
+               met=rows[-1][w] - before[w] < mb)
 
 
 def main() -> None:

@@ -22,6 +22,19 @@ cmd="${1:-test}"
 case "$cmd" in
   test) exec "$PY" -m pytest "$@" ;;
   demo) exec "$VENV/bin/daskdist" demo "$@" ;;
-  bench) for b in benchmarks/bench_*.py; do echo "== $b"; "$PY" "$b" "$@"; done ;;
+  bench)
+    # every benchmark records its figures into one file; table.py makes docs/benchmarks.md
+    figures="$(mktemp "${TMPDIR:-/tmp}/daskdist-figures.XXXXXX")"
+    trap 'rm -f "$figures"' EXIT
+    failed=()
+    for b in benchmarks/bench_*.py; do
+      echo "== $b"
+      DASKDIST_BENCH_FIGURES="$figures" "$PY" "$b" "$@" || failed+=("$b")
+    done
+    "$PY" benchmarks/table.py "$figures"
+    if [ ${#failed[@]} -gt 0 ]; then
+      echo "exited non-zero (a missed target or an error): ${failed[*]}" >&2
+      exit 1
+    fi ;;
   *) echo "usage: bash scripts/dev.sh [test|demo|bench] [args...]" >&2; exit 2 ;;
 esac
