@@ -209,6 +209,11 @@ class State:
         spare, self._spare = self._spare, None
         return (spare or HostCopy()).fill(self._live())
 
+    def _refill(self) -> HostCopy:
+        """The current state copied into the committed copy, in place: a commit with
+        nothing in flight."""
+        return self._saved.fill(self._live())
+
     def save(self) -> None:
         """Copy the current state into the committed copy (no communication): one copy,
         in host memory, refilled in place; from CUDA asynchronously (pinned buffers)."""
@@ -280,8 +285,8 @@ class State:
             ledger.begin(key, tokens, self._candidate(), reply)
             self._synced = True
         else:
-            self._promote(self._saved.fill(self._live()))  # in place: nothing in flight
-        if leaving and min(h[4] for h in heads) and g.rank == 0:
+            self._promote(self._refill())  # in place: nothing in flight
+        if leaving and min(h[4] for h in heads) and self._writes_durable():
             self._checkpoint_last(g)  # every member leaves: none would hold the state
         self._check(version, joins)
 
@@ -290,7 +295,8 @@ class State:
             self._spare, self._saved = self._saved, snapshot
         self._commits += 1
         self._synced = True
-        if self._durable is not None and self._durable.due(self._commits) and _rank() == 0:
+        if self._durable is not None and self._durable.due(self._commits) \
+                and self._writes_durable():
             self._write_durable(wait=False)
         if not self._announced:  # once: the scheduler's record that this State committed
             services = _services()
@@ -318,6 +324,11 @@ class State:
         back = take_consumed()
         if back:
             session_services().release_tokens(back)
+
+    def _writes_durable(self) -> bool:
+        """Whether this rank writes the durable checkpoints (the state is replicated:
+        rank 0 alone)."""
+        return _rank() == 0
 
     def _write_durable(self, wait: bool) -> None:
         """Rank 0: the committed copy to the checkpoint store. The write runs in the
@@ -400,17 +411,25 @@ class State:
         src = counts.index(max(counts))
         if not same:
             self._broadcast_from(g, src)
+        self._took(g, [int(h[1]) for h in heads], [int(h[6]) for h in heads],
+                   [int(h[2]) for h in heads], counts[src])
+        self.save()
+
+    def _took(self, g: Group, versions: list[int], joins: list[int], seqs: list[int],
+              commits: int) -> None:
+        """A sync's end on every rank: the membership counters it checks commits against
+        (the group's formation, else the newest any rank saw), a commit counter above
+        any rank's, and ``commits`` held."""
         version = formation_version(g.generation)
         if version is None:
-            version = max(int(h[1]) for h in heads)
-        joins = formation_joins(g.generation)
-        if joins is None:
-            joins = max(int(h[6]) for h in heads)
-        self._last_version, self._last_joins, self._skip = version, joins, False
-        self._commits = counts[src]
-        self._seq = max(int(h[2]) for h in heads)
+            version = max(versions)
+        joined = formation_joins(g.generation)
+        if joined is None:
+            joined = max(joins)
+        self._last_version, self._last_joins, self._skip = version, joined, False
+        self._commits = commits
+        self._seq = max(seqs)
         self._synced = True
-        self.save()
 
     def _broadcast_from(self, g: Group, src: int) -> None:
         """Every rank takes rank ``src``'s model, optimizer and objects."""
