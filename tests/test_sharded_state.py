@@ -122,7 +122,7 @@ def test_a_frozen_peer_ends_fsdp_collectives_within_a_second_of_the_lost_mark():
         for p in procs:
             p.kill()
             p.join(30)
-    for rank, kind, seconds in got:
+    for _rank, kind, seconds in got:
         assert kind == "CollectiveError", got
         assert seconds is not None and seconds < 2.0, got  # the group timeout is 60 s
 

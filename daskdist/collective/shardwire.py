@@ -79,7 +79,7 @@ def transfer(g: Group, sends: Mapping[int, Run], recvs: Mapping[int, Run], round
     rounds. ``scratch`` keeps the wire buffers between calls (a commit reuses them).
     Copies from or to CUDA are queued on the current stream: returns the CUDA event to
     wait for before host bytes received are read (``None`` on the CPU)."""
-    me, world = g.rank, g.world_size
+    me = g.rank
     if me in sends:  # to itself: a copy, no wire
         _local(sends[me], recvs[me])
     dev = g._wire_device()
