@@ -41,7 +41,10 @@ def make_state(url: str | None):
     return state.checkpoint_to(url, every=2) if url else state
 
 
-def train(state, steps: int, seed: int) -> None:
+def train(state, steps: int, seed: int, cut_short: bool = False) -> bool:
+    """``steps`` steps, a commit each; ``cut_short``: the last commit's allgather fails
+    on this rank after its part went out (the others complete that commit), as when a
+    peer dies inside it. Whether the last commit raised here."""
     g = state_group()
     for i in range(steps):
         torch.manual_seed(seed * 100 + i * 10 + g.rank)
@@ -49,7 +52,30 @@ def train(state, steps: int, seed: int) -> None:
         state.optimizer.step()
         state.optimizer.zero_grad()
         state.step += 1
+        if cut_short and i == steps - 1:
+            return _commit_cut_short(state)
         state.commit()
+    return False
+
+
+def _commit_cut_short(state) -> bool:
+    from daskdist.collective.group import Group
+    from daskdist.errors import CollectiveError
+
+    real = Group.allgather
+
+    def allgather(self, tensor):
+        real(self, tensor)
+        raise CollectiveError("test: the allgather failed here after its part went out")
+
+    Group.allgather = allgather
+    try:
+        state.commit()
+    except CollectiveError:
+        return True
+    finally:
+        Group.allgather = real
+    return False
 
 
 def state_group():
@@ -96,7 +122,8 @@ def member(pid: int, scenario: list[dict], addrs: dict, go: dict, out: Any,
             full = state.full_state_dict(optimizer=True)
             out.put((gen, pid, "synced", state.commits, state.step, reads[0] - before,
                      {k: v.tolist() for k, v in full.items()}))
-            train(state, step.get("steps", 0), seed=gen)
+            if train(state, step.get("steps", 0), seed=gen, cut_short=step.get("cut") == pid):
+                out.put((gen, pid, "cut"))
             if step.get("steps"):
                 full = state.full_state_dict(optimizer=True)
                 out.put((gen, pid, "committed", state.commits, state.step, 0,

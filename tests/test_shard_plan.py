@@ -180,3 +180,17 @@ def test_offsets_align_every_tensor_and_never_overlap(sizes, world, data):
             for o, n, rb in zip(offs, sizes, row_bytes, strict=True)]
     assert all(ends[i] <= offs[i + 1] for i in range(len(offs) - 1))
     assert not ends or ends[-1] <= total
+
+
+def test_a_commit_cut_short_on_some_ranks_is_served_from_what_they_staged():
+    # 3 ranks; rank 2 died inside commit 5's allgather: ranks 0 completed it, rank 1's
+    # allgather failed (it holds commit 4, and staged 5 with rank 0's copy)
+    reports = [Report(5, 3, 3, 0, 2), Report(4, 3, 3, 1, 0)]
+    staged = {1: Report(5, 3, 3, 1, 0)}
+    src = choose(reports, tentative=staged)
+    assert (src.kind, src.commits) == ("memory", 5)
+    assert src.serve == {0: 0, 2: 0, 1: 1}
+    assert choose(reports).kind == "lost"  # without what rank 1 staged: shard 1 is gone
+    # a commit that failed everywhere is never taken from what the ranks staged
+    assert choose([Report(4, 3, 3, 0, 2), Report(4, 3, 3, 1, 0)],
+                  tentative={0: Report(5, 3, 3, 0, 2), 1: Report(5, 3, 3, 1, 0)}).commits == 4

@@ -6,6 +6,7 @@ last commit (parameters and both Adam moments):
 - two ring neighbours lost: the newest checkpoint (every rank wrote its part), 3 -> 1;
 - a fresh member joins: 1 -> 2 from memory; a new group of fresh States (a new job)
   resumes 2 -> 3 from the checkpoint;
+- a commit whose allgather fails on one rank only: taken from what that rank staged;
 - without a checkpoint, a lost pair of neighbours is a ``CollectiveError``;
 - a frozen peer: FSDP2's own collective on the survivors ends with ``CollectiveError``
   within a second of the lost mark, not after the 60 s group timeout.
@@ -96,9 +97,19 @@ def test_losses_joins_and_a_new_job_reshard_the_last_commit_bit_for_bit(tmp_path
     assert sum(k.endswith(".exp_avg_sq") for k in keys) == 6
 
 
-def test_a_lost_pair_of_neighbours_without_a_checkpoint_is_an_error():
-    scenario = [{"members": [0, 1, 2], "steps": 1}, {"members": [2]}]
-    seen = run(scenario, 3, None)
+def test_a_commit_cut_short_on_one_rank_and_a_lost_pair_of_neighbours():
+    """Commit 2's allgather fails on rank 1 after its part went out (as when a peer dies
+    inside it): the others commit, rank 1 keeps what it staged. Then rank 2, the only
+    other holder of rank 1's shard, is lost: the survivors still take commit 2 from
+    memory, rank 1's shard from what it staged. Then two ring neighbours are lost with
+    no checkpoint: ``CollectiveError``, never a fresh start."""
+    scenario = [{"members": [0, 1, 2, 3], "steps": 2, "cut": 1},
+                {"members": [0, 1, 3], "steps": 1},
+                {"members": [3]}]
+    seen = run(scenario, 4, None)
+    assert [m[:3] for m in seen if m[2] == "cut"] == [(1, 1, "cut")]
+    assert one(seen, 2, "synced") == one(seen, 1, "committed")
+    assert {m[3] for m in seen if m[0] == 2 and m[2] == "synced"} == {2}
     (err,) = [m for m in seen if m[2] == "error"]
     assert err[3] == "CollectiveError" and "no member holds shards [0]" in err[4]
 

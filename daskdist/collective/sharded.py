@@ -63,7 +63,7 @@ from daskdist.errors import CollectiveError
 __all__ = ["ShardedState"]
 
 _MINE = ("_build", "_make", "_shard", "_dims", "_built", "_staged", "_incoming",
-         "_wire", "_cut", "_ring")
+         "_wire", "_cut", "_ring", "_tentative", "_source")
 
 
 def fully_shard_all(model: torch.nn.Module, mesh: Any) -> None:
@@ -101,7 +101,8 @@ class ShardedState(State):
             raise TypeError("ShardedState: model= (a function building the model) is required")
         mine = {"_build": model, "_make": optimizer, "_shard": shard or fully_shard_all,
                 "_dims": ("data_parallel",), "_built": None, "_staged": None,
-                "_incoming": None, "_wire": {}, "_cut": None, "_ring": None}
+                "_incoming": None, "_wire": {}, "_cut": None, "_ring": None,
+                "_tentative": None, "_source": None}
         for k, v in mine.items():
             object.__setattr__(self, k, v)
         super().__init__(model=None, optimizer=None, **objects)
@@ -167,8 +168,22 @@ class ShardedState(State):
         self._stage(g)
         try:
             super().commit()
+        except BaseException:
+            if self._staged is not None and self._incoming is not None:
+                self._keep_tentative(g)  # the copy arrived, the commit did not complete
+            raise
         finally:
             self._staged = None
+
+    def _keep_tentative(self, g: Group) -> None:
+        """What a failed commit staged, kept until the next ``sync()``: if the commit
+        completed on other ranks (a member died inside its allgather), this rank's
+        shard and copy of it are needed there (``core.shards.choose``)."""
+        live, cut, event = self._staged
+        copy = ShardCopy()
+        copy.fill(live, self._objects, cut, g.rank, self._incoming, [event] if event else None)
+        self._incoming = None
+        self._tentative = copy
 
     def save(self) -> None:
         """Keep the current state as the committed one (a collective for a ShardedState:
@@ -212,6 +227,7 @@ class ShardedState(State):
         inc = self._incoming if g.world_size > 1 else None
         old = copy.fill(live, self._objects, cut, g.rank, inc, [event] if event else None)
         self._incoming = old if g.world_size > 1 else None
+        self._staged = None  # taken: the commit happened here
         return copy
 
     def _candidate(self) -> ShardCopy:
@@ -266,18 +282,24 @@ class ShardedState(State):
         if self._commits == 0 and services is not None:
             known = services.state_commits(self._id)
         newest = self._durable.newest() if self._durable is not None and g.rank == 0 else 0
-        cut = self._saved.cut
-        own, peer = self._saved.held
         host = zlib.crc32(socket.gethostname().encode())
-        head = torch.tensor([self._commits, cut.generation if cut else 0,
-                             cut.world if cut else 0, own, peer, self._seq,
-                             membership_version(), membership_joins(), known, newest, host],
-                            dtype=torch.int64, device=g._wire_device())
+        head = torch.tensor(_held(self._saved, self._commits) + [
+            self._seq, membership_version(), membership_joins(), known, newest, host]
+            + _held(self._tentative, self._commits + 1),
+            dtype=torch.int64, device=g._wire_device())
         heads = [h.tolist() for h in g.allgather(head)]
         reports = [Report(*h[:5]) for h in heads]
-        src = choose(reports, checkpoint=int(heads[0][9]), known=max(h[8] for h in heads))
+        staged = {r: Report(*h[11:16]) for r, h in enumerate(heads) if h[11] > 0}
+        src = choose(reports, checkpoint=int(heads[0][9]), known=max(h[8] for h in heads),
+                     tentative=staged)
         if src.kind == "lost":
+            self._tentative = None
             self._lost(g, src, max(h[8] for h in heads))
+        if src.kind == "memory":
+            mine = reports[g.rank]
+            keep = ((mine.commits, mine.layout) == (src.commits, src.layout)
+                    or g.rank not in staged)
+            self._source = self._saved if keep else self._tentative
         self._ring = tuple(ring([h[10] for h in heads]))
         if self._built != g.generation or self.model is None:
             self._build_for(g, fresh=src.kind == "fresh")
@@ -287,6 +309,7 @@ class ShardedState(State):
             self._take_memory(g, src)
         elif src.kind == "checkpoint":
             self._take_checkpoint(g, src.commits)
+        self._tentative = self._source = None
         self._took(g, [h[6] for h in heads], [h[7] for h in heads], [h[5] for h in heads],
                    src.commits)
         self.save()
@@ -302,10 +325,10 @@ class ShardedState(State):
                                    strict=False):
                 group.update({k: v for k, v in kept.items() if k != "params"})
 
-    def _rest_now(self) -> tuple[dict, dict]:
+    def _rest_now(self, held: ShardCopy) -> tuple[dict, dict]:
         """The commit's rest with the hyperparameters as the optimizer has them now (a
         reset callback's), and the objects now."""
-        rest, _ = self._saved.value()
+        rest, _ = held.value()
         if self.optimizer is not None and len(self.optimizer.param_groups) == len(
                 rest.get("groups", [])):
             rest = dict(rest)
@@ -318,19 +341,20 @@ class ShardedState(State):
     def _take_memory(self, g: Group, src: Source) -> None:
         """Every rank's rows of the new cut, from the ranks holding the commit's shards."""
         first = min(src.serve.values())
+        held: ShardCopy = self._source
         payload = None
         if g.rank == first:
-            self._saved.wait()
-            rest, objects = self._rest_now()
-            payload = portable((self._saved.cut.entries, rest, objects))
+            held.wait()
+            rest, objects = self._rest_now(held)
+            payload = portable((held.cut.entries, rest, objects))
         entries, rest, objects = g.broadcast_object(payload, src=first)
         rest, objects = placed((rest, objects), g.device)
         dst = targets(self.model, self.optimizer, entries, g.rank, g.world_size)
         rows, rb = sizes(entries)
         plan = routes(rows, src.world, g.world_size, src.serve)
         if any(s == g.rank for s, _ in plan):
-            self._saved.wait()
-        sends = {d: self._send_run(entries, src.world, parts)
+            held.wait()
+        sends = {d: self._send_run(held, entries, src.world, parts)
                  for (s, d), parts in plan.items() if s == g.rank}
         recvs, moved = {}, []
         for (s, d), parts in plan.items():
@@ -351,12 +375,12 @@ class ShardedState(State):
         self._objects.clear()
         self._objects.update(objects)
 
-    def _send_run(self, entries: tuple, world: int, parts: list) -> Run:
+    def _send_run(self, held: ShardCopy, entries: tuple, world: int, parts: list) -> Run:
         """The bytes of ``parts`` (pieces of held shards), read straight from the copies."""
         rows, rb = sizes(entries)
         out = []
         for p in parts:
-            flat = self._saved.flat(p.index)
+            flat = held.flat(p.index)
             offs, _ = offsets(rows, rb, world, p.index)
             a = offs[p.entry] + (p.start - span(rows[p.entry], world, p.index)[0]) * rb[p.entry]
             out.append(flat[a:a + (p.stop - p.start) * rb[p.entry]])
@@ -486,3 +510,12 @@ class ShardedState(State):
         order = list(self.model.state_dict().keys())
         return {k: out[k] for k in order if k in out} | {k: v for k, v in out.items()
                                                          if k not in order}
+
+
+def _held(copy: ShardCopy | None, commits: int) -> list[int]:
+    """What ``copy`` holds, as ``sync()`` reports it: [commits, the generation and world
+    size of its cut, its own index, the index of its copy] (zeros and -1s: nothing)."""
+    if copy is None or copy.cut is None:
+        return [0, 0, 0, -1, -1]
+    own, peer = copy.held
+    return [commits, copy.cut.generation, copy.cut.world, own, peer]

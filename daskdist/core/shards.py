@@ -106,12 +106,19 @@ class Source:
     missing: tuple[int, ...] = ()
 
 
-def choose(reports: Sequence[Report], checkpoint: int = 0, known: int = 0) -> Source:
+def choose(reports: Sequence[Report], checkpoint: int = 0, known: int = 0,
+           tentative: Mapping[int, Report] | None = None) -> Source:
     """Where every rank of the new group takes the state from (``reports[r]``: rank r's;
     ``checkpoint``: the newest complete checkpoint's commit, 0: none; ``known``: commits
     the scheduler recorded of the state, for ranks that hold none). The ranks' newest
     commit when every one of its shards is still held (the newest layout that has them
-    all), else the newest checkpoint, else ``"lost"``; a newer checkpoint wins."""
+    all), else the newest checkpoint, else ``"lost"``; a newer checkpoint wins.
+
+    ``tentative``: rank -> what it staged for a commit that failed on it (its copy had
+    arrived; the commit's allgather failed there, a peer lost meanwhile). It serves
+    shards of that commit only when another rank holds the commit: a commit completes
+    on some ranks and fails on others when a member dies inside its allgather.
+    ``Source.serve`` then names such a rank too: it sends from what it staged."""
     newest = max((r.commits for r in reports), default=0)
     if checkpoint > newest:
         return Source("checkpoint", checkpoint)
@@ -120,9 +127,12 @@ def choose(reports: Sequence[Report], checkpoint: int = 0, known: int = 0) -> So
     layouts = sorted({(r.layout, r.world) for r in reports if r.commits == newest},
                      reverse=True)
     first_missing: tuple[int, ...] = ()
+    staged = tentative or {}
     for layout, world in layouts:
         mine = {rank: r for rank, r in enumerate(reports)
                 if r.commits == newest and (r.layout, r.world) == (layout, world)}
+        mine.update({rank: r for rank, r in staged.items() if rank not in mine
+                     and r.commits == newest and (r.layout, r.world) == (layout, world)})
         held = {rank: [i for i in (r.own, r.peer) if i >= 0] for rank, r in mine.items()}
         serve, missing = holders(held, world, {rank: r.own for rank, r in mine.items()})
         if not missing:
