@@ -152,6 +152,19 @@ class ShardedState(State):
         self._built = g.generation
         self._cut = None
 
+    def adopt(self, model: torch.nn.Module, optimizer: Any) -> None:
+        """Take ``model``, sharded over this generation's mesh by its owner (a framework
+        hook: Lightning's ``configure_model``), and ``optimizer`` as this generation's
+        instead of building them; the next ``sync()`` loads the newest commit into them.
+        The mesh is ``collective.fsdp.mesh_for(get_group())``."""
+        g = get_group()
+        if not guard(model, g):
+            raise ValueError("ShardedState.adopt: the model holds no FSDP module (shard it "
+                             "with fully_shard over the group's mesh first)")
+        self.model, self.optimizer = model, optimizer
+        self._built = g.generation
+        self._cut = None
+
     def _require_built(self, g: Group, what: str) -> None:
         if self._built != g.generation or self.model is None:
             raise RuntimeError(
@@ -303,7 +316,8 @@ class ShardedState(State):
         self._ring = tuple(ring([h[10] for h in heads]))
         if self._built != g.generation or self.model is None:
             self._build_for(g, fresh=src.kind == "fresh")
-        elif src.kind == "fresh":
+        elif src.kind == "fresh" and self._saved.cut is not None \
+                and self._saved.cut.generation == g.generation:
             self._load(self._saved)  # back to the state the first sync kept
         if src.kind == "memory":
             self._take_memory(g, src)
