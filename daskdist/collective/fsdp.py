@@ -72,9 +72,14 @@ def forget_meshes() -> None:
     same size while this process's rank in it may differ: an in-place DTensor op of the
     new generation would take an output spec (and its mesh, with the old coordinate)
     cached in the old one. Call it before the first DTensor op of a new generation."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.distributed.tensor import DTensor
 
-    _clear_sharding_prop_cache()
+    # what torch.distributed.tensor.debug._clear_sharding_prop_cache does (that module
+    # imports torch._dynamo: seconds)
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
 
 
 def guard(model: torch.nn.Module, g: Group) -> int:

@@ -45,10 +45,12 @@ from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import broadcast_parameters
 from daskdist.collective.shardcopy import Cut, ShardCopy
 from daskdist.collective.shardlayout import (
+    Capture,
     Live,
     apply_rest,
     capture,
     placed,
+    placed_at,
     portable,
     segments,
     sizes,
@@ -57,13 +59,13 @@ from daskdist.collective.shardlayout import (
 )
 from daskdist.collective.shardwire import Run, pair_rounds, transfer
 from daskdist.context import membership_joins, membership_version
-from daskdist.core.shards import Report, Source, choose, offsets, ring, routes, span
+from daskdist.core.shards import Report, Source, choose, ring, routes, span
 from daskdist.errors import CollectiveError
 
 __all__ = ["ShardedState"]
 
 _MINE = ("_build", "_make", "_shard", "_dims", "_built", "_staged", "_incoming",
-         "_wire", "_cut", "_ring", "_tentative", "_source")
+         "_wire", "_cut", "_ring", "_tentative", "_source", "_capture")
 
 
 def fully_shard_all(model: torch.nn.Module, mesh: Any) -> None:
@@ -102,7 +104,7 @@ class ShardedState(State):
         mine = {"_build": model, "_make": optimizer, "_shard": shard or fully_shard_all,
                 "_dims": ("data_parallel",), "_built": None, "_staged": None,
                 "_incoming": None, "_wire": {}, "_cut": None, "_ring": None,
-                "_tentative": None, "_source": None}
+                "_tentative": None, "_source": None, "_capture": Capture()}
         for k, v in mine.items():
             object.__setattr__(self, k, v)
         super().__init__(model=None, optimizer=None, **objects)
@@ -212,9 +214,10 @@ class ShardedState(State):
 
     def _stage(self, g: Group) -> None:
         """This rank's shard to its successor and the predecessor's into ``_incoming``."""
-        live = capture(self.model, self.optimizer, g.rank, g.world_size)
+        live = self._capture(self.model, self.optimizer, g.rank, g.world_size)
         cut = self._cut
-        if cut is None or cut.entries != live.entries or cut.generation != g.generation:
+        if cut is None or cut.generation != g.generation or (
+                cut.entries is not live.entries and cut.entries != live.entries):
             cut = Cut(g.generation, g.world_size, self._order, live.entries)
             self._cut = cut
         event = None
@@ -395,7 +398,7 @@ class ShardedState(State):
         out = []
         for p in parts:
             flat = held.flat(p.index)
-            offs, _ = offsets(rows, rb, world, p.index)
+            offs, _ = placed_at(entries, world, p.index)
             a = offs[p.entry] + (p.start - span(rows[p.entry], world, p.index)[0]) * rb[p.entry]
             out.append(flat[a:a + (p.stop - p.start) * rb[p.entry]])
         return Run.of(out)

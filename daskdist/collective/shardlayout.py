@@ -44,7 +44,7 @@ class Entry:
     def row_bytes(self) -> int:
         """Bytes of one row along the split dimension."""
         others = math.prod(s for i, s in enumerate(self.shape) if i != self.dim)
-        return others * torch.empty(0, dtype=self.dtype).element_size()
+        return others * self.dtype.itemsize
 
 
 @dataclass
@@ -59,41 +59,94 @@ class Live:
 
 def capture(model: torch.nn.Module, optimizer: Any, rank: int, world: int) -> Live:
     """The entries, local shards and rest of ``model`` and ``optimizer`` on ``rank``."""
-    names = _names(model)
-    entries, local = [], []
-    rest: dict[str, Any] = {"params": {}, "buffers": {}, "state": {}, "groups": []}
-    for fqn, p in model.named_parameters():
-        _add(entries, local, rest["params"], fqn, f"{_PARAM}|{fqn}", p, rank, world)
-    for fqn, b in model.named_buffers():
-        if fqn in _persistent(model):
-            rest["buffers"][fqn] = b
-    if optimizer is not None:
+    return Capture()(model, optimizer, rank, world)
+
+
+class Capture:
+    """:func:`capture`, its checks and lookups done once per layout (a generation's
+    model and optimizer, with the optimizer states they hold): later calls read the
+    current local shards and rest through the tensors found then (a commit runs every
+    step, and a model has hundreds of tensors)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._entries: tuple[Entry, ...] = ()
+        self._sources: list[tuple[Any, Any]] = []  # (parameter, optimizer state name)
+        self._params: list[tuple[str, Any]] = []  # unsharded parameters
+        self._buffers: list[tuple[str, Any]] = []
+        self._state: list[tuple[str, Any, list]] = []  # (fqn, parameter, other names)
+        self._groups: list[list[str]] = []
+
+    def __call__(self, model: torch.nn.Module, optimizer: Any, rank: int,
+                 world: int) -> Live:
+        key = (id(model), id(optimizer), rank, world, _states(optimizer))
+        if key != self._key:
+            self._plan(model, optimizer, rank, world)
+            self._key = key
+        local = []
+        for p, k in self._sources:
+            t = p if k is None else optimizer.state[p][k]
+            local.append(t._local_tensor.detach())
+        rest: dict[str, Any] = {
+            "params": {n: p.detach() for n, p in self._params},
+            "buffers": dict(self._buffers),
+            "state": {fqn: {k: _plain(optimizer.state[p][k]) for k in names}
+                      for fqn, p, names in self._state},
+            "groups": [] if optimizer is None else [
+                {**{k: v for k, v in group.items() if k != "params"}, "params": fqns}
+                for group, fqns in zip(optimizer.param_groups, self._groups, strict=True)]}
+        return Live(self._entries, local, rest)
+
+    def _plan(self, model: torch.nn.Module, optimizer: Any, rank: int, world: int) -> None:
+        names = _names(model)
+        entries: list[Entry] = []
+        sources: list[tuple[Any, Any]] = []
+        self._params, self._state, self._groups = [], [], []
         for fqn, p in model.named_parameters():
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            kept: dict[str, Any] = {}
-            for k in sorted(state, key=str):
-                _add(entries, local, kept, k, f"{_OPTIM}|{fqn}|{k}", state[k], rank, world)
-            rest["state"][fqn] = kept
-        for group in optimizer.param_groups:
-            try:
-                fqns = [names[id(p)] for p in group["params"]]
-            except KeyError:
-                raise ValueError("ShardedState: the optimizer holds a tensor that is not "
-                                 "a parameter of the model (make it from the params the "
-                                 "optimizer factory is given)") from None
-            rest["groups"].append({**{k: v for k, v in group.items() if k != "params"},
-                                   "params": fqns})
-    return Live(tuple(entries), local, rest)
+            if _entry(entries, f"{_PARAM}|{fqn}", p, rank, world):
+                sources.append((p, None))
+            else:
+                self._params.append((fqn, p))
+        persistent = _persistent(model)
+        self._buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
+        if optimizer is not None:
+            for fqn, p in model.named_parameters():
+                state = optimizer.state.get(p)
+                if not state:
+                    continue
+                others = []
+                for k in sorted(state, key=str):
+                    if _entry(entries, f"{_OPTIM}|{fqn}|{k}", state[k], rank, world):
+                        sources.append((p, k))
+                    else:
+                        others.append(k)
+                self._state.append((fqn, p, others))
+            for group in optimizer.param_groups:
+                try:
+                    self._groups.append([names[id(p)] for p in group["params"]])
+                except KeyError:
+                    raise ValueError("ShardedState: the optimizer holds a tensor that is "
+                                     "not a parameter of the model (make it from the "
+                                     "params the optimizer factory is given)") from None
+        self._entries, self._sources = tuple(entries), sources
 
 
-def _add(entries: list, local: list, rest: dict, name: str, key: str, value: Any,
-         rank: int, world: int) -> None:
-    """``value`` as an entry if it is split over the group, else into ``rest[name]``."""
+def _states(optimizer: Any) -> tuple[int, int]:
+    """How many parameters have optimizer state, and how many states in all (a new one
+    changes the layout)."""
+    if optimizer is None:
+        return 0, 0
+    return len(optimizer.state), sum(len(v) for v in optimizer.state.values())
+
+
+def _plain(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _entry(entries: list, key: str, value: Any, rank: int, world: int) -> bool:
+    """Whether ``value`` is split over the group (then appended to ``entries``)."""
     if not isinstance(value, DTensor):
-        rest[name] = value.detach() if isinstance(value, torch.Tensor) else value
-        return
+        return False
     shape = tuple(value.shape)
     mine, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
                                                          value.placements)
@@ -111,7 +164,7 @@ def _add(entries: list, local: list, rest: dict, name: str, key: str, value: Any
             f"placements {value.placements} on rank {rank} (local {tuple(mine)} at "
             f"{tuple(offset)} of {shape})")
     entries.append(Entry(key, value.dtype, shape, dim))
-    local.append(value.to_local().detach())
+    return True
 
 
 def _names(model: torch.nn.Module) -> dict[int, str]:
@@ -133,10 +186,29 @@ def sizes(entries: tuple[Entry, ...]) -> tuple[list[int], list[int]]:
     return [e.rows for e in entries], [e.row_bytes for e in entries]
 
 
+_placed: dict[tuple[int, int, int], tuple[tuple, tuple[list[int], int]]] = {}
+_PLACED_MAX = 256
+
+
+def placed_at(entries: tuple[Entry, ...], world: int, index: int) -> tuple[list[int], int]:
+    """Where each entry starts in shard ``index``'s flat buffer, and its length
+    (``core.shards.offsets``, remembered for the same ``entries`` object: a commit asks
+    every step, and hashing hundreds of entries would cost more than the answer)."""
+    key = (id(entries), world, index)
+    hit = _placed.get(key)
+    if hit is not None and hit[0] is entries:
+        return hit[1]
+    rows, rb = sizes(entries)
+    out = offsets(rows, rb, world, index)
+    if len(_placed) >= _PLACED_MAX:
+        _placed.clear()
+    _placed[key] = (entries, out)  # holds entries: its id is not reused meanwhile
+    return out
+
+
 def flat_size(entries: tuple[Entry, ...], world: int, index: int) -> int:
     """Bytes of shard ``index``'s flat buffer."""
-    rows, rb = sizes(entries)
-    return offsets(rows, rb, world, index)[1]
+    return placed_at(entries, world, index)[1]
 
 
 def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -150,8 +222,7 @@ def views(flat: torch.Tensor, entries: tuple[Entry, ...], world: int,
           index: int) -> list[torch.Tensor]:
     """Each entry's rows of shard ``index`` in ``flat`` (its packed buffer), as tensors
     of their own layout (views of the buffer)."""
-    rows, rb = sizes(entries)
-    offs, _ = offsets(rows, rb, world, index)
+    offs, _ = placed_at(entries, world, index)
     out = []
     for e, o in zip(entries, offs, strict=True):
         a, b = span(e.rows, world, index)
@@ -165,8 +236,7 @@ def pack(local: list[torch.Tensor], entries: tuple[Entry, ...], world: int, inde
          flat: torch.Tensor) -> None:
     """Copy the local shards into ``flat`` (shard ``index``'s buffer; from CUDA into a
     pinned buffer: queued on the current stream, not waited for)."""
-    rows, rb = sizes(entries)
-    offs, _ = offsets(rows, rb, world, index)
+    offs, _ = placed_at(entries, world, index)
     for t, e, o in zip(local, entries, offs, strict=True):
         src = as_rows(t, e.dim)
         flat[o:o + src.numel()].copy_(src, non_blocking=flat.is_pinned())
@@ -176,8 +246,7 @@ def segments(local: list[torch.Tensor], entries: tuple[Entry, ...], world: int,
              index: int) -> list[tuple[int, torch.Tensor]]:
     """``(offset in the flat buffer, bytes)`` of each local shard: the flat buffer's
     content without building it (a commit streams it to its copy in rounds)."""
-    rows, rb = sizes(entries)
-    offs, _ = offsets(rows, rb, world, index)
+    offs, _ = placed_at(entries, world, index)
     return [(o, as_rows(t, e.dim)) for t, e, o in zip(local, entries, offs, strict=True)]
 
 
