@@ -70,15 +70,23 @@ class ShardCopy:
         return self.index, (self.cut.peer(self.index) if self.peer is not None else -1)
 
     def fill(self, live: Live, objects: dict, cut: Cut, index: int,
-             incoming: torch.Tensor | None, events: list | None = None) -> torch.Tensor | None:
-        """Keep ``live`` as shard ``index`` of ``cut`` (copied), ``objects`` with its rest,
-        and ``incoming`` (the predecessor's shard, taken as it is); returns the buffer of
-        the copy it held before, for the next commit to receive into."""
+             incoming: torch.Tensor | None, events: list | None = None,
+             packed: torch.Tensor | None = None) -> tuple[torch.Tensor | None,
+                                                          torch.Tensor | None]:
+        """Keep ``live`` as shard ``index`` of ``cut`` (copied, or ``packed``: its flat
+        buffer already made, taken as it is), ``objects`` with its rest, and
+        ``incoming`` (the predecessor's shard, taken as it is). Returns the buffers it
+        held before for the copy and, when given ``packed``, for its own shard: the
+        next commit receives and packs into them."""
         n = cut.nbytes(index)
         cuda = any(t.is_cuda for t in live.locals)
-        if self.own is None or self.own.numel() != n or bool(self.own.is_pinned()) != cuda:
-            self.own = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
-        pack(live.locals, cut.entries, cut.world, index, self.own)
+        old_own = None
+        if packed is not None:
+            old_own, self.own = self.own, packed
+        else:
+            if self.own is None or self.own.numel() != n or bool(self.own.is_pinned()) != cuda:
+                self.own = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
+            pack(live.locals, cut.entries, cut.world, index, self.own)
         evs = list(events or [])
         if cuda:
             for dev in {t.device for t in live.locals if t.is_cuda}:
@@ -88,7 +96,7 @@ class ShardCopy:
         self.rest.fill((live.rest, objects))
         self.cut, self.index, self._events = cut, index, evs
         old, self.peer = self.peer, incoming
-        return old
+        return old, old_own
 
     def flat(self, index: int) -> torch.Tensor | None:
         """The buffer holding shard ``index`` of the cut (read it after :meth:`wait`)."""

@@ -194,9 +194,10 @@ class ShardedState(State):
         """What a failed commit staged, kept until the next ``sync()``: if the commit
         completed on other ranks (a member died inside its allgather), this rank's
         shard and copy of it are needed there (``core.shards.choose``)."""
-        live, cut, event = self._staged
+        live, cut, event, packed = self._staged
         copy = ShardCopy()
-        copy.fill(live, self._objects, cut, g.rank, self._incoming, [event] if event else None)
+        copy.fill(live, self._objects, cut, g.rank, self._incoming, [event] if event else None,
+                  packed)
         self._incoming = None
         self._tentative = copy
 
@@ -220,7 +221,7 @@ class ShardedState(State):
                 cut.entries is not live.entries and cut.entries != live.entries):
             cut = Cut(g.generation, g.world_size, self._order, live.entries)
             self._cut = cut
-        event = None
+        event = packed = None
         if g.world_size > 1:
             pred, succ = cut.peer(g.rank), cut.successor(g.rank)
             n = cut.nbytes(pred)
@@ -235,14 +236,19 @@ class ShardedState(State):
             self._incoming = None  # in transit: a failed transfer leaves it unusable
             event = transfer(g, {succ: own}, {pred: Run.of([inc])}, rounds, chunk, self._wire)
             self._incoming = inc
-        self._staged = (live, cut, event)
+            if rounds == 1 and not cuda:  # the wire buffer holds the packed shard: keep it
+                packed = self._wire.pop("in")[:own.nbytes]
+        self._staged = (live, cut, event, packed)
 
     def _fill(self, copy: ShardCopy) -> ShardCopy:
-        live, cut, event = self._staged
+        live, cut, event, packed = self._staged
         g = get_group()
         inc = self._incoming if g.world_size > 1 else None
-        old = copy.fill(live, self._objects, cut, g.rank, inc, [event] if event else None)
+        old, own = copy.fill(live, self._objects, cut, g.rank, inc,
+                             [event] if event else None, packed)
         self._incoming = old if g.world_size > 1 else None
+        if own is not None:
+            self._wire["in"] = own  # the next commit packs its shard there
         self._staged = None  # taken: the commit happened here
         return copy
 
