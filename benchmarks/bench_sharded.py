@@ -114,11 +114,9 @@ def loop(state, it, steps: int, batch: int, commit: bool, logdir: str) -> dict:
             commits.append(t2 - t1)
         if i + 1 >= steps or (logdir and (Path(logdir) / "stop").exists()):
             break
-    held = state._saved.nbytes + (0 if state._spare is None else state._spare.nbytes)
-    held += 0 if state._incoming is None else state._incoming.numel()
     whole = sum(int(np.prod(e.shape)) * e.dtype.itemsize for e in state._saved.cut.entries)
     return {"work": statistics.median(work), "commit": statistics.median(commits),
-            "held": held, "whole": whole, "rank": g.rank}
+            "held": state.commit_bytes, "whole": whole, "rank": g.rank}
 
 
 def _log(logdir: str, kind: str, step_: int, g) -> None:

@@ -94,6 +94,18 @@ def train_rows(state, it, logdir: str, pause: float = 0.0, max_steps: int = 0) -
     resumed = state.commits
     log_shards(logdir, f"resume-g{g.generation}-s{state.step}", state)
     steps = 0
+    try:
+        return _steps(state, it, logdir, pause, max_steps, g, resumed)
+    except BaseException as e:
+        with open(Path(logdir) / f"errors.{os.getpid()}", "a") as f:
+            import traceback
+            f.write(f"{time.time()} {g.generation} {g.rank} {type(e).__name__} {e}\n")
+            f.write("".join(traceback.format_tb(e.__traceback__)[-6:]) + "\n")
+        raise
+
+
+def _steps(state, it, logdir, pause, max_steps, g, resumed):
+    steps = 0
     for batch in dd.collective.synced(it):
         ids = batch["id"]
         torch.manual_seed(state.step)

@@ -255,16 +255,7 @@ class State:
         need = max(abs(h[6]) for h in heads)
         self._slots = (g.generation, _slots_for(need))
         if ledger.in_flight:  # the previous commit's outcome, as every rank saw it
-            if isinstance(ledger.reply, _Told) and heads[0][2] in (_OK, _REFUSED):
-                ledger.reply.ok = heads[0][2] == _OK  # rank 0 sent it: its reply told all
-            if min(h[2] for h in heads) != _OK:
-                _give_back(tokens)  # the previous commit stays in flight: settled later
-                raise CollectiveError(
-                    f"commit {tuple(ledger.key)} was not confirmed on every rank (a member "
-                    f"left, or its part or the scheduler's reply came late); restore() and "
-                    f"go on, or re-form and sync()")
-            state, _ = ledger.settle(True)
-            self._promote(state)
+            self._confirm(heads[0][2], min(h[2] for h in heads), tokens)
         if any(h[0] for h in heads):
             # rows to acknowledge. Every part fits: rank 0 sends them all in one message;
             # else every rank sends its own. The outcome is taken at the next commit (or
@@ -289,6 +280,23 @@ class State:
         if leaving and min(h[4] for h in heads) and self._writes_durable():
             self._checkpoint_last(g)  # every member leaves: none would hold the state
         self._check(version, joins)
+
+    def _confirm(self, first: int, least: int, tokens: list) -> None:
+        """The commit in flight's outcome as every rank saw it in an allgather (``first``:
+        rank 0's, ``least``: the lowest): promoted when every rank saw it applied; else
+        ``CollectiveError`` (it stays in flight, settled later; ``tokens``, the rows of
+        the commit being made, go back)."""
+        ledger = self._ledger
+        if isinstance(ledger.reply, _Told) and first in (_OK, _REFUSED):
+            ledger.reply.ok = first == _OK  # rank 0 sent it: its reply told all
+        if least != _OK:
+            _give_back(tokens)
+            raise CollectiveError(
+                f"commit {tuple(ledger.key)} was not confirmed on every rank (a member "
+                f"left, or its part or the scheduler's reply came late); restore() and "
+                f"go on, or re-form and sync()")
+        state, _ = ledger.settle(True)
+        self._promote(state)
 
     def _promote(self, snapshot: HostCopy) -> None:
         if snapshot is not self._saved:  # a commit in flight confirmed: swap the buffers

@@ -6,9 +6,11 @@ so daskdist's group wrapper never sees them: a peer frozen mid-collective would 
 survivors for the whole group timeout, and a peer killed mid-collective would surface
 as gloo's plain ``RuntimeError`` (a user error to the gang). :func:`guard` gives every
 FSDP module of a model custom comms (FSDP2's ``set_custom_all_gather`` /
-``set_custom_reduce_scatter``) that issue the same calls and wait for them through
-:meth:`Group.wait_for`: a lost peer (``mark_peer_lost``) ends them at once with
-``CollectiveError``, as it ends the group's own calls. Under NCCL the wait stays on the
+``set_custom_reduce_scatter``) that issue the same calls (on gloo a reduce-scatter is an
+allreduce whose own part is kept: gloo's reduce-scatter cannot be waited for with a
+timeout) and wait for them through :meth:`Group.wait_for`: a lost peer
+(``mark_peer_lost``) ends them at once with ``CollectiveError``, as it ends the group's
+own calls. Under NCCL the wait stays on the
 stream (no CPU wait, FSDP2's overlap kept); a lost peer there aborts the communicators
 (``mark_peer_lost``) and the next wait raises.
 """
@@ -131,23 +133,42 @@ class GuardedReduceScatter(_Alloc, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any,
                  async_op: bool = False) -> dist.Work | None:
-        work = _issue(self.g, "FSDP reduce-scatter", lambda: dist.reduce_scatter_single(
-            output_tensor, input_tensor, op=op, group=group, async_op=True))
+        what, then = "FSDP reduce-scatter", None
+        if self.g.backend == "nccl":
+            work = _issue(self.g, what, lambda: dist.reduce_scatter_single(
+                output_tensor, input_tensor, op=op, group=group, async_op=True))
+        else:
+            # gloo: an allreduce of the whole input, this rank's part kept. Gloo's own
+            # reduce-scatter ignores a wait's timeout (a lost peer would hold it until
+            # gloo's timeout, out of the group's reach), and is slower on the CPU
+            work = _issue(self.g, what, lambda: dist.all_reduce(
+                input_tensor, op=op, group=group, async_op=True))
+
+            def then() -> None:
+                mine = input_tensor.view(group.size(), -1)[group.rank()]
+                output_tensor.copy_(mine.view_as(output_tensor))
         if async_op:
-            return _GuardedWork(self.g, work, "FSDP reduce-scatter")
-        _wait(self.g, work, "FSDP reduce-scatter")
+            return _GuardedWork(self.g, work, what, then)
+        _wait(self.g, work, what)
+        if then is not None:
+            then()
         return None
 
 
 class _GuardedWork(dist.Work):
-    """A prefetched all-gather's work: FSDP2 waits on it later, through the group."""
+    """A collective's work FSDP2 waits on later, waited through the group (``then``: what
+    completes it once the wire part ended)."""
 
-    def __init__(self, g: Group, work: Any, what: str) -> None:
+    def __init__(self, g: Group, work: Any, what: str,
+                 then: Callable[[], None] | None = None) -> None:
         super().__init__()
-        self.g, self.work, self.what = g, work, what
+        self.g, self.work, self.what, self.then = g, work, what, then
 
     def wait(self, timeout: Any = None) -> bool:
         _wait(self.g, self.work, self.what)
+        if self.then is not None:
+            self.then, then = None, self.then
+            then()
         return True
 
     def is_completed(self) -> bool:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from daskdist import config
-from daskdist.collective.elastic import State, _clone, _services
+from daskdist.collective.elastic import State, _clone, _outcome, _services
 from daskdist.collective.fsdp import forget_meshes, guard, mesh_for
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import broadcast_parameters
@@ -153,6 +153,7 @@ class ShardedState(State):
         self.optimizer = self._make(model.parameters()) if self._make is not None else None
         self._built = g.generation
         self._cut = None
+        self._capture = Capture()  # the old model's plan must not outlive it
 
     def adopt(self, model: torch.nn.Module, optimizer: Any) -> None:
         """Take ``model``, sharded over this generation's mesh by its owner (a framework
@@ -163,6 +164,8 @@ class ShardedState(State):
         if not guard(model, g):
             raise ValueError("ShardedState.adopt: the model holds no FSDP module (shard it "
                              "with fully_shard over the group's mesh first)")
+        if model is not self.model or optimizer is not self.optimizer:
+            self._capture = Capture()
         self.model, self.optimizer = model, optimizer
         self._built = g.generation
         self._cut = None
@@ -180,6 +183,8 @@ class ShardedState(State):
         ``State.commit``: the commit keeps both (see the module)."""
         g = get_group()
         self._require_built(g, "commit")
+        if self._ledger.in_flight:
+            self._confirm_early(g)
         self._stage(g)
         try:
             super().commit()
@@ -189,6 +194,25 @@ class ShardedState(State):
             raise
         finally:
             self._staged = None
+
+    def _confirm_early(self, g: Group) -> None:
+        """The commit in flight's outcome, learnt before this commit's copy travels (one
+        small allgather of each rank's view of it, as ``State.commit``'s carries): once
+        promoted, the commit before it is free and its buffers take this one's copy, so
+        a rank keeps two commits' buffers, not three."""
+        prev = _outcome(self._ledger.reply, g.timeout / 2)
+        seen = [int(t.item()) for t in g.allgather(
+            torch.tensor([prev], dtype=torch.int64, device=g._wire_device()))]
+        self._confirm(seen[0], min(seen), [])
+
+    @property
+    def commit_bytes(self) -> int:
+        """Host bytes this rank keeps for commits: the committed copy (its shard and its
+        neighbour's), a commit in flight, and the buffers the next copy travels in."""
+        copies = [self._saved, self._spare, self._ledger.state, self._tentative]
+        held = sum(c.nbytes for c in copies if isinstance(c, ShardCopy))
+        loose = [self._incoming, self._wire.get("in"), self._wire.get("out")]
+        return held + sum(t.numel() for t in loose if t is not None and not t.is_cuda)
 
     def _keep_tentative(self, g: Group) -> None:
         """What a failed commit staged, kept until the next ``sync()``: if the commit
@@ -225,8 +249,9 @@ class ShardedState(State):
         if g.world_size > 1:
             pred, succ = cut.peer(g.rank), cut.successor(g.rank)
             n = cut.nbytes(pred)
-            inc = self._incoming
             cuda = any(t.is_cuda for t in live.locals)
+            self._reuse_spare(cuda)
+            inc = self._incoming
             if inc is None or inc.numel() != n or bool(inc.is_pinned()) != cuda:
                 inc = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
             own = Run(cut.nbytes(g.rank), segments(live.locals, cut.entries, cut.world, g.rank))
@@ -239,6 +264,17 @@ class ShardedState(State):
             if rounds == 1 and not cuda:  # the wire buffer holds the packed shard: keep it
                 packed = self._wire.pop("in")[:own.nbytes]
         self._staged = (live, cut, event, packed)
+
+    def _reuse_spare(self, cuda: bool) -> None:
+        """The spare copy's buffers (a commit promoted: the one before it is free) become
+        the ones this commit's copy arrives in and its shard is packed in."""
+        spare = self._spare
+        if spare is None:
+            return
+        if self._incoming is None and spare.peer is not None:
+            self._incoming, spare.peer = spare.peer, None
+        if not cuda and "in" not in self._wire and spare.own is not None:
+            self._wire["in"], spare.own = spare.own, None
 
     def _fill(self, copy: ShardCopy) -> ShardCopy:
         live, cut, event, packed = self._staged
@@ -471,10 +507,11 @@ class ShardedState(State):
         return True
 
     def _write_durable(self, wait: bool) -> None:
+        """This rank's part of the committed copy (its shard, in the cut the commit was
+        made in: a commit promoted at a later ``sync()`` keeps its own numbering)."""
         saved = self._saved
         saved.wait()
         cut = saved.cut
-        g = get_group()
         chunks = {}
         for e, v in zip(cut.entries, views(saved.own, cut.entries, cut.world, saved.index),
                         strict=True):
@@ -482,11 +519,11 @@ class ShardedState(State):
             offs = tuple(a if i == e.dim else 0 for i in range(len(e.shape)))
             chunks[e.key] = (v.clone(), offs, e.shape)  # the write outlives the buffers
         rest = None
-        if g.rank == 0:
+        if saved.index == 0:
             rest_now, objects = saved.value()
             rest = portable((cut.entries, _clone(rest_now), _clone(objects)))
-        self._durable.write_part(self._id, self._commits, g.rank, cut.world, cut.generation,
-                                 chunks, rest, _services(), wait=wait)
+        self._durable.write_part(self._id, self._commits, saved.index, cut.world,
+                                 cut.generation, chunks, rest, _services(), wait=wait)
 
     # -- reading the whole model ---------------------------------------------------------
     def full_state_dict(self, optimizer: bool = False) -> dict[str, torch.Tensor]:
