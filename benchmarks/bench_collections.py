@@ -106,7 +106,7 @@ def _cluster(n: int, threads: int, **kw):
 
 def _leases(client) -> tuple[int, int]:
     def count(dask_scheduler):
-        c = dask_scheduler.extensions["daskdist"].collections
+        c = dask_scheduler.extensions["daskdist"].locality
         return c.local_leases, c.other_leases
 
     return client.run_on_scheduler(count)

@@ -89,6 +89,15 @@ def wait_for_workers(client, coord, n: int, timeout: float = 60.0,
     wait_until(ready, timeout, f"{n} workers")
 
 
+def live_session(client, name: str) -> str:
+    """A worker's live session of coordinator ``name`` (to call its routes as it)."""
+    from daskdist.core.protocol import worker_plugin_name
+
+    sessions = client.run(lambda dask_worker: dask_worker.plugins[
+        worker_plugin_name(name)].runner.session_id)
+    return sorted(sessions.values())[0]
+
+
 def kill_and_replace(client, coord, pid: int, n: int = 2) -> float:
     """SIGKILL worker ``pid`` and wait until its nanny's replacement joined ``coord``."""
     t = sigkill(pid)

@@ -65,11 +65,11 @@ def check_leases(t: LeaseTable) -> None:
                 pos = b
             # every id is in one set or learned not to exist (a collection's partition
             # tails); a tail may still be leased to a session that has not reported it
-            covered = normalize([*(iv for rs in sets for iv in rs), *ds.absent])
+            covered = normalize([*(iv for rs in sets for iv in rs), *ds.units.absent])
             total = ds.units.total
             assert covered == ([(0, total)] if total else []), f"{key}: ids not covered"
             for rs in (ep.free, ep.deferred, ep.acked):
-                for a, b in ds.absent:
+                for a, b in ds.units.absent:
                     assert not rs.intersect(a, b), f"{key}: absent ids [{a}, {b}) in a pool"
             assert sum(rs.size for rs in sets) == ep.total, f"{key}: total {ep.total}"
             assert all(ep.leased.values()), f"{key}: empty lease kept"
@@ -85,3 +85,10 @@ def leased_to(t: LeaseTable, session: str, dataset_id: str, epoch: int) -> list[
     ep = ds.epochs.get(int(epoch)) if ds is not None else None
     held = ep.leased.get(session) if ep is not None else None
     return [] if held is None else held.items()
+
+
+def define_collection(t: LeaseTable, dataset_id: str, units: int,
+                      runs: list | None = None, **kw) -> None:
+    """Define a Dask collection's partitions as the loader's definition does: whole
+    units, of unknown length unless ``runs`` are given."""
+    t.define(dataset_id, runs, units=units, whole=True, **kw)

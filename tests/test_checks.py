@@ -1,4 +1,4 @@
-"""The scheduler checks who calls and what (issue 16, point 7; SPEC §2.5b): handlers
+"""The scheduler checks who calls and what (SPEC §2.5b): handlers
 refuse bad arguments with an error naming them, a client acts only as an owner it
 created, a worker only with its own session, and settings are range-checked on the
 client and on the scheduler. On a real LocalCluster with worker processes."""
@@ -10,7 +10,7 @@ from distributed import Client
 
 import daskdist as dd
 from daskdist.core import protocol
-from tests.conftest import wait_until
+from tests.conftest import live_session, wait_until
 
 
 def square(x):
@@ -92,8 +92,13 @@ def test_bad_arguments_are_refused_naming_them_and_change_nothing(client, coord)
         call(client, "daskdist_group_form", backend="mpi", **owner)
     with pytest.raises(TypeError, match="name must be a str"):
         call(client, "daskdist_status", name=["x"])
+    # a worker's route checks its session first (a session that ended is told so), then
+    # its arguments
+    assert call(client, "daskdist_exchange", name=coord.name, session="s", results=[],
+                held=[], want="many", block=False) == protocol.SESSION_ENDED
+    live = live_session(client, coord.name)
     with pytest.raises(TypeError, match="want must be an int"):
-        call(client, "daskdist_exchange", name=coord.name, session="s", results=[],
+        call(client, "daskdist_exchange", name=coord.name, session=live, results=[],
              held=[], want="many", block=False)
     assert coord.status()["scheduled"] == before  # nothing queued by a refused batch
     assert coord.schedule(square, args=(5,)).fetch(timeout=30) == 25
@@ -165,3 +170,51 @@ def test_settings_are_range_checked_on_the_client_and_the_scheduler(client, coor
     with pytest.raises(error, match=arg):
         call(client, "daskdist_create", name="bad-settings", **kwargs)
     assert "bad-settings" not in coordinators(client)
+
+
+def ask_a_silent_scheduler(dask_worker, name: str) -> tuple[str, float]:
+    """As this worker's session: a call the scheduler never answers, with a 1 s
+    ``daskdist.worker.rpc-timeout`` (from a thread: not the worker's event loop)."""
+    import threading
+    import time
+
+    import dask
+
+    from daskdist.plugins.worker.services import SessionServices
+
+    out = []
+
+    def ask():
+        with dask.config.set({"daskdist.worker.rpc-timeout": "1s"}):
+            services = SessionServices(dask_worker, name, "probe-session")
+        t0 = time.monotonic()
+        try:
+            services._call("daskdist_test_silent")
+            out.append(("answered", 0.0))
+        except TimeoutError as e:
+            out.append((str(e), time.monotonic() - t0))
+
+    t = threading.Thread(target=ask)
+    t.start()
+    t.join(60)
+    return out[0] if out else ("still waiting", 60.0)
+
+
+def test_a_workers_wait_for_the_scheduler_ends(client, coord):
+    """A worker's call to the scheduler that gets no reply ends after
+    ``daskdist.worker.rpc-timeout`` with a TimeoutError naming the call (before, a lease
+    or ledger call waited as long as the scheduler stayed silent)."""
+    def install(dask_scheduler):
+        import asyncio
+
+        async def silent(**kwargs):
+            await asyncio.sleep(30)
+
+        dask_scheduler.handlers["daskdist_test_silent"] = silent
+
+    client.run_on_scheduler(install)
+    (what, waited), = client.run(ask_a_silent_scheduler, name=coord.name,
+                                 workers=[sorted(client.scheduler_info()["workers"])[0]]
+                                 ).values()
+    assert "daskdist_test_silent got no reply" in what and "rpc-timeout" in what
+    assert 0.9 <= waited < 10

@@ -159,6 +159,10 @@ def test_close_ends_every_wait_and_releases_the_owners_resources(client, tmp_pat
     assert not scheduler_has(client, name)
     assert registry(client, name) == [None, None]
     wait_until(lambda: threads_of(client, name) == [[], []], 60, "its threads gone")
+    # and nothing kept per name on the scheduler: the lock of a name's life goes too
+    assert client.run_on_scheduler(
+        lambda dask_scheduler: name in dask_scheduler.extensions["daskdist"].names._life) \
+        is False
 
 
 def test_a_client_gone_for_client_grace_frees_its_owner(cluster, client):

@@ -218,6 +218,40 @@ def boom_at_3(df):
     return df
 
 
+def take_in_a_thread(it):
+    """A closure that takes its batch in a thread it started outside its context: no
+    closure can acknowledge those rows. What the thread got or raised."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["rows"] = len(next(it)["id"])
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["error"] = str(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out
+
+
+def test_a_batch_taken_off_a_closures_scope_goes_back_and_the_epoch_completes(coord):
+    """A DataFrame batch taken in a thread the closure did not start in its context:
+    its rows go back to the pool and the thread gets an error saying so, as for files
+    (before, the rows stayed leased for good and the epoch never completed)."""
+    ds = coord.distribute_dataset(lazy_frame(4), global_batch_size=20, name="threads")
+    it = iter(ds)
+    outs = coord.fetch([coord.schedule(take_in_a_thread, args=(it,)) for _ in range(4)])
+    assert all("no closure could acknowledge its rows" in o.get("error", "") for o in outs)
+    assert ds.progress()["acknowledged"] == 0
+    records = drain(coord, ds, it)
+    ids = Counter(i for r in records for i in r["id"])
+    assert sorted(ids) == list(range(4 * ROWS)) and set(ids.values()) == {1}
+    assert ds.progress()["leased"] == 0
+
+
 def test_an_error_in_the_users_graph_names_the_partition(coord):
     df = lazy_frame(8).map_partitions(boom_at_3)
     ds = coord.distribute_dataset(df, global_batch_size=20, name="boom")

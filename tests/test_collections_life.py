@@ -303,3 +303,59 @@ def test_the_worker_computing_the_partitions_killed_mid_epoch_every_row_once(tmp
         wait_until(lambda: not busy(client), 60, "Dask to forget every partition")
         coord.close()
         wait_until(lambda: no_threads(client), 60, "no daskdist thread on the workers")
+
+
+
+def slow_when_recomputed(mark: str) -> int:
+    """At once the first time, 3 s each time Dask computes it again."""
+    if os.path.exists(mark):
+        time.sleep(3.0)
+    else:
+        open(mark, "w").close()
+    return 1
+
+
+def test_a_lost_partition_is_awaited_without_polling(tmp_path):
+    """A partition computed on a worker that is then SIGKILLed: its future goes "lost"
+    while Dask computes it again (3 s). A loader's wait for it (data/compute.py
+    ``settled``) sleeps on the future's own state meanwhile: this process stays idle
+    (before, the wait woke at once for a lost future, over and over: a core busy)."""
+    import signal
+    import threading
+
+    from distributed import Client
+
+    from daskdist.data.compute import Interrupt, settled
+
+    with make_cluster(2, threads=1) as cluster, Client(cluster) as client:
+        a = sorted(client.scheduler_info()["workers"])[0]
+        fut = client.submit(slow_when_recomputed, str(tmp_path / "mark"), workers=[a],
+                            allow_other_workers=True, pure=False)
+        assert fut.result(timeout=60) == 1
+        os.kill(client.run(os.getpid, workers=[a])[a], signal.SIGKILL)
+        wait_until(lambda: fut.status == "lost", 30, "the future to be lost")
+        cpu0, t0 = time.process_time(), time.monotonic()
+        done = threading.Event()
+        waiter = threading.Thread(
+            target=lambda: (Interrupt().wait(settled(fut, client.loop)), done.set()))
+        waiter.start()
+        assert done.wait(60), "the wait never ended"
+        waited, used = time.monotonic() - t0, time.process_time() - cpu0
+        assert fut.status == "finished" and fut.result(timeout=30) == 1
+        assert waited >= 1.0, waited  # it waited for the recomputation
+        assert used < 0.3 * waited, (used, waited)  # asleep, not polling
+        # an interrupt ends such a wait at once
+        os.kill(client.run(os.getpid, workers=[fut_where(client, fut)])[
+            fut_where(client, fut)], signal.SIGKILL)
+        wait_until(lambda: fut.status == "lost", 30, "the future to be lost again")
+        stop = Interrupt()
+        threading.Timer(0.2, stop.interrupt).start()
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="") as e:
+            stop.wait(settled(fut, client.loop))
+        assert type(e.value).__name__ == "Interrupted" and time.monotonic() - t0 < 2.0
+
+
+def fut_where(client, fut) -> str:
+    """The worker holding ``fut``'s result now."""
+    return client.who_has([fut])[fut.key][0]

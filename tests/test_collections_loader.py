@@ -19,8 +19,10 @@ da = pytest.importorskip("dask.array")
 from daskdist.context import ClosureScope, InputContext, closure_scope  # noqa: E402
 from daskdist.core.partitions import STRIDE  # noqa: E402
 from daskdist.data import ArrowLoader, LocalLeaseService  # noqa: E402
-from daskdist.data.collections import DaskCollection, as_source  # noqa: E402
+from daskdist.data.collections import DaskCollection  # noqa: E402
+from daskdist.data.sources import as_source  # noqa: E402
 from daskdist.errors import InputError  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 
 PARTS = 12
 ROWS = 37  # rows per partition (the last partitions shorter, below)
@@ -141,8 +143,11 @@ def test_static_policies_split_partitions_like_files():
         ld = ArrowLoader(frame(), InputContext(2, i, 2), batch_size=10, policy="data")
         data += [v for b in ld for v in b["id"].tolist()]
     assert sorted(data) == sorted(all_ids())
-    off = ArrowLoader(frame(), batch_size=10)  # no lease service: "auto"
-    assert off.policy == "auto"
+    off = ArrowLoader(frame(), batch_size=10)  # no lease service: "auto", one pipeline
+    assert off.policy == "off"  # resolved as for files
+    assert sorted(v for b in off for v in b["id"].tolist()) == sorted(all_ids())
+    few = ArrowLoader(frame(4), InputContext(9, 0, 9), batch_size=10)  # fewer partitions
+    assert few.policy == "data"  # than pipelines: every pipeline keeps its share of rows
 
 
 def test_state_dict_resumes_a_static_epoch_and_checks_the_collection():
@@ -254,7 +259,7 @@ def test_unknown_lengths_use_strided_ids():
 
 
 def test_a_partitions_arrow_table_is_what_pyarrow_makes_of_the_frame():
-    from daskdist.data.collections import _frame_table
+    from daskdist.data.partitions import _frame_table
 
     pa = pytest.importorskip("pyarrow")
     n = 6
@@ -294,7 +299,6 @@ def test_a_reader_computes_the_partition_it_reads_and_partitions_ahead_more():
     """While partition 0 is read, partitions_ahead (2) partitions compute behind it,
     never more: the first batch comes with exactly 3 partitions started (read inline,
     prefetch=0: a prefetch thread would read on, one partition further)."""
-    from tests.conftest import wait_until
 
     STARTED.clear()
     GATE.clear()
@@ -318,3 +322,93 @@ def test_a_reader_computes_the_partition_it_reads_and_partitions_ahead_more():
     assert set(seen) == {1000 * i + k for i in range(6) for k in range(ROWS)}
     assert set(seen.values()) == {1}
     ld.close()
+
+
+def test_integer_column_labels_are_the_batch_keys_as_in_pandas():
+    """A frame built from a NumPy array (labels 0, 1, 2) gives ``batch[0]``, ``batch[1]``,
+    ..., as ``df[0]`` does, under every policy; ``columns=`` and ``fill_null=`` take the
+    labels too (each partition failed before: its columns were looked up as strings)."""
+    arr = np.arange(60, dtype=np.float64).reshape(20, 3)
+    arr[5, 2] = np.nan
+    df = ddf.from_pandas(pd.DataFrame(arr), npartitions=4)
+    svc = LocalLeaseService()
+    ld = ArrowLoader(df, InputContext(services=svc), batch_size=6, fill_null={2: -1.0})
+    seen: list = []
+    it = iter(ld)
+    while True:
+        scope = ClosureScope()
+        with closure_scope(scope):
+            try:
+                b = next(it)
+            except StopIteration:
+                break
+        assert svc.ack_tokens(scope.tokens)
+        assert list(b) == [0, 1, 2]
+        seen += b[0].tolist()
+        assert (b[1] == b[0] + 1).all() and set(b[2].tolist()) <= set(arr[:, 2]) | {-1.0}
+    assert sorted(seen) == arr[:, 0].tolist() and ld.progress()["complete"]
+    static = ArrowLoader(df, batch_size=7, columns=[2, 0], fill_null=0.0)
+    batches = list(static)
+    assert all(list(b) == [2, 0] for b in batches)
+    assert sorted(v for b in batches for v in b[0].tolist()) == arr[:, 0].tolist()
+
+
+def test_a_partition_that_fails_to_convert_fails_the_epoch_naming_it_and_the_column():
+    """A null in a numeric column without ``fill_null``: each read gives the
+    partition's rows back (deferred, the failure counted) and those computed ahead
+    (free), naming the partition and the column; the ``max_worker_failures``-th fails
+    the epoch with ``InputError``, which ``progress()`` reports, nothing left leased
+    (before, the rows stayed leased and the epoch never completed nor failed)."""
+    def nan_in_2(i):
+        x = np.arange(10, dtype=np.float64) + 100 * i
+        if i == 2:
+            x[3] = np.nan
+        return pd.DataFrame({"id": np.arange(10) + 100 * i, "x": x})
+
+    df = ddf.from_map(nan_in_2, range(6))
+    svc = LocalLeaseService()  # max_failures: 3, the coordinator's default
+    ld = ArrowLoader(df, InputContext(services=svc), batch_size=5)
+    it = iter(ld)
+    errors, seen = [], []
+    for _ in range(200):
+        scope = ClosureScope()
+        try:
+            with closure_scope(scope):
+                b = next(it)
+        except StopIteration:
+            break
+        except (ValueError, InputError) as e:
+            errors.append(e)
+            assert "partition 2" in str(e) and "'x'" in str(e), e
+            assert ld.progress()["leased"] == 0  # given back at once
+            if isinstance(e, InputError):
+                break
+            continue
+        assert svc.ack_tokens(scope.tokens)
+        seen += b["id"].tolist()
+    assert [type(e) for e in errors] == [ValueError, ValueError, InputError]
+    assert "3 times" in str(errors[-1])
+    p = ld.progress()
+    assert not p["complete"] and "partition 2" in p["failed"] and p["leased"] == 0
+    assert sorted(seen) == [100 * i + k for i in range(6) if i != 2 for k in range(10)]
+    ld.close()
+
+
+def partition_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("daskdist-partition")]
+
+
+def test_closing_a_loader_shuts_its_partition_pool_down():
+    """Outside a coordinator a loader computes partitions in threads of its own: closing
+    it (or reading its epoch to the end, then closing) ends them, and iterating again
+    starts afresh (before, the pool was never shut down)."""
+    before = set(partition_threads())
+    ld = ArrowLoader(frame(4), batch_size=10, partitions_ahead=2)
+    it = iter(ld)
+    next(it)
+    assert set(partition_threads()) - before
+    ld.close()
+    wait_until(lambda: not set(partition_threads()) - before, 10, "the pool's threads to end")
+    assert sorted(v for b in ld for v in b["id"].tolist()) == sorted(all_ids(4))
+    ld.close()
+    wait_until(lambda: not set(partition_threads()) - before, 10, "the pool's threads to end")

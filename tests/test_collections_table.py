@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from daskdist.core import resume
 from daskdist.core.intervals import normalize, size_of
 from daskdist.core.leases import EpochFailed, LeaseTable
-from daskdist.core.partitions import STRIDE, Permutation, StridedUnits
-from tests.tables import check_leases, leased_to
+from daskdist.core.partitions import STRIDE, Permutation
+from daskdist.core.units import DenseUnits, StridedUnits
+from tests.tables import check_leases, define_collection, leased_to
 
 DS = "frame"
 S = STRIDE
@@ -22,7 +24,7 @@ S = STRIDE
 
 def collection(n: int, **kw) -> LeaseTable:
     t = LeaseTable()
-    t.define_collection(DS, n, label="train", seed=kw.pop("seed", 0), **kw)
+    define_collection(t, DS, n, label="train", seed=kw.pop("seed", 0), **kw)
     return t
 
 
@@ -32,16 +34,16 @@ def test_a_partition_of_unknown_length_is_leased_whole_and_its_tail_dropped_when
     assert (p["known"], p["total"], p["units"], p["units_known"]) == (False, 0, 3, 0)
     assert t.acquire("a", DS, 0, 1) == [(0, S)]  # partition 0, every id it may have
     assert t.acquire("b", DS, 0, 1) == [(S, 2 * S)]
-    assert t.set_length("a", DS, 0, 0, 7) is None
+    assert resume.set_length(t, "a", DS, 0, 0, 7) is None
     assert leased_to(t, "a", DS, 0) == [(0, 7)]
     p = t.progress(DS, 0)
     assert (p["known"], p["total"], p["leased"], p["free"]) == (False, 7, 7, 0)
     check_leases(t)
     assert t.ack("a", DS, 0, [(0, 7)])
-    assert t.set_length("b", DS, 0, 1, 0) is None  # an empty partition: no row at all
+    assert resume.set_length(t, "b", DS, 0, 1, 0) is None  # an empty partition: no row at all
     assert leased_to(t, "b", DS, 0) == []
     assert t.acquire("a", DS, 0, 1) == [(2 * S, 3 * S)]
-    assert t.set_length("a", DS, 0, 2, 5) is None
+    assert resume.set_length(t, "a", DS, 0, 2, 5) is None
     p = t.progress(DS, 0)
     assert (p["known"], p["total"], p["acknowledged"], p["leased"], p["complete"]) == (
         True, 12, 7, 5, False)
@@ -58,27 +60,27 @@ def test_a_partition_of_unknown_length_is_leased_whole_and_its_tail_dropped_when
 def test_a_recomputed_partition_whose_length_differs_fails_the_epoch_naming_it():
     t = collection(4)
     t.acquire("a", DS, 0, 1)
-    assert t.set_length("a", DS, 0, 0, 10) is None
-    assert t.set_length("a", DS, 0, 0, 10) is None  # the same again: fine
-    why = t.set_length("b", DS, 0, 0, 11)
+    assert resume.set_length(t, "a", DS, 0, 0, 10) is None
+    assert resume.set_length(t, "a", DS, 0, 0, 10) is None  # the same again: fine
+    why = resume.set_length(t, "b", DS, 0, 0, 11)
     assert "partition 0" in why and "11 rows now and had 10" in why and "'train'" in why
     with pytest.raises(EpochFailed, match="partition 0"):
         t.acquire("b", DS, 0, 1)
     assert t.progress(DS, 0)["failed"] == why
     with pytest.raises(ValueError, match="partition 9"):
-        t.set_length("a", DS, 0, 9, 1)
+        resume.set_length(t, "a", DS, 0, 9, 1)
     with pytest.raises(ValueError, match="at most"):
-        t.set_length("a", DS, 0, 1, S)
+        resume.set_length(t, "a", DS, 0, 1, S)
 
 
 def test_known_lengths_use_dense_ids_and_a_differing_computed_length_fails():
     t = LeaseTable()
-    t.define_collection(DS, 3, runs=[(4, 2), (2, 1)])
+    define_collection(t, DS, 3, runs=[(4, 2), (2, 1)])
     assert t.acquire("a", DS, 0, 1) == [(0, 4)]
-    assert t.set_length("a", DS, 0, 0, 4) is None
-    assert "has 3 rows now and had 4" in t.set_length("a", DS, 0, 1, 3)
+    assert resume.set_length(t, "a", DS, 0, 0, 4) is None
+    assert "has 3 rows now and had 4" in resume.set_length(t, "a", DS, 0, 1, 3)
     with pytest.raises(ValueError, match="runs hold 3 units, not 5"):
-        t.define_collection("x", 5, runs=[(4, 2), (2, 1)])
+        define_collection(t, "x", 5, runs=[(4, 2), (2, 1)])
 
 
 def test_a_shuffled_collection_leases_its_partitions_in_a_seeded_order():
@@ -112,7 +114,7 @@ def test_a_given_partition_can_be_leased_where_it_is_held():
     t = collection(4)
     assert t.acquire_unit("a", DS, 0, 2) == [(2 * S, 3 * S)]
     assert t.acquire_unit("b", DS, 0, 2) is None  # leased already
-    t.set_length("a", DS, 0, 2, 3)
+    resume.set_length(t, "a", DS, 0, 2, 3)
     t.ack("a", DS, 0, [(2 * S, 2 * S + 3)])
     assert t.acquire_unit("a", DS, 0, 2) is None
     assert t.acquire("b", DS, 0, 1) == [(0, S)]  # the lowest free partition
@@ -123,7 +125,7 @@ def test_a_lost_session_gives_back_a_partition_of_unknown_length_whole():
     t = collection(2)
     t.acquire("a", DS, 0, 1)
     t.acquire("a", DS, 0, 1)
-    t.set_length("a", DS, 0, 0, 4)
+    resume.set_length(t, "a", DS, 0, 0, 4)
     assert t.drop_session("a") == 4 + S
     p = t.progress(DS, 0)
     assert (p["free"], p["leased"], p["total"]) == (4, 0, 4)
@@ -139,8 +141,8 @@ def test_strided_units_refuse_sizes_out_of_range():
     assert u.runs == [(-S, 3)] and u.bounds(1) == (S, 2 * S)
     assert u.learn(1, 5) is None and u.bounds(1) == (S, S + 5) and u.learn(1, 6) == 5
     t = collection(3)
-    with pytest.raises(ValueError, match="differs"):
-        t.define_collection(DS, 4)
+    with pytest.raises(ValueError, match="differ from its definition"):
+        define_collection(t, DS, 4)
 
 
 def half_trained(lengths=(5, 0, 4, 6)) -> LeaseTable:
@@ -149,7 +151,7 @@ def half_trained(lengths=(5, 0, 4, 6)) -> LeaseTable:
     t = collection(len(lengths) + 2)
     for u in range(len(lengths)):
         assert t.acquire_unit("a", DS, 0, u) == [(u * S, (u + 1) * S)]
-        assert t.set_length("a", DS, 0, u, lengths[u]) is None
+        assert resume.set_length(t, "a", DS, 0, u, lengths[u]) is None
     for u in range(len(lengths) - 1):
         if lengths[u]:
             assert t.ack("a", DS, 0, [(u * S, u * S + lengths[u])])
@@ -175,7 +177,7 @@ def test_learned_lengths_are_run_length_encoded_and_unknown_ones_marked():
         u.learn(unit, 7)
     assert u.length_runs() == [(7, 3), (-1, 2)]  # rebuilt after a length is learned
     dense = LeaseTable()
-    dense.define_collection(DS, 2, [(10, 2)])
+    define_collection(dense, DS, 2, [(10, 2)])
     assert dense.known_lengths(DS) is None  # known lengths: nothing to carry
 
 
@@ -183,8 +185,8 @@ def test_a_resumed_epoch_with_the_ledgers_lengths_leases_only_the_partitions_lef
     t = half_trained()
     acked, lengths = t.acknowledged(DS, 0), t.known_lengths(DS)
     fresh = collection(6)  # a new dataset over the same collection
-    assert fresh.learn_lengths(DS, lengths) == 4
-    fresh.start_epoch(DS, 0, acked)
+    assert resume.learn_lengths(fresh, DS, lengths) == 4
+    resume.start_epoch(fresh, DS, 0, acked)
     p = fresh.progress(DS, 0)
     assert (p["units_known"], p["total"], p["acknowledged"]) == (4, 15, 11)
     # only partition 3 (4 rows left: computed again) and the two never computed
@@ -193,7 +195,7 @@ def test_a_resumed_epoch_with_the_ledgers_lengths_leases_only_the_partitions_lef
     # without the lengths every trained partition's ids past its rows look free: each
     # would be leased, and computed, just to learn that nothing of it is left
     blind = collection(6)
-    blind.start_epoch(DS, 0, acked)
+    resume.start_epoch(blind, DS, 0, acked)
     assert leased_units(blind, 0) == [0, 1, 2, 3, 4, 5]
 
 
@@ -218,13 +220,13 @@ def test_a_checkpoint_ledger_carries_the_learned_lengths():
 def test_lengths_that_differ_or_do_not_fit_are_refused_naming_the_partition():
     t = half_trained()
     with pytest.raises(ValueError, match="partition 2 .* 4 rows here and 9"):
-        t.learn_lengths(DS, [(5, 1), (0, 1), (9, 1)])
+        resume.learn_lengths(t, DS, [(5, 1), (0, 1), (9, 1)])
     assert t.known_lengths(DS)[:3] == [(5, 1), (0, 1), (4, 1)]  # nothing changed
     with pytest.raises(ValueError, match="do not fit"):
-        t.learn_lengths(DS, [(5, 7)])
+        resume.learn_lengths(t, DS, [(5, 7)])
     with pytest.raises(ValueError, match="do not fit"):
-        t.learn_lengths(DS, [(S, 1)])
-    assert t.learn_lengths(DS, [(5, 1), (-1, 4), (3, 1)]) == 1  # agrees; learns one
+        resume.learn_lengths(t, DS, [(S, 1)])
+    assert resume.learn_lengths(t, DS, [(5, 1), (-1, 4), (3, 1)]) == 1  # agrees; learns one
     # a live epoch's pools lose the ids past a length learned from a ledger
     assert t.acquire_unit("b", DS, 0, 5) == [(5 * S, 5 * S + 3)]
     assert t.progress(DS, 0)["units_known"] == 5
@@ -265,7 +267,7 @@ class CollectionMachine(RuleBasedStateMachine):
         s = self.sessions[i]
         for a, b in self._held(s, epoch):
             for u in range(a // S, (b - 1) // S + 1):
-                assert self.t.set_length(s, DS, epoch, u, self.lengths[u]) is None
+                assert resume.set_length(self.t, s, DS, epoch, u, self.lengths[u]) is None
                 self.computed.setdefault((s, epoch), set()).add(u)
 
     @rule(i=st.integers(0, 2), epoch=st.integers(0, 1), ok=st.booleans(),
@@ -322,7 +324,7 @@ class CollectionMachine(RuleBasedStateMachine):
             while (lease := self.t.acquire(s, DS, epoch, 1)) is not None:
                 for a, b in lease:
                     for u in range(a // S, (b - 1) // S + 1):
-                        self.t.set_length(s, DS, epoch, u, self.lengths[u])
+                        resume.set_length(self.t, s, DS, epoch, u, self.lengths[u])
                 held = self._held(s, epoch)
                 if held:
                     assert self.t.ack(s, DS, epoch, held)
@@ -342,8 +344,8 @@ TestCollectionMachine.settings = settings(max_examples=150, stateful_step_count=
 def test_universe_sizes():
     t = collection(2)
     t.acquire("a", DS, 0, 1)
-    t.set_length("a", DS, 0, 0, 3)
-    assert size_of(t.datasets[DS].universe()) == 3 + S
+    resume.set_length(t, "a", DS, 0, 0, 3)
+    assert size_of(t.datasets[DS].defined.universe()) == 3 + S
 
 
 # -- the tail rule for collections: whole partitions, the hold-back ----------------------
@@ -357,7 +359,7 @@ def test_a_collections_partition_is_never_split_at_the_tail_where_a_files_unit_i
     files.define(DS, [(100, 2)], "train")
     assert lease_tail(files, "a", 4) == [(0, 1)]  # a file's unit: split toward ``least``
     t = LeaseTable()
-    t.define_collection(DS, 2, runs=[(100, 2)], label="train")
+    define_collection(t, DS, 2, runs=[(100, 2)], label="train")
     assert lease_tail(t, "a", 4) == [(0, 100)]  # a partition: read (computed) whole
     assert lease_tail(t, "b", 4) == [(100, 200)]
     s = collection(2)
@@ -368,7 +370,7 @@ def test_a_collections_partition_is_never_split_at_the_tail_where_a_files_unit_i
 
 def test_a_member_holding_two_partitions_waits_at_the_tail_for_one_holding_none():
     t = LeaseTable()
-    t.define_collection(DS, 10, runs=[(100, 10)], label="train")
+    define_collection(t, DS, 10, runs=[(100, 10)], label="train")
     for _ in range(3):  # ten partitions free for three members: not the tail yet
         assert lease_tail(t, "b", 3) is not None
     assert lease_tail(t, "a", 3) == [(300, 400)]
@@ -386,15 +388,14 @@ def test_a_member_holding_two_partitions_waits_at_the_tail_for_one_holding_none(
 
 
 def test_the_hold_back_counts_partitions_of_unknown_length_by_their_ids():
-    from daskdist.core.leases import _Units, _units_in
 
     units = StridedUnits(10)
-    assert _units_in(units, 3 * S) == 3  # no length learned: STRIDE ids each
+    assert units.units_in(3 * S) == 3  # no length learned: STRIDE ids each
     units.learn(0, 10)
     units.learn(1, 30)
-    assert _units_in(units, 3 * S + 40) == 5  # and learned ones by their mean (20)
-    assert _units_in(_Units([(100, 4)]), 250) == 2.5
-    assert _units_in(_Units([(0, 2)]), 0) == 0
+    assert units.units_in(3 * S + 40) == 5  # and learned ones by their mean (20)
+    assert DenseUnits([(100, 4)]).units_in(250) == 2.5
+    assert DenseUnits([(0, 2)]).units_in(0) == 0
 
 
 @given(st.integers(1, 12), st.integers(1, 4), st.integers(1, 4),
@@ -407,7 +408,7 @@ def test_collection_leases_at_the_tail_are_whole_and_every_row_is_read_once(
     the tail (under two free per member) no member is leased a third; the epoch ends
     with every row acknowledged once."""
     t = LeaseTable()
-    t.define_collection(DS, n, runs=[(rows, n)], label="train")
+    define_collection(t, DS, n, runs=[(rows, n)], label="train")
     held: dict[str, list[tuple[int, int]]] = {}
     acked: Counter = Counter()
 

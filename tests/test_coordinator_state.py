@@ -426,6 +426,55 @@ def test_a_commit_whose_parts_do_not_all_come_expires_refused():
     assert co.group_book.commit_outcome("s1", key) is False and not co.group_book.commit_events
 
 
+def test_a_commit_part_waits_at_most_the_groups_timeout_and_checks_its_tokens():
+    """A part's caller cannot keep a commit open past the group's own timeout (it asked
+    for a day: refused after the group's 0.2 s), nor send tokens that are not a list
+    of lease tokens (a TypeError naming them; a malformed one refuses the commit)."""
+    import time
+
+    co = make()
+    for s, w in (("s1", "w1"), ("s2", "w2")):
+        start(co, s, w)
+    _formed_group(co, ("s1", "s2"))
+    co.gangs.configure("gloo", 0.2)
+    part = route(co, "daskdist_gang_commit_part")
+    key = list(CommitKey("state", co.gangs.group.generation, 1))
+
+    async def run():
+        t0 = time.monotonic()
+        ok = await part(session="s1", key=key, rank=0, world=2, tokens=[], timeout=86400.0)
+        return ok, time.monotonic() - t0
+
+    ok, waited = asyncio.run(run())
+    assert ok is False and waited < 5.0
+    with pytest.raises(TypeError, match="tokens must be a list"):
+        asyncio.run(part(session="s1", key=key, rank=0, world=2, tokens="abc", timeout=1.0))
+    with pytest.raises(ValueError, match="timeout must be in"):
+        asyncio.run(part(session="s1", key=key, rank=0, world=2, tokens=[], timeout=-1.0))
+    bad = list(CommitKey("state", co.gangs.group.generation, 2))
+    assert asyncio.run(part(session="s1", key=bad, rank=0, world=1,
+                            tokens=[["lease", "ds", "x", []]], timeout=1.0)) is False
+
+
+def test_forgetting_a_dataset_forgets_its_counters():
+    """The dashboard's per-dataset row counts go with the dataset (its handle released,
+    its owner closed): nothing kept per dataset grows with the datasets ever made."""
+    co = make()
+    co.closure_book.add_owner("me", None, "t")
+    start(co, "s1", "w1")
+    for rid in ("dataset-a", "dataset-b"):
+        co.add_resource("me", rid, b"spec")
+        co.leases.define(rid, [(10, 2)], owner="me")
+        assert co.leases.ack("s1", rid, 0, co.leases.acquire("s1", rid, 0, 20))
+        co.leases.define(rid + ".1", [(5, 1)])
+    assert set(co.stats.dataset_rows) == {"dataset-a", "dataset-b"}
+    co.release_resources(["dataset-a"])
+    assert set(co.stats.dataset_rows) == {"dataset-b"}
+    assert set(co.leases.datasets) == {"dataset-b", "dataset-b.1"}
+    co.drop_owner("me")
+    assert co.stats.dataset_rows == {} and co.leases.datasets == {}
+
+
 def test_a_non_member_leaving_refuses_no_open_commit():
     co = make()
     for s, w in (("s1", "w1"), ("s2", "w2"), ("s3", "w3")):
@@ -610,11 +659,24 @@ def test_a_closure_reading_a_per_worker_iterator_names_its_dataset():
     assert _dataset_read((), {}) == ""
 
 
-def test_every_session_handler_answers_an_ended_session_with_one_reply():
-    """Issue 23 item 9: a call naming a session that ended gets SESSION_ENDED from every
-    handler (it was {"expired": True}, {"unknown_session": True}, {"ok": False}, 0 or
-    a ValueError); the live session's replies are as they were."""
-    from daskdist.core.protocol import SESSION_ENDED, CommitKey
+def route(co: CoordinatorState, op: str):
+    """Route ``op`` of ``co`` as the scheduler plugin registers it (its caller checked)."""
+    from daskdist.core import protocol
+    from daskdist.plugins.scheduler.plugin import BOOK_ROUTES
+
+    for book, table in BOOK_ROUTES.items():
+        if op in table:
+            handler = protocol.book_handler({co.name: co}, book, op, table[op])
+            return lambda **kw: handler(name=co.name, **kw)
+    raise KeyError(op)
+
+
+def test_every_session_route_answers_an_ended_session_with_one_reply():
+    """A call naming a session that ended (or never was) gets the route's one reply,
+    SESSION_ENDED (a commit's: refused), checked by the route before its method runs;
+    the live session's replies are as they were, and its lease renewed."""
+    from daskdist.core.protocol import OWNER_OR_SESSION, SESSION, SESSION_ENDED, CommitKey
+    from daskdist.plugins.scheduler.plugin import BOOK_ROUTES
 
     co = make()
     co.closure_book.add_owner("me", None, "t")
@@ -622,29 +684,44 @@ def test_every_session_handler_answers_an_ended_session_with_one_reply():
     start(co, "gone", "w2")
     co.leases.define("ds", [(10, 4)])
     co.end_session("gone")
-    leases, book, groups = co.lease_book, co.closure_book, co.group_book
     key = list(CommitKey("st", 1, 1))
+    ds = dict(dataset_id="ds", epoch=0)
     calls = {
-        "lease_acquire": lambda s: leases.lease_acquire(s, "ds", 0, 5),
-        "lease_release": lambda s: leases.lease_release(s, "ds", 0, [[0, 1]]),
-        "dataset_define": lambda s: leases.dataset_define(("d2", "", [[5, 1]], 0), session=s),
-        "dataset_ledger": lambda s: leases.dataset_ledger(s, "st"),
-        "restore_ledger": lambda s: leases.restore_ledger(s, "st", {}),
-        "checkpoint_written": lambda s: leases.checkpoint_written(s, "st", "u", 1, 0.1, 1),
-        "commit_outcome": lambda s: groups.commit_outcome(s, key),
-        "state_commits": lambda s: groups.state_commits(s, "st"),
-        "report": lambda s: book.report(s, []),
-        "renew": lambda s: book.renew(s),
-        "exchange": lambda s: asyncio.run(book.exchange(_Comm(), s, [], [], 1, False)),
+        "daskdist_lease_acquire": dict(**ds, rows=5),
+        "daskdist_lease_release": dict(**ds, ranges=[[0, 1]]),
+        "daskdist_unit_length": dict(**ds, unit=0, length=10),
+        "daskdist_dataset_define": dict(dataset=["d2", "", [[5, 1]], 0, None, False,
+                                                 False, None]),
+        "daskdist_dataset_helpers": {},
+        "daskdist_dataset_ledger": dict(state="st"),
+        "daskdist_restore_ledger": dict(state="st", ledger={}),
+        "daskdist_checkpoint_written": dict(state="st", url="u", commits=1, seconds=0.1,
+                                            nbytes=1),
+        "daskdist_commit_outcome": dict(key=key),
+        "daskdist_state_commits": dict(state="st"),
+        "daskdist_gang_commit": dict(key=key, world=1, parts=[[]]),
+        "daskdist_get_resource": dict(rid="r"),
+        "daskdist_report": dict(results=[]),
+        "daskdist_renew": {},
     }
-    for what, call in calls.items():
-        assert call("gone") == SESSION_ENDED, what
-        assert call("never-a-member") == SESSION_ENDED, what
-    live = {what: call("live") for what, call in calls.items()}
-    assert live["lease_acquire"]["lease"] and live["lease_release"] == 1
-    assert live["renew"] == {"ok": True} and live["commit_outcome"] is False
-    assert live["state_commits"] == 0 and live["checkpoint_written"] is None
-    assert "closures" in live["exchange"] and "hold" in live["report"]
+    sessions = {op for table in BOOK_ROUTES.values() for op, r in table.items()
+                if r.caller in (SESSION, OWNER_OR_SESSION)}
+    assert sessions == set(calls) | {"daskdist_exchange", "daskdist_gang_commit_part"}
+    for op, kw in calls.items():
+        ended = next(t[op] for t in BOOK_ROUTES.values() if op in t).ended
+        assert route(co, op)(session="gone", **kw) == ended, op
+        assert route(co, op)(session="never-a-member", **kw) == ended, op
+    assert asyncio.run(route(co, "daskdist_exchange")(
+        comm=_Comm(), session="gone", results=[], held=[], want=1,
+        block=False)) == SESSION_ENDED
+    live = {op: route(co, op)(session="live", **kw) for op, kw in calls.items()}
+    assert live["daskdist_lease_acquire"]["lease"] and live["daskdist_lease_release"] == 1
+    assert live["daskdist_renew"] == {"ok": True}
+    assert live["daskdist_commit_outcome"] is False
+    assert live["daskdist_state_commits"] == 0 and live["daskdist_checkpoint_written"] is None
+    assert "hold" in live["daskdist_report"] and live["daskdist_get_resource"] is None
+    assert "closures" in asyncio.run(route(co, "daskdist_exchange")(
+        comm=_Comm(), session="live", results=[], held=[], want=1, block=False))
     assert all(reply != SESSION_ENDED for reply in live.values())
 
 

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import daskdist as dd
-from daskdist.core.protocol import SESSION_ENDED
-from tests.conftest import make_cluster, take_rows, wait_for_workers, wait_until
+from daskdist.core.protocol import SESSION_ENDED, DatasetDef
+from tests.conftest import live_session, make_cluster, take_rows, wait_for_workers, wait_until
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")]
@@ -335,32 +335,36 @@ def test_lease_handlers_check_arguments_and_sessions(client, coord, shards):
     def call(op, **kw):
         return client.sync(getattr(client.scheduler, op), name=coord.name, **kw)
 
-    good = {"session": "x" * 32, "dataset_id": ds.dataset_id, "epoch": 0}
+    # a worker's route checks its session first (below), then its arguments
+    live = {"session": live_session(client, coord.name), "dataset_id": ds.dataset_id,
+            "epoch": 0}
+    good = {**live, "session": "x" * 32}
     bad_args = [
-        ("daskdist_lease_acquire", {**good, "rows": 100, "dataset_id": 7}, TypeError,
+        ("daskdist_lease_acquire", {**live, "rows": 100, "dataset_id": 7}, TypeError,
          "dataset_id must be a str"),
-        ("daskdist_lease_acquire", {**good, "rows": 100, "epoch": -1}, ValueError,
+        ("daskdist_lease_acquire", {**live, "rows": 100, "epoch": -1}, ValueError,
          "epoch must be between 0 and"),
-        ("daskdist_lease_acquire", {**good, "rows": "100"}, TypeError, "rows must be an int"),
-        ("daskdist_lease_acquire", {**good, "rows": True}, TypeError, "rows must be an int"),
-        ("daskdist_lease_release", {**good, "ranges": [[0, 1]] * (1 + (1 << 18))}, ValueError,
+        ("daskdist_lease_acquire", {**live, "rows": "100"}, TypeError, "rows must be an int"),
+        ("daskdist_lease_acquire", {**live, "rows": True}, TypeError, "rows must be an int"),
+        ("daskdist_lease_release", {**live, "ranges": [[0, 1]] * (1 + (1 << 18))}, ValueError,
          "ranges must hold at most 262144 items, got 262145"),
-        ("daskdist_lease_release", {**good, "ranges": [[0, 1, 2]]}, TypeError,
+        ("daskdist_lease_release", {**live, "ranges": [[0, 1, 2]]}, TypeError,
          r"ranges\[0\] must be a pair"),
-        ("daskdist_lease_release", {**good, "ranges": [[0, 1]], "failure": "f"}, TypeError,
+        ("daskdist_lease_release", {**live, "ranges": [[0, 1]], "failure": "f"}, TypeError,
          "failure"),
-        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, 1]], 0], "owner": "nobody",
-                                     "token": coord._token},
+        ("daskdist_dataset_define", {"dataset": list(DatasetDef("d", "", [[5, 1]], 0)),
+                                     "owner": "nobody", "token": coord._token},
          PermissionError, "has no owner 'nobody'"),
-        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, 1]], 0], "owner": coord._owner,
-                                     "token": "not-the-secret"},
+        ("daskdist_dataset_define", {"dataset": list(DatasetDef("d", "", [[5, 1]], 0)),
+                                     "owner": coord._owner, "token": "not-the-secret"},
          PermissionError, "is not owner"),
         ("daskdist_dataset_define", {"dataset": ["d", "", [[5, 1]]], "owner": coord._owner,
                                      "token": coord._token}, TypeError, "DatasetDef"),
-        ("daskdist_dataset_define", {"dataset": ["d", "", [[5, -1]], 0],
+        ("daskdist_dataset_define", {"dataset": list(DatasetDef("d", "", [[5, -1]], 0)),
                                      "owner": coord._owner, "token": coord._token},
          ValueError, r"runs\[0\]\[1\] must be between"),
-        ("daskdist_dataset_define", {"dataset": [ds.dataset_id, "", [[5, 1]], 0],
+        ("daskdist_dataset_define", {"dataset": list(DatasetDef(ds.dataset_id, "", [[5, 1]],
+                                                                 0)),
                                      "owner": coord._owner, "token": coord._token},
          ValueError, "differ"),
         ("daskdist_dataset_start", {"owner": coord._owner, "token": coord._token,
@@ -380,7 +384,7 @@ def test_lease_handlers_check_arguments_and_sessions(client, coord, shards):
     before = ds.progress()
     assert call("daskdist_lease_acquire", **good, rows=100) == SESSION_ENDED
     assert call("daskdist_lease_release", **good, ranges=[[0, TOTAL]]) == SESSION_ENDED
-    assert call("daskdist_dataset_define", dataset=["d2", "", [[5, 1]], 0],
+    assert call("daskdist_dataset_define", dataset=list(DatasetDef("d2", "", [[5, 1]], 0)),
                 session="x" * 32) == SESSION_ENDED
     assert ds.progress() == before
     assert "d2" not in datasets_on_scheduler(client, coord.name)

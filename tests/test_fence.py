@@ -188,3 +188,64 @@ def test_a_fence_mid_read_closes_the_old_sessions_loaders(shards):
         assert p["acknowledged"] == TOTAL and p["leased"] == 0
         assert coord.status()["acks_refused"] == 0
         coord.close()
+
+
+def wait_then_ask(marker: str) -> str:
+    """Runs until the test ended this worker's session on the scheduler, then asks the
+    scheduler something as that session: the reply says the session ended."""
+    from daskdist.context import session_services
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker):
+        assert time.monotonic() < deadline, "the session was never ended"
+        time.sleep(0.01)
+    try:
+        session_services().state_commits("probe")
+        out = "live"
+    except dd.CollectiveError as e:
+        out = str(e)
+    with open(marker + ".log", "a") as f:
+        f.write(out + "\n")
+    return out
+
+
+def quick(i: int) -> int:
+    return i
+
+
+def runner_slots(dask_worker) -> tuple:
+    from daskdist.core.protocol import worker_plugin_name
+
+    r = dask_worker.plugins[worker_plugin_name("slots")].runner
+    return r.taken, r.gangs, len(r.started())
+
+
+def test_a_fenced_session_frees_the_slots_of_closures_it_did_not_run(tmp_path):
+    """The scheduler ends a worker's session while it runs a closure and holds others
+    prefetched: the closure's thread then finds the next one's session ended and does
+    not run it; that closure's slot is free again (before, it stayed taken for good:
+    the worker took one closure less for ever after), and every closure completes
+    once the worker has a new session."""
+    marker = str(tmp_path / "ended")
+    with make_cluster(1, threads=1) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="slots")
+        wait_for_workers(client, coord, 1)
+        first = coord.schedule(wait_then_ask, args=(marker,))
+        rest = [coord.schedule(quick, args=(i,)) for i in range(8)]
+        (addr,) = client.scheduler_info()["workers"]
+        wait_until(lambda: client.run(runner_slots, workers=[addr])[addr][2] == 1, 30,
+                   "the first closure running, the others prefetched")
+
+        def end(dask_scheduler):
+            co = dask_scheduler.extensions["daskdist"].coordinators["slots"]
+            co.end_session(co.members.session_of(addr), expected=False)
+
+        client.run_on_scheduler(end)
+        open(marker, "w").close()
+        # its first run found its session ended (its result dropped); it ran again
+        assert first.fetch(timeout=60) == "live"
+        assert "ended" in open(marker + ".log").read().splitlines()[0]
+        assert [rv.fetch(timeout=60) for rv in rest] == list(range(8))
+        wait_until(lambda: client.run(runner_slots, workers=[addr])[addr] == (0, 0, 0), 30,
+                   "every slot free once nothing runs")
+        coord.close()

@@ -17,15 +17,16 @@ from hypothesis.stateful import (
     rule,
 )
 
+from daskdist.core import resume
 from daskdist.core.intervals import intervals_from_ids, normalize, subtract, union
 from daskdist.core.leases import (
     EpochFailed,
     LeaseTable,
     SessionExpired,
     UnknownDataset,
-    _Units,
     unit_runs,
 )
+from daskdist.core.units import DenseUnits
 from tests.tables import check_leases, leased_to
 
 DS = "ds"
@@ -39,7 +40,7 @@ def table(unit_rows, **kw) -> LeaseTable:
 
 def test_units_are_defined_once_as_runs():
     assert unit_runs([3, 3, 3, 0, 2, 2]) == [(3, 3), (0, 1), (2, 2)]
-    units = _Units(unit_runs([1000] * 999 + [7]))
+    units = DenseUnits(unit_runs([1000] * 999 + [7]))
     assert (units.units, units.total, units.nbytes()) == (1000, 999_007, 8 + 2 * 16)
     assert units.stop_of(0) == 1000 and units.stop_of(1999) == 2000
     assert units.stop_of(999_000) == 999_007
@@ -225,7 +226,7 @@ def test_an_epoch_starts_from_an_exported_ledger():
     assert t.acknowledged(DS, 5) == []  # not started
     # a new dataset over the same units (a new coordinator) continues the epoch
     t2 = table([10] * 10)
-    t2.start_epoch(DS, 4, ledger)
+    resume.start_epoch(t2, DS, 4, ledger)
     p = t2.progress(DS, 4)
     assert (p["acknowledged"], p["free"], p["complete"]) == (15, 85, False)
     got = []
@@ -236,11 +237,11 @@ def test_an_epoch_starts_from_an_exported_ledger():
     assert subtract(ledger, normalize(got)) == ledger  # none of the ledger's again
     assert t2.progress(DS, 4)["complete"]
     with pytest.raises(ValueError, match="started already"):
-        t2.start_epoch(DS, 4, [])
+        resume.start_epoch(t2, DS, 4, [])
     with pytest.raises(ValueError, match="outside"):
-        t2.start_epoch(DS, 6, [(90, 101)])
+        resume.start_epoch(t2, DS, 6, [(90, 101)])
     t3 = table([10] * 10)
-    t3.start_epoch(DS, 0, [(0, 100)])  # a complete ledger completes the epoch at once
+    resume.start_epoch(t3, DS, 0, [(0, 100)])  # a complete ledger completes the epoch at once
     assert t3.is_complete(DS, 0) and t3.datasets[DS].epochs == {}
 
 
@@ -353,7 +354,7 @@ class LeaseMachine(RuleBasedStateMachine):
         ledger = self.table.acknowledged(DS, 0)
         assert ledger == intervals_from_ids(self.acked)
         resumed = table(self.unit_rows)
-        resumed.start_epoch(DS, 0, ledger)
+        resume.start_epoch(resumed, DS, 0, ledger)
         s = "drainer"
         while (got := resumed.acquire(s, DS, 0, 7)) is not None:
             assert resumed.ack(s, DS, 0, got)

@@ -31,7 +31,6 @@ from daskdist.client.datasets import (
 )
 from daskdist.client.group import CollectiveGroup
 from daskdist.core import protocol
-from daskdist.core.leases import unit_runs
 from daskdist.core.protocol import PLUGIN_NAME, DatasetDef, Outcome, ResourceSpec
 from daskdist.errors import CollectiveError
 from daskdist.plugins import SCHEDULER_PLUGIN, instantiate
@@ -235,7 +234,7 @@ class Coordinator(ClosureClient):
         (``DistributedDataset.state_dict`` / ``load_state_dict``).
         """
         from daskdist.context import InputContext
-        from daskdist.data import ArrowShards
+        from daskdist.data.sources import as_source
 
         if "batch_size" in loader_options:
             raise TypeError("pass global_batch_size; each worker's batch size derives from it")
@@ -244,44 +243,17 @@ class Coordinator(ClosureClient):
             raise ValueError(f"global_batch_size must be a positive int, got "
                              f"{global_batch_size!r}")
         global_batch_size = gbs()
-        if not isinstance(shards, ArrowShards):
-            from daskdist.data.collections import is_collection
-
-            if is_collection(shards):
-                return self._distribute_collection(shards, global_batch_size, loader_options)
-            shards = ArrowShards(shards)
-        shards.units  # noqa: B018 - reads every footer: a bad file raises here
-        workers = max(1, self._workers)
+        # files, a dask DataFrame, a dict of dask Arrays: described (and checked) here
+        source = as_source(shards, loader_options.get("columns"))
+        workers = max(1, self._workers)  # the batch size is fixed now
         InputContext(num_replicas_in_sync=workers).get_per_replica_batch_size(global_batch_size)
         values = self._register_resource(
-            "dataset", _LoaderFactory(shards, global_batch_size, loader_options, workers))
+            "dataset", _LoaderFactory(source, global_batch_size, loader_options, workers))
         name = loader_options.get("name") or ""
-        # a new dataset, whatever its files or name: its units defined once, here
-        self._define_dataset(DatasetDef(values.rid, name,
-                                        unit_runs(u.num_rows for u in shards.units),
-                                        int(loader_options.get("seed", 0))))
-        return DistributedDataset(self, values, shards, name, loader_options.get("seed", 0))
-
-    def _distribute_collection(self, collection: Any, global_batch_size: int,
-                               loader_options: dict) -> DistributedDataset:
-        """``distribute_dataset`` of a dask DataFrame or dict of dask Arrays: its
-        partitions (and their persisted keys) are described here, the lease table
-        defines them, each member's loader computes the ones it leases."""
-        from daskdist.context import InputContext
-        from daskdist.data.collections import DaskCollection
-
-        options = dict(loader_options)
-        options.setdefault("policy", "dynamic")
-        source = DaskCollection.of(collection, options.get("columns"))
-        workers = max(1, self._workers)  # the batch size is fixed now (issue 23 item 2)
-        InputContext(num_replicas_in_sync=workers).get_per_replica_batch_size(global_batch_size)
-        values = self._register_resource(
-            "dataset", _LoaderFactory(source, global_batch_size, options, workers))
-        name = options.get("name") or ""
-        seed = int(options.get("seed", 0))
-        if options["policy"] == "dynamic":
-            self._owned("daskdist_collection_define", dataset=tuple(source.definition(
-                values.rid, name, seed, bool(options.get("shuffle", False)))))
+        seed = int(loader_options.get("seed", 0))
+        # a new dataset, whatever its source or name: its units defined once, here
+        self._define_dataset(source.definition(values.rid, name, seed,
+                                               bool(loader_options.get("shuffle", False))))
         return DistributedDataset(self, values, source, name, seed)
 
     def _define_dataset(self, dataset: DatasetDef) -> None:

@@ -79,9 +79,9 @@ class _LoaderFactory:
     batch that does not divide by the grown count is no error, and ranks never get
     different batch sizes."""
 
-    def __init__(self, shards: Any, global_batch_size: int, options: dict,
+    def __init__(self, source: Any, global_batch_size: int, options: dict,
                  replicas: int = 1):
-        self.shards = shards
+        self.source = source
         self.global_batch_size = global_batch_size
         self.options = options
         self.replicas = max(1, int(replicas))
@@ -92,7 +92,7 @@ class _LoaderFactory:
 
         batch = InputContext(num_replicas_in_sync=self.replicas).get_per_replica_batch_size(
             self.global_batch_size)
-        return ArrowLoader(self.shards, ctx, batch_size=batch, **self.options)
+        return ArrowLoader(self.source, ctx, batch_size=batch, **self.options)
 
 
 class _EpochIterator:
@@ -127,10 +127,11 @@ class DistributedDataset(PerWorkerDataset):
     ``load_state_dict()`` starts this dataset's epoch from one, on any coordinator.
     """
 
-    def __init__(self, coordinator: Coordinator, values: PerWorkerValues, shards: Any,
+    def __init__(self, coordinator: Coordinator, values: PerWorkerValues, source: Any,
                  name: str = "", seed: int = 0):
         super().__init__(coordinator, values, name)
-        self.shards = shards
+        self.source = source  # what its loaders read (data.sources.Source)
+        self.shards = source.shards
         self.seed = int(seed)
         self.epoch = 0
         self._pipelines = max(1, coordinator._workers)  # static policies' split, per epoch
@@ -167,7 +168,7 @@ class DistributedDataset(PerWorkerDataset):
             "daskdist_dataset_state", dataset_id=self.dataset_id, epoch=self.epoch))
         out = {"name": self.name, "epoch": self.epoch, "seed": self.seed,
                "acknowledged": [[int(a), int(b)] for a, b in led.acknowledged],
-               "total": int(led.total), "files": self.shards.fingerprint()}
+               "total": int(led.total), "files": self.source.fingerprint()}
         if led.lengths is not None:
             out["lengths"] = [[int(n), int(k)] for n, k in led.lengths]
         return out
@@ -177,7 +178,7 @@ class DistributedDataset(PerWorkerDataset):
         same files, on any coordinator): this dataset's epoch becomes the ledger's, its
         acknowledged rows are not read again. Call it before iterating that epoch
         (``ValueError`` once it started, or for other files)."""
-        if state.get("files") != self.shards.fingerprint():
+        if state.get("files") != self.source.fingerprint():
             raise ValueError(f"the state is of dataset {state.get('name')!r} over other "
                              f"files than {self.shards!r} (fingerprints differ)")
         epoch = int(state["epoch"])

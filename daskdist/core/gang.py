@@ -24,7 +24,7 @@ member that left as Dask expected (retired, closed) costs nothing. The result of
 gang is the values of the generation that completed it, in rank order (its length is
 that generation's size): a member that left is not an error.
 
-Repeat budget (issue 23): a gang whose runs keep failing with a ``CollectiveError`` while
+Repeat budget: a gang whose runs keep failing with a ``CollectiveError`` while
 no worker joins or leaves (rank-dependent control flow: rank 0 calls ``allreduce``, the
 others do not; a CPU tensor handed to NCCL) would fail the same way on every re-formed
 group. After ``max_losses`` such runs in a row it fails with the first failure of the
@@ -32,7 +32,7 @@ last run, naming its rank and saying that it repeats. A run that saw a member lo
 hosts-updated interrupt or any membership change (:meth:`GangBook.membership_changed`),
 or a run over other members than the last one, starts the count again.
 
-A broken generation's word (issue 25) travels down a tree over its ranks
+A broken generation's word travels down a tree over its ranks
 (:func:`relay_children`): the scheduler tells at most ``fanout`` members, each passes
 it on to as many more, so a loss costs the scheduler O(fanout) messages however wide
 the group. A lost rank passes nothing on: the scheduler tells its children in its

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from daskdist.core import resume
 from daskdist.core.leases import LeaseTable, group_tokens
 
 logger = logging.getLogger(__name__)
@@ -110,8 +111,8 @@ class Ledgers:
                            "trained with seed %s (rows stay exactly once; their order "
                            "differs)", ds.label, ds.seed, entry["seed"])
         if entry["lengths"]:  # learned first: its trained partitions are not recomputed
-            table.learn_lengths(dataset_id, entry["lengths"])
-        table.restore_epoch(dataset_id, entry["epoch"], entry["acknowledged"])
+            resume.learn_lengths(table, dataset_id, entry["lengths"])
+        resume.restore_epoch(table, dataset_id, entry["epoch"], entry["acknowledged"])
 
 
 def _named(table: LeaseTable, name: str) -> str | None:

@@ -2,20 +2,21 @@
 messages, the checks of what arrives, and how a handler's message reaches its book.
 
 Each message is a ``NamedTuple``: on the wire (msgpack) it travels as a plain list, and
-pickled it stays itself, so it is wire-compatible with the positional tuples it
-replaced; a receiver rebuilds it with ``Type._make(item)``. Closure states and error
+pickled it stays itself; a receiver rebuilds it with ``Type._make(item)``. Closure states and error
 kinds are defined here once.
 
 Every scheduler handler runs its arguments through the checks below before it touches
 any state, and the client checks its settings with the same rules, so a bad call is
 refused with an error that names the handler (or setting), the argument and what it got
-(SPEC §2.5b, issue 16 point 7). Limits on sizes are wire limits, shared by both sides:
+(SPEC §2.5b). Limits on sizes are wire limits, shared by both sides:
 no message carries more than :data:`MAX_ITEMS` items in one list, nor an id longer than
 :data:`MAX_TEXT` characters.
 
-:func:`book_handler` is what the scheduler plugin registers for each handler of a
-coordinator's book (``CLOSURE_HANDLERS``, ``GROUP_HANDLERS``, ``LEASE_HANDLERS``): it
-finds the book of the coordinator the message names and calls the handler's method.
+Each book of a coordinator declares its handlers in one table of :class:`Route` entries
+(``CLOSURE_ROUTES``, ``GROUP_ROUTES``, ``LEASE_ROUTES``); :func:`book_handler` is what
+the scheduler plugin registers for each: it finds the book of the coordinator the
+message names, checks the caller (a worker session, a client's owner) and calls the
+route's method.
 
 Imports nothing from Dask, torch or the rest of the package.
 """
@@ -211,16 +212,25 @@ class DatasetDef(NamedTuple):
     (``daskdist_dataset_define``): leases, acknowledgements and progress then name only
     the dataset, an epoch and row intervals.
 
-    ``runs`` is the units' row counts, run-length encoded: ``[(rows per unit, units),
-    ...]`` in the stable order of units (a few runs per file, whatever the number of
-    row groups); ``None`` registers the dataset's owner and label before a worker's
-    loader defines its units (``create_per_worker_dataset``).
+    ``runs``: the units' row counts, run-length encoded (``[(rows per unit, units),
+    ...]`` in the stable order of units: a few runs per file, whatever the number of row
+    groups). Without them, ``units`` partitions of unknown length (each gets
+    ``core.partitions.STRIDE`` ids; lengths are learned as partitions are read); with
+    neither, the owner and label are registered before a worker's loader defines the
+    units (``create_per_worker_dataset``). ``shuffle``: units are leased in an order
+    seeded by ``(seed, epoch)``; ``whole``: a unit is leased whole, never split (a
+    partition read in part is computed whole); ``holders``: per unit, the Dask key of
+    data the user persisted for it (or ``None``): leased first to the member holding it.
     """
 
     dataset_id: str
     label: str
     runs: list | None
     seed: int = 0  # the loaders' shuffle seed (kept in a checkpoint's ledger)
+    units: int | None = None
+    shuffle: bool = False
+    whole: bool = False
+    holders: list | None = None
 
 
 class EpochLedger(NamedTuple):
@@ -235,25 +245,6 @@ class EpochLedger(NamedTuple):
     # partition order (-1: unknown); None for files and known lengths
     lengths: list | None = None
 
-
-
-class CollectionDef(NamedTuple):
-    """A Dask collection's partitions as a ``"dynamic"`` dataset's units
-    (``daskdist_collection_define``): ``units`` partitions, with ``runs`` their lengths
-    run-length encoded when known (dense row ids, as files), or ``None`` (each partition
-    gets ``core.partitions.STRIDE`` ids: its index times STRIDE plus the row's position;
-    lengths are learned as partitions are computed). ``shuffle``: partitions are leased
-    in an order seeded by ``(seed, epoch)``. ``holders``: per partition, the Dask key of
-    the data the user persisted for it (or ``None``): it is leased first to the member
-    that holds that key."""
-
-    dataset_id: str
-    label: str
-    units: int
-    runs: list | None
-    seed: int = 0
-    shuffle: bool = False
-    holders: list | None = None
 
 
 # -- checks of what arrives -------------------------------------------------------------
@@ -473,36 +464,66 @@ def resources(value: Any, what: str = "resources") -> dict[str, float]:
 
 
 # -- handlers: a message to its coordinator's book ---------------------------------------
-CLOSED = object()  # a book handler's default reply: KeyError naming the coordinator
+CLOSED = object()  # a route's default reply to a gone coordinator: KeyError naming it
+
+ANY, SESSION, OWNER, OWNER_OR_SESSION = "any", "session", "owner", "owner-or-session"
 
 
-def book_handler(states: dict[str, Any], book: str, op: str,
-                 method: Callable[..., Any], missing: Any) -> Callable[..., Any]:
-    """Handler ``op`` (what the plugin registers): ``method`` called on the book
-    ``book`` of the coordinator (in ``states``, by name) the message names; with no such
-    coordinator, the reply is ``missing`` (:data:`CLOSED`: ``KeyError`` naming it). A
-    method whose first parameter (after ``self``) is ``comm`` gets Dask's comm."""
+class Route(NamedTuple):
+    """One scheduler handler of a coordinator's book, as its book's table declares it.
 
-    def book_of(name: Any) -> Any:
+    ``closed``: the reply when the named coordinator is gone (:data:`CLOSED`: a
+    ``KeyError`` naming it). ``caller``: who may call it, checked before the method
+    runs, the one place a caller is checked: :data:`SESSION` (its ``session`` is a live
+    worker session of the coordinator, whose lease the message renews; an ended one gets
+    ``ended``), :data:`OWNER` (its ``owner`` and secret ``token``), either of the two
+    (:data:`OWNER_OR_SESSION`: a session when it names one), or :data:`ANY` (read-only
+    routes, and those that answer a gone owner themselves)."""
+
+    method: Callable[..., Any]
+    closed: Any = CLOSED
+    caller: str = ANY
+    ended: Any = SESSION_ENDED
+
+
+def book_handler(states: dict[str, Any], book: str, op: str, route: Route
+                 ) -> Callable[..., Any]:
+    """Handler ``op`` (what the plugin registers): ``route.method`` called on the book
+    ``book`` (``""``: the coordinator itself) of the coordinator (in ``states``, by
+    name) the message names, once its
+    caller passed ``route.caller``'s check (the coordinator's ``session_alive`` or
+    ``check_owner``). A method whose first parameter (after ``self``) is ``comm`` gets
+    Dask's comm."""
+    method, closed, caller, ended = route
+
+    def book_of(name: Any, kwargs: dict) -> tuple[Any, Any]:
+        """(the book, None), or (None, the reply) when the call stops here."""
         co = states.get(text(name, f"{op}: name"))
         if co is None:
-            if missing is CLOSED:
+            if closed is CLOSED:
                 raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler")
-            return None
-        return getattr(co, book)
+            return None, closed
+        if caller == SESSION or (caller == OWNER_OR_SESSION
+                                 and kwargs.get("session") is not None):
+            if not co.session_alive(text(kwargs.get("session"), f"{op}: session")):
+                return None, ended
+        elif caller in (OWNER, OWNER_OR_SESSION):
+            co.check_owner(text(kwargs.get("owner"), f"{op}: owner"),
+                           text(kwargs.get("token"), f"{op}: token"))
+        return (getattr(co, book) if book else co), None
 
     if list(inspect.signature(method).parameters)[1:2] == ["comm"]:
         async def handler(comm, name: str, **kwargs: Any) -> Any:
-            b = book_of(name)
-            return missing if b is None else await method(b, comm, **kwargs)
+            b, reply = book_of(name, kwargs)
+            return reply if b is None else await method(b, comm, **kwargs)
     elif asyncio.iscoroutinefunction(method):
         async def handler(name: str, **kwargs: Any) -> Any:  # type: ignore[misc]
-            b = book_of(name)
-            return missing if b is None else await method(b, **kwargs)
+            b, reply = book_of(name, kwargs)
+            return reply if b is None else await method(b, **kwargs)
     else:
         def handler(name: str, **kwargs: Any) -> Any:  # type: ignore[misc]
-            b = book_of(name)
-            return missing if b is None else method(b, **kwargs)
+            b, reply = book_of(name, kwargs)
+            return reply if b is None else method(b, **kwargs)
 
     handler.__name__ = method.__name__
     return handler

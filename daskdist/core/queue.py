@@ -92,7 +92,7 @@ class ClosureQueue:
     _draining: set[str] = field(default_factory=set)
     errors: dict[str, Outcome] = field(default_factory=dict)  # owner -> first unraised
     held: set[str] = field(default_factory=set)  # owners whose closures are not dispatched
-    # running counts, so that no event scans every closure or session (issue 25)
+    # running counts, so that no event scans every closure or session
     queued: int = 0  # PENDING closures in the queue (not pinned)
     _unfinished: dict[str, int] = field(default_factory=dict)  # owner -> closures not final
     _own: dict[str, int] = field(default_factory=dict)  # session -> leased, not pinned

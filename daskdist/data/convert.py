@@ -169,6 +169,15 @@ class Chunk:
             out[k] = v[a:b]
         return out if self._ordered else {k: out[k] for k in self.names}
 
+    def relabel(self, labels: Mapping[str, Any]) -> Chunk:
+        """The same chunk with its keys renamed by ``labels`` (Arrow names are strings;
+        a DataFrame's column labels need not be)."""
+        def key(k: str) -> Any:
+            return labels.get(k, k)
+
+        return Chunk([key(k) for k in self.names], {key(k): v for k, v in self.rest.items()},
+                     [(tuple(key(k) for k in keys), m) for keys, m in self.stacks], self.rows)
+
     def map_tensors(self, fn: Any) -> Chunk:
         """The same chunk with ``fn`` applied to every tensor (e.g. pinning)."""
         return Chunk(self.names, map_instances(fn, self.rest, torch.Tensor),

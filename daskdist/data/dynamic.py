@@ -4,7 +4,8 @@
 it (:class:`~daskdist.plugins.worker.services.SessionServices`: RPCs to the scheduler
 plugin, which holds a :class:`~daskdist.core.leases.LeaseTable`);
 :class:`LocalLeaseService` implements it in-process on a local table, for tests and
-single-process use. Acknowledgements do not go through this protocol: the loader
+single-process use. The same calls serve every kind of source (files, a Dask
+collection's partitions). Acknowledgements do not go through this protocol: the loader
 records a :class:`~daskdist.core.protocol.LeaseToken` per batch with
 :func:`daskdist.context.record_consumed`, and whoever ran the closure acks or releases
 those rows (the worker/scheduler plugins; :meth:`LocalLeaseService.ack_tokens` here).
@@ -12,12 +13,15 @@ those rows (the worker/scheduler plugins; :meth:`LocalLeaseService.ack_tokens` h
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
+from daskdist.core import resume
 from daskdist.core.leases import EpochFailed, LeaseTable
-from daskdist.core.protocol import LEASE_TOKEN, CollectionDef, DatasetDef, LeaseToken
+from daskdist.core.protocol import LEASE_TOKEN, DatasetDef, LeaseToken
 from daskdist.errors import InputError
 
 __all__ = ["LEASE_TOKEN", "LeaseService", "LocalLeaseService", "lease_token"]
@@ -41,9 +45,14 @@ class LeaseService(Protocol):
     def acquire(self, dataset_id: str, epoch: int, rows: int,
                 least: int = 1) -> list[Interval] | None:
         """Lease ``rows`` free rows of the epoch, rounded up to whole units, to this
-        worker's session (fewer near the epoch's end, not under ``least``): the rows
-        as intervals, or ``None`` when none is free right now. ``InputError`` when the
-        epoch failed."""
+        worker's session (fewer near the epoch's end, not under ``least``; a unit this
+        worker holds first): the rows as intervals, or ``None`` when none is free right
+        now. ``InputError`` when the epoch failed."""
+        ...
+
+    def acquire_async(self, dataset_id: str, epoch: int, rows: int,
+                      least: int = 1) -> concurrent.futures.Future:
+        """:meth:`acquire` without waiting (asked while the previous lease is read)."""
         ...
 
     def progress(self, dataset_id: str, epoch: int) -> dict:
@@ -52,18 +61,40 @@ class LeaseService(Protocol):
 
     def release(self, dataset_id: str, epoch: int, ranges: list[Interval],
                 failure: tuple[str, str] | None = None) -> int:
-        """Give back leased rows no closure received (``failure``: ``(file, message)``
+        """Give back leased rows no closure received (``failure``: ``(source, message)``
         when they could not be read). Rows freed."""
         ...
 
-    # Optional (used when present): ``acquire_async(dataset_id, epoch, rows, least)``, a
-    # ``concurrent.futures.Future`` of what ``acquire`` returns, so the loader asks for
-    # its next lease while it reads the current one.
-    #
-    # For Dask collections (data/collections.py): ``define_collection(CollectionDef)``,
-    # ``acquire_partition(dataset_id, epoch)`` (one partition's free rows; the scheduler
-    # prefers one this worker holds) and ``report_length(dataset_id, epoch, partition,
-    # rows)`` (``InputError`` when a recomputed partition's length differs).
+    def report_length_async(self, dataset_id: str, epoch: int, unit: int,
+                            length: int) -> concurrent.futures.Future:
+        """A read unit's length (a computed partition's), without waiting: the future
+        raises ``InputError`` when it differs from the one learned before."""
+        ...
+
+
+class _Later:
+    """A call made when its result is first asked for: an in-process service asks
+    nothing ahead (there is no round trip to overlap)."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._call: Any = (fn, args)
+        self._out: Any = None
+        self._err: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._call is None
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._call is not None:
+            fn, args = self._call
+            self._call = None
+            try:
+                self._out = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - raised to every result() caller
+                self._err = e
+        if self._err is not None:
+            raise self._err
+        return self._out
 
 
 class LocalLeaseService:
@@ -87,25 +118,11 @@ class LocalLeaseService:
     def define(self, dataset: DatasetDef) -> None:
         d = DatasetDef._make(dataset)
         with self._lock:
-            self.table.define(d.dataset_id, d.runs, d.label)
-
-    def define_collection(self, definition: CollectionDef) -> None:
-        d = CollectionDef._make(definition)
-        with self._lock:
-            self.table.define_collection(d.dataset_id, d.units, d.runs, d.label,
-                                         seed=d.seed, shuffle=d.shuffle)
-
-    def acquire_partition(self, dataset_id: str, epoch: int) -> list[Interval] | None:
-        """Lease one partition of a collection (its free rows)."""
-        return self.acquire(dataset_id, epoch, 1)
-
-    def report_length(self, dataset_id: str, epoch: int, unit: int, length: int) -> None:
-        """A computed partition's length; ``InputError`` when it differs from the one
-        learned before (the epoch failed)."""
-        with self._lock:
-            why = self.table.set_length(self.session, dataset_id, epoch, unit, length)
-        if why is not None:
-            raise InputError(why)
+            if d.runs is None and d.units is None:
+                self.table.register(d.dataset_id, d.label, seed=d.seed)
+            else:
+                self.table.define(d.dataset_id, d.runs, d.label, seed=d.seed, units=d.units,
+                                  shuffle=d.shuffle, whole=d.whole)
 
     def acquire(self, dataset_id: str, epoch: int, rows: int,
                 least: int = 1) -> list[Interval] | None:
@@ -115,6 +132,27 @@ class LocalLeaseService:
                                           least=least)
             except EpochFailed as e:
                 raise InputError(str(e)) from None
+
+    def acquire_async(self, dataset_id: str, epoch: int, rows: int,
+                      least: int = 1) -> Any:
+        """:meth:`acquire`, made when its result is asked for."""
+        return _Later(self.acquire, dataset_id, epoch, rows, least)
+
+    def report_length(self, dataset_id: str, epoch: int, unit: int, length: int) -> None:
+        """A computed unit's length; ``InputError`` when it differs from the one learned
+        before (the epoch failed)."""
+        with self._lock:
+            why = resume.set_length(self.table, self.session, dataset_id, epoch, unit, length)
+        if why is not None:
+            raise InputError(why)
+
+    def report_length_async(self, dataset_id: str, epoch: int, unit: int,
+                            length: int) -> Any:
+        """:meth:`report_length`, made now (its error kept for ``result()``)."""
+        out = _Later(self.report_length, dataset_id, epoch, unit, length)
+        with contextlib.suppress(InputError):
+            out.result()
+        return out
 
     def progress(self, dataset_id: str, epoch: int) -> dict:
         with self._lock:

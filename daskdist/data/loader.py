@@ -2,10 +2,10 @@
 
 The pipeline, in stages with one job each:
 
-1. a *source* (:mod:`.sources`) yields converted blocks: :class:`~.sources.StaticSource`
-   reads the pipeline's pieces (a sharding policy, :mod:`.sharding`) in the epoch plan's
-   order (:mod:`.batching`: shuffled pieces, each block's rows permuted by one gather);
-   :class:`~.sources.DynamicSource` leases rows from ``ctx.services`` (``"dynamic"``);
+1. a *pass* over the epoch yields converted blocks: the loader's plan (:mod:`.plans`)
+   opens it on its source's reader (:mod:`.sources`: files, a Dask collection, ...):
+   a static policy's pieces (:mod:`.sharding`) from a stream position, or rows leased
+   from ``ctx.services`` (``"dynamic"``, :mod:`.leased`);
 2. for a CUDA device, the *device stage* (:mod:`.staging`) copies each whole block to
    the device through a ring of reused pinned buffers, one copy per dtype, in a staging
    thread: the block goes on at once, pending, and is resolved when it is taken;
@@ -23,24 +23,25 @@ once. The rule: ``next()`` on a :class:`_LoaderIterator` is safe from any number
 threads. Serialized (the iterator's lock): cutting a batch, taking the next block, and
 marking the batch's rows delivered (and recording them for the caller's closure, in
 the caller's thread), so each batch goes to exactly one caller. Not serialized (after
-the lock, in the caller's thread): the device step, ``collate``. Ownership: the prefetch thread owns
-the source's generator and its readers; the staging thread owns the staging ring;
-callers own only the batches they got.
+the lock, in the caller's thread): the device step, ``collate``. Ownership: the prefetch
+thread owns the pass's generator and its reads; the staging thread owns the staging
+ring; callers own only the batches they got.
 
 Every wait ends. A caller waits for the lock (ends when the holder finishes its cut,
 whose own waits end as follows) or for the next block (ends on a block, the end of the
 pass, a failure, or ``close()``), then, for CUDA, for that block's staging (ends when the
 staging thread has copied it, or at once once a close dropped it); the producer waits
-for room in the buffer (ends when a caller takes a block, or ``close()``), or for a Dask
-collection's partition (ends when Dask has it, or ``close()``: the source's
-``interrupt``). Shutdown, ``close()`` from any
-thread: mark closed, interrupt the source, end the feed's waits (callers waiting for a
-block get ``StopIteration``), join the prefetch thread without holding the lock (it
-returns once its current read or lease RPC does), take the lock, give back rows leased
-and not delivered. A caller arriving
+for room in the buffer (ends when a caller takes a block, or ``close()``), for a lease
+RPC (ends with its reply, or ``daskdist.worker.rpc-timeout``), or for a Dask
+collection's partition (ends when Dask has it, or ``close()``: the pass's
+``interrupt``). Shutdown, ``close()`` from any thread: mark closed, interrupt the pass,
+end the feed's waits (callers waiting for a block get ``StopIteration``), join the
+prefetch thread without holding the lock (it returns once its current read or lease
+RPC does), take the lock, give back rows leased and not delivered. A caller arriving
 after the end of the pass gets ``StopIteration``; under ``"dynamic"`` it first polls the
-lease service again (a new pass of the source), so rows that came back to the pool are
-still served, with any number of threads.
+lease service again (a new pass), so rows that came back to the pool are still served,
+with any number of threads. The loader's ``close()`` also releases its source reader's
+resources (a collection's local partition pool).
 
 Memory is bounded by ``prefetch`` batches, the shuffle buffer and the staging ring,
 never the dataset. State for resuming is ``(epoch, seed, position)``.
@@ -51,7 +52,6 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,21 +62,12 @@ import torch
 from daskdist import config
 from daskdist.context import InputContext
 from daskdist.core.intervals import normalize
-from daskdist.core.leases import unit_runs
-from daskdist.core.protocol import DatasetDef
 from daskdist.data import batching
-from daskdist.data.collections import (
-    DaskCollection,
-    PartitionSource,
-    StaticPartitionSource,
-    as_source,
-    make_computer,
-)
 from daskdist.data.convert import concat_cols, slice_cols, to_device
+from daskdist.data.plans import make_plan
 from daskdist.data.prefetch import CLOSED, END, Failure, Feed
-from daskdist.data.sharding import POLICIES, assign
 from daskdist.data.shards import ArrowShards
-from daskdist.data.sources import ChunkItem, ChunkSource, DynamicSource, StaticSource
+from daskdist.data.sources import ChunkItem, ChunkSource, ReadSpec, as_source
 from daskdist.data.staging import CudaTransfer, DeviceStage
 from daskdist.errors import InputError
 
@@ -128,7 +119,7 @@ class ArrowLoader:
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
-        columns: Sequence[str] | None = None,
+        columns: Sequence[Any] | None = None,
         policy: str | None = None,
         prefetch: int = 2,
         fill_null: Any = None,
@@ -139,27 +130,16 @@ class ArrowLoader:
         lease_rows: int | None = None,
         partitions_ahead: int | None = None,
     ) -> None:
-        shards = as_source(shards)
-        self.shards = shards
+        self.source = as_source(shards)  # reads footers: a bad file raises here
+        self.shards = self.source.shards
         self.ctx = ctx if ctx is not None else InputContext()
-        collection = isinstance(shards, DaskCollection)
-        if policy is None:  # collections stream through leases when there is a service
-            policy = "dynamic" if collection and self.ctx.services is not None else "auto"
+        if policy is None:
+            policy = ("dynamic" if self.source.leases_by_default
+                      and self.ctx.services is not None else "auto")
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if int(prefetch) < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        if policy not in POLICIES:
-            raise ValueError(f"unknown sharding policy {policy!r}; one of {POLICIES}")
-        if policy == "dynamic":
-            if drop_last:
-                raise ValueError("drop_last=True cannot be used with policy='dynamic' "
-                                 "(every row of the epoch must be delivered)")
-            if self.ctx.services is None:
-                raise ValueError(
-                    "policy='dynamic' needs a lease service in ctx.services (set by the "
-                    "coordinator; outside one use InputContext(services=LocalLeaseService()))"
-                )
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -170,18 +150,12 @@ class ArrowLoader:
         self.shuffle_buffer = int(shuffle_buffer)
         self.device = torch.device(device) if device is not None else self.ctx.device
         _check_device(self.device, self.ctx)
-
-        if collection:
-            units = []
-            names = shards.columns
-        else:
-            units = shards.units  # reads footers: a bad file raises here, before any batch
-            names = shards.schema.names
+        names = self.source.columns
         self.columns = list(columns) if columns is not None else list(names)
         missing = [c for c in self.columns if c not in names]
         if missing:
-            what = "the collection's columns" if collection else "the shards' schema"
-            raise ValueError(f"column(s) {missing} not in {what} {names}")
+            raise ValueError(f"column(s) {missing} not in the columns of "
+                             f"{self.source.what}: {names}")
         self.name = name or ""
         self.dataset_id = (self.ctx.next_dataset_id()
                            or f"{name or 'arrow'}-{uuid.uuid4().hex[:12]}")
@@ -190,83 +164,61 @@ class ArrowLoader:
         if int(lease_rows) < 1:
             raise ValueError(f"lease_rows must be >= 1, got {lease_rows}")
         self.lease_rows = max(int(lease_rows), 2 * self.batch_size)
-        self._unit_rows = [u.num_rows for u in units]
-        self._starts = [u.start for u in units]
-        if collection and shards.lengths is not None:  # known lengths: dense ids
-            self._unit_rows = list(shards.lengths)
-            self._starts = [0]
-            for n in self._unit_rows[:-1]:
-                self._starts.append(self._starts[-1] + n)
         if partitions_ahead is None:
             partitions_ahead = int(config.get("data.partitions-ahead", 2))
         if int(partitions_ahead) < 1:
             raise ValueError(f"partitions_ahead must be >= 1, got {partitions_ahead}")
         self.partitions_ahead = int(partitions_ahead)
-        self._partition_computer: Any = None
+        self._plan = make_plan(self.source, policy, self.ctx.services, self.drop_last,
+                               (self.ctx.input_pipeline_id, self.ctx.num_input_pipelines))
+        self._reader = self.source.open(self._spec())
         self._defined = False
         self._define_lock = threading.Lock()
-        self._files: str | None = None  # the shards' fingerprint, once asked for
-        self._asked = policy  # as given: "auto" resolves anew at each split
-        self._pipeline = (self.ctx.input_pipeline_id, self.ctx.num_input_pipelines)
-        if policy == "dynamic" or collection:  # a collection's split is its source's
-            self.policy, self._pieces = policy, []
-        else:
-            self.policy, self._pieces = assign(
-                [u.file_index for u in units], self._unit_rows,
-                self.ctx.num_input_pipelines, self.ctx.input_pipeline_id, policy,
-            )
+        self._files: str | None = None  # the source's fingerprint, once asked for
         self.epoch = 0
         self._resume: int | None = None
         self._active: _LoaderIterator | None = None
 
+    def _spec(self) -> ReadSpec:
+        """What this loader's source reader is given (its reading options)."""
+        return ReadSpec(tuple(self.columns), self.batch_size, self.shuffle, self.seed,
+                        self.shuffle_buffer, self.fill_null, self.collate is not None,
+                        self.partitions_ahead, self.dataset_id, self.name or self.dataset_id,
+                        self.lease_rows, self.ctx.services)
+
     # -- public API ----------------------------------------------------------------------
     @property
+    def policy(self) -> str:
+        """The policy in force (``"auto"`` resolved for the current split)."""
+        return self._plan.policy
+
+    @property
     def num_rows(self) -> int:
-        """Rows this pipeline reads per epoch (all rows under ``"dynamic"``). A
+        """Rows this pipeline reads per epoch (all rows under ``"dynamic"``); a
         collection whose lengths are not known yet: ``TypeError``."""
-        if isinstance(self.shards, DaskCollection):
-            if self.shards.lengths is None:
-                raise TypeError(f"the {self.shards.what} has partitions of unknown length "
-                                "(learned as they are computed, never by a pass first)")
-            if self.policy not in ("dynamic", "off") and self._pipeline[1] > 1:
-                raise TypeError("a collection's rows per pipeline are known only under "
-                                "'dynamic' or 'off'")
-        if self.policy == "dynamic" or isinstance(self.shards, DaskCollection):
-            return sum(self._unit_rows)
-        return sum(p.rows for p in self._pieces)
+        return self._plan.num_rows()
 
     def __len__(self) -> int:
-        if self.policy == "dynamic":
-            raise TypeError("a dynamic loader has no fixed length (workers share units)")
-        n = self.num_rows
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return self._plan.length(self.batch_size, self.drop_last)
 
     def split(self, num_pipelines: int, pipeline_id: int | None) -> None:
         """Static policies: read pipeline ``pipeline_id``'s share of ``num_pipelines``
         from the next ``iter()`` on (``None``: no share, the iterator yields nothing: a
         worker that joined after its dataset's epoch was split). Every pipeline of an
         epoch must split alike. ``"dynamic"`` needs no split (a no-op)."""
-        if self.policy == "dynamic":
-            return
         pipeline = (-1 if pipeline_id is None else int(pipeline_id), int(num_pipelines))
-        if pipeline == self._pipeline:
-            return
+        self._plan.split(pipeline, before=self._restart)
+
+    def _restart(self) -> None:
+        """The next ``iter()`` starts afresh (the active iterator is closed)."""
         self.close()
         self._active = None
-        self._pipeline = pipeline
-        if pipeline_id is None or isinstance(self.shards, DaskCollection):
-            self._pieces = []
-            return
-        self.policy, self._pieces = assign(
-            [u.file_index for u in self.shards.units], self._unit_rows,
-            int(num_pipelines), int(pipeline_id), self._asked)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (shuffle order, lease table); a change restarts iteration."""
         epoch = int(epoch)
         if epoch != self.epoch:
-            self.close()
-            self._active = None
+            self._restart()
             self.epoch = epoch
             self._resume = None
 
@@ -279,9 +231,11 @@ class ArrowLoader:
 
     def close(self) -> None:
         """Stop the active iterator's prefetch thread (leased, undelivered rows are
-        given back when the lease service supports ``release``)."""
+        given back) and release the source reader's resources (a new ``iter()`` makes
+        them again)."""
         if self._active is not None:
             self._active.close()
+        self._reader.close()
 
     def state_dict(self) -> dict:
         """Small resumable state: epoch, seed and rows consumed so far this epoch."""
@@ -293,12 +247,12 @@ class ArrowLoader:
             "dataset_id": self.dataset_id,
             "files": self._fingerprint(),
             "policy": self.policy,
-            "pipeline": list(self._pipeline),
+            "pipeline": list(self._plan.pipeline),
             "epoch": self.epoch,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer": self.shuffle_buffer,
-            "position": 0 if self.policy == "dynamic" else int(pos),
+            "position": self._plan.position(pos),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -311,9 +265,7 @@ class ArrowLoader:
                 f"(fingerprint {state.get('files')!r}), this loader reads "
                 f"{self.shards!r} (fingerprint {self._fingerprint()!r})"
             )
-        mine = list(self._pipeline)
-        if self.policy != "dynamic" and list(state.get("pipeline", mine)) != mine:
-            raise ValueError(f"state is for pipeline {state['pipeline']}, this is {mine}")
+        self._plan.check_pipeline(state)
         self.close()
         self._active = None
         self.epoch = int(state["epoch"])
@@ -326,21 +278,17 @@ class ArrowLoader:
         """Under ``"dynamic"``: the lease table's counts for this epoch (``total``,
         ``acknowledged``, ``leased``, ``free``, ``complete``, ``failed``). Otherwise
         this pipeline's own rows consumed against its total."""
-        if self.policy == "dynamic":
-            self._define()
-            return self.ctx.services.progress(self.dataset_id, self.epoch)
-        total = self.num_rows
-        pos = self.state_dict()["position"]
-        return {"total": total, "consumed": pos, "complete": pos >= total}
+        return self._plan.progress(self._define, self.dataset_id, self.epoch,
+                                   self.state_dict()["position"])
 
     def __repr__(self) -> str:
+        i, n = self._plan.pipeline
         return (f"ArrowLoader({self.shards!r}, batch_size={self.batch_size}, "
-                f"policy={self.policy!r}, pipeline={self._pipeline[0]}/"
-                f"{self._pipeline[1]}, epoch={self.epoch})")
+                f"policy={self.policy!r}, pipeline={i}/{n}, epoch={self.epoch})")
 
     def _fingerprint(self) -> str:
         if self._files is None:
-            self._files = self.shards.fingerprint()
+            self._files = self.source.fingerprint()
         return self._files
 
     def _define(self) -> None:
@@ -348,34 +296,20 @@ class ArrowLoader:
         scheduler checks that every worker's loader agrees)."""
         with self._define_lock:
             if not self._defined:
-                if isinstance(self.shards, DaskCollection):
-                    self.ctx.services.define_collection(self.shards.definition(
-                        self.dataset_id, self.name, self.seed, self.shuffle))
-                else:
-                    self.ctx.services.define(DatasetDef(self.dataset_id, self.name,
-                                                      unit_runs(self._unit_rows), self.seed))
+                self.ctx.services.define(self.source.definition(
+                    self.dataset_id, self.name, self.seed, self.shuffle))
                 self._defined = True
 
-    def _computer(self) -> Any:
-        """What computes a collection's partitions (built once, by the prefetch thread)."""
-        with self._define_lock:
-            if self._partition_computer is None:
-                self._partition_computer = make_computer(self)
-            return self._partition_computer
-
-    def _unit_of(self, row: int) -> int:
-        """The unit (partition) holding dense row id ``row``."""
-        return bisect_right(self._starts, row) - 1
-
     # -- the pipeline's stages, built per iterator -----------------------------------------
-    def _source(self, epoch: int, position: int) -> ChunkSource:
-        if isinstance(self.shards, DaskCollection):
-            if self.policy == "dynamic":
-                return PartitionSource(self, epoch)
-            return StaticPartitionSource(self, epoch, position)
-        if self.policy == "dynamic":
-            return DynamicSource(self, epoch)
-        return StaticSource(self, epoch, position)
+    def _pass(self, epoch: int, position: int) -> ChunkSource:
+        """A pass over ``epoch`` from ``position``, as the plan opens it (on a reader of
+        the options in force: a seed or shuffle set since opens a new one)."""
+        spec = self._spec()
+        if spec != self._reader.spec:
+            self._reader.close()
+            self._reader = self.source.open(spec)
+        return self._plan.open(self._reader, epoch, position, self._define,
+                               self.ctx.worker is None)
 
     def _device_stage(self) -> DeviceStage | None:
         """Staging through pinned buffers for CUDA (not with ``collate``: host tables)."""
@@ -409,8 +343,8 @@ class _LoaderIterator:
         self.epoch = loader.epoch
         self.position = position
         self._bs = loader.batch_size
-        self._dynamic = loader.policy == "dynamic"
-        self._source = loader._source(self.epoch, position)
+        self._restartable = loader._plan.leased  # rows may come back: pass again
+        self._source = loader._pass(self.epoch, position)
         self._stage = stage if stage is not None else loader._device_stage()
         self._to_device = (loader.device if loader.device.type != "cpu" and self._stage is None
                            else None)
@@ -421,7 +355,7 @@ class _LoaderIterator:
         self._feed: Feed | None = None
         self._done = False
         self._closed = False
-        if not self._dynamic:
+        if not self._restartable:
             # a dynamic pass leases its first rows at the first next(), not here: a gang
             # closure's State.sync() may first resume its datasets' ledgers from a
             # checkpoint (rows leased before that could be ones it trained already)
@@ -469,7 +403,7 @@ class _LoaderIterator:
         id_parts: list[list[tuple[int, int]]] = []
         items: list[ChunkItem] = []
         got = 0
-        if (self._done or self._feed is None) and self._dynamic and (
+        if (self._done or self._feed is None) and self._restartable and (
                 cur is None or a >= cur.rows):
             self._start()  # the first pass, or rows came back to the pool since
         while got < bs:
@@ -544,9 +478,7 @@ class _LoaderIterator:
                 return
             self._closed = True
             feed = self._feed
-        interrupt = getattr(self._source, "interrupt", None)
-        if interrupt is not None:
-            interrupt()  # a collection's producer stops waiting for a partition
+        self._source.interrupt()  # a producer waiting for a partition stops waiting
         if feed is not None:
             feed.signal()  # ends the waits of callers and of the producer
             feed.join()  # the producer returns from its read or lease RPC; no lock held
@@ -562,9 +494,7 @@ class _LoaderIterator:
         # collector may run on an event loop the thread (or the RPC) is waiting for.
         # Rows still leased return to the pool when the worker's session ends.
         try:
-            interrupt = getattr(self._source, "interrupt", None)
-            if interrupt is not None:
-                interrupt()  # sets events only
+            self._source.interrupt()  # sets events only
             if self._feed is not None:
                 self._feed.signal()
         except Exception:  # noqa: BLE001 - interpreter shutdown

@@ -12,8 +12,11 @@ TensorFlow's auto-sharding semantics (``tf.data.experimental.AutoShardPolicy``):
 - ``"off"``: every pipeline reads every row.
 
 ``"dynamic"`` is not a static plan: units are leased on demand (see
-``daskdist.core.leases``). This module only sees row counts, so it is unit-tested
-without files; each policy partitions the rows exactly across pipelines.
+``daskdist.core.leases``). This module only sees groups and row counts, so it decides
+for files and a Dask collection's partitions alike (a partition is its own group; its
+row count may be unknown until it is computed: its rows are then kept by their position
+in it) and is unit-tested without files; each policy partitions the rows exactly across
+pipelines.
 """
 
 from __future__ import annotations
@@ -29,17 +32,20 @@ POLICIES = ("auto", "file", "row_group", "data", "off", "dynamic")
 @dataclass(frozen=True)
 class Piece:
     """Rows of one unit read by a pipeline: local rows ``r`` with
-    ``(start + r) % stride == offset`` (``stride=1``: the whole unit)."""
+    ``(start + r) % stride == offset`` (``stride=1``: the whole unit). ``num_rows`` is
+    ``None`` for a unit whose length is not known yet (``start`` is 0 then)."""
 
     unit: int
     start: int  # global id of the unit's first row
-    num_rows: int  # rows in the unit
+    num_rows: int | None  # rows in the unit
     stride: int = 1
     offset: int = 0
 
     @property
-    def rows(self) -> int:
-        """How many rows of the unit this piece keeps."""
+    def rows(self) -> int | None:
+        """How many rows of the unit this piece keeps (``None``: not known yet)."""
+        if self.num_rows is None:
+            return None
         return rows_selected(self.start, self.num_rows, self.stride, self.offset)
 
     def first_local(self) -> int:
@@ -55,25 +61,28 @@ def rows_selected(start: int, num_rows: int, stride: int, offset: int) -> int:
 
 def assign(
     file_of_unit: Sequence[int],
-    rows_of_unit: Sequence[int],
+    rows_of_unit: Sequence[int] | None,
     num_pipelines: int,
     pipeline_id: int,
     policy: str = "auto",
 ) -> tuple[str, list[Piece]]:
     """The resolved policy and the pieces (in stable unit order) pipeline ``pipeline_id``
-    of ``num_pipelines`` reads. ``ValueError`` for an unknown policy, or for ``"file"``
-    with fewer files than pipelines."""
+    of ``num_pipelines`` reads (``rows_of_unit`` ``None``: the units' lengths are not
+    known). ``ValueError`` for an unknown policy, or for ``"file"`` with fewer files than
+    pipelines."""
     if policy not in POLICIES or policy == "dynamic":
         raise ValueError(f"unknown static sharding policy {policy!r}; one of {POLICIES}")
-    if len(file_of_unit) != len(rows_of_unit):
+    if rows_of_unit is not None and len(file_of_unit) != len(rows_of_unit):
         raise ValueError("file_of_unit and rows_of_unit differ in length")
     n, i = num_pipelines, pipeline_id
+    rows: list[int | None] = (list(rows_of_unit) if rows_of_unit is not None
+                              else [None] * len(file_of_unit))
     starts, pos = [], 0
-    for r in rows_of_unit:
+    for r in rows:
         starts.append(pos)
-        pos += r
+        pos += r or 0
     num_files = len(set(file_of_unit))
-    num_units = len(rows_of_unit)
+    num_units = len(rows)
     if policy == "auto":
         if n == 1:
             policy = "off"
@@ -96,5 +105,5 @@ def assign(
     elif policy == "row_group":
         units = [u for u in units if u % n == i]
     stride, offset = (n, i) if policy == "data" else (1, 0)
-    pieces = [Piece(u, starts[u], rows_of_unit[u], stride, offset) for u in units]
-    return policy, [p for p in pieces if p.rows > 0]
+    pieces = [Piece(u, starts[u], rows[u], stride, offset) for u in units]
+    return policy, [p for p in pieces if p.rows is None or p.rows > 0]

@@ -27,9 +27,9 @@ Memory bound, in bytes (``daskdist.data.staging-bytes``, default 256 MiB): a blo
 whose tensors take more than ``staging-bytes / slots`` is staged in row pieces that
 each fit (at least one row a piece), so pinned host memory is at most
 ``staging-bytes`` (plus 128 bytes of alignment per dtype segment; a single row larger
-than a slot's share is staged alone), whatever the rows hold: the ring used to be sized
-by the loader's blocks in rows (a lease or a shuffle buffer, 65,536 rows), and image
-rows made blocks of ~10 GB. Each slot keeps its buffers, grown to the largest piece it
+than a slot's share is staged alone), whatever the rows hold (a loader's block is sized
+in rows, a lease or a shuffle buffer: 65,536 image rows are ~10 GB). Each slot keeps
+its buffers, grown to the largest piece it
 held. Device memory holds the pieces not yet dropped: those queued for consumers (about
 ``prefetch`` batches plus one piece), the one being cut, and the one being staged, plus
 whatever batches the user keeps. Host memory beyond the ring: the block being decoded

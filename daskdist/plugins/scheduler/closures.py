@@ -4,8 +4,8 @@ One coordinator's closures from the client's ``daskdist_put`` to the worker's
 ``daskdist_exchange`` and back to the client's ``daskdist_results``: the pure
 :class:`~daskdist.core.queue.ClosureQueue`, the owners' outboxes (client long-polls),
 the workers' long-polls waiting for work, steals for an idle worker, and raising an
-owner's error (SPEC §2.3). Its handlers are in :data:`CLOSURE_HANDLERS`, registered by
-the plugin as they are. Runs on the scheduler's event loop; imports nothing from Dask.
+owner's error (SPEC §2.3). Its routes are in :data:`CLOSURE_ROUTES`. Runs on the
+scheduler's event loop; imports nothing from Dask.
 """
 
 from __future__ import annotations
@@ -23,11 +23,14 @@ from daskdist.core import protocol
 from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
+    OWNER,
     READY,
+    SESSION,
     SESSION_ENDED,
     UNSTARTED,
     Dispatch,
     Outcome,
+    Route,
     Submission,
 )
 from daskdist.core.queue import ClosureQueue
@@ -202,7 +205,7 @@ class ClosureBook:
     def wake(self, n: int | None = None) -> None:
         """State changed (``n=None``: wake every long-poll, each re-checks), or ``n``
         closures became available: wake the ``n`` longest-waiting long-polls that may
-        take them, O(n) whatever the number of idle workers (issue 25)."""
+        take them, O(n) whatever the number of idle workers."""
         self.changed.set()
         if n is None:
             for event in self.waiters:
@@ -456,8 +459,6 @@ class ClosureBook:
                                 timeout: float | None = None) -> dict:
         """Raise ``owner``'s first unraised error: wait for its in-flight closures, cancel
         its queue (:meth:`raise_error`)."""
-        self.owner_box(protocol.text(owner, "daskdist_raise: owner"),
-                       protocol.text(token, "daskdist_raise: token"))
         timeout = protocol.optional(protocol.number, timeout, "daskdist_raise: timeout", 0.0,
                                   float(2**31))
         return await self.raise_error(owner, timeout)
@@ -472,26 +473,18 @@ class ClosureBook:
                started: list | None = None) -> dict:
         """A worker's results while its exchange waits for work."""
         op = "daskdist_report"
-        protocol.text(session, f"{op}: session")
         outcomes = protocol.outcomes(op, results)
         held, started = protocol.observed(op, held, started)
-        co = self.co
-        if not co.members.renew(session, time.monotonic()):
-            return SESSION_ENDED  # fenced: the loop's exchange re-registers
         self.apply_results(session, outcomes)
         if held is not None:
             self.queue.observe(session, held, started)
-        return {**co.members.counters(), "hold": self.hold}
+        return {**self.co.members.counters(), "hold": self.hold}
 
     def renew(self, session: str, held: list | None = None,
               started: list | None = None) -> dict:
         """A worker session's lease renewal (every ``liveness.renew-interval``), with
         what it holds and which of those started."""
-        op = "daskdist_renew"
-        protocol.text(session, f"{op}: session")
-        held, started = protocol.observed(op, held, started)
-        if not self.co.members.renew(session, time.monotonic()):
-            return SESSION_ENDED
+        held, started = protocol.observed("daskdist_renew", held, started)
         if held is not None:
             self.queue.observe(session, held, started)
         return {"ok": True}
@@ -521,7 +514,6 @@ class ClosureBook:
         up to ``daskdist.scheduler.poll-interval`` for work.
         """
         op = "daskdist_exchange"
-        protocol.text(session, f"{op}: session")
         outcomes = protocol.outcomes(op, results)
         held, started = protocol.observed(op, held, started)
         want = protocol.integer(want, f"{op}: want", 0, protocol.MAX_ITEMS)
@@ -529,8 +521,6 @@ class ClosureBook:
         co = self.co
         if co.closed:
             return {"closed": True}
-        if not co.members.renew(session, time.monotonic()):
-            return SESSION_ENDED
         q = self.queue
         if outcomes:
             self.apply_results(session, outcomes)
@@ -594,14 +584,16 @@ class ClosureBook:
         }
 
 
-# The closure book's handlers (the plugin registers each as ``method(book, **kwargs)``
-# on the named coordinator's book), and the reply when that coordinator is gone.
-CLOSURE_HANDLERS = {
-    "daskdist_put": (ClosureBook.put, None),
-    "daskdist_results": (ClosureBook.results, {"detached": True}),
-    "daskdist_raise": (ClosureBook.raise_owner_error, protocol.CLOSED),
-    "daskdist_closure_state": (ClosureBook.closure_state, protocol.CLOSED),
-    "daskdist_exchange": (ClosureBook.exchange, {"closed": True}),
-    "daskdist_report": (ClosureBook.report, SESSION_ENDED),
-    "daskdist_renew": (ClosureBook.renew, SESSION_ENDED),
+# The closure book's routes (the plugin registers each on the named coordinator's book,
+# protocol.book_handler): a message's name leads here, beside its method. A worker's
+# session is checked (and its lease renewed) by the route; ``put`` and ``results`` answer
+# an owner that closed themselves (a late put is dropped, a long-poll is told).
+CLOSURE_ROUTES = {
+    "daskdist_put": Route(ClosureBook.put, None),
+    "daskdist_results": Route(ClosureBook.results, {"detached": True}),
+    "daskdist_raise": Route(ClosureBook.raise_owner_error, caller=OWNER),
+    "daskdist_closure_state": Route(ClosureBook.closure_state),
+    "daskdist_exchange": Route(ClosureBook.exchange, {"closed": True}, SESSION),
+    "daskdist_report": Route(ClosureBook.report, SESSION_ENDED, SESSION),
+    "daskdist_renew": Route(ClosureBook.renew, SESSION_ENDED, SESSION),
 }

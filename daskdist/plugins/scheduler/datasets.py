@@ -1,23 +1,35 @@
-"""LeaseBook: the dynamic datasets' book on the scheduler, and its handlers.
+"""LeaseBook: the dynamic datasets' book on the scheduler, and its routes.
 
 The ``"dynamic"`` policy's leases (the pure :class:`~daskdist.core.leases.LeaseTable`)
 and the checkpoint ledgers of the States that trained on them
-(:class:`~daskdist.core.ledgers.Ledgers`): the handlers that define a dataset, lease,
-release and report rows, start an epoch from a ledger, and export or restore a State's
-ledgers (:data:`LEASE_HANDLERS`, registered by the plugin as they are; their names are
-the wire protocol). Acknowledgements ride closures' results (the closure book) and
-commits (the group book). Runs on the scheduler's event loop; imports nothing from Dask.
+(:class:`~daskdist.core.ledgers.Ledgers`): the routes that define a dataset (files or a
+Dask collection alike: :class:`~daskdist.core.protocol.DatasetDef`), lease, release and
+report rows and learned unit lengths, start an epoch from a ledger, and export or
+restore a State's ledgers (:data:`LEASE_ROUTES`; their names are the wire protocol).
+Where persisted partitions lie is the plugin's
+:class:`~daskdist.plugins.scheduler.locality.Locality` (``co.locality``).
+Acknowledgements ride closures' results (the closure book) and commits (the group
+book). Runs on the scheduler's event loop; imports nothing from Dask.
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
-from daskdist.core import protocol
+from daskdist.core import protocol, resume
 from daskdist.core.leases import EpochFailed, LeaseTable, SessionExpired
 from daskdist.core.ledgers import Ledgers
-from daskdist.core.protocol import SESSION_ENDED, DatasetDef, EpochLedger
+from daskdist.core.partitions import MAX_UNITS
+from daskdist.core.protocol import (
+    ANY,
+    OWNER,
+    OWNER_OR_SESSION,
+    SESSION,
+    SESSION_ENDED,
+    DatasetDef,
+    EpochLedger,
+    Route,
+)
 
 if TYPE_CHECKING:
     from daskdist.plugins.scheduler.state import CoordinatorState
@@ -33,53 +45,68 @@ class LeaseBook:
             max_failures=max_worker_failures)
         self.ledgers = Ledgers()  # the datasets each State trained (checkpoint ledgers)
 
-    # -- dynamic datasets: the lease handlers (registered by the plugin as they are) -------
-    # Worker calls name their session and are refused once it ended
-    # (``SESSION_ENDED``); client calls name their owner. Arguments are checked first: a bad one is
-    # a TypeError / ValueError naming it, raised to the caller, and changes nothing.
+    # Arguments are checked first: a bad one is a TypeError / ValueError naming it,
+    # raised to the caller, and changes nothing. The caller (a worker session, a client's
+    # owner) is checked by the route (LEASE_ROUTES).
 
     def dataset_define(self, dataset: Any, owner: str | None = None, token: str | None = None,
                        session: str | None = None) -> dict:
         """Define a dynamic dataset's units once (:class:`DatasetDef`), from its owner's
-        client (``distribute_dataset``; ``runs=None`` registers a per-worker dataset)
-        or a worker's loader (``session``); a differing definition is refused."""
+        client (``distribute_dataset``; no units: registers a per-worker dataset) or a
+        worker's loader (``session``); a differing definition is refused."""
         d = protocol.named(dataset, "dataset", DatasetDef)
         dataset_id = protocol.text(d.dataset_id, "dataset_id")
         label = protocol.text(d.label, "label", empty=True)
         runs = protocol.optional(protocol.pairs, d.runs, "runs", protocol.MAX_RUNS)
         seed = protocol.integer(d.seed, "seed", -(1 << 63), (1 << 63) - 1)
+        units = protocol.optional(protocol.integer, d.units, "units", 0, MAX_UNITS)
+        shuffle = protocol.flag(d.shuffle, "shuffle")
+        whole = protocol.flag(d.whole, "whole")
+        holders = None
+        if d.holders is not None:
+            holders = list(protocol.items(d.holders, "holders", MAX_UNITS))
+            if len(holders) != units:
+                raise ValueError(f"holders must name one key per unit ({units}), got "
+                                 f"{len(holders)}")
         if runs is not None and sum(r * n for r, n in runs) > protocol.MAX_ROWS:
             raise ValueError(f"dataset {dataset_id!r} has more than {protocol.MAX_ROWS} rows")
-        if session is not None:
-            if not self.co.live_session(session):
-                return SESSION_ENDED
-            owner = ""
-        else:
-            self.co.closure_book.owner_box(protocol.text(owner, "owner"),
-                                           protocol.text(token, "token"))
-        if runs is None:
-            self.leases.register(dataset_id, label, owner, seed)
-        else:
-            self.leases.define(dataset_id, runs, label, owner, seed)
-            self.ledgers.defined(dataset_id, self.leases)
+        owner = "" if session is not None else owner
+        if runs is None and units is None:
+            self.leases.register(dataset_id, label, owner or "", seed)
+            return {}
+        self.leases.define(dataset_id, runs, label, owner or "", seed, units, shuffle, whole)
+        self.ledgers.defined(dataset_id, self.leases)
+        if holders is not None and self.co.locality is not None:
+            self.co.locality.define(self.co.name, dataset_id, holders, seed, shuffle)
         return {}
 
-    def lease_acquire(self, session: str, dataset_id: str, epoch: int, rows: int,
+    def lease_acquire(self, session: str, dataset_id: str, epoch: int, rows: int = 1,
                       least: int = 1) -> dict:
         """Lease ``rows`` rows of an epoch to ``session`` (fewer, not under ``least``,
-        near the epoch's end): ``{"lease": intervals or None}``, ``SESSION_ENDED``
-        for an ended session, ``{"failed": why}`` when the epoch cannot complete."""
-        session = protocol.text(session, "session")
+        near the epoch's end; a unit its worker holds first, for a persisted
+        collection): ``{"lease": intervals or None}``, ``SESSION_ENDED`` for an ended
+        session, ``{"failed": why}`` when the epoch cannot complete."""
         dataset_id = protocol.text(dataset_id, "dataset_id")
         epoch = protocol.integer(epoch, "epoch", 0, protocol.MAX_EPOCH)
         rows = protocol.integer(rows, "rows", 1, protocol.MAX_ROWS)
         least = protocol.integer(least, "least", 1, protocol.MAX_ROWS)
-        if not self.co.members.renew(session, time.monotonic()):
-            return SESSION_ENDED
+        co, table = self.co, self.leases
+        parts = max(1, len(co.members))
+        locality = co.locality
         try:
-            lease = self.leases.acquire(session, dataset_id, epoch, rows,
-                                        parts=max(1, len(self.co.members)), least=least,
-                                        tail=True)
+            if locality is not None and locality.indexed(co.name, dataset_id):
+                # the tail rule comes before locality: the last partitions go to the
+                # members holding less
+                if table.holds_share(session, dataset_id, epoch, parts):
+                    return {"lease": None}
+                lease = locality.take(
+                    co.name, dataset_id, co.members.members[session].address, epoch,
+                    lambda u: table.acquire_unit(session, dataset_id, epoch, u))
+                if lease is not None:
+                    return {"lease": lease}
+                locality.leased_elsewhere(co.name, dataset_id)
+            lease = table.acquire(session, dataset_id, epoch, rows, parts=parts,
+                                  least=least, tail=True)
         except SessionExpired:
             return SESSION_ENDED
         except EpochFailed as e:
@@ -92,21 +119,38 @@ class LeaseBook:
                                     protocol.integer(epoch, "epoch", 0, protocol.MAX_EPOCH))
 
     def lease_release(self, session: str, dataset_id: str, epoch: int, ranges: Any,
-                      failure: Any = None) -> int | dict:
-        """Rows a session gives back (``failure``: ``[file, message]`` of a failed read):
-        rows freed (``SESSION_ENDED`` from a session that ended)."""
-        session = protocol.text(session, "session")
+                      failure: Any = None) -> int:
+        """Rows a session gives back (``failure``: ``[source, message]`` of a failed
+        read: deferred, the failure counted); rows freed."""
         dataset_id = protocol.text(dataset_id, "dataset_id")
         epoch = protocol.integer(epoch, "epoch", 0, protocol.MAX_EPOCH)
         ranges = protocol.pairs(ranges, "ranges", protocol.MAX_RANGES)
         if failure is not None:
             if not isinstance(failure, (list, tuple)) or len(failure) != 2:
-                raise TypeError(f"failure must be [file, message], got {failure!r:.80}")
-            failure = (protocol.text(failure[0], "failure file", 4096),
+                raise TypeError(f"failure must be [source, message], got {failure!r:.80}")
+            failure = (protocol.text(failure[0], "failure source", 4096),
                        protocol.text(failure[1], "failure message", 16384))
-        if session not in self.co.members:
-            return SESSION_ENDED
         return self.leases.release(session, dataset_id, epoch, ranges, failure)
+
+    def unit_length(self, session: str, dataset_id: str, epoch: int, unit: int,
+                    length: int) -> dict:
+        """``session`` read unit ``unit`` (a computed partition): ``length`` rows.
+        ``{"failed": why}`` when it differs from the length learned before (the epoch
+        fails)."""
+        dataset_id = protocol.text(dataset_id, "dataset_id")
+        epoch = protocol.integer(epoch, "epoch", 0, protocol.MAX_EPOCH)
+        unit = protocol.integer(unit, "unit", 0, MAX_UNITS)
+        length = protocol.integer(length, "length", 0, protocol.MAX_ROWS)
+        why = resume.set_length(self.leases, session, dataset_id, epoch, unit, length)
+        return {} if why is None else {"failed": why}
+
+    def dataset_helpers(self, session: str) -> list[str]:
+        """Workers that are not members of a coordinator restricted by ``resources=``
+        (they compute partitions for the members); ``[]`` without a restriction."""
+        co = self.co
+        if co.locality is None:
+            return []
+        return co.locality.helpers_of(co.name, co.member_resources)
 
     def dataset_state(self, dataset_id: str, epoch: int) -> tuple:
         """The epoch's acknowledged rows (an :class:`EpochLedger`), for resuming."""
@@ -125,7 +169,6 @@ class LeaseBook:
         acknowledged, a collection's lengths learned first (its partitions whose rows
         were all acknowledged are never computed again); refused once the epoch has
         started. Its progress."""
-        self.co.closure_book.owner_box(protocol.text(owner, "owner"), protocol.text(token, "token"))
         fields = len(EpochLedger._fields)
         if not isinstance(ledger, (list, tuple)) or not fields - 1 <= len(ledger) <= fields:
             raise TypeError(f"ledger must be an EpochLedger {EpochLedger._fields}")
@@ -140,23 +183,19 @@ class LeaseBook:
             raise ValueError(f"the ledger is of {led.total} rows; dataset {dataset_id!r} "
                              f"has {total}")
         if lengths:
-            self.leases.learn_lengths(dataset_id, lengths)
-        self.leases.start_epoch(dataset_id, epoch, acked)
+            resume.learn_lengths(self.leases, dataset_id, lengths)
+        resume.start_epoch(self.leases, dataset_id, epoch, acked)
         return self.leases.progress(dataset_id, epoch)
 
     # -- durable commits: checkpoint ledgers (SPEC §4.3) ----------------------------------
     def dataset_ledger(self, session: str, state: str) -> dict:
         """The ledger of State ``state``'s dynamic datasets now, by name (a checkpoint
         written at the State's current commit keeps it)."""
-        if not self.co.live_session(session):
-            return SESSION_ENDED
         return self.ledgers.export(protocol.text(state, "state", 1024), self.leases)
 
     def restore_ledger(self, session: str, state: str, ledger: Any) -> list | dict:
         """State ``state`` resumed from a checkpoint: its datasets' epochs go on from
         ``ledger`` (a name not defined yet waits for its dataset). The ids restored."""
-        if not self.co.live_session(session):
-            return SESSION_ENDED
         if not isinstance(ledger, dict) or len(ledger) > 1024:
             raise TypeError(f"ledger must be a dict of at most 1024 datasets, got "
                             f"{type(ledger).__name__}")
@@ -165,8 +204,6 @@ class LeaseBook:
     def checkpoint_written(self, session: str, state: str, url: str, commits: int,
                            seconds: float, nbytes: int) -> dict | None:
         """A State's writer reports a complete checkpoint (dashboard and metrics)."""
-        if not self.co.live_session(session):
-            return SESSION_ENDED
         self.co.stats.on_checkpoint(protocol.text(state, "state", 1024),
                                     protocol.text(url, "url", 4096),
                                     protocol.integer(commits, "commits", 0, protocol.MAX_ROWS),
@@ -175,23 +212,28 @@ class LeaseBook:
         return None
 
     def forget_datasets(self, dataset_ids: list[str]) -> None:
-        """Their handles were dropped: their lease tables and completed epochs go."""
-        for dataset_id in dataset_ids:
-            self.leases.forget(dataset_id)
+        """Their handles were dropped: their lease tables, completed epochs and
+        locality indexes go."""
+        gone = [d for dataset_id in dataset_ids for d in self.leases.forget(dataset_id)]
+        self.co.stats.forget_datasets(gone)
+        if self.co.locality is not None:
+            self.co.locality.forget(self.co.name, gone)
 
 
-# The lease book's handlers (the plugin registers each as ``method(book, **kwargs)`` on
-# the named coordinator's book): a message's name leads here, beside its method.
-LEASE_HANDLERS = {
-    "daskdist_dataset_define": (LeaseBook.dataset_define, protocol.CLOSED),
-    "daskdist_dataset_state": (LeaseBook.dataset_state, protocol.CLOSED),
-    "daskdist_dataset_start": (LeaseBook.dataset_start, protocol.CLOSED),
-    # a loader's lease or give-back after its coordinator closed: its session ended with
-    # it (nothing to lease, nothing to give back), as the collection handlers answer
-    "daskdist_lease_acquire": (LeaseBook.lease_acquire, SESSION_ENDED),
-    "daskdist_lease_progress": (LeaseBook.lease_progress, protocol.CLOSED),
-    "daskdist_lease_release": (LeaseBook.lease_release, SESSION_ENDED),
-    "daskdist_dataset_ledger": (LeaseBook.dataset_ledger, protocol.CLOSED),
-    "daskdist_restore_ledger": (LeaseBook.restore_ledger, protocol.CLOSED),
-    "daskdist_checkpoint_written": (LeaseBook.checkpoint_written, protocol.CLOSED),
+# The lease book's routes (the plugin registers each on the named coordinator's book,
+# protocol.book_handler): a message's name leads here, beside its method. A loader's
+# call after its coordinator closed gets SESSION_ENDED: its session ended with it
+# (nothing to lease, nothing to give back).
+LEASE_ROUTES = {
+    "daskdist_dataset_define": Route(LeaseBook.dataset_define, caller=OWNER_OR_SESSION),
+    "daskdist_dataset_state": Route(LeaseBook.dataset_state, caller=ANY),
+    "daskdist_dataset_start": Route(LeaseBook.dataset_start, caller=OWNER),
+    "daskdist_lease_acquire": Route(LeaseBook.lease_acquire, SESSION_ENDED, SESSION),
+    "daskdist_lease_progress": Route(LeaseBook.lease_progress, caller=ANY),
+    "daskdist_lease_release": Route(LeaseBook.lease_release, SESSION_ENDED, SESSION),
+    "daskdist_unit_length": Route(LeaseBook.unit_length, SESSION_ENDED, SESSION),
+    "daskdist_dataset_helpers": Route(LeaseBook.dataset_helpers, [], SESSION, []),
+    "daskdist_dataset_ledger": Route(LeaseBook.dataset_ledger, caller=SESSION),
+    "daskdist_restore_ledger": Route(LeaseBook.restore_ledger, caller=SESSION),
+    "daskdist_checkpoint_written": Route(LeaseBook.checkpoint_written, caller=SESSION),
 }

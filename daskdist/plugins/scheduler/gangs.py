@@ -4,9 +4,9 @@ Gang closures (``schedule_on_all``) and the group generations they run on are th
 :class:`~daskdist.core.gang.GangBook`; the commits that acknowledge gang members' rows
 (SPEC §4.2) are the pure :class:`~daskdist.core.commits.CommitBook`. This book routes
 gang members' outcomes to the gang book, tells a broken group's members at once, and
-serves the group and commit handlers (:data:`GROUP_HANDLERS`, registered by the plugin
-as they are). Formation itself is the :class:`~daskdist.plugins.scheduler.groups.
-GroupDriver`'s (``driver``). Runs on the scheduler's event loop; imports nothing from Dask.
+serves the group and commit routes (:data:`GROUP_ROUTES`). Formation itself is the
+:class:`~daskdist.plugins.scheduler.groups.GroupDriver`'s (``driver``). Runs on the scheduler's
+event loop; imports nothing from Dask.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from daskdist.core import protocol
 from daskdist.core.commits import CommitBook, unpack_parts
 from daskdist.core.gang import INTERRUPTING, GangBook, relay_children, tell_targets
-from daskdist.core.protocol import READY, SESSION_ENDED, CommitKey, Outcome
+from daskdist.core.leases import group_tokens
+from daskdist.core.protocol import OWNER, READY, SESSION, CommitKey, Outcome, Route
 from daskdist.plugins.scheduler.closures import wait_event
 
 if TYPE_CHECKING:
@@ -111,21 +112,28 @@ class GroupBook:
                                tokens: list, timeout: float = 60.0) -> bool:
         """Rank ``rank``'s part of a gang commit, sent by ``session``; the commit's outcome
         once every rank's part came (all or nothing: refused unless ``key``'s generation
-        is the current group, ``session`` is its rank ``rank`` and every member's session
-        is live). A commit whose parts did not all come within ``timeout`` seconds (the
-        group's timeout) expires: refused, for good."""
-        session, key = str(session), CommitKey.parse(key)
-        rank, world, timeout = int(rank), int(world), float(timeout)
-        co = self.co
+        is the current group, ``session`` is its rank ``rank``, every member's session
+        is live and every token is well formed). A commit whose parts did not all come
+        within ``timeout`` seconds, at most the group's own timeout (a caller cannot
+        keep a commit open longer), expires: refused, for good."""
+        op = "daskdist_gang_commit_part"
+        key = CommitKey.parse(key)
+        rank = protocol.integer(rank, f"{op}: rank", 0, protocol.MAX_ITEMS)
+        world = protocol.integer(world, f"{op}: world", 1, protocol.MAX_ITEMS)
         group = self.gangs.group
+        timeout = min(protocol.number(timeout, f"{op}: timeout", 0.0, 86400.0),
+                      group.timeout)
+        tokens = list(protocol.items(tokens, f"{op}: tokens"))
+        co = self.co
         sessions = group.sessions if key.generation == group.generation else None
         if sessions is not None and group.ranks.get(session) != rank:
-            sessions = None  # a part from an ended session, or another rank's: refused
+            sessions = None  # a part from another rank's session: refused
         if sessions is not None:
             try:
+                group_tokens(tokens)  # a malformed token refuses the commit
                 co.ledgers.note(key.state, tokens)  # datasets trained under the State
             except ValueError:
-                pass  # a malformed token: the commit refuses it below
+                sessions = None
         ok = self.commits.add_part(co.leases, key, rank, world, tokens, sessions,
                                    co.members.members)
         if ok is not None:
@@ -150,7 +158,7 @@ class GroupBook:
         co = self.co
         group = self.gangs.group
         sessions = group.sessions if key.generation == group.generation else None
-        if sessions is not None and group.ranks.get(str(session)) != 0:
+        if sessions is not None and group.ranks.get(session) != 0:
             sessions = None  # only rank 0 speaks for the group
         tables: dict = {}
         if sessions is not None and key not in self.commits.recorded:
@@ -169,10 +177,7 @@ class GroupBook:
     def commit_outcome(self, session: str, key: Any) -> bool | dict:
         """Whether commit ``key`` was applied (a rank that missed the outcome asks). Not
         read-only by design: a commit still open is refused now, so every rank, and any
-        part still on its way, gets the same definite answer. ``SESSION_ENDED`` to an
-        ended session."""
-        if not self.co.live_session(session):
-            return SESSION_ENDED
+        part still on its way, gets the same definite answer."""
         return self._outcome(CommitKey.parse(key))
 
     def _outcome(self, key: CommitKey) -> bool:
@@ -183,10 +188,8 @@ class GroupBook:
     def state_commits(self, session: str, state: str, committed: bool = False) -> int | dict:
         """How many commits of State ``state`` happened (``committed``: one more, a plain
         commit its rank reports once), so ``sync()`` can tell a lost state from a fresh
-        start. ``SESSION_ENDED`` to an ended session."""
-        if not self.co.live_session(session):
-            return SESSION_ENDED
-        state = str(state)
+        start."""
+        state = protocol.text(state, "daskdist_state_commits: state", 1024)
         if committed:
             self.commits.note_committed(state)
         return self.commits.committed(state)
@@ -203,8 +206,6 @@ class GroupBook:
                          timeout: float = 60.0, rejoin_grace: float | None = None) -> dict:
         """(Re-)form the collective group on the current workers; its description."""
         op = "daskdist_group_form"
-        self.co.closure_book.owner_box(protocol.text(owner, f"{op}: owner"),
-                                       protocol.text(token, f"{op}: token"))
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"{op}: backend must be 'auto', 'gloo' or 'nccl', got "
                              f"{backend!r}")
@@ -226,8 +227,6 @@ class GroupBook:
     async def schedule_gang(self, owner: str, token: str, cid: str, payload: list) -> dict:
         """Queue a gang closure; forms the group first if there is none yet."""
         op = "daskdist_schedule_gang"
-        self.co.closure_book.owner_box(protocol.text(owner, f"{op}: owner"),
-                                       protocol.text(token, f"{op}: token"))
         if not protocol.text(cid, f"{op}: cid").startswith(f"{owner}-"):
             raise PermissionError(f"{op}: gang id {cid!r} is not one of owner {owner!r}'s")
         protocol.payload(payload, f"{op}: payload")
@@ -240,15 +239,16 @@ class GroupBook:
         return driver.info()
 
 
-# The group book's handlers (the plugin registers each as ``method(book, **kwargs)`` on
-# the named coordinator's book).
-GROUP_HANDLERS = {
-    "daskdist_group_form": (GroupBook.group_form, protocol.CLOSED),
-    "daskdist_group_info": (GroupBook.group_info, protocol.CLOSED),
-    "daskdist_schedule_gang": (GroupBook.schedule_gang, protocol.CLOSED),
+# The group book's routes (the plugin registers each on the named coordinator's book,
+# protocol.book_handler). A commit from a session that ended is refused: ``False``.
+GROUP_ROUTES = {
+    "daskdist_group_form": Route(GroupBook.group_form, caller=OWNER),
+    "daskdist_group_info": Route(GroupBook.group_info),
+    "daskdist_schedule_gang": Route(GroupBook.schedule_gang, caller=OWNER),
     # elastic commits (SPEC §4.2)
-    "daskdist_gang_commit_part": (GroupBook.gang_commit_part, protocol.CLOSED),
-    "daskdist_gang_commit": (GroupBook.gang_commit, protocol.CLOSED),
-    "daskdist_commit_outcome": (GroupBook.commit_outcome, protocol.CLOSED),
-    "daskdist_state_commits": (GroupBook.state_commits, protocol.CLOSED),
+    "daskdist_gang_commit_part": Route(GroupBook.gang_commit_part, caller=SESSION,
+                                       ended=False),
+    "daskdist_gang_commit": Route(GroupBook.gang_commit, caller=SESSION, ended=False),
+    "daskdist_commit_outcome": Route(GroupBook.commit_outcome, caller=SESSION),
+    "daskdist_state_commits": Route(GroupBook.state_commits, caller=SESSION),
 }

@@ -181,7 +181,7 @@ class GroupDriver:
             members = [co.members.members[s] for s in sessions]
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            # a deadline of lease-timeout (issue 23 item 6): a member that answers nothing
+            # a deadline of lease-timeout: a member that answers nothing
             # meanwhile is fenced by its lease, and the group forms without it
             deadline = t0 + co.members.leases.timeout
             ok = False

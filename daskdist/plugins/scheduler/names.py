@@ -16,11 +16,12 @@ and its handlers call it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from distributed.protocol.pickle import dumps
@@ -46,7 +47,10 @@ class Coordinators:
         self.drivers: dict[str, GroupDriver] = {}
         self._send = send
         self._next_generation = next_generation
-        self._life: dict[str, asyncio.Lock] = {}  # name -> held while created / torn down
+        # name -> [its lock, held while created / torn down; how many use it]: a name's
+        # entry goes when nobody holds or waits for its lock
+        self._life: dict[str, list] = {}
+        self.locality: Any = None  # the plugin's Locality (set by its start)
         self._teardowns: dict[str, asyncio.Task] = {}  # by coordinator name
         # client -> the pending drop of its owners (a cut connection may come back)
         self._orphaned: dict[str, asyncio.TimerHandle] = {}
@@ -59,8 +63,18 @@ class Coordinators:
         except KeyError:
             raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler") from None
 
-    def _lock(self, name: str) -> asyncio.Lock:
-        return self._life.setdefault(name, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _lock(self, name: str) -> AsyncIterator[None]:
+        """Hold ``name``'s life lock (its creation and teardown never cross)."""
+        entry = self._life.setdefault(name, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._life[name]
 
     # -- creation and owners -------------------------------------------------------------
     async def create(self, name: str, client: str | None, max_worker_failures: int | None,
@@ -89,7 +103,7 @@ class Coordinators:
                         config.seconds("liveness.lease-timeout"),
                         "daskdist.liveness.lease-timeout")
                 co = CoordinatorState(name, max_worker_failures, send=self._send,
-                                      lease_timeout=lease_timeout)
+                                      lease_timeout=lease_timeout, locality=self.locality)
                 co.member_resources = resources  # only these workers are members
                 self.states[name] = co
                 driver = GroupDriver(co, self.scheduler.rpc, self._next_generation)
@@ -175,6 +189,8 @@ class Coordinators:
             driver.stop()
         if co is not None:
             co.close()
+        if self.locality is not None:
+            self.locality.forget(name)
         return co
 
     async def _teardown(self, name: str) -> None:

@@ -36,19 +36,29 @@ from daskdist import config
 from daskdist.core import protocol
 from daskdist.core.protocol import PLUGIN_NAME, RETIRING
 from daskdist.plugins.scheduler import observe
-from daskdist.plugins.scheduler.closures import CLOSURE_HANDLERS
-from daskdist.plugins.scheduler.collections import CollectionHandlers
-from daskdist.plugins.scheduler.datasets import LEASE_HANDLERS
-from daskdist.plugins.scheduler.gangs import GROUP_HANDLERS
+from daskdist.plugins.scheduler.closures import CLOSURE_ROUTES
+from daskdist.plugins.scheduler.datasets import LEASE_ROUTES
+from daskdist.plugins.scheduler.gangs import GROUP_ROUTES
 from daskdist.plugins.scheduler.groups import GroupDriver
+from daskdist.plugins.scheduler.locality import Locality
 from daskdist.plugins.scheduler.names import Coordinators
-from daskdist.plugins.scheduler.state import CoordinatorState
+from daskdist.plugins.scheduler.state import STATE_ROUTES, CoordinatorState
 
-# each book's handlers: the attribute of CoordinatorState that holds the book, and its table
-BOOK_HANDLERS = {
-    "closure_book": CLOSURE_HANDLERS,
-    "group_book": GROUP_HANDLERS,
-    "lease_book": LEASE_HANDLERS,
+# Every route of a named coordinator, by the attribute of CoordinatorState that holds its
+# book ("": the coordinator itself) and the book's table (protocol.Route)
+BOOK_ROUTES = {
+    "": STATE_ROUTES,
+    "closure_book": CLOSURE_ROUTES,
+    "group_book": GROUP_ROUTES,
+    "lease_book": LEASE_ROUTES,
+}
+# The plugin's own routes (coordinators' lives, worker sessions, status): their methods
+PLUGIN_ROUTES = {
+    "daskdist_create": "create",
+    "daskdist_detach": "detach",
+    "daskdist_register": "register",
+    "daskdist_unregister": "unregister",
+    "daskdist_status": "status",
 }
 
 logger = logging.getLogger(__name__)
@@ -72,29 +82,15 @@ class CoordinatorPlugin(SchedulerPlugin):
         self._expected: dict[str, bool] = {}
         self._liveness_task: asyncio.Task | None = None
         self._sampler: observe.Sampler | None = None  # dashboard history, until close
-        self.collections = CollectionHandlers(self)  # Dask collections' partitions
+        self.locality: Locality | None = None  # persisted partitions, helpers (at start)
 
     async def start(self, scheduler) -> None:
         self.scheduler = self.names.scheduler = scheduler
-        scheduler.handlers.update(
-            {
-                "daskdist_create": self.create,
-                "daskdist_detach": self.detach,
-                "daskdist_add_resource": self.add_resource,
-                "daskdist_get_resource": self.get_resource,
-                "daskdist_release_resources": self.release_resources,
-                "daskdist_register": self.register,
-                "daskdist_unregister": self.unregister,
-                "daskdist_status": self.status,
-                # Dask collections: definitions, partition leases, lengths, helpers
-                **self.collections.handlers(),
-            }
-        )
-        # the books' handlers, as their tables say (closures.py, gangs.py, datasets.py)
-        for book, table in BOOK_HANDLERS.items():
-            for op, (method, missing) in table.items():
-                scheduler.handlers[op] = protocol.book_handler(self.coordinators, book, op, method,
-                                                      missing)
+        self.locality = self.names.locality = Locality(scheduler)
+        scheduler.handlers.update({op: getattr(self, attr) for op, attr in PLUGIN_ROUTES.items()})
+        for book, table in BOOK_ROUTES.items():
+            for op, route in table.items():
+                scheduler.handlers[op] = protocol.book_handler(self.coordinators, book, op, route)
         scheduler.extensions["daskdist"] = self
         self._sampler = observe.install(self, scheduler)
         self._liveness_task = asyncio.create_task(self._expire_loop())
@@ -124,10 +120,12 @@ class CoordinatorPlugin(SchedulerPlugin):
 
     # -- Dask events ------------------------------------------------------------------
     def add_worker(self, scheduler, worker: str) -> None:
-        self.collections.worker_added(worker)
+        if self.locality is not None:
+            self.locality.worker_added(worker, self._member_resources)
 
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
-        self.collections.worker_removed(worker)
+        if self.locality is not None:
+            self.locality.worker_removed(worker)
         for co in self.coordinators.values():
             session = co.members.session_of(worker)
             if session is not None:
@@ -165,13 +163,9 @@ class CoordinatorPlugin(SchedulerPlugin):
                                   protocol.text(token, f"{op}: token"))
         return co
 
-    def _member(self, op: str, name: Any, session: Any) -> CoordinatorState:
-        """The coordinator ``name`` if ``session`` is one of its live worker sessions."""
-        co = self._get(name)
-        if protocol.text(session, f"{op}: session") not in co.members:
-            raise PermissionError(f"{op}: {session!r} is not a live worker session of "
-                                  f"coordinator {name!r}")
-        return co
+    def _member_resources(self, name: str) -> dict | None:
+        co = self.coordinators.get(name)
+        return co.member_resources if co is not None else None
 
     def _next_generation(self) -> int:
         self.generations += 1
@@ -231,30 +225,6 @@ class CoordinatorPlugin(SchedulerPlugin):
         items = self.names.drop_owner(co, owner)
         await self.names.torn_down(co.name, 5.0)
         return {"items": items}
-
-    def add_resource(self, name: str, owner: str, token: str, rid: str,
-                     payload: bytes) -> None:
-        op = "daskdist_add_resource"
-        co = self._owned(op, name, owner, token)
-        protocol.text(rid, f"{op}: rid")
-        if not isinstance(payload, bytes):
-            raise TypeError(f"{op}: payload must be bytes, got {type(payload).__name__}")
-        if co.resource_owners.get(rid, owner) != owner:
-            raise PermissionError(f"{op}: resource {rid!r} is another owner's")
-        co.add_resource(owner, rid, payload)
-
-    def get_resource(self, name: str, session: str, rid: str) -> bytes | None:
-        """A worker session's per-worker resource spec (``None``: released or unknown)."""
-        co = self._member("daskdist_get_resource", name, session)
-        return co.resources.get(protocol.text(rid, "daskdist_get_resource: rid"))
-
-    def release_resources(self, name: str, owner: str, token: str, rids: list) -> None:
-        """The client dropped these per-worker resources: forget them here and on every
-        worker (one-way; the client sends it once no closure can still use them)."""
-        op = "daskdist_release_resources"
-        co = self._owned(op, name, owner, token)
-        rids = protocol.texts(rids, f"{op}: rids")
-        co.release_resources([rid for rid in rids if co.resource_owners.get(rid) == owner])
 
     def status(self, name: str | None = None) -> dict:
         if name is not None:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from daskdist import config
 from daskdist.core import protocol
 from daskdist.core.membership import LivenessTable, Membership
-from daskdist.core.protocol import RETIRING
+from daskdist.core.protocol import OWNER, RETIRING, SESSION, Route
 from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
@@ -41,9 +42,12 @@ class CoordinatorState:
 
     def __init__(self, name: str, max_worker_failures: int = 3,
                  send: Callable[[str, dict], None] | None = None,
-                 lease_timeout: float = 30.0):
+                 lease_timeout: float = 30.0, locality: Any = None):
         self.name = name
         self.send = send or (lambda address, msg: None)
+        # where persisted partitions lie, and helpers (plugins/scheduler/locality.py; the
+        # plugin's, None when the state is driven without a scheduler)
+        self.locality = locality
         # sessions, their indices and leases (SPEC §2.4); the settings read on every
         # exchange, read once (parsing a duration is not free)
         self.members = Membership(leases=LivenessTable(lease_timeout),
@@ -83,7 +87,8 @@ class CoordinatorState:
         (held, like an owner whose error is raised), and those are cancelled."""
         self.gangs.cancel_pending(owner)
         self.release_resources([rid for rid, o in self.resource_owners.items() if o == owner])
-        self.leases.drop_owner(owner)  # its datasets' lease tables go with it
+        self.lease_book.forget_datasets(  # its datasets go with it
+            [d for d, ds in self.leases.datasets.items() if ds.owner == owner])
         box = self.closure_book.drop_owner(owner)
         if box is None:
             return []
@@ -242,7 +247,7 @@ class CoordinatorState:
         """
         self.stats.on_session_end(self, session)
         # a retiring worker outside the group (it left at a commit, or never joined it)
-        # changes nothing for the group's members: no second re-formation (issue 23)
+        # changes nothing for the group's members: no second re-formation
         member = self.members.members.get(session)
         self.members.leave(session, counted=not (member is not None and member.draining
                                                  and session not in self.gangs.group.ranks))
@@ -284,10 +289,36 @@ class CoordinatorState:
         """Sessions that may run closures, in worker-index (rank) order."""
         return tuple(m.session for m in self.members.by_index() if not m.draining)
 
-    def live_session(self, session: Any) -> bool:
-        """Whether ``session`` (checked: an id) is a live member (a handler answers
-        :data:`~daskdist.core.protocol.SESSION_ENDED` if not)."""
-        return protocol.text(session, "session") in self.members
+    # -- callers (protocol.book_handler asks, before a route's method runs) ---------------
+    def session_alive(self, session: str) -> bool:
+        """Whether ``session`` is a live member; a message from it renews its lease
+        (a route answers its ``ended`` reply if not)."""
+        return self.members.renew(session, time.monotonic())
+
+    def check_owner(self, owner: str, token: str) -> None:
+        """``PermissionError`` unless the caller is owner ``owner`` (holds its token)."""
+        self.closure_book.owner_box(owner, token)
+
+    # -- per-worker resources: routes ---------------------------------------------------------
+    def resource_add(self, owner: str, token: str, rid: str, payload: bytes) -> None:
+        """Register a per-worker resource's spec (one-way)."""
+        op = "daskdist_add_resource"
+        protocol.text(rid, f"{op}: rid")
+        if not isinstance(payload, bytes):
+            raise TypeError(f"{op}: payload must be bytes, got {type(payload).__name__}")
+        if self.resource_owners.get(rid, owner) != owner:
+            raise PermissionError(f"{op}: resource {rid!r} is another owner's")
+        self.add_resource(owner, rid, payload)
+
+    def resource_get(self, session: str, rid: str) -> bytes | None:
+        """A worker session's per-worker resource spec (``None``: released or unknown)."""
+        return self.resources.get(protocol.text(rid, "daskdist_get_resource: rid"))
+
+    def resource_release(self, owner: str, token: str, rids: list) -> None:
+        """The client dropped these per-worker resources: forget them here and on every
+        worker (one-way; the client sends it once no closure can still use them)."""
+        rids = protocol.texts(rids, "daskdist_release_resources: rids")
+        self.release_resources([rid for rid in rids if self.resource_owners.get(rid) == owner])
 
     def status(self) -> dict[str, Any]:
         c = self.queue.counters
@@ -319,3 +350,12 @@ class CoordinatorState:
             "group_size": len(group.sessions),
             "gangs_pending": len(self.gangs.pending),
         }
+
+
+# The coordinator's own routes (per-worker resources), registered by the plugin with the
+# books' (protocol.book_handler); the "book" is the coordinator itself.
+STATE_ROUTES = {
+    "daskdist_add_resource": Route(CoordinatorState.resource_add, caller=OWNER),
+    "daskdist_get_resource": Route(CoordinatorState.resource_get, caller=SESSION, ended=None),
+    "daskdist_release_resources": Route(CoordinatorState.resource_release, caller=OWNER),
+}

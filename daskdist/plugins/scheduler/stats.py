@@ -142,6 +142,12 @@ class CoordinatorStats:
             total += rows
         self.dataset_rows[dataset_id] = self.dataset_rows.get(dataset_id, 0) + total
 
+    def forget_datasets(self, dataset_ids: list[str]) -> None:
+        """Datasets gone (their handles dropped, their coordinator closed): their row
+        counts go too."""
+        for d in dataset_ids:
+            self.dataset_rows.pop(d, None)
+
     def on_session_end(self, co: Any, session: str) -> None:
         """Before ``session`` leaves: its counts folded in; a loss event when it was a
         member of the group."""

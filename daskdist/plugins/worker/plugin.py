@@ -14,6 +14,7 @@ a graceful leave (:mod:`.preemption`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 from typing import Any
@@ -65,103 +66,135 @@ def _pass_on(worker, address: str, word: dict) -> None:
     task.add_done_callback(_relaying.discard)
 
 
+# -- the handlers every coordinator's plugin on a worker shares (WORKER_ROUTES) -----------
+def wake(worker, name: str) -> None:
+    """The scheduler has work for this worker: exchange now."""
+    runner = _runner(worker, name)
+    if runner is not None:
+        runner.poke()
+
+
+def peer_lost(worker, name: str, generation: int, reason: str = "a peer left the group",
+              version: int | None = None, joins: int | None = None,
+              session: str | None = None) -> None:
+    """The group of ``generation`` broke: from the scheduler (a stream message) or from
+    the member above this one in the word's tree (an RPC): this process's calls in it
+    raise now, and the word goes on to this member's children once."""
+    if version is not None:  # the membership counters the loss made (one message)
+        membership(worker, name, version, joins, session)
+    # through sys.modules: no group was ever formed in this process otherwise
+    collective = sys.modules.get("daskdist.collective")
+    if collective is not None:
+        collective.mark_peer_lost(generation, reason or "a peer left the group")
+    runner = _runner(worker, name)
+    relay = runner.relay if runner is not None else None
+    if runner is not None and relay is not None and relay[0] == generation:
+        runner.relay = None  # passed on once (a later word of it finds it gone)
+        for address in relay[1]:  # their own sessions: the counters go unaddressed
+            _pass_on(worker, address, dict(name=name, generation=generation,
+                                           reason=reason, version=version, joins=joins))
+
+
+def membership(worker, name: str, version: int, joins: int | None = None,
+               session: str | None = None) -> None:
+    """The membership counters of the session the scheduler addressed (a message for a
+    session that ended, say of a coordinator closed before, changes nothing)."""
+    runner = _runner(worker, name)
+    current = runner.session_id if runner is not None else ""
+    if current and session in (None, current):
+        _set_membership(version, joins, session=current)
+
+
+def hold(worker, name: str, owners: list) -> None:
+    """Owners whose error the scheduler is raising: their prefetched closures go back."""
+    runner = _runner(worker, name)
+    if runner is not None:
+        runner.set_hold(owners)
+
+
+def release(worker, name: str, rids: list) -> None:
+    """Per-worker resources dropped by their owner: closed here."""
+    runner = _runner(worker, name)
+    if runner is not None and runner.resources is not None:
+        runner.resources.drop(rids)
+
+
+def leaving(worker, name: str) -> None:
+    """This worker retires: its gang members leave at their next commit."""
+    runner = _runner(worker, name)
+    if runner is not None:
+        runner.leaving = True
+
+
+def steal(worker, name: str, n: int) -> None:
+    """An idle worker waits: give back up to ``n`` unstarted closures."""
+    runner = _runner(worker, name)
+    if runner is not None:
+        runner.give_back(n)
+
+
+async def collective(worker, action: str, name: str, **kw: Any) -> Any:
+    """A formation's step on this member (``store``, ``init``, ``destroy``), in a thread."""
+    from daskdist import collective as coll
+
+    runner = _runner(worker, name)
+    if action == "store":
+        host = get_address_host(worker.address)
+        return list(await asyncio.to_thread(coll.create_store, kw["generation"], host,
+                                            kw["timeout"]))
+    if action == "init":
+        _set_formation_version(kw["generation"], kw.get("version"), kw.get("joins"))
+        if runner is not None:  # whom to tell if this generation breaks
+            runner.relay = (kw["generation"], list(kw.get("relay") or ()))
+        await asyncio.to_thread(
+            coll.init_member, kw["rank"], kw["world_size"], kw["host"], kw["port"],
+            kw["backend"], kw["generation"], kw["timeout"],
+            runner.device if runner is not None else None,
+        )
+        return {"rank": kw["rank"]}
+    if action == "destroy":
+        await asyncio.to_thread(coll.destroy_member)
+        return None
+    raise ValueError(f"unknown collective action {action!r}")
+
+
+def confirm_session(worker, name: str, session: str) -> bool:
+    """The scheduler asks whether this worker is registering ``session`` (only the
+    worker itself can register a session for its address)."""
+    runner = _runner(worker, name)
+    return runner is not None and runner.registering == session
+
+
+# Every handler a worker serves for daskdist: stream messages (one-way, from the
+# scheduler) and RPCs (from the scheduler, or a peer passing a broken group's word on).
+# Each is ``fn(worker, **message)``; install_handlers binds them to the worker.
+STREAM_ROUTES = {
+    "daskdist-wake": wake,
+    "daskdist-peer-lost": peer_lost,
+    "daskdist-membership": membership,
+    "daskdist-hold": hold,
+    "daskdist-steal": steal,
+    "daskdist-leaving": leaving,
+    "daskdist-release": release,
+}
+RPC_ROUTES = {
+    "daskdist_collective": collective,
+    "daskdist_peer_lost": peer_lost,
+    "daskdist_confirm_session": confirm_session,
+}
+
+
+def _bound(fn: Any, worker: Any) -> Any:
+    """``fn`` with the worker bound (Dask names a handler by its ``__name__``)."""
+    handler = functools.partial(fn, worker)
+    handler.__name__ = fn.__name__  # type: ignore[attr-defined]
+    return handler
+
+
 def install_handlers(worker) -> None:
-    """Stream and RPC handlers shared by every coordinator's plugin on this worker."""
-    def wake(name: str) -> None:
-        runner = _runner(worker, name)
-        if runner is not None:
-            runner.poke()
-
-    def peer_lost(name: str, generation: int, reason: str = "a peer left the group",
-                  version: int | None = None, joins: int | None = None,
-                  session: str | None = None) -> None:
-        """The group of ``generation`` broke: from the scheduler (a stream message) or
-        from the member above this one in the word's tree (an RPC): this process's
-        calls in it raise now, and the word goes on to this member's children once."""
-        if version is not None:  # the membership counters the loss made (one message)
-            membership(name, version, joins, session)
-        # through sys.modules: no group was ever formed in this process otherwise
-        collective = sys.modules.get("daskdist.collective")
-        if collective is not None:
-            collective.mark_peer_lost(generation, reason or "a peer left the group")
-        runner = _runner(worker, name)
-        relay = runner.relay if runner is not None else None
-        if relay is not None and relay[0] == generation:
-            runner.relay = None  # passed on once (a later word of it finds it gone)
-            for address in relay[1]:  # their own sessions: the counters go unaddressed
-                _pass_on(worker, address, dict(name=name, generation=generation,
-                                               reason=reason, version=version, joins=joins))
-
-    def membership(name: str, version: int, joins: int | None = None,
-                   session: str | None = None) -> None:
-        # the counters of the session the scheduler addressed (a message for a session
-        # that ended, say of a coordinator closed before, changes nothing)
-        runner = _runner(worker, name)
-        current = runner.session_id if runner is not None else ""
-        if current and session in (None, current):
-            _set_membership(version, joins, session=current)
-
-    def hold(name: str, owners: list) -> None:
-        runner = _runner(worker, name)
-        if runner is not None:
-            runner.set_hold(owners)
-
-    def release(name: str, rids: list) -> None:
-        runner = _runner(worker, name)
-        if runner is not None and runner.resources is not None:
-            runner.resources.drop(rids)
-
-    def leaving(name: str) -> None:
-        runner = _runner(worker, name)
-        if runner is not None:
-            runner.leaving = True
-
-    def steal(name: str, n: int) -> None:
-        runner = _runner(worker, name)
-        if runner is not None:
-            runner.give_back(n)
-
-    async def collective(action: str, name: str, **kw: Any) -> Any:
-        from daskdist import collective as coll
-
-        runner = _runner(worker, name)
-        if action == "store":
-            host = get_address_host(worker.address)
-            return list(await asyncio.to_thread(coll.create_store, kw["generation"], host,
-                                                kw["timeout"]))
-        if action == "init":
-            _set_formation_version(kw["generation"], kw.get("version"), kw.get("joins"))
-            if runner is not None:  # whom to tell if this generation breaks
-                runner.relay = (kw["generation"], list(kw.get("relay") or ()))
-            await asyncio.to_thread(
-                coll.init_member, kw["rank"], kw["world_size"], kw["host"], kw["port"],
-                kw["backend"], kw["generation"], kw["timeout"],
-                runner.device if runner is not None else None,
-            )
-            return {"rank": kw["rank"]}
-        if action == "destroy":
-            await asyncio.to_thread(coll.destroy_member)
-            return None
-        raise ValueError(f"unknown collective action {action!r}")
-
-    worker.stream_handlers.update({
-        "daskdist-wake": wake,
-        "daskdist-peer-lost": peer_lost,
-        "daskdist-membership": membership,
-        "daskdist-hold": hold,
-        "daskdist-steal": steal,
-        "daskdist-leaving": leaving,
-        "daskdist-release": release,
-    })
-    def confirm_session(name: str, session: str) -> bool:
-        """The scheduler asks whether this worker is registering ``session`` (only the
-        worker itself can register a session for its address)."""
-        runner = _runner(worker, name)
-        return runner is not None and runner.registering == session
-
-    worker.handlers["daskdist_collective"] = collective
-    worker.handlers["daskdist_peer_lost"] = peer_lost  # the word from a peer (a relay)
-    worker.handlers["daskdist_confirm_session"] = confirm_session
+    """Install :data:`STREAM_ROUTES` and :data:`RPC_ROUTES` on ``worker`` (idempotent)."""
+    worker.stream_handlers.update({op: _bound(fn, worker) for op, fn in STREAM_ROUTES.items()})
+    worker.handlers.update({op: _bound(fn, worker) for op, fn in RPC_ROUTES.items()})
 
 
 class CoordinatorWorkerPlugin(WorkerPlugin):

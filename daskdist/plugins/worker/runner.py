@@ -350,9 +350,10 @@ class ClosureRunner(SessionLifecycle):
         self.wakeup.set()
 
     def call(self, op: str, **kwargs: Any) -> Any:
-        """Call a scheduler handler from a worker thread (not the event loop)."""
+        """Call a scheduler handler from a worker thread (not the event loop); the wait
+        ends after ``daskdist.worker.rpc-timeout`` (``TimeoutError``)."""
         return sync(self.worker.loop, getattr(self.worker.scheduler, op), name=self.name,
-                    **kwargs)
+                    callback_timeout=config.seconds("worker.rpc-timeout"), **kwargs)
 
     # -- the loop -----------------------------------------------------------------------
     def _retiring(self) -> bool:
@@ -495,13 +496,14 @@ class ClosureRunner(SessionLifecycle):
             self._pending.clear()
         self.taken -= dropped
 
-    def _on_done(self, item: Work, result: Outcome) -> None:
-        """Runs on the event loop when a closure finished in a thread."""
+    def _on_done(self, item: Work, result: Outcome | None) -> None:
+        """Runs on the event loop when a closure finished in a thread (``result`` None:
+        it was not run, its session having ended)."""
         if not item.gang:
             self.taken -= 1  # a thread is free, whichever session it ran for
             with self._lock:
                 self._started.discard(item.cid)
-        if item.session is not self.session:
+        if result is None or item.session is not self.session:
             self.wakeup.set()
             return  # the session ended meanwhile; the scheduler would refuse the result
         self.done.append(result)
@@ -540,6 +542,7 @@ class ClosureRunner(SessionLifecycle):
     def _run(self, item: Work) -> None:
         session = item.session
         if session.services.ended:  # not ours to run any more: the scheduler put it back
+            self._finished(item, None)  # its slot is free again; no result to send
             return
         if item.owner in self.hold and not item.gang:  # its owner's error is being raised
             self._finished(item, _unstarted(item))
@@ -579,7 +582,7 @@ class ClosureRunner(SessionLifecycle):
     def _gang_ended(self) -> None:
         self.gangs -= 1
 
-    def _finished(self, item: Work, result: Outcome) -> None:
+    def _finished(self, item: Work, result: Outcome | None) -> None:
         try:
             self.worker.loop.add_callback(self._on_done, item, result)
         except RuntimeError:  # the worker's loop is closed: the worker is going away

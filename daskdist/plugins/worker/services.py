@@ -33,6 +33,7 @@ from typing import Any
 from distributed.comm.core import CommClosedError
 from distributed.utils import sync
 
+from daskdist import config
 from daskdist.context import (
     InputContext,
     ResourceRegistry,
@@ -43,7 +44,6 @@ from daskdist.context import (
 from daskdist.core.leases import group_tokens
 from daskdist.core.protocol import (
     RETIRING,
-    CollectionDef,
     CommitKey,
     DatasetDef,
     is_session_ended,
@@ -58,13 +58,18 @@ _NO_LEASE: dict = {"lease": None}  # what a lease call gets from an ended sessio
 
 
 class SessionServices:
-    """The scheduler services of one worker session (any thread but the event loop)."""
+    """The scheduler services of one worker session (any thread but the event loop).
+
+    Every wait for the scheduler ends: a reply, a comm failure, or
+    ``daskdist.worker.rpc-timeout`` (a ``TimeoutError`` naming the call), so a closure or
+    a loader's producer never waits on a scheduler that stopped answering."""
 
     def __init__(self, worker: Any, name: str, session: str) -> None:
         self.worker = worker
         self.name = name
         self.session = session
         self.ended = False
+        self.timeout = config.seconds("worker.rpc-timeout")
         self._helpers: tuple[float, list[str]] | None = None  # (when asked, addresses)
 
     def end(self) -> None:
@@ -72,10 +77,20 @@ class SessionServices:
         self.ended = True
 
     def _call(self, op: str, ended: Any = _RAISE, **kwargs: Any) -> Any:
-        """Call handler ``op`` for this session and wait: its reply, or ``ended``
-        (default: raise ``CollectiveError``) if the session ended."""
-        return self._reply(sync(self.worker.loop, getattr(self.worker.scheduler, op),
-                                name=self.name, session=self.session, **kwargs), ended)
+        """Call handler ``op`` for this session and wait (at most ``timeout``): its
+        reply, or ``ended`` (default: raise ``CollectiveError``) if the session ended."""
+        return self._reply(self._sync(op, session=self.session, **kwargs), ended)
+
+    def _sync(self, op: str, **kwargs: Any) -> Any:
+        try:
+            return sync(self.worker.loop, getattr(self.worker.scheduler, op), name=self.name,
+                        callback_timeout=self.timeout, **kwargs)
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            raise self._timed_out(op) from e
+
+    def _timed_out(self, op: str) -> TimeoutError:
+        return TimeoutError(f"daskdist: {op} got no reply from the scheduler within "
+                            f"{self.timeout:g} s (daskdist.worker.rpc-timeout)")
 
     def _reply(self, reply: Any, ended: Any = _RAISE) -> Any:
         """The one place a handler's :data:`SESSION_ENDED` reply is recognised: the
@@ -93,6 +108,31 @@ class SessionServices:
         return CollectiveError(f"worker {self.worker.address} session {self.session[:8]} "
                                f"of coordinator {self.name!r} ended")
 
+    def _async(self, parse: Any, op: str, ended: Any,
+               **kwargs: Any) -> concurrent.futures.Future:
+        """A scheduler call sent from any thread without waiting: a future of
+        ``parse(reply)`` (``parse(ended)`` once the session ended; ``None`` at once for
+        one known ended; ``TimeoutError`` after ``timeout``)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if self.ended:
+            out.set_result(None)
+            return out
+        coro = asyncio.wait_for(getattr(self.worker.scheduler, op)(
+            name=self.name, session=self.session, **kwargs), self.timeout)
+        reply = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+
+        def done(f: concurrent.futures.Future) -> None:
+            try:
+                out.set_result(parse(self._reply(f.result(), ended)))
+            except (asyncio.TimeoutError, TimeoutError) as e:
+                out.set_exception(self._timed_out(op))
+                del e
+            except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
+                out.set_exception(e)
+
+        reply.add_done_callback(done)
+        return out
+
     # -- the dynamic policy's lease service (data.dynamic.LeaseService) ------------------
     def define(self, dataset: DatasetDef) -> None:
         """Define a dataset's units (once per loader; ``ValueError`` if they differ from
@@ -102,46 +142,27 @@ class SessionServices:
 
     def acquire(self, dataset_id: str, epoch: int, rows: int,
                 least: int = 1) -> list[Interval] | None:
-        """Lease at least ``rows`` free rows (rounded up to whole units); ``None`` when
-        none is free now or the session ended (its loaders are being closed).
-        ``InputError`` when the epoch failed (a file's reads failed too often)."""
-        if self.ended:
-            return None
-        return _lease(self._call("daskdist_lease_acquire", ended=_NO_LEASE,
-                                 dataset_id=dataset_id, epoch=int(epoch), rows=int(rows),
-                                 least=int(least)))
+        """Lease at least ``rows`` free rows (rounded up to whole units; a unit this
+        worker holds first); ``None`` when none is free now or the session ended (its
+        loaders are being closed). ``InputError`` when the epoch failed."""
+        return self.acquire_async(dataset_id, epoch, rows, least).result()
 
     def acquire_async(self, dataset_id: str, epoch: int, rows: int,
                       least: int = 1) -> concurrent.futures.Future:
-        """:meth:`acquire` without waiting: a future of its result (the loader asks for
-        its next lease while it reads the current one)."""
-        out: concurrent.futures.Future = concurrent.futures.Future()
-        if self.ended:
-            out.set_result(None)
-            return out
-        coro = self.worker.scheduler.daskdist_lease_acquire(
-            name=self.name, session=self.session, dataset_id=dataset_id, epoch=int(epoch),
-            rows=int(rows), least=int(least))
-        reply = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
-
-        def done(f: concurrent.futures.Future) -> None:
-            try:
-                out.set_result(_lease(self._reply(f.result(), _NO_LEASE)))
-            except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
-                out.set_exception(e)
-
-        reply.add_done_callback(done)
-        return out
+        """:meth:`acquire` without waiting: a future of its result (a loader asks for its
+        next lease while it reads the current one)."""
+        return self._async(_lease, "daskdist_lease_acquire", _NO_LEASE,
+                           dataset_id=dataset_id, epoch=int(epoch), rows=int(rows),
+                           least=int(least))
 
     def progress(self, dataset_id: str, epoch: int) -> dict:
         """An epoch's counts (read-only: any session may ask)."""
-        return sync(self.worker.loop, self.worker.scheduler.daskdist_lease_progress,
-                    name=self.name, dataset_id=dataset_id, epoch=int(epoch))
+        return self._sync("daskdist_lease_progress", dataset_id=dataset_id, epoch=int(epoch))
 
     def release(self, dataset_id: str, epoch: int, ranges: list,
                 failure: tuple[str, str] | None = None) -> int:
         """Give back rows leased to this session that no closure consumed (``failure``:
-        ``(file, message)`` when they could not be read); rows freed."""
+        ``(source, message)`` when they could not be read); rows freed."""
         if self.ended or not ranges:
             return 0
         return self._call("daskdist_lease_release", ended=0, dataset_id=dataset_id,
@@ -154,72 +175,21 @@ class SessionServices:
         return sum(self.release(ds, epoch, ranges)
                    for (ds, epoch), ranges in group_tokens(tokens).items())
 
-    # -- Dask collections (data.collections.PartitionSource) ---------------------------
-    def define_collection(self, definition: CollectionDef) -> None:
-        """Define a collection's partitions (once per loader; ``ValueError`` if the
-        definition differs from the scheduler's)."""
-        if not self.ended:
-            self._call("daskdist_collection_define", ended=None, dataset=tuple(definition))
-
-    def acquire_partition(self, dataset_id: str, epoch: int) -> list[Interval] | None:
-        """Lease one partition's free rows (one this worker holds first); ``None`` when
-        none is free now or the session ended. ``InputError`` when the epoch failed."""
-        if self.ended:
-            return None
-        return _lease(self._call("daskdist_partition_acquire", ended=_NO_LEASE,
-                                 dataset_id=dataset_id, epoch=int(epoch)))
-
-    def report_length(self, dataset_id: str, epoch: int, unit: int, length: int) -> None:
-        """A computed partition's length; ``InputError`` naming it when it differs from
-        the length learned before (the epoch failed)."""
-        if self.ended:
-            return
-        _length_reply(self._call("daskdist_partition_length", ended={},
-                                 dataset_id=dataset_id, epoch=int(epoch), unit=int(unit),
-                                 length=int(length)))
-
-    def acquire_partition_async(self, dataset_id: str,
-                                epoch: int) -> concurrent.futures.Future:
-        """:meth:`acquire_partition` without waiting (asked while a partition is read)."""
-        return self._async(_lease, "daskdist_partition_acquire", _NO_LEASE,
-                           dataset_id=dataset_id, epoch=int(epoch))
-
     def report_length_async(self, dataset_id: str, epoch: int, unit: int,
                             length: int) -> concurrent.futures.Future:
-        """:meth:`report_length` without waiting: a future that raises ``InputError``
-        when the length differs."""
-        return self._async(_length_reply, "daskdist_partition_length", {},
+        """A read unit's length (a computed partition's), without waiting: a future that
+        raises ``InputError`` naming it when it differs from the length learned before
+        (the epoch failed)."""
+        return self._async(_length_reply, "daskdist_unit_length", {},
                            dataset_id=dataset_id, epoch=int(epoch), unit=int(unit),
                            length=int(length))
 
-    def _async(self, parse: Any, op: str, ended: Any,
-               **kwargs: Any) -> concurrent.futures.Future:
-        """A scheduler call sent from any thread without waiting: a future of
-        ``parse(reply)`` (``parse(ended)`` once the session ended; ``None`` at once for
-        one known ended)."""
-        out: concurrent.futures.Future = concurrent.futures.Future()
-        if self.ended:
-            out.set_result(None)
-            return out
-        coro = getattr(self.worker.scheduler, op)(name=self.name, session=self.session,
-                                                  **kwargs)
-        reply = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
-
-        def done(f: concurrent.futures.Future) -> None:
-            try:
-                out.set_result(parse(self._reply(f.result(), ended)))
-            except BaseException as e:  # noqa: BLE001 - the caller's result() raises it
-                out.set_exception(e)
-
-        reply.add_done_callback(done)
-        return out
-
-    def collection_helpers(self) -> list[str]:
+    def helpers(self) -> list[str]:
         """Workers that compute partitions for the members (not members themselves,
         under ``Coordinator(resources=...)``); asked at most every 5 s."""
         now = time.monotonic()
         if self._helpers is None or now - self._helpers[0] > 5.0:
-            helpers = [] if self.ended else list(self._call("daskdist_collection_helpers",
+            helpers = [] if self.ended else list(self._call("daskdist_dataset_helpers",
                                                             ended=[]))
             self._helpers = (now, helpers)
         return self._helpers[1]
@@ -290,15 +260,17 @@ class SessionServices:
                        commits=int(commits), seconds=float(seconds), nbytes=int(nbytes))
 
 
-def _length_reply(reply: dict) -> None:
-    """``InputError`` when a reported partition length differs from the learned one."""
+def _length_reply(reply: dict | None) -> None:
+    """``InputError`` when a reported unit length differs from the learned one."""
     if reply and reply.get("failed"):
         raise InputError(reply["failed"])
 
 
-def _lease(reply: dict) -> list[Interval] | None:
+def _lease(reply: dict | None) -> list[Interval] | None:
     """A lease reply's rows (``None``: none free now, or the session ended);
     ``InputError`` when the epoch failed."""
+    if reply is None:
+        return None
     if reply.get("failed") is not None:
         raise InputError(reply["failed"])
     lease = reply.get("lease")
