@@ -1,6 +1,7 @@
 """The collection examples, run at a small size on real LocalClusters (2 threads per
-worker): the tabular ETL + MLP with async closures, and the images with a CNN, sync
-training and a SIGKILL mid-epoch."""
+worker): the tabular ETL + MLP with async closures, the images with a CNN, sync
+training and a SIGKILL mid-epoch, and a GPT sharded with FSDP2 on token ids through a
+SIGKILL."""
 
 from __future__ import annotations
 
@@ -65,4 +66,21 @@ def test_images_array_example_survives_a_sigkill_every_image_once():
         assert len(r["kills"]) == 1
         seen = np.asarray(r["seen"])
         assert (seen == 1).all(), (int((seen == 0).sum()), int((seen > 1).sum()))
+        coord.close()
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_transformer_example_survives_a_sigkill_every_sequence_once():
+    from distributed import Client
+
+    gpt = load("fsdp_transformer")
+    with make_cluster(3, threads=2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="fsdp-gpt")
+        wait_for_workers(client, coord, 3)
+        r = gpt.train(coord, client, sequences=480, length=16, chunk=48, epochs=1,
+                      global_batch_size=24, kill=True, pause=0.03)
+        assert len(r["kills"]) == 1
+        seen = np.asarray(r["seen"])
+        assert (seen == 1).all(), (int((seen == 0).sum()), int((seen > 1).sum()))
+        assert np.isfinite(r["loss"]) and r["loss"] < np.log(gpt.VOCAB)  # it learned
         coord.close()

@@ -282,3 +282,55 @@ def test_running_the_cell_five_times_leaves_memory_and_threads_flat(tmp_path):
             samples.append(client.run(rss_and_threads))
         assert_flat(samples)
         coord.close()
+
+
+def test_a_module_sharded_in_configure_model_survives_a_sigkill_every_row_once(tmp_path):
+    """A LightningModule that shards itself with FSDP2 in configure_model over a 2-D
+    ``self.device_mesh`` (its "data_parallel" dimension): a member SIGKILLed mid-fit,
+    the survivors' fit shards a fresh module over the new mesh and resumes from the
+    commit; the committed counts hold every row exactly once."""
+    from tests import lightning_sharded_job as sj
+
+    n = 1500
+    glob = write_rows(tmp_path, n)
+    logdir = tmp_path / "log"
+    logdir.mkdir()
+    with make_cluster(3) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="lightning-sharded")
+        wait_for_workers(client, coord, 3)
+        coord.collective_group(timeout=30)
+        module = coord.create_per_worker_resource(
+            functools.partial(sj.make_module, n=n, logdir=str(logdir), pause=0.02))
+        ds = coord.distribute_dataset(glob, global_batch_size=30, policy="dynamic",
+                                      shuffle=True, seed=2, prefetch=0)
+        it = iter(ds)
+        killed: list[tuple[float, int]] = []
+
+        def kill_a_member():
+            wait_until(lambda: sum(e[1] == "step" for e in read_events(logdir)) > 12,
+                       120, "steps")
+            addr = _members(coord)[1]
+            pid = client.run(os.getpid, workers=[addr])[addr]
+            killed.append((time.time(), pid))
+            sigkill(pid)
+
+        killer = threading.Thread(target=kill_a_member, daemon=True)
+        killer.start()
+        runs = []
+        end = time.monotonic() + 240
+        while not ds.progress()["complete"]:
+            assert time.monotonic() < end, ds.progress()
+            runs.append(coord.fetch(coord.schedule_on_all(
+                sj.fit, args=(module, it, ("data_parallel", "tensor_parallel")))))
+        killer.join(60)
+        assert killed, "the member was not killed"
+        committed, rerun = rerun_after(read_events(logdir), killed[0][0])
+        assert {e[2] for e in rerun} == {rerun[0][2]}  # every rank from the same step
+        assert committed - 1 <= rerun[0][2] <= committed and rerun[0][2] > 0
+        # the survivors' configure_model sharded a fresh module (its own record of
+        # meshes starts again) over the 2 of them
+        sharded_over = [r[2] for run in runs for r in run]
+        assert [2] in sharded_over, sharded_over
+        out = coord.fetch(coord.schedule_on_all(sj.counts, args=(module,)))
+        assert_every_row_once(out, n)
+        coord.close()

@@ -7,8 +7,12 @@ it drives formation through worker RPCs that call the bootstrap functions:
 
 Inside a closure: ``get_group()`` for collectives, ``broadcast_parameters`` /
 ``allreduce_gradients`` (or plain ``DistributedDataParallel``) for replicas, and
-``State`` for elastic training, ``synced(iterator)`` for the end of an epoch.
+``State`` for elastic training, ``ShardedState`` for a model sharded over the group with
+FSDP2 (imported when first named: it loads FSDP2 and DCP), ``synced(iterator)`` for the
+end of an epoch.
 """
+
+from typing import Any
 
 from daskdist.client.group import CollectiveGroup
 from daskdist.collective.bootstrap import (
@@ -27,6 +31,7 @@ __all__ = [
     "CollectiveGroup",
     "Group",
     "HostsUpdatedInterrupt",
+    "ShardedState",
     "State",
     "allreduce_gradients",
     "backend_for",
@@ -39,3 +44,12 @@ __all__ = [
     "mark_peer_lost",
     "synced",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ShardedState":
+        from daskdist.collective.sharded import ShardedState
+
+        globals()[name] = ShardedState
+        return ShardedState
+    raise AttributeError(f"module 'daskdist.collective' has no attribute {name!r}")

@@ -153,13 +153,18 @@ class CheckpointStore:
         """Write commit ``commits`` in the background (the snapshot must not change
         meanwhile: a State's committed copy never does). ``None`` if a write is still
         running."""
+        return self.submit(self._write, int(commits), model_state, optimizer_state,
+                           objects, record)
+
+    def submit(self, job: Any, *args: Any) -> Future | None:
+        """Run ``job(*args)`` (a write) in the store's background thread; ``None`` if a
+        write is still running there."""
         with self._lock:
             if self._running is not None and not self._running.done():
                 return None
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="daskdist-ckpt")
-            fut = self._executor.submit(self._write, int(commits), model_state,
-                                        optimizer_state, objects, record)
+            fut = self._executor.submit(job, *args)
             self._running = fut
             return fut
 

@@ -210,6 +210,11 @@ class State:
         spare, self._spare = self._spare, None
         return (spare or HostCopy()).fill(self._live())
 
+    def _refill(self) -> HostCopy:
+        """The current state copied into the committed copy, in place: a commit with
+        nothing in flight."""
+        return self._saved.fill(self._live())
+
     def save(self) -> None:
         """Copy the current state into the committed copy (no communication): one copy,
         in host memory, refilled in place; from CUDA asynchronously (pinned buffers)."""
@@ -252,16 +257,7 @@ class State:
         need = max(abs(h[6]) for h in heads)
         self._slots = (g.generation, _slots_for(need))
         if ledger.in_flight:  # the previous commit's outcome, as every rank saw it
-            if isinstance(ledger.reply, _Told) and heads[0][2] in (_OK, _REFUSED):
-                ledger.reply.ok = heads[0][2] == _OK  # rank 0 sent it: its reply told all
-            if min(h[2] for h in heads) != _OK:
-                _give_back(tokens)  # the previous commit stays in flight: settled later
-                raise CollectiveError(
-                    f"commit {tuple(ledger.key)} was not confirmed on every rank (a member "
-                    f"left, or its part or the scheduler's reply came late); restore() and "
-                    f"go on, or re-form and sync()")
-            state, _ = ledger.settle(True)
-            self._promote(state)
+            self._confirm(heads[0][2], min(h[2] for h in heads), tokens)
         if any(h[0] for h in heads):
             # rows to acknowledge. Every part fits: rank 0 sends them all in one message;
             # else every rank sends its own. The outcome is taken at the next commit (or
@@ -282,17 +278,35 @@ class State:
             ledger.begin(key, tokens, self._candidate(), reply)
             self._synced = True
         else:
-            self._promote(self._saved.fill(self._live()))  # in place: nothing in flight
-        if leaving and min(h[4] for h in heads) and g.rank == 0:
+            self._promote(self._refill())  # in place: nothing in flight
+        if leaving and min(h[4] for h in heads) and self._writes_durable():
             self._checkpoint_last(g)  # every member leaves: none would hold the state
         self._check(version, joins)
+
+    def _confirm(self, first: int, least: int, tokens: list) -> None:
+        """The commit in flight's outcome as every rank saw it in an allgather (``first``:
+        rank 0's, ``least``: the lowest): promoted when every rank saw it applied; else
+        ``CollectiveError`` (it stays in flight, settled later; ``tokens``, the rows of
+        the commit being made, go back)."""
+        ledger = self._ledger
+        if isinstance(ledger.reply, _Told) and first in (_OK, _REFUSED):
+            ledger.reply.ok = first == _OK  # rank 0 sent it: its reply told all
+        if least != _OK:
+            _give_back(tokens)
+            raise CollectiveError(
+                f"commit {tuple(ledger.key)} was not confirmed on every rank (a member "
+                f"left, or its part or the scheduler's reply came late); restore() and "
+                f"go on, or re-form and sync()")
+        state, _ = ledger.settle(True)
+        self._promote(state)
 
     def _promote(self, snapshot: HostCopy) -> None:
         if snapshot is not self._saved:  # a commit in flight confirmed: swap the buffers
             self._spare, self._saved = self._saved, snapshot
         self._commits += 1
         self._synced = True
-        if self._durable is not None and self._durable.due(self._commits) and _rank() == 0:
+        if self._durable is not None and self._durable.due(self._commits) \
+                and self._writes_durable():
             self._write_durable(wait=False)
         if not self._announced:  # once: the scheduler's record that this State committed
             services = _services()
@@ -320,6 +334,11 @@ class State:
         back = take_consumed()
         if back:
             session_services().release_tokens(back)
+
+    def _writes_durable(self) -> bool:
+        """Whether this rank writes the durable checkpoints (the state is replicated:
+        rank 0 alone)."""
+        return _rank() == 0
 
     def _write_durable(self, wait: bool) -> None:
         """Rank 0: the committed copy to the checkpoint store. The write runs in the
@@ -403,17 +422,25 @@ class State:
         src = counts.index(max(counts))
         if not same:
             self._broadcast_from(g, src)
+        self._took(g, [int(h[1]) for h in heads], [int(h[6]) for h in heads],
+                   [int(h[2]) for h in heads], counts[src])
+        self.save()
+
+    def _took(self, g: Group, versions: list[int], joins: list[int], seqs: list[int],
+              commits: int) -> None:
+        """A sync's end on every rank: the membership counters it checks commits against
+        (the group's formation, else the newest any rank saw), a commit counter above
+        any rank's, and ``commits`` held."""
         version = formation_version(g.generation)
         if version is None:
-            version = max(int(h[1]) for h in heads)
-        joins = formation_joins(g.generation)
-        if joins is None:
-            joins = max(int(h[6]) for h in heads)
-        self._last_version, self._last_joins, self._skip = version, joins, False
-        self._commits = counts[src]
-        self._seq = max(int(h[2]) for h in heads)
+            version = max(versions)
+        joined = formation_joins(g.generation)
+        if joined is None:
+            joined = max(joins)
+        self._last_version, self._last_joins, self._skip = version, joined, False
+        self._commits = commits
+        self._seq = max(seqs)
         self._synced = True
-        self.save()
 
     def _broadcast_from(self, g: Group, src: int) -> None:
         """Every rank takes rank ``src``'s model, optimizer and objects."""

@@ -77,6 +77,13 @@ class Group:
         self.timeout: float = member.timeout
         self._pg = member.pg
 
+    @property
+    def process_group(self) -> Any:
+        """This generation's torch process group, for frameworks that call
+        torch.distributed on it themselves (DDP, FSDP2's ``DeviceMesh``); wait for their
+        work with :meth:`wait_for` so a lost peer ends it as it ends the group's calls."""
+        return self._pg
+
     def __repr__(self) -> str:
         return (
             f"Group(rank={self.rank}, world_size={self.world_size}, "
@@ -117,6 +124,24 @@ class Group:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._run("allgather", lambda pg: dist.all_gather(out, tensor, group=pg, async_op=True))
         return out
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int],
+                          input_split_sizes: list[int]) -> torch.Tensor:
+        """Send ``input_split_sizes[r]`` elements of ``input`` (in rank order) to each rank
+        r and receive ``output_split_sizes[r]`` from each into ``output``; returns it.
+        The sizes must agree between each pair of ranks (zeros are allowed)."""
+        _check_tensor(output, self.backend)
+        _check_tensor(input, self.backend)
+        for name, sizes, t in (("output", output_split_sizes, output),
+                               ("input", input_split_sizes, input)):
+            if len(sizes) != self.world_size or sum(sizes) != t.numel():
+                raise ValueError(f"all_to_all_single: {name}_split_sizes {list(sizes)} do "
+                                 f"not split {t.numel()} elements over {self.world_size} ranks")
+        self._run("all_to_all", lambda pg: dist.all_to_all_single(
+            output, input, list(output_split_sizes), list(input_split_sizes), group=pg,
+            async_op=True))
+        return output
 
     def barrier(self) -> None:
         """Return once every rank reached this barrier."""
@@ -216,6 +241,15 @@ class Group:
         except Exception as e:
             PROCESS.break_group(gen, f"{what} failed: {e}")
             raise CollectiveError(f"{what} failed on rank {self.rank}: {e}") from e
+        self.wait_for(work, what)
+
+    def wait_for(self, work: Any, what: str) -> None:
+        """Wait for ``work``, a collective issued on this generation's process group (by
+        this group, or by a framework calling torch.distributed on it: FSDP2), as the
+        group's own calls wait: until it ends, a peer is declared lost, the group is torn
+        down or its timeout passes; every failure is ``CollectiveError`` and breaks the
+        group. NCCL work is waited on the CPU too (its future)."""
+        gen, pg = self.generation, self._pg
         if self.backend == "gloo":
             self._wait_in_torch(work, pg, gen, what)
         else:

@@ -25,6 +25,11 @@ What the strategy adds to DDP:
 - A SIGTERM notice (daskdist's, see ``plugins/worker/preemption.py``; Lightning's own
   handler is installed on the main thread only, and fit runs in a worker thread) is a
   leave at the next commit, like a retirement.
+- A module that shards itself in ``configure_model`` (FSDP2's ``fully_shard`` over
+  ``self.device_mesh``, Lightning's ModelParallel convention) is not wrapped in DDP: its
+  state is a ``dd.collective.ShardedState`` (commits that survive a loss in memory,
+  resharded resume), and after a re-formation ``configure_model`` gets a fresh unsharded
+  module to shard over the new mesh (``integrations/lightning_sharded.py``).
 
 Threads: everything here runs in the gang closure's thread.
 """
@@ -41,6 +46,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as _LightningLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parallel import DistributedDataParallel
 
 from daskdist.collective.elastic import State
@@ -103,7 +109,10 @@ class DaskdistStrategy(DDPStrategy):
 
     ``commit_every``: optimizer steps between commits (a leave or a join waits for the
     next one). ``checkpoint_to``, ``every``: ``State.checkpoint_to(url, every)`` (durable
-    commits, resume on a new cluster). Other keyword arguments go to
+    commits, resume on a new cluster). ``device_mesh``: the names of the mesh a module
+    that shards itself in ``configure_model`` gets as ``self.device_mesh``:
+    ``("data_parallel",)`` (1-D over the group) or ``("data_parallel", name)`` (2-D,
+    the second dimension of size one). Other keyword arguments go to
     ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
     Create it inside the gang closure, one per ``Trainer``.
     """
@@ -111,9 +120,15 @@ class DaskdistStrategy(DDPStrategy):
     strategy_name = "daskdist"
 
     def __init__(self, commit_every: int = 1, checkpoint_to: str | None = None,
-                 every: int = 100, **ddp_kwargs: Any):
+                 every: int = 100, device_mesh: tuple[str, ...] = ("data_parallel",),
+                 **ddp_kwargs: Any):
         if not isinstance(commit_every, int) or commit_every < 1:
             raise ValueError(f"commit_every must be an int >= 1, got {commit_every!r}")
+        dims = tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else ()
+        if not (1 <= len(dims) <= 2 and dims[0] == "data_parallel"
+                and all(isinstance(d, str) for d in dims) and len(set(dims)) == len(dims)):
+            raise ValueError(f"device_mesh must be ('data_parallel',) or ('data_parallel', "
+                             f"<another name>), got {device_mesh!r}")
         if checkpoint_to is not None and (not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be an int >= 1, got {every!r}")
         for bad in ("process_group", "device_ids"):
@@ -123,6 +138,7 @@ class DaskdistStrategy(DDPStrategy):
         self.commit_every = commit_every
         self.checkpoint_to = checkpoint_to
         self.every = every
+        self.device_mesh_dims = dims
         self._fit: _ElasticFit | None = None
 
     # -- where ranks and the device come from ------------------------------------------
@@ -155,10 +171,22 @@ class DaskdistStrategy(DDPStrategy):
         self._process_group_backend = g.backend
         self._timeout = timedelta(seconds=g.timeout)
 
+    def setup_environment(self) -> None:
+        """The group, then for a module with ``configure_model``: its ``device_mesh``,
+        and the module unsharded again after a re-formation (``lightning_sharded``)."""
+        super().setup_environment()
+        module = self.lightning_module
+        if module is not None and is_overridden("configure_model", module):
+            from daskdist.integrations.lightning_sharded import prepare
+
+            prepare(module, get_group(), self.device_mesh_dims)
+
     # -- DDP on the group ---------------------------------------------------------------
 
-    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+    def _setup_model(self, model: torch.nn.Module) -> Any:
         g = get_group()
+        if _is_sharded(model):
+            return model  # FSDP2 reduces its own gradients (on the group's process group)
         device_ids = self.determine_ddp_device_ids()
         ddp = DistributedDataParallel(module=model, device_ids=device_ids,
                                       process_group=g._pg, **self._ddp_kwargs)
@@ -274,15 +302,27 @@ class _ElasticFit:
         trainer = self.trainer
         module = self.strategy.lightning_module
         s = self.strategy
+        if _is_sharded(module):
+            from daskdist.integrations import lightning_sharded
+
+            self.state = lightning_sharded.begin(module, trainer, lambda: (
+                lightning_sharded.new_state(module, s.checkpoint_to, s.every)))
+            self._resume(self.state)
+            return
         state = state_for(module, "lightning", lambda: _new_state(module, s))
         state.optimizer = Optimizers(trainer.optimizers,
                                      [c.scheduler for c in trainer.lr_scheduler_configs])
         # a re-formation's reset callbacks (State.register_reset_callbacks) run in sync();
         # the strategy needs none: every fit after a re-formation is a fresh Trainer
         state.sync()
+        self.state = state
+        self._resume(state)
+
+    def _resume(self, state: State) -> None:
+        """The loop progress of the commit ``state`` synced to; the commit schedule."""
+        trainer = self.trainer
         if state.loops is not None:
             trainer.fit_loop.load_state_dict(copy.deepcopy(state.loops))
-        self.state = state
         self.committed_step = self.last_step = trainer.global_step
         if self.callback not in trainer.callbacks:
             trainer.callbacks.append(self.callback)
@@ -311,6 +351,9 @@ class _ElasticFit:
         assert state is not None
         state.loops = self.loops
         state.global_step = step
+        if "schedulers" in state._objects:  # a ShardedState: their state rides as objects
+            state.schedulers = [c.scheduler.state_dict()
+                                for c in self.trainer.lr_scheduler_configs]
         self.committed_step = step
         state.commit()  # HostsUpdatedInterrupt ends fit here; the gang runs it again
 
@@ -355,3 +398,10 @@ class _CommitCallback(Callback):
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.fit.data_ended()
+
+
+def _is_sharded(module: Any) -> bool:
+    """Whether ``module`` sharded itself with FSDP2 (in ``configure_model``)."""
+    from daskdist.integrations.lightning_sharded import sharded
+
+    return sharded(module)

@@ -1,0 +1,141 @@
+"""Moving shard bytes between ranks: a commit's copy to its ring successor, and the rows a
+re-formed group reshards from the copies its ranks hold.
+
+A :class:`Run` is a run of bytes read or written as one (pieces of tensors at offsets
+within it: a shard's flat buffer, rows of several tensors, or a tensor's local shard).
+:func:`transfer` sends each rank's runs to their destinations through the group
+(``Group.all_to_all_single``: a lost peer ends it with ``CollectiveError``), in rounds of
+at most ``chunk`` bytes per pair of ranks so the buffers on the wire stay bounded;
+a rank's runs to itself are copied locally. Every rank must call it with the same
+number of rounds (each computes it from the same global plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from daskdist.collective.group import Group
+from daskdist.core.shards import rounds as rounds_of
+
+
+class Run:
+    """``nbytes`` bytes made of ``parts``: ``(offset, uint8 tensor)``, in order, not
+    overlapping (bytes between parts are padding: read as whatever, written nowhere)."""
+
+    def __init__(self, nbytes: int, parts: list[tuple[int, torch.Tensor]] | None = None):
+        self.nbytes = int(nbytes)
+        self.parts: list[tuple[int, torch.Tensor]] = parts or []
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> Run:
+        """The tensors' bytes one after the other."""
+        parts, at = [], 0
+        for t in tensors:
+            parts.append((at, t))
+            at += t.numel()
+        return cls(at, parts)
+
+    def _cut(self, lo: int, hi: int):
+        for off, t in self.parts:
+            a, b = max(lo, off), min(hi, off + t.numel())
+            if a < b:
+                yield t[a - off:b - off], a - lo
+            if off >= hi:
+                break
+
+    def read(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Bytes ``[lo, hi)`` into ``out`` (``hi - lo`` bytes)."""
+        for piece, at in self._cut(lo, hi):
+            out[at:at + piece.numel()].copy_(piece, non_blocking=True)
+
+    def write(self, lo: int, hi: int, src: torch.Tensor) -> None:
+        """``src`` (``hi - lo`` bytes) into bytes ``[lo, hi)``."""
+        for piece, at in self._cut(lo, hi):
+            piece.copy_(src[at:at + piece.numel()], non_blocking=True)
+
+    def whole(self, lo: int, hi: int, device: torch.device) -> torch.Tensor | None:
+        """Bytes ``[lo, hi)`` as one tensor of the run on ``device`` (to receive into
+        directly), or ``None`` when they span parts or padding."""
+        for off, t in self.parts:
+            if off <= lo and hi <= off + t.numel() and t.device == device:
+                return t[lo - off:hi - off]
+        return None
+
+
+def pair_rounds(sizes: Mapping[tuple[int, int], int], chunk: int) -> int:
+    """Rounds that carry every pair's bytes (``sizes``: (src, dst) -> bytes; pairs of a
+    rank with itself travel no wire), 0 when nothing crosses the wire."""
+    wire = [n for (s, d), n in sizes.items() if s != d and n > 0]
+    return max((rounds_of(n, chunk) for n in wire), default=0)
+
+
+def transfer(g: Group, sends: Mapping[int, Run], recvs: Mapping[int, Run], rounds: int,
+             chunk: int, scratch: dict[str, torch.Tensor] | None = None) -> Any:
+    """Send ``sends[dst]`` to each rank ``dst`` and receive ``recvs[src]`` from each rank
+    ``src`` (sizes agree pairwise), ``chunk`` bytes per pair and round, in ``rounds``
+    rounds. ``scratch`` keeps the wire buffers between calls (a commit reuses them).
+    Copies from or to CUDA are queued on the current stream: returns the CUDA event to
+    wait for before host bytes received are read (``None`` on the CPU)."""
+    me = g.rank
+    if me in sends:  # to itself: a copy, no wire
+        _local(sends[me], recvs[me])
+    dev = g._wire_device()
+    if rounds:
+        _rounds(g, sends, recvs, rounds, chunk, {} if scratch is None else scratch, dev)
+    if dev.type != "cuda" and not any(t.is_cuda for r in recvs.values() for _, t in r.parts):
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _rounds(g: Group, sends: Mapping[int, Run], recvs: Mapping[int, Run], rounds: int,
+            chunk: int, scratch: dict, dev: torch.device) -> None:
+    me, world = g.rank, g.world_size
+    for k in range(rounds):
+        lo, hi = k * chunk, (k + 1) * chunk
+        out_sizes = [0 if s == me or s not in recvs else _clip(recvs[s].nbytes, lo, hi)
+                     for s in range(world)]
+        in_sizes = [0 if d == me or d not in sends else _clip(sends[d].nbytes, lo, hi)
+                    for d in range(world)]
+        inp = _buffer(scratch, "in", sum(in_sizes), dev)
+        at = 0
+        for d in range(world):
+            if in_sizes[d]:
+                sends[d].read(lo, lo + in_sizes[d], inp[at:at + in_sizes[d]])
+                at += in_sizes[d]
+        sources = [s for s in range(world) if out_sizes[s]]
+        direct = None
+        if len(sources) == 1:
+            s = sources[0]
+            direct = recvs[s].whole(lo, lo + out_sizes[s], dev)
+        out = direct if direct is not None else _buffer(scratch, "out", sum(out_sizes), dev)
+        g.all_to_all_single(out, inp, out_sizes, in_sizes)
+        if direct is None:
+            at = 0
+            for s in range(world):
+                if out_sizes[s]:
+                    recvs[s].write(lo, lo + out_sizes[s], out[at:at + out_sizes[s]])
+                    at += out_sizes[s]
+
+
+def _clip(n: int, lo: int, hi: int) -> int:
+    return max(0, min(n, hi) - lo)
+
+
+def _local(src: Run, dst: Run) -> None:
+    """``src`` copied into ``dst`` (the same rank), part by part."""
+    for off, t in src.parts:
+        dst.write(off, off + t.numel(), t)
+
+
+def _buffer(scratch: dict[str, Any], name: str, n: int, device: torch.device) -> torch.Tensor:
+    """``n`` wire bytes from the scratch buffer ``name`` (grown when too small)."""
+    buf = scratch.get(name)
+    if buf is None or buf.numel() < n or buf.device != device:
+        buf = torch.empty(max(n, 1), dtype=torch.uint8, device=device)
+        scratch[name] = buf
+    return buf[:n]
