@@ -61,12 +61,15 @@ shared: each figure is printed beside torchrun's from the same round. Run:
     python benchmarks/bench_goodput.py --rows 48000 --kill-every 5 --quick   # a quick check
     python benchmarks/bench_goodput.py --only daskdist --no-chaos --phases
 
-``--quick``: one round, the first ``--commit-every`` only. ``--phases``: the median time of
-each phase of a step (daskdist: batch with ``synced``'s agreement and the leases, compute,
-forward and backward, gradient allreduce, optimizer, row record, commit; torchrun: batch,
-compute, forward and backward with DDP's allreduce, row record, optimizer, checkpoint).
-``--json PATH`` writes every run's figures. The daskdist measured is this checkout's (its
-root goes first on the path, the workers' too).
+``--quick``: one round, the first ``--commit-every`` only. ``--phases``: the median and mean
+time of each phase of a step (daskdist: batch with ``synced``'s agreement and the leases,
+compute, forward and backward, gradient allreduce, optimizer, row record, commit; torchrun:
+batch, compute, forward and backward with DDP's allreduce, row record, optimizer,
+checkpoint); the mean spreads a commit every 10 steps over the steps.
+``--shuffle``: a shuffled epoch (daskdist ``shuffle=True``; each torchrun rank permutes its
+rows, the same way in every attempt). ``--json PATH`` writes every run's figures,
+``--keep-logs DIR`` the step logs. The daskdist measured is this checkout's (its root goes
+first on the path, the workers' too).
 """
 
 from __future__ import annotations
@@ -265,7 +268,8 @@ def run_daskdist(coord, client, data: Path, run_dir: Path, args, commit_every: i
     state = coord.create_per_worker_resource(functools.partial(dd_make_state, seed=args.seed))
     ds = coord.distribute_dataset(str(data / "*.parquet"),
                                   global_batch_size=args.batch * args.world,
-                                  policy="dynamic", name=run_dir.name)
+                                  policy="dynamic", name=run_dir.name,
+                                  shuffle=args.shuffle, seed=args.seed)
     it = iter(ds)
 
     def pick(rng):
@@ -329,6 +333,9 @@ def child(a) -> None:
     x = torch.from_numpy(table.column("x").combine_chunks().flatten().to_numpy()
                          .reshape(-1, FEATURES).copy())
     y = torch.from_numpy(table.column("y").to_numpy().copy())
+    if a.shuffle:  # the same order in every attempt: a resumed attempt skips what was trained
+        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(a.seed + rank))
+        ids, x, y = ids[order], x[order], y[order]
     steps = torch.tensor([math.ceil(len(ids) / a.batch)])
     dist.all_reduce(steps, op=dist.ReduceOp.MIN)  # every rank the same steps (DDP)
     steps = int(steps)
@@ -408,7 +415,8 @@ def run_torchrun(data: Path, run_dir: Path, args, chaos: bool, seed: int) -> dic
            f"--nproc-per-node={args.world}", "--max-restarts=100", str(Path(__file__).resolve()),
            "--child", "--data", str(data), "--run-dir", str(run_dir),
            "--batch", str(args.batch), "--compute-ms", str(args.compute_ms),
-           "--ckpt-every", str(args.ckpt_every), "--seed", str(args.seed)]
+           "--ckpt-every", str(args.ckpt_every), "--seed", str(args.seed),
+           *(["--shuffle"] if args.shuffle else [])]
     # torchrun shares its rendezvous store with the ranks, and a restarted gloo group then
     # reads the killed attempt's addresses from it (Connection refused at every restart,
     # pytorch/pytorch#167288): each attempt's rank 0 hosts a store of its own instead
@@ -485,8 +493,8 @@ def analyse(recs: list[dict], kills: list, rows: int, final: int, world: int) ->
     for r in ends:
         runs[(r["pid"], *key(r))].append(r)
     gaps = [b["t"] - a["t"] for rs in runs.values() for a, b in zip(rs, rs[1:], strict=False)]
-    phases = [statistics.median(p) for p in zip(*(r["ph"] for r in ends), strict=False)] \
-        if ends else []
+    phases = [(statistics.median(p), statistics.fmean(p))
+              for p in zip(*(r["ph"] for r in ends), strict=False)]
 
     # rows: for each step of the final lineage, the last attempt that ran it
     trained = [r for r in recs if r["k"] == "T" and r["step"] <= final]
@@ -710,6 +718,8 @@ def main(argv=None) -> None:
                    help="daskdist variants; the first one is held to the targets")
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun's checkpoint")
     p.add_argument("--kill-every", type=float, default=10.0)
+    p.add_argument("--shuffle", action="store_true",
+                   help="daskdist: shuffle=True; torchrun: each rank's rows permuted")
     p.add_argument("--only", choices=["daskdist", "torchrun"])
     p.add_argument("--no-chaos", action="store_true")
     p.add_argument("--quick", action="store_true",
@@ -829,8 +839,9 @@ def _rounds(args, sides: list[str], data: Path, tmp: Path, client, coord) -> lis
                       + describe(side, chaos, r, fault_free.get(side)), flush=True)
                 if args.phases:
                     labels = TR_PHASES if side == "torchrun" else DD_PHASES
-                    print("    phases (median): " + ", ".join(
-                        f"{n} {_ms(v)}" for n, v in zip(labels, r["phases"], strict=False)))
+                    print("    phases, median/mean ms a step: " + ", ".join(
+                        f"{n} {m * 1e3:.1f}/{a * 1e3:.1f}"
+                        for n, (m, a) in zip(labels, r["phases"], strict=False)))
     return results
 
 
