@@ -394,8 +394,9 @@ def test_a_partition_that_fails_to_convert_fails_the_epoch_naming_it_and_the_col
     ld.close()
 
 
-def partition_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("daskdist-partition")]
+def partition_threads() -> list[threading.Thread]:
+    """The partition pools' threads alive now (objects: other loaders' share the names)."""
+    return [t for t in threading.enumerate() if t.name.startswith("daskdist-partition")]
 
 
 def test_closing_a_loader_shuts_its_partition_pool_down():
