@@ -20,7 +20,9 @@ fi
 cmd="${1:-test}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  test) exec "$PY" -m pytest "$@" ;;
+  # three test processes (a file's tests stay together: they share its clusters), then
+  # the 15 slowest tests; arguments are pytest's (`-n 0` runs serially)
+  test) exec "$PY" -m pytest -n 3 --dist loadfile --durations=15 "$@" ;;
   demo) exec "$VENV/bin/daskdist" demo "$@" ;;
   bench)
     # every benchmark records its figures into one file; table.py makes docs/benchmarks.md
