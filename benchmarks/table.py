@@ -3,7 +3,10 @@
 
 The page holds one run's figures and nothing else; git keeps the earlier ones.
 
-    python benchmarks/table.py FIGURES.jsonl [--out docs/benchmarks.md]
+    python benchmarks/table.py FIGURES.jsonl [--out docs/benchmarks.md] [--merge]
+
+``--merge`` remakes only the rows of the benchmarks in FIGURES (one benchmark run alone)
+and keeps the page's rows of the others as they are.
 """
 
 from __future__ import annotations
@@ -88,17 +91,37 @@ def render(figures: list[Figure]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge(page: str, figures: list[Figure]) -> str:
+    """The page with the rows of the benchmarks in ``figures`` remade from them, every
+    other benchmark's rows kept; rows ordered by benchmark, each one's in its order."""
+    fresh = render(figures).splitlines()[-len(figures):]
+    names = {f"`{fig.benchmark}`" for fig in figures}
+    kept = [line for line in page.splitlines()
+            if line.startswith("| `") and line.split("|")[1].strip() not in names]
+    by_bench: dict[str, list[str]] = {}
+    for line in kept + fresh:
+        by_bench.setdefault(line.split("|")[1].strip(), []).append(line)
+    lines = [HEADER, "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += [line for name in sorted(by_bench) for line in by_bench[name]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("figures", help="the JSON-lines file the benchmarks recorded into")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--merge", action="store_true",
+                    help="remake only these benchmarks' rows, keep the page's others")
     args = ap.parse_args(argv)
     figures = load(args.figures)
     if not figures:  # a run that recorded nothing leaves the page as it was
         print(f"table.py: no figures in {args.figures}; {args.out} left as it was",
               file=sys.stderr)
         return 1
-    Path(args.out).write_text(render(figures), encoding="utf-8")
+    out = Path(args.out)
+    page = merge(out.read_text(encoding="utf-8"), figures) \
+        if args.merge and out.exists() else render(figures)
+    out.write_text(page, encoding="utf-8")
     print(f"table.py: {len(figures)} figures -> {args.out}")
     return 0
 

@@ -145,6 +145,7 @@ class ClosureScope:
     context: WorkerContext | None = None
     services: Any = None  # plugins.worker.services.SessionServices (duck-typed here)
     tokens: list = field(default_factory=list)
+    aside: list = field(default_factory=list)  # taken out of ``tokens``, still its own
     origin: str = ""  # what States made here are named after (see mint_state_id)
     minted: int = 0  # States made here so far
     ended: bool = False  # the closure returned: its tokens went with its result
@@ -408,6 +409,54 @@ def take_consumed(since: int = 0) -> list:
         out = scope.tokens[since:]
         del scope.tokens[since:]
     return out
+
+
+def set_aside(since: int) -> list:
+    """Take the tokens recorded from position ``since`` on out of the closure's list (a
+    commit does not acknowledge them) and keep them as its own, set aside: a batch a
+    framework fetched ahead, its rows trained later (:func:`take_back`) or given back
+    (:func:`drop_aside`). ``[]`` outside a closure."""
+    scope = _scope()
+    if scope is None:
+        return []
+    with scope.lock:
+        out = scope.tokens[since:]
+        del scope.tokens[since:]
+        scope.aside.extend(out)
+    return out
+
+
+def take_back(tokens: list) -> None:
+    """Tokens set aside (the same objects) are recorded as consumed again, now: their
+    batch begins training, so the next commit acknowledges them."""
+    _unset(tokens)
+    for t in tokens:
+        record_consumed(t)
+
+
+def drop_aside(tokens: list) -> None:
+    """Tokens set aside (the same objects) are no longer the closure's: the caller gives
+    their rows back."""
+    _unset(tokens)
+
+
+def _unset(tokens: list) -> None:
+    scope = _scope()
+    if scope is None or not tokens:
+        return
+    ids = {id(t) for t in tokens}
+    with scope.lock:
+        scope.aside[:] = [t for t in scope.aside if id(t) not in ids]
+
+
+def held_tokens() -> list:
+    """Every token the closure in this thread holds, recorded or set aside (rows it
+    consumed and has not committed); ``[]`` outside one."""
+    scope = _scope()
+    if scope is None:
+        return []
+    with scope.lock:
+        return scope.tokens + scope.aside
 
 
 def consumed_since(mark: int) -> list:

@@ -96,12 +96,15 @@ def sigkill(pid: int) -> float:
 
 def wait_for_workers(client, coord, n: int, timeout: float = 60.0,
                      gone: int | None = None) -> None:
-    """Wait until ``n`` live workers (none with pid ``gone``) have all joined ``coord``."""
+    """Wait until ``n`` live workers (none with pid ``gone``) have all joined ``coord``
+    and built its per-worker resources (none still warming)."""
     def ready():
         pids = worker_pids(client)
-        return (len(pids) >= n and gone not in pids.values()
-                and len(client.scheduler_info(n_workers=-1)["workers"]) == len(pids)
-                and coord.status()["workers"] >= n)
+        if not (len(pids) >= n and gone not in pids.values()
+                and len(client.scheduler_info(n_workers=-1)["workers"]) == len(pids)):
+            return False
+        status = coord.status()
+        return status["workers"] - status["warming"] >= n
 
     wait_until(ready, timeout, f"{n} workers")
 

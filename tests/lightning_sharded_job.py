@@ -75,4 +75,4 @@ def counts(module) -> tuple[int, list[float]]:
     """The committed global_step and per-row counts (every rank alike)."""
     state = module.__dict__["_daskdist_state"]
     state.sync()
-    return state.global_step, state.full_state_dict()["counts"].tolist()
+    return state.global_step, state.full_state_dict()["net.counts"].tolist()  # the module's keys

@@ -93,7 +93,6 @@ def train_rows(state, it, logdir: str, pause: float = 0.0, max_steps: int = 0) -
     state.sync()
     resumed = state.commits
     log_shards(logdir, f"resume-g{g.generation}-s{state.step}", state)
-    steps = 0
     try:
         return _steps(state, it, logdir, pause, max_steps, g, resumed)
     except BaseException as e:

@@ -100,6 +100,30 @@ def test_table_renders_one_row_per_figure(bench, tmp_path, monkeypatch):
     assert all(len(r) == len(table.COLUMNS) and r[0] == "`bench_fake`" for r in got)
 
 
+def test_merge_remakes_one_benchmarks_rows_and_keeps_the_others(bench, tmp_path,
+                                                                   monkeypatch):
+    figures, table = bench
+    recorded = tmp_path / "figures.jsonl"
+    monkeypatch.setenv(figures.ENV, str(recorded))
+    for name, n in (("bench_b", 2), ("bench_a", 1), ("bench_c", 1)):
+        monkeypatch.setattr("sys.argv", [f"{name}.py"])
+        for i in range(n):
+            figures.record(None, what=f"{name} old {i}", ours=1.0, unit="ms", anchor="a",
+                           anchor_value=1.0)
+    page = tmp_path / "benchmarks.md"
+    assert table.main([str(recorded), "--out", str(page)]) == 0
+    again = tmp_path / "again.jsonl"
+    monkeypatch.setenv(figures.ENV, str(again))
+    monkeypatch.setattr("sys.argv", ["bench_b.py"])
+    figures.record(None, what="bench_b new", ours=3.0, unit="ms", anchor="a",
+                   anchor_value=1.0)
+    assert table.main([str(again), "--out", str(page), "--merge"]) == 0
+    got = rows(page.read_text(encoding="utf-8"))
+    assert [(r[0], r[1], r[4]) for r in got] == [
+        ("`bench_a`", "bench_a old 0", "1.00x"), ("`bench_b`", "bench_b new", "3.00x"),
+        ("`bench_c`", "bench_c old 0", "1.00x")]
+
+
 def test_table_leaves_the_page_when_nothing_was_recorded(bench, tmp_path):
     _, table = bench
     empty = tmp_path / "figures.jsonl"

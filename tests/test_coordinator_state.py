@@ -755,8 +755,10 @@ def test_a_session_that_joins_with_resources_to_build_warms_out_of_the_group():
     reply = start(co, "s2", "w2")
     assert reply["warm"] == ["resource-a"]  # built ahead; an iterator is not
     assert co.members.counters() == before and co.active_sessions() == ("s1",)
+    assert (co.status()["workers"], co.status()["warming"]) == (2, 1)
     assert route(co, "daskdist_session_ready")(session="gone") is None  # its ended reply
     route(co, "daskdist_session_ready")(session="s2")
+    assert co.status()["warming"] == 0
     after = co.members.counters()
     assert after == {"version": before["version"] + 1, "joins": before["joins"] + 1}
     assert co.active_sessions() == ("s1", "s2")
@@ -764,3 +766,7 @@ def test_a_session_that_joins_with_resources_to_build_warms_out_of_the_group():
     assert co.members.counters() == after
     co.end_session("s2")
     assert co.members.counters()["version"] == after["version"] + 1
+    start(co, "s3", "w3")  # a warming session that ends before it is ready
+    assert co.status()["warming"] == 1
+    co.end_session("s3")
+    assert co.status()["warming"] == 0

@@ -339,13 +339,19 @@ class Coordinator(ClosureClient):
         return self.status()["workers"]
 
     def wait_for_workers(self, n: int, timeout: float | None = None) -> None:
-        """Block until ``n`` workers have joined this coordinator (``TimeoutError`` after
-        ``timeout`` seconds). Workers join once their plugin is set up."""
+        """Block until ``n`` workers have joined this coordinator and built its
+        per-worker resources, so a gang scheduled next has them all (``TimeoutError``
+        after ``timeout`` seconds). Workers join once their plugin is set up."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.status()["workers"] < n:
+
+        def ready() -> int:
+            status = self.status()
+            return status["workers"] - status["warming"]
+
+        while ready() < n:
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{self.status()['workers']} of {n} workers joined "
-                                   f"within {timeout} s")
+                raise TimeoutError(f"{ready()} of {n} workers joined (their per-worker "
+                                   f"resources built) within {timeout} s")
             with self._cv:
                 self._cv.wait(0.05)  # woken early by results; re-check the count
 

@@ -235,7 +235,6 @@ class Group:
         # Always this generation's own process group, never "the current default":
         # a call racing a re-formation must not land in the next generation's group.
         pg = self._pg
-        start = time.monotonic()
         try:
             work = issue(pg)
         except Exception as e:
@@ -250,6 +249,7 @@ class Group:
         down or its timeout passes; every failure is ``CollectiveError`` and breaks the
         group. NCCL work is waited on the CPU too (its future)."""
         gen, pg = self.generation, self._pg
+        start = time.monotonic()
         if self.backend == "gloo":
             self._wait_in_torch(work, pg, gen, what)
         else:

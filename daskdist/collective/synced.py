@@ -44,7 +44,13 @@ import torch
 from daskdist import config
 from daskdist.collective.group import get_group
 from daskdist.collective.replicas import to_cpu
-from daskdist.context import consumed_mark, consumed_since, session_services, take_tokens
+from daskdist.context import (
+    consumed_mark,
+    consumed_since,
+    held_tokens,
+    session_services,
+    take_tokens,
+)
 from daskdist.core.nest import map_structure
 from daskdist.core.protocol import LeaseToken
 from daskdist.observe import phases
@@ -106,7 +112,8 @@ class _Tail:
     epoch still leased to someone outside the gang's own hands (a closure elsewhere, a
     rank's loader giving its rows back)? Then the ranks wait for them, polling, until
     ``daskdist.collective.tail-wait``; rows the gang consumed and has not committed yet
-    are its own. Rank 0 asks the lease service and decides for all (one broadcast)."""
+    (a framework's fetch-ahead included: :func:`~daskdist.context.set_aside`) are its
+    own. Rank 0 asks the lease service and decides for all (one broadcast)."""
 
     def __init__(self, it: Any) -> None:
         loader = getattr(it, "loader", None)
@@ -124,7 +131,7 @@ class _Tail:
         everywhere (it decides when its iterable is a dynamic loader's)."""
         ld = self.loader
         mine = 0 if ld is None else sum(
-            b - a for t in consumed_since(0) if (lease := LeaseToken.parse(t))
+            b - a for t in held_tokens() if (lease := LeaseToken.parse(t))
             and (lease.dataset_id, lease.epoch) == (ld.dataset_id, ld.epoch)
             for a, b in lease.ranges)
         held = torch.tensor([mine], dtype=torch.int64, device=g._wire_device())

@@ -126,6 +126,7 @@ class Membership:
     version: int = 0
     joins: int = 0
     leaves: int = 0
+    warming: int = 0  # members still building their per-worker resources
     _by_address: dict[str, str] = field(default_factory=dict)  # address -> session
     _free: list[int] = field(default_factory=list)  # a heap of indices below _next
     _next: int = 0  # indices 0 .. _next - 1 were handed out
@@ -156,7 +157,9 @@ class Membership:
         self._by_address[address] = session
         if now is not None:
             self.leases.add(session, now)
-        if not warming:
+        if warming:
+            self.warming += 1
+        else:
             self.version += 1
             self.joins += 1
         return member, replaced
@@ -168,6 +171,7 @@ class Membership:
         if member is None or not member.warming:
             return False
         member.warming = False
+        self.warming -= 1
         self.version += 1
         self.joins += 1
         return True
@@ -187,6 +191,7 @@ class Membership:
                 self._free.clear()
                 self._next = 0
             self.version += counted and not member.warming  # a warming one never counted
+            self.warming -= member.warming
             self.leaves += 1
         return member
 

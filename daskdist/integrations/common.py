@@ -23,11 +23,12 @@ from daskdist.collective.elastic import State
 from daskdist.collective.group import Group
 from daskdist.context import (
     consumed_mark,
+    drop_aside,
     minting,
-    record_consumed,
     resource_id,
     session_services,
-    take_consumed,
+    set_aside,
+    take_back,
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt
 
@@ -105,19 +106,19 @@ class TokenHold:
                 batch = next(it)
             except StopIteration:
                 return
-            self._pending.append(take_consumed(mark))
+            self._pending.append(set_aside(mark))
             yield batch
 
     def started(self) -> None:
         """The oldest fetched batch begins training."""
         if self._pending:
-            for t in self._pending.popleft():
-                record_consumed(t)
+            take_back(self._pending.popleft())
 
     def release(self) -> None:
         """Batches fetched and never trained: their rows go back to the pool."""
         back = [t for tokens in self._pending for t in tokens]
         self._pending.clear()
+        drop_aside(back)
         if back:
             session_services().release_tokens(back)
 

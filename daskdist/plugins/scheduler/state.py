@@ -352,6 +352,7 @@ class CoordinatorState:
             "recovered": c.recovered,
             "refused": c.refused,
             "workers": len(self.members),
+            "warming": self.members.warming,  # of them, still building their resources
             "worker_joins": self.members.joins,
             "worker_leaves": self.members.leaves,
             "workers_lost": self.workers_lost,
