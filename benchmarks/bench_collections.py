@@ -1,7 +1,7 @@
-"""Collections benchmark (issue 22): training on dask DataFrames and Arrays, streamed.
+"""Collections benchmark: training on dask DataFrames and Arrays, streamed.
 
 Sections (``--section``, default all), each printing our figure beside its anchor from
-the same run, with the ratio and the issue's target:
+the same run, with the ratio and its target:
 
 - ``persisted``: a persisted dask DataFrame (``--parts`` partitions of ``--rows`` rows,
   16 float32 features + an int64 id) through ``distribute_dataset`` (``"dynamic"``),

@@ -11,11 +11,11 @@ row groups of 64k) to a temp dir, then measures, in one run, rows/s of:
   (the slow anchors, map-style and 2 workers, run on ``--slow-rows`` rows: a rate is a rate);
 - Ray Data ``iter_torch_batches`` when ``ray`` is installed (skipped otherwise).
 
-Each figure is printed beside the limit as a ratio, with the issue's targets, and the
+Each figure is printed beside the limit as a ratio, with its targets, and the
 peak RSS of a child process that only iterates the shuffled loader (bounded by its
 buffers, not the data size).
 
-Through a coordinator (``--section policies``, issue 19): rows/s of ``"dynamic"``
+Through a coordinator (``--section policies``): rows/s of ``"dynamic"``
 against ``"file"`` on a LocalCluster of 2 single-threaded workers, with 100-row and
 10,000-row row groups, at 500 and 20,000 row groups (files repeated as symlinks: the
 units are real, the disk is not; at most ``--e2e-rows`` rows are read per run).
@@ -324,7 +324,7 @@ def loader_section(args: argparse.Namespace) -> bool:
     return ok
 
 
-# -- through a coordinator: "dynamic" against "file" (issue 19) --------------------------
+# -- through a coordinator: "dynamic" against "file" --------------------------
 
 E2E_FEATURES = [f"x{i}" for i in range(16)]
 E2E_BATCH = 1024  # rows per worker batch

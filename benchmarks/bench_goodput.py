@@ -1,4 +1,4 @@
-"""Synchronous training fault-free and under chaos: daskdist against torchrun (issue 35).
+"""Synchronous training fault-free and under chaos: daskdist against torchrun.
 
 The same job on both, fault-free and with a worker SIGKILLed every ``--kill-every`` seconds.
 
@@ -52,12 +52,12 @@ its commits (it keeps them in memory; no ``checkpoint_to`` here). Every rank log
   are run again); the union of their ids against all ids gives the rows trained once, more
   than once and never.
 
-Targets (issue 35): fault-free epoch daskdist / torchrun <= 1.05 (at the first
+Targets: fault-free epoch daskdist / torchrun <= 1.05 (at the first
 ``--commit-every``); daskdist goodput >= 0.9 in every run; daskdist goodput / torchrun's
 >= 1.5; a join pauses the incumbents <= 0.3 s; a kill's stall <= 0.15 s. The machine is
 shared: each figure is printed beside torchrun's from the same round. Run:
 
-    python benchmarks/bench_goodput.py                      # the issue's job, 3 rounds
+    python benchmarks/bench_goodput.py                      # the job above, 3 rounds
     python benchmarks/bench_goodput.py --rows 48000 --kill-every 5 --quick   # a quick check
     python benchmarks/bench_goodput.py --only daskdist --no-chaos --phases
 

@@ -5,7 +5,7 @@ In one run (skipped, with one line, where CUDA is not available):
 - the data of ``bench_data.py`` (16 Parquet files, 32 float32 features + an int64 label,
   row groups of 64k; its ``write_data`` is imported, not copied), read with batch 1024:
   ``ArrowLoader(device="cuda")`` against the same loader on the CPU (target >= 0.9x) and
-  against the staged-pinned baseline of issue 9 (a single-threaded loop that copies each
+  against the staged-pinned baseline (a single-threaded loop that copies each
   64k-row record batch into one reused pinned 2-D buffer per dtype, one host-to-device
   copy per dtype, then 1024-row views), shuffled and not (the baseline does not
   shuffle; it is the anchor for both);
@@ -63,7 +63,7 @@ def run_loader(root: str, shuffle: bool, device: str) -> int:
 
 
 def run_staged_baseline(paths: list[str]) -> int:
-    """Issue 9's anchor: one reused pinned 2-D buffer per dtype, one copy per dtype."""
+    """The anchor: one reused pinned 2-D buffer per dtype, one copy per dtype."""
     import pyarrow.parquet as pq
 
     dev = torch.device("cuda")

@@ -1,5 +1,5 @@
 """Lease bookkeeping benchmark (pure, no Dask): the ``"dynamic"`` policy's scheduler cost
-as the number of units grows (issue 19).
+as the number of units grows.
 
 The workload of the issue: units of 1,000 rows, 4 worker sessions taking turns, every
 row leased and then acknowledged in 250-row batches (one lease token per batch, as a
@@ -7,7 +7,7 @@ closure's result carries it). Printed per size: the epoch's seconds, bookkeeping
 acknowledgements/s, microseconds of table time per lease and per acknowledgement, the
 peak memory of the epoch's table and the size of the dataset's unit definition.
 
-The anchor is the table before issue 19 (the base commit's ``daskdist/core/leases.py``,
+The anchor is the table before units were ranges (the commit's ``daskdist/core/leases.py``,
 loaded from git in the same run: one lease per unit, the unit row list sent and compared
 on every lease), measured up to ``--old-max-units`` (its cost is quadratic: 10^5 units
 would take about 25 minutes). Targets: rows/s at 10^6 units within 2x of 10^3 units,
@@ -38,7 +38,7 @@ ROWS_PER_UNIT = 1000
 BATCH = 250
 SESSIONS = 4
 LEASE_ROWS = 65536
-BASE_COMMIT = "b216f4f"  # issue 15: the last commit before issue 19's table
+BASE_COMMIT = "b216f4f"  # the last commit with the per-unit table
 DS = "bench"
 
 

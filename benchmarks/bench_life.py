@@ -1,4 +1,4 @@
-"""A coordinator's life over a day of use (issue 16): idle CPU with an error unread, and
+"""A coordinator's life over a day of use: idle CPU with an error unread, and
 worker memory over kernel restarts.
 
 Run: ``python benchmarks/bench_life.py [--window 5] [--cycles 5] [--mb 150]``.

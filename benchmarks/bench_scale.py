@@ -1,11 +1,11 @@
-"""Scale: the scheduler's CPU per event at 10 to 10,000 workers (issue 25, SPEC §6).
+"""Scale: the scheduler's CPU per event at 10 to 10,000 workers (SPEC §6).
 
 Two parts:
 
 - ``--part sim`` drives the scheduler plugin's handlers directly, in this process, with
   N simulated worker sessions and a scheduler stand-in whose ``worker_send`` records
   messages (no comm, no Dask scheduler): the thread CPU (µs) and the messages sent per
-  event, for every row of issue 25's table, at N = 10, 100, 1,000 and 10,000; and the
+  event, for every event it measures, at N = 10, 100, 1,000 and 10,000; and the
   idle scheduler CPU with N simulated workers long-polling and renewing at the intervals
   the scheduler gives them. Each figure is printed beside its 10-worker figure as a
   ratio (target: within 2x), the idle CPU beside half a core.
@@ -289,8 +289,8 @@ async def row_idle_exchange(n: int, repeat: int) -> dict[str, dict]:
         await sim.exchange(s, want=1)
     thief, _ = await sim.join()
     sim.flush()
-    # the long-poll's wait is wall time, not CPU (a tree of before or after issue 25's
-    # split: the interval is the membership's or the coordinator's)
+    # the long-poll's wait is wall time, not CPU (in a tree of either
+    # layout: the interval is the membership's or the coordinator's)
     if hasattr(sim.co.members, "poll_interval"):
         sim.co.members.poll_interval = lambda: 0.0
     elif hasattr(sim.co, "poll_interval"):

@@ -1,4 +1,4 @@
-"""The GPU paths' copies and pinned memory, measured on the CPU (issue 23 item 7): the
+"""The GPU paths' copies and pinned memory, measured on the CPU: the
 elastic State's copy cost per commit, and the CUDA loader's staging ring in bytes.
 
 Run: ``python benchmarks/bench_state.py [--params 10_000_000] [--commits 20]``.
@@ -21,7 +21,7 @@ flight fills.
 **Staging ring.** Blocks of image rows (3x64x64 float32, 48 KiB a row; 2,048-row blocks
 of 96 MiB) through the CUDA loader's device stage with a host stand-in for the copies:
 the ring's pinned bytes with ``daskdist.data.staging-bytes`` (64 MiB here) against the
-ring sized by blocks (before: ``slots x`` the largest block; a 65,536-row lease of such
+ring sized by blocks (``slots x`` the largest block; a 65,536-row lease of such
 rows is 3 GiB a slot).
 """
 

@@ -1,4 +1,4 @@
-"""Ctrl-C on the demo (issue 23 item 4): seconds from the SIGINT to the exit.
+"""Ctrl-C on the demo: seconds from the SIGINT to the exit.
 
 Run: ``python benchmarks/bench_stop.py [--runs 5] [--after 1.0]``.
 
@@ -12,7 +12,7 @@ are up and working, waits ``--after`` seconds, sends SIGINT to its whole process
   imported on them, as ours are) and a ``Client`` in a ``with`` block, looping
   ``client.submit(...).result()``, exiting with 130 on ``KeyboardInterrupt``.
 
-Printed: each program's median and worst seconds, and ours / anchor. Target (issue 23):
+Printed: each program's median and worst seconds, and ours / anchor. Target:
 ours within 3 s on a quiet machine, and never a hang (the demo's watchdog ends it after
 ``daskdist.demo.stop-timeout``, 20 s). Before the fix: 4.1-4.4 s here (a closure thread
 held each worker process's exit until its nanny SIGKILLed it, 0.8 x 5 s), 5.6-12.6 s on a

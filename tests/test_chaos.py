@@ -1,4 +1,4 @@
-"""Chaos suite (issue 11): real worker processes under random faults. Nothing hangs,
+"""Chaos suite: real worker processes under random faults. Nothing hangs,
 nothing is lost, nothing is reported twice.
 
 Faults: SIGKILL of a random worker every 1.5 s (the nanny restarts it) during closures

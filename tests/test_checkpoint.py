@@ -1,4 +1,4 @@
-"""Durable commits (issue 17, SPEC §4.3): checkpoints that survive the end of the job.
+"""Durable commits (SPEC §4.3): checkpoints that survive the end of the job.
 
 - The whole cluster (scheduler, workers, client: one process group) is SIGKILLed
   mid-epoch; a new cluster with another number of workers creates the same State with

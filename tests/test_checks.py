@@ -33,7 +33,7 @@ def coordinators(client):
 
 def test_a_client_cannot_register_as_a_worker(client, coord):
     """Only the worker at an address registers sessions for it: a forged register is
-    refused and the worker's real session goes on (before, it was ended)."""
+    refused and the worker's real session goes on (it is not ended)."""
     joins = coord.status()["worker_joins"]
     victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
     with pytest.raises(PermissionError, match="did not confirm"):
@@ -204,8 +204,8 @@ def ask_a_silent_scheduler(dask_worker, name: str) -> tuple[str, float]:
 
 def test_a_workers_wait_for_the_scheduler_ends(client, coord):
     """A worker's call to the scheduler that gets no reply ends after
-    ``daskdist.worker.rpc-timeout`` with a TimeoutError naming the call (before, a lease
-    or ledger call waited as long as the scheduler stayed silent)."""
+    ``daskdist.worker.rpc-timeout`` with a TimeoutError naming the call, never waiting as
+    long as the scheduler stays silent."""
     def install(dask_scheduler):
         import asyncio
 

@@ -1,4 +1,4 @@
-"""A coordinator's close ends every wait and frees what it held (issue 16, point 4; SPEC
+"""A coordinator's close ends every wait and frees what it held (SPEC
 §2.5b), on a real LocalCluster with worker processes and 2 threads per worker."""
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def on_both_workers(coord, res) -> bool:
 
 def test_restarting_the_kernel_with_close_frees_worker_memory(cluster, client):
     """Five fresh clients (a restarted kernel each), each with a 64 MB per-worker
-    resource and close(): worker memory comes back each time (before: +64 MB a cycle)."""
+    resource and close(): worker memory comes back each time (not +64 MB a cycle)."""
     mb = 64
     rss = [worker_rss(client)]
     for _ in range(5):

@@ -1,4 +1,4 @@
-"""Rows taken by a thread that a closure started (issue 23 item 5), on a real LocalCluster
+"""Rows taken by a thread that a closure started, on a real LocalCluster
 of 2 worker processes with 2 threads each and a ``"dynamic"`` dataset: a thread started
 in the closure's context counts for the closure; a plain thread, or one that goes on
 after its closure returned, gets a clear error naming it and its rows go back to the

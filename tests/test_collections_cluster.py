@@ -240,7 +240,7 @@ def take_in_a_thread(it):
 def test_a_batch_taken_off_a_closures_scope_goes_back_and_the_epoch_completes(coord):
     """A DataFrame batch taken in a thread the closure did not start in its context:
     its rows go back to the pool and the thread gets an error saying so, as for files
-    (before, the rows stayed leased for good and the epoch never completed)."""
+    (never leased for good, the epoch never completing)."""
     ds = coord.distribute_dataset(lazy_frame(4), global_batch_size=20, name="threads")
     it = iter(ds)
     outs = coord.fetch([coord.schedule(take_in_a_thread, args=(it,)) for _ in range(4)])

@@ -319,7 +319,7 @@ def test_a_lost_partition_is_awaited_without_polling(tmp_path):
     """A partition computed on a worker that is then SIGKILLed: its future goes "lost"
     while Dask computes it again (3 s). A loader's wait for it (data/compute.py
     ``settled``) sleeps on the future's own state meanwhile: this process stays idle
-    (before, the wait woke at once for a lost future, over and over: a core busy)."""
+    (a wait that woke at once for a lost future, over and over, would keep a core busy)."""
     import signal
     import threading
 

@@ -358,7 +358,7 @@ def test_a_partition_that_fails_to_convert_fails_the_epoch_naming_it_and_the_col
     partition's rows back (deferred, the failure counted) and those computed ahead
     (free), naming the partition and the column; the ``max_worker_failures``-th fails
     the epoch with ``InputError``, which ``progress()`` reports, nothing left leased
-    (before, the rows stayed leased and the epoch never completed nor failed)."""
+    (never leased for good, the epoch neither completing nor failing)."""
     def nan_in_2(i):
         x = np.arange(10, dtype=np.float64) + 100 * i
         if i == 2:
@@ -402,7 +402,7 @@ def partition_threads() -> list[threading.Thread]:
 def test_closing_a_loader_shuts_its_partition_pool_down():
     """Outside a coordinator a loader computes partitions in threads of its own: closing
     it (or reading its epoch to the end, then closing) ends them, and iterating again
-    starts afresh (before, the pool was never shut down)."""
+    starts afresh."""
     before = set(partition_threads())
     ld = ArrowLoader(frame(4), batch_size=10, partitions_ahead=2)
     it = iter(ld)

@@ -316,7 +316,7 @@ def relay_probe(log, first_generation):
 
 @pytest.mark.timeout(300)
 def test_a_wide_groups_loss_reaches_every_survivor_down_the_tree():
-    """Issue 25: with ``relay-fanout`` 2, rank 0 of 6 dies before its allreduce. The
+    """With ``relay-fanout`` 2, rank 0 of 6 dies before its allreduce. The
     scheduler tells ranks 1, 2 and 3 only; 4 and 5 hear it from rank 1, whose init named
     them. Every survivor's call raises the loss at once (the group's timeout is past
     the test's own), and the gang runs again on the re-formed group."""

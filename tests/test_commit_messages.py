@@ -1,4 +1,4 @@
-"""A gang commit reaches the scheduler as one message from rank 0 (issue 25 item 2):
+"""A gang commit reaches the scheduler as one message from rank 0:
 the ranks' lease tokens ride the commit's allgather, packed, and rank 0 sends every
 rank's part (``daskdist_gang_commit``); a part too large for the slots the ranks agreed
 on goes part by part (``daskdist_gang_commit_part``) that once, and the slots grow to

@@ -142,7 +142,7 @@ def test_retiring_worker_gets_no_new_work_and_leaves_the_group_at_its_next_commi
 
 
 def test_a_retired_worker_the_group_left_ends_without_a_membership_change():
-    """Issue 23: a retirement re-forms the group once; the retired worker's session
+    """A retirement re-forms the group once; the retired worker's session
     ending later is no second change for the group's members (no second interrupt)."""
     co = make()
     for i in range(3):
@@ -353,7 +353,7 @@ def test_a_members_user_error_tells_the_peers_at_once_why():
 
 
 def test_a_broken_generations_members_are_told_once_however_many_leave():
-    """Issue 25: the first loss tells every survivor (peer-lost, with the counters);
+    """The first loss tells every survivor (peer-lost, with the counters);
     later losses in the same generation (a node's other workers) send nothing, and the
     next generation's members hear its own first loss again."""
     sent: list = []
@@ -381,7 +381,7 @@ def test_a_broken_generations_members_are_told_once_however_many_leave():
 
 
 def test_a_wide_groups_loss_is_told_down_a_tree_in_fanout_messages():
-    """Issue 25: beyond ``relay-fanout`` members the scheduler tells the tree's top and
+    """Beyond ``relay-fanout`` members the scheduler tells the tree's top and
     a lost rank's children; the others hear from their parents (the init named them)."""
     sent: list = []
     with dask.config.set({"daskdist.collective.relay-fanout": 2}):
@@ -499,7 +499,7 @@ def test_a_non_member_leaving_refuses_no_open_commit():
 
 
 
-# -- work per event that does not grow with the cluster (issue 25) ----------------------------
+# -- work per event that does not grow with the cluster ----------------------------
 
 def test_membership_index_is_the_lowest_free_and_sessions_are_found_by_address():
     import random

@@ -1,11 +1,11 @@
-"""A dataset is the call that made it; failed reads give their rows back (issue 16, points
-1 and 6), on a real LocalCluster: 3 worker processes with 2 threads each, real Parquet
+"""A dataset is the call that made it; failed reads give their rows back, on a real
+LocalCluster: 3 worker processes with 2 threads each, real Parquet
 files written (and broken) by the tests.
 
-Before issue 16 a dataset's identity was its files' content and completed epochs were
-remembered forever: a re-run notebook cell, a new Coordinator, or a training and an
-evaluation dataset over one directory trained 0 rows, silently. A failed read left its
-rows leased to a live worker forever, so the epoch never completed once the file was
+Were a dataset's identity its files' content, and completed epochs remembered
+forever, a re-run notebook cell, a new Coordinator, or a training and an evaluation
+dataset over one directory would train 0 rows, silently; were a failed read's rows left
+leased to a live worker, the epoch would never complete once the file was
 fixed.
 """
 

@@ -1,6 +1,6 @@
 """The ``"dynamic"`` policy with several threads per worker, on a real LocalCluster.
 
-Issue 9's scenario: 3 workers, rounds of 16 closures that each call ``next()`` on the
+The scenario: 3 workers, rounds of 16 closures that each call ``next()`` on the
 per-worker iterator, ``join()`` after each round. With 2 threads per worker two closures
 share one iterator at once; every round must finish, the epoch must complete, and every
 row must be acknowledged exactly once, also when a worker is SIGKILLed mid-epoch.
@@ -75,7 +75,7 @@ def rounds_until_complete(coord, ds, it, seconds=0.0, on_round=None, max_rounds=
         rvs = [coord.schedule(take_rows, args=(it, seconds)) for _ in range(16)]
         if on_round is not None:
             on_round(round_)
-        coord.join(timeout=60)  # the issue's hang: closures RUNNING forever
+        coord.join(timeout=60)  # the hang this guards against: closures RUNNING forever
         for rv in rvs:
             rows += rv.fetch()
         if ds.progress()["complete"]:

@@ -1,5 +1,5 @@
-"""Planned departures are not failures, and a memory pause keeps the group (issue 16,
-point 3; SPEC §2.4), on real LocalClusters with worker processes."""
+"""Planned departures are not failures, and a memory pause keeps the group
+(SPEC §2.4), on real LocalClusters with worker processes."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def short(i):
 
 def test_planned_departures_put_a_long_closure_back_without_counting(tmp_path):
     """Retirement, a graceful close and a plugin re-registration, one after another,
-    while one long closure runs: with max_worker_failures=1 it still completes (before,
-    the first departure failed it with WorkerLostError)."""
+    while one long closure runs: with max_worker_failures=1 it still completes (no
+    departure fails it with WorkerLostError)."""
     gate = str(tmp_path / "gate")
     with make_cluster(4) as cluster, Client(cluster) as client:
         coord = dd.Coordinator(client, name="departures", max_worker_failures=1)
@@ -91,8 +91,8 @@ def set_status(status: str):
 
 def test_a_memory_paused_worker_keeps_its_place_in_the_group():
     """A paused worker (Dask pauses at 80% memory) takes no new closures but stays in its
-    group: the next gangs run on the same generation, paused and after unpause (before,
-    it was dropped at the next gang and re-formed in on unpause)."""
+    group: the next gangs run on the same generation, paused and after unpause (it is
+    not dropped at the next gang and re-formed in on unpause)."""
     # the worker's memory monitor would unpause it at once: pause by status only
     with dask.config.set({"distributed.worker.memory.pause": False}), \
             make_cluster(2) as cluster, Client(cluster) as client:

@@ -1,4 +1,4 @@
-"""Horovod parity for elastic State (issue 23 item 8), on a real LocalCluster of worker
+"""Horovod parity for elastic State, on a real LocalCluster of worker
 processes with 2 threads each: ``State.register_reset_callbacks`` runs after every
 re-formation a State lives through, before it is synchronised, and
 ``HostsUpdatedInterrupt.skip_sync`` is Horovod's (``True`` when members only left,

@@ -1,5 +1,5 @@
 """A fence in the middle of a read: a worker SIGSTOPped past its lease while its loader's
-producer is decoding, then SIGCONTed (issue 15).
+producer is decoding, then SIGCONTed.
 
 The scheduler ends the stopped worker's session; its closures and leased rows go to the
 others. When the worker wakes, everything its old session owned must go with that
@@ -223,8 +223,8 @@ def runner_slots(dask_worker) -> tuple:
 def test_a_fenced_session_frees_the_slots_of_closures_it_did_not_run(tmp_path):
     """The scheduler ends a worker's session while it runs a closure and holds others
     prefetched: the closure's thread then finds the next one's session ended and does
-    not run it; that closure's slot is free again (before, it stayed taken for good:
-    the worker took one closure less for ever after), and every closure completes
+    not run it; that closure's slot is free again (never taken for good, the worker
+    taking one closure less for ever after), and every closure completes
     once the worker has a new session."""
     marker = str(tmp_path / "ended")
     with make_cluster(1, threads=1) as cluster, Client(cluster) as client:

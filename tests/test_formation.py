@@ -1,4 +1,4 @@
-"""Group formation has a deadline (issue 23 item 6): a member that answers nothing while
+"""Group formation has a deadline: a member that answers nothing while
 the group forms (SIGSTOPped) is fenced by its lease, and the group forms without it,
 instead of waiting for Dask's 5-minute worker-ttl. Rank 0 is the stopped one: the
 formation's first RPC (rank 0 opening the rendezvous store) is the one that hangs."""

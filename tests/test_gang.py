@@ -161,7 +161,7 @@ def test_every_rank_and_attempt_of_a_gang_has_the_same_origin():
     assert origin_of("owner-12") == "owner-12"  # any other closure: its own id
 
 
-# -- the repeat budget (issue 23 item 3) ---------------------------------------------
+# -- the repeat budget ---------------------------------------------
 
 
 def _divergent_run(book: GangBook, failing: int = 0, kind: str = "collective"):
@@ -233,7 +233,7 @@ def test_a_repeated_failure_reaches_the_client_as_a_collective_error():
     assert isinstance(err.__cause__, CollectiveError)
 
 
-# -- a broken generation's word down the tree (issue 25) -------------------------------------
+# -- a broken generation's word down the tree -------------------------------------
 
 def test_relay_children_tile_the_ranks_below_the_scheduler():
     """Every rank has one parent: the scheduler's children are ranks 0..fanout-1, and

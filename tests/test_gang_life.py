@@ -1,4 +1,4 @@
-"""Gangs and elastic States over a day of real use (issue 16, point 5; SPEC §4.2), on one
+"""Gangs and elastic States over a day of real use (SPEC §4.2), on one
 module-scoped LocalCluster of 3 worker processes with 2 threads each and gloo groups:
 
 - a second State trains after the first on the same group (commit keys unique per State);

@@ -1,4 +1,4 @@
-"""A gang whose collective failure repeats fails instead of looping (issue 23 item 3),
+"""A gang whose collective failure repeats fails instead of looping,
 on a real LocalCluster of 3 worker processes with 2 threads each and gloo: rank 0 calls
 ``allreduce`` and the other ranks do not (rank-dependent control flow), so every run
 times out the same way. ``fetch`` raises after ``max_worker_failures`` runs, naming

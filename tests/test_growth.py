@@ -1,4 +1,4 @@
-"""A dataset when the cluster grows (issue 23 item 2), on real LocalClusters of worker
+"""A dataset when the cluster grows, on real LocalClusters of worker
 processes with 2 threads each: ``distribute_dataset(global_batch_size=...)`` on 2 workers,
 then ``cluster.scale(3)`` mid-epoch. The per-replica batch size is the one fixed when the
 dataset was made (the newcomer uses it, even where the global batch does not divide by

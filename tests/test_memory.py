@@ -1,4 +1,4 @@
-"""Bounded scheduler memory (issue 11): per-worker resources are released when their
+"""Bounded scheduler memory: per-worker resources are released when their
 client-side handle is garbage collected, never while a closure may still use them."""
 
 from __future__ import annotations

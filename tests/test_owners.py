@@ -1,5 +1,5 @@
-"""Errors belong to their owner, and an unread error costs no CPU (issue 16, point 2 and
-SPEC §2.5b), on a real LocalCluster with worker processes."""
+"""Errors belong to their owner, and an unread error costs no CPU
+(SPEC §2.5b), on a real LocalCluster with worker processes."""
 
 from __future__ import annotations
 

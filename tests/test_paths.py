@@ -1,8 +1,8 @@
-"""The files a closure's path runs code in, counted by tracing it (issue 25 item 4).
+"""The files a closure's path runs code in, counted by tracing it.
 
 The README's "How it is built" names every file a path crosses; this traces one closure
 from ``schedule`` to ``fetch`` through the client, the scheduler and two workers of two
-threads (``path_trace.py``) and holds the count to the issue's goal of 8 (19 before),
+threads (``path_trace.py``) and holds the count to 8,
 and a closure taking a dynamic batch to 16.
 """
 
@@ -96,6 +96,11 @@ def _has_cuda() -> bool:
 BATCH_PATH = {"data/loader.py", "data/batching.py", "data/convert.py", "data/held.py",
               "data/leased.py", "core/leases.py", "core/datasets.py", "core/epochs.py",
               "core/intervals.py", "plugins/scheduler/stats.py", "observe/phases.py"}
+# the worker's timers: its session's lease renewal, the preemption handler's upkeep
+TIMERS = {"plugins/worker/services.py", "plugins/worker/preemption.py"}
+# a lease asked for ahead: the scheduler's route, the table's acquire, the reads
+LEASE_AHEAD = {"plugins/scheduler/datasets.py", "plugins/scheduler/locality.py",
+               "core/tail.py", "core/units.py", "data/files.py"}
 
 
 @pytest.mark.timeout(180)
@@ -128,6 +133,10 @@ def test_a_dynamic_batch_path(tmp_path):
     assert "core/leases.py" in files and "plugins/scheduler/stats.py" in files, counts
     extra = sorted(set(files) - closure_path)
     print("beyond the closure path:", len(extra), extra)
-    # a worker with a GPU copies its batches to its device there: data/staging.py more
-    assert set(extra) <= BATCH_PATH | ({"data/staging.py"} if cuda else set()), extra
-    assert len(extra) <= len(BATCH_PATH) + cuda, extra
+    # a worker with a GPU copies its batches to its device there: data/staging.py more;
+    # on a loaded machine the worker's timers, or the reply to the lease asked for ahead,
+    # may run during the traced batch: their own files then, and only those
+    allowed = BATCH_PATH | TIMERS | ({"data/staging.py"} if cuda else set())
+    if "plugins/scheduler/datasets.py" in extra:
+        allowed |= LEASE_AHEAD
+    assert set(extra) <= allowed, sorted(set(extra) - allowed)

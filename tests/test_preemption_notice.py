@@ -1,4 +1,4 @@
-"""Preemption notices and the sole holder (issue 17, SPEC §4.3), on real LocalClusters.
+"""Preemption notices and the sole holder (SPEC §4.3), on real LocalClusters.
 
 - SIGTERM on a group member mid-epoch (rank 0: it also writes the checkpoints) is a
   graceful leave: no error reaches the user, nothing counts as a lost worker, the

@@ -1,4 +1,4 @@
-"""Races and silent failures found by reading (issue 11, point 4), each pinned by a test
+"""Races and silent failures found by reading, each pinned by a test
 that fails without its fix."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class _Services:
 def test_membership_counter_is_per_worker_session():
     """Counters belong to a worker session (one coordinator's registration on a worker):
     two coordinators on a worker, or a closed coordinator and a new one of the same
-    name, never share them (issue 23 item 1)."""
+    name, never share them."""
     _set_membership(7, 2, session="race-a")
     _set_membership(3, 1, session="race-b")
     _set_membership(2, 1, session="race-a")  # never goes back
@@ -89,8 +89,8 @@ def test_two_error_raises_do_not_interleave():
 
 
 def test_input_context_services_and_its_deprecated_name():
-    """``InputContext.services`` is the session's whole services object (issue 23 item
-    9); ``leases`` was its name and stays as a deprecated alias."""
+    """``InputContext.services`` is the session's whole services object;
+    ``leases`` was its name and stays as a deprecated alias."""
     import dataclasses
     import warnings
 

@@ -1,4 +1,4 @@
-"""A closure's value leaves its worker with its tensors on the host (issue 23 item 7), so
+"""A closure's value leaves its worker with its tensors on the host, so
 a client without CUDA can fetch what a GPU worker returned. Tested on the CPU with the
 target device as a parameter: sent to ``"meta"``, every tensor at every depth must come
 back on ``"meta"`` (so each one took the hook); the CUDA case runs where there is CUDA."""

@@ -1,4 +1,4 @@
-"""A long-lived cluster's second coordinator (issue 23 item 1): a Coordinator closed after
+"""A long-lived cluster's second coordinator: a Coordinator closed after
 it saw churn (a member SIGKILLed and replaced by its nanny), then a new Coordinator of the
 same name on the same worker processes. The new one's membership counters start clean:
 its undisturbed gang runs once per member, every ``commit()`` without an interrupt."""

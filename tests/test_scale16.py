@@ -1,4 +1,4 @@
-"""Sixteen worker processes (1 thread each, issue 25): a dynamic epoch of plain closures
+"""Sixteen worker processes (1 thread each): a dynamic epoch of plain closures
 and a gang with elastic commits, each with a member SIGKILLed mid-epoch (its Nanny
 replaces it), train every row exactly once."""
 

@@ -89,7 +89,7 @@ def every_row(counts: list, times: int) -> None:
                                 f"{int((c < times).sum())}, more: {int((c > times).sum())}")
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(420)
 def test_sigkills_reshard_from_memory_and_a_joiner_grows_the_mesh(cluster4, coord, tmp_path):
     """A non-zero rank, then rank 0, SIGKILLed: the survivors go on from the last commit
     from their copies (no checkpoint: storage cannot be read); each replacement joins
@@ -126,7 +126,8 @@ def test_sigkills_reshard_from_memory_and_a_joiner_grows_the_mesh(cluster4, coor
     injector.start()
     epochs = 0
     try:
-        start_by = time.monotonic() + 150  # epochs start while the kills are pending
+        # epochs start while the kills are pending (generous: a loaded machine is slow)
+        start_by = time.monotonic() + 240
         deadline = start_by + 60
         while epochs == 0 or (injector.is_alive() and time.monotonic() < start_by):
             ds.set_epoch(epochs)

@@ -158,9 +158,8 @@ def test_ring_grows_a_slot_for_a_larger_block_and_skips_finished_waits():
 def test_a_block_is_handed_on_while_the_next_one_is_still_being_read():
     """A source whose next block takes long (a lazy frame's partition still computing,
     a lease) does not hold back the block before it: its rows are ready as soon as it
-    is staged. (The stage used to run one block behind: block 0 came out only once
-    block 1 had been read; on a GPU worker a lazy frame's first batch waited for the
-    second partition.)"""
+    is staged (never one block behind, block 0 out only once block 1 was read: on a GPU
+    worker a lazy frame's first batch would wait for the second partition)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from daskdist.data.sources import ChunkItem

@@ -1,4 +1,4 @@
-"""The elastic State's committed copy (issue 23 item 7): one copy, in host memory
+"""The elastic State's committed copy: one copy, in host memory
 (pinned when CUDA), refilled in place and filled asynchronously; a checkpoint's named
 objects go back to the device they were on. The logic runs on the CPU with the device
 as a parameter; the CUDA parts run where there is CUDA."""

@@ -262,7 +262,7 @@ def _tail_epoch(client, root, n, name, on_run=None):
 def test_a_fault_free_dynamic_epoch_is_one_gang_run(three):
     """Ranks' leases run dry at different steps: the tail's steps pool the rows the
     others still hold and go on, so the gang ends once, when the epoch's rows are all
-    trained (before, it ended at the first dry rank: a run per lease, tens an epoch)."""
+    trained (not at the first dry rank: a run per lease, tens an epoch)."""
     client, root, n = three
     assert _tail_epoch(client, root, n, "tail-one-run") <= 2
 

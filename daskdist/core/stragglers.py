@@ -163,7 +163,7 @@ class RankTrack:
     generation: int = 0
     gang: str = ""
     steps: int = 0  # steps since its gang run started
-    ring: deque = field(default_factory=deque)  # its last ``keep`` windows, oldest first
+    ring: deque = field(default_factory=deque)  # its last ``keep`` windows with steps
     pending: WindowSum | None = None  # its newest window, judged when the next one comes
     streak: Streak = field(default_factory=Streak)
     # seconds in each phase and rows, summed over every window since it took this rank
@@ -198,10 +198,10 @@ class RankTable:
         for i, v in enumerate(w.phases):
             t.totals[i] += v
         t.totals[-1] += w.rows
-        t.ring.append(w)
-        while len(t.ring) > self.rule.keep:
-            t.ring.popleft()
-        if w.steps:
+        if w.steps:  # figures are the last windows it stepped in: after a run, its own
+            t.ring.append(w)
+            while len(t.ring) > self.rule.keep:
+                t.ring.popleft()
             self._pool(w.index).add(w)
         prev, t.pending = t.pending, w
         if prev is None or prev.index >= w.index or not prev.steps:
