@@ -21,8 +21,10 @@ dask.config.set({"distributed.deploy.lost-worker-timeout": "600s"})
 # SIGKILL, is up in a fraction of the time a spawned interpreter takes to import torch.
 # Importing creates no CUDA context, so a worker still binds the GPU it is given.
 dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+# Lightning too (4-5 s of imports a worker otherwise); a module not installed is skipped.
 _PRELOAD = ["distributed", "dask", "numpy", "pandas", "pyarrow", "torch", "daskdist",
-            "daskdist.plugins.worker.plugin", "daskdist.data", "daskdist.collective"]
+            "daskdist.plugins.worker.plugin", "daskdist.data", "daskdist.collective",
+            "lightning.pytorch"]
 
 
 def _preload_fork_server() -> None:
