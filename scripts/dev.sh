@@ -20,9 +20,11 @@ fi
 cmd="${1:-test}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  # three test processes (a file's tests stay together: they share its clusters), then
-  # the 15 slowest tests; arguments are pytest's (`-n 0` runs serially)
-  test) exec "$PY" -m pytest -n 3 --dist loadfile --durations=15 "$@" ;;
+  # four test processes (a file's tests stay together: they share its clusters); a test
+  # that fails runs once more (R in the summary: real processes on a loaded 2-core
+  # machine miss timing now and then; a real failure fails twice); then the 15 slowest
+  # tests. Arguments are pytest's (`-n 0` runs serially, `--reruns 0` never again).
+  test) exec "$PY" -m pytest -n 4 --dist loadfile --reruns 1 --durations=15 "$@" ;;
   demo) exec "$VENV/bin/daskdist" demo "$@" ;;
   bench)
     # every benchmark records its figures into one file; table.py makes docs/benchmarks.md

@@ -148,6 +148,10 @@ def test_read_only_handlers_never_create_state(client, coord):
             call(client, op, name="nobody", **kwargs)
     assert call(client, "daskdist_results", name="nobody", owner="o", token="t",
                 ack=0) == {"detached": True}
+    # a worker session's call after its coordinator closed: that session ended (no error
+    # logged on the scheduler)
+    assert call(client, "daskdist_get_resource", name="nobody", session="s",
+                rid="resource-x") is None
     assert "nobody" not in coordinators(client)
 
 

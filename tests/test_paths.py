@@ -1,9 +1,11 @@
 """The files a closure's path runs code in, counted by tracing it.
 
-The README's "How it is built" names every file a path crosses; this traces one closure
-from ``schedule`` to ``fetch`` through the client, the scheduler and two workers of two
-threads (``path_trace.py``) and holds the count to 8,
-and a closure taking a dynamic batch to 16.
+docs/architecture.md names every file a path crosses; this traces one closure from
+``schedule`` to ``fetch`` through the client, the scheduler and two workers of two
+threads (``path_trace.py``) and holds it to its 8 files, and a closure taking a dynamic
+batch to those and its 11 more. The trace sees every thread and event loop of each
+process, so the processes' own timers (:data:`TIMERS`), which run whatever the closure
+does, are left out of the count; on a loaded machine a trace is long enough to meet them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ from distributed import Client
 import daskdist as dd
 
 RUNS = 5
+# the timers of the processes a closure crosses: the scheduler's liveness sweep (its
+# plugin, the coordinator state, the config it reads) and metrics sample; a worker's
+# session lease renewal and the preemption handler's upkeep
+TIMERS = {"plugins/scheduler/plugin.py", "plugins/scheduler/state.py", "config.py",
+          "plugins/scheduler/observe.py", "plugins/worker/services.py",
+          "plugins/worker/preemption.py"}
+CLOSURE_PATH = {"client/closures.py", "context.py", "core/membership.py", "core/nest.py",
+                "core/protocol.py", "core/queue.py", "plugins/scheduler/closures.py",
+                "plugins/worker/runner.py"}
 
 
 def _noop(x=None):
@@ -65,7 +76,7 @@ def traced_files(client: Client, coord: dd.Coordinator, once) -> tuple[list[str]
             once()
         finally:
             counts.update(_stop(client))
-    return sorted(f for f, n in counts.items() if n > RUNS // 2), counts
+    return sorted(f for f, n in counts.items() if n > RUNS // 2 and f not in TIMERS), counts
 
 
 @pytest.mark.timeout(180)
@@ -78,6 +89,7 @@ def test_a_closure_crosses_at_most_eight_files():
     print("closure path:", files, "seen:", dict(counts))
     assert "client/closures.py" in files and "core/queue.py" in files, counts
     assert len(files) <= 8, f"a closure runs code in {len(files)} files: {files} ({counts})"
+    assert set(files) <= CLOSURE_PATH, sorted(set(files) - CLOSURE_PATH)
 
 
 def _take(it):
@@ -96,8 +108,6 @@ def _has_cuda() -> bool:
 BATCH_PATH = {"data/loader.py", "data/batching.py", "data/convert.py", "data/held.py",
               "data/leased.py", "core/leases.py", "core/datasets.py", "core/epochs.py",
               "core/intervals.py", "plugins/scheduler/stats.py", "observe/phases.py"}
-# the worker's timers: its session's lease renewal, the preemption handler's upkeep
-TIMERS = {"plugins/worker/services.py", "plugins/worker/preemption.py"}
 # a lease asked for ahead: the scheduler's route, the table's acquire, the reads
 LEASE_AHEAD = {"plugins/scheduler/datasets.py", "plugins/scheduler/locality.py",
                "core/tail.py", "core/units.py", "data/files.py"}
@@ -127,16 +137,13 @@ def test_a_dynamic_batch_path(tmp_path):
             client, coord, lambda: coord.fetch(coord.schedule(_take, args=(it,))))
         cuda = any(client.run(_has_cuda).values())
     print("dynamic batch path:", files, "seen:", dict(counts))
-    closure_path = {"client/closures.py", "context.py", "core/membership.py", "core/nest.py",
-                    "core/protocol.py", "core/queue.py", "plugins/scheduler/closures.py",
-                    "plugins/worker/runner.py"}
     assert "core/leases.py" in files and "plugins/scheduler/stats.py" in files, counts
-    extra = sorted(set(files) - closure_path)
+    extra = sorted(set(files) - CLOSURE_PATH)
     print("beyond the closure path:", len(extra), extra)
     # a worker with a GPU copies its batches to its device there: data/staging.py more;
-    # on a loaded machine the worker's timers, or the reply to the lease asked for ahead,
-    # may run during the traced batch: their own files then, and only those
-    allowed = BATCH_PATH | TIMERS | ({"data/staging.py"} if cuda else set())
+    # on a loaded machine the reply to the lease asked for ahead may land during the
+    # traced batch: its own files then, and only those
+    allowed = BATCH_PATH | ({"data/staging.py"} if cuda else set())
     if "plugins/scheduler/datasets.py" in extra:
         allowed |= LEASE_AHEAD
     assert set(extra) <= allowed, sorted(set(extra) - allowed)

@@ -479,9 +479,9 @@ class ClosureClient:
             view = self._gangs.pop(cid, None)
             if view is not None:  # per-rank values first: whoever waits on the gang sees them
                 self._spread_gang(view, state, payload, kind, attempt)
+            if rv is not None:  # final under the lock: close() returns with every value final
+                rv._set(state, payload, kind, attempt)
             self._cv.notify_all()
-        if rv is not None:
-            rv._set(state, payload, kind, attempt)
 
     @staticmethod
     def _spread_gang(view: GangValues, state: str, payload: Any, kind: str | None,
@@ -522,19 +522,19 @@ class ClosureClient:
     def _cancel_all(self, why: str) -> None:
         """This Coordinator is closed: every closure not yet final is cancelled, saying
         ``why``; waiters wake up."""
-        with self._cv:
+        with self._cv:  # under the lock: whichever thread cancels, all are final after
             self._closed = True
             pending, self._pending = self._pending, {}
             gangs, self._gangs = self._gangs, {}
             self._outgoing.clear()
-            self._cv.notify_all()
-        for cid, rv in pending.items():
-            rv._cancel(CoordinatorClosedError(
-                f"closure {cid} did not finish: coordinator {self.name!r} closed ({why})"))
-        for gid, view in gangs.items():
-            for rv in view.values or ():
+            for cid, rv in pending.items():
                 rv._cancel(CoordinatorClosedError(
-                    f"gang {gid} did not finish: coordinator {self.name!r} closed ({why})"))
+                    f"closure {cid} did not finish: coordinator {self.name!r} closed ({why})"))
+            for gid, view in gangs.items():
+                for rv in view.values or ():
+                    rv._cancel(CoordinatorClosedError(
+                        f"gang {gid} did not finish: coordinator {self.name!r} closed ({why})"))
+            self._cv.notify_all()
 
     def _resource_dropped(self, rid: str) -> None:
         """A resource handle was garbage collected (any thread; must not block)."""

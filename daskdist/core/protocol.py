@@ -604,9 +604,11 @@ def book_handler(states: dict[str, Any], book: str, op: str, route: Route
         """(the book, None), or (None, the reply) when the call stops here."""
         co = states.get(text(name, f"{op}: name"))
         if co is None:
-            if closed is CLOSED:
-                raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler")
-            return None, closed
+            if closed is not CLOSED:
+                return None, closed
+            if caller == SESSION:  # its coordinator is gone, so is every session of it
+                return None, ended
+            raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler")
         if caller == SESSION or (caller == OWNER_OR_SESSION
                                  and kwargs.get("session") is not None):
             # a live member's message renews its lease
