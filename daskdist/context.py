@@ -402,13 +402,7 @@ def take_consumed(since: int = 0) -> list:
     the closure's end) and ``synced`` takes a batch it gives back. ``[]`` outside a
     closure.
     """
-    scope = _scope()
-    if scope is None:
-        return []
-    with scope.lock:
-        out = scope.tokens[since:]
-        del scope.tokens[since:]
-    return out
+    return _take(since, aside=False)
 
 
 def set_aside(since: int) -> list:
@@ -416,13 +410,18 @@ def set_aside(since: int) -> list:
     commit does not acknowledge them) and keep them as its own, set aside: a batch a
     framework fetched ahead, its rows trained later (:func:`take_back`) or given back
     (:func:`drop_aside`). ``[]`` outside a closure."""
+    return _take(since, aside=True)
+
+
+def _take(since: int, aside: bool) -> list:
     scope = _scope()
     if scope is None:
         return []
     with scope.lock:
         out = scope.tokens[since:]
         del scope.tokens[since:]
-        scope.aside.extend(out)
+        if aside:
+            scope.aside.extend(out)
     return out
 
 

@@ -51,17 +51,23 @@ def drain(loader, svc):
     return drain_iter(iter(loader), svc)
 
 
-def drain_iter(it, svc):
-    """:func:`drain` on an iterator already started."""
-    seen: Counter = Counter()
+def acked_batches(it, svc):
+    """Each batch of ``it``, taken in a closure's scope whose tokens ``svc`` acknowledges."""
     while True:
         scope = ClosureScope()
         with closure_scope(scope):
             try:
                 batch = next(it)
             except StopIteration:
-                break
+                return
         assert svc.ack_tokens(scope.tokens)
+        yield batch
+
+
+def drain_iter(it, svc):
+    """:func:`drain` on an iterator already started."""
+    seen: Counter = Counter()
+    for batch in acked_batches(it, svc):
         seen.update(batch["id"].tolist())
     return seen
 
@@ -117,15 +123,7 @@ def test_a_dict_of_arrays_gives_nd_batches_and_dense_ids():
     p = ld.progress()
     assert p["known"] and p["total"] == 90  # lengths known from the chunks
     labels = []
-    it = iter(ld)
-    while True:
-        scope = ClosureScope()
-        with closure_scope(scope):
-            try:
-                b = next(it)
-            except StopIteration:
-                break
-        assert svc.ack_tokens(scope.tokens)
+    for b in acked_batches(iter(ld), svc):
         assert b["image"].shape[1:] == (2, 3) and b["image"].dim() == 3
         assert torch.equal(b["image"][:, 0, 0], b["label"] * 6)
         labels += b["label"].tolist()
@@ -334,15 +332,7 @@ def test_integer_column_labels_are_the_batch_keys_as_in_pandas():
     svc = LocalLeaseService()
     ld = ArrowLoader(df, InputContext(services=svc), batch_size=6, fill_null={2: -1.0})
     seen: list = []
-    it = iter(ld)
-    while True:
-        scope = ClosureScope()
-        with closure_scope(scope):
-            try:
-                b = next(it)
-            except StopIteration:
-                break
-        assert svc.ack_tokens(scope.tokens)
+    for b in acked_batches(iter(ld), svc):
         assert list(b) == [0, 1, 2]
         seen += b[0].tolist()
         assert (b[1] == b[0] + 1).all() and set(b[2].tolist()) <= set(arr[:, 2]) | {-1.0}
