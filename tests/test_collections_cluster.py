@@ -327,8 +327,11 @@ def test_resources_make_only_those_workers_members():
         assert {r["worker"] for r in got} == members  # closures ran only on members
         ids = Counter(i for r in got for i in r["id"])
         assert sorted(ids) == list(range(PARTS * ROWS)) and set(ids.values()) == {1}
-        # the plain worker computed the partitions for them
-        assert {w for r in got for w in r["made_on"]} == {cpu}
+        # the plain worker computed the partitions for them: preferred, a loose restriction
+        # (a cluster whose helpers die still trains), so on a loaded machine Dask may move
+        # a few to the members
+        made = Counter(w for r in got for w in r["made_on"])
+        assert set(made) <= members | {cpu} and made[cpu] >= 0.75 * sum(made.values()), made
         ranks = coord.fetch(coord.schedule_on_all(
             lambda: dd.get_worker_context().address))
         assert set(ranks) == members and len(ranks) == 2  # the group: only the two
