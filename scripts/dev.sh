@@ -24,7 +24,7 @@ case "$cmd" in
   # that fails runs once more (R in the summary: real processes on a loaded 2-core
   # machine miss timing now and then; a real failure fails twice); then the 15 slowest
   # tests. Arguments are pytest's (`-n 0` runs serially, `--reruns 0` never again).
-  test) exec "$PY" -m pytest -n 4 --dist loadfile --reruns 1 --durations=15 "$@" ;;
+  test) exec "$PY" -m pytest -n 4 --dist loadfile --no-loadscope-reorder --reruns 1 --durations=15 "$@" ;;
   demo) exec "$VENV/bin/daskdist" demo "$@" ;;
   bench)
     # every benchmark records its figures into one file; table.py makes docs/benchmarks.md

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import daskdist as dd
+from tests.processes import use_fork_server
 from tests.row_ledger import final_counts, make_counts, train_rows
 
 __all__ = ["BATCH", "EVERY", "N_ROWS", "MakeCounts", "final_counts", "train_rows"]
@@ -48,4 +49,5 @@ def main(url: str, data: str, workers: int) -> None:
 
 
 if __name__ == "__main__":
+    use_fork_server("tests.checkpoint_job")  # its workers fork with this module imported
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -8,32 +8,20 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import dask
 import pytest
+
+from tests.processes import quiet_environ, use_fork_server
 
 # A LocalCluster closes a Nanny whose worker has not come back within this time; tests
 # kill the same worker repeatedly (poison pills) on a loaded machine, so give it room.
 dask.config.set({"distributed.deploy.lost-worker-timeout": "600s"})
 
-# Worker processes start from a fork server that imported Dask, torch and daskdist once
-# (Dask's own test suite does the same): a worker, or a Nanny's replacement after a
-# SIGKILL, is up in a fraction of the time a spawned interpreter takes to import torch.
-# Importing creates no CUDA context, so a worker still binds the GPU it is given.
-dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-# Lightning too (4-5 s of imports a worker otherwise); a module not installed is skipped.
-_PRELOAD = ["distributed", "dask", "numpy", "pandas", "pyarrow", "torch", "daskdist",
-            "daskdist.plugins.worker.plugin", "daskdist.data", "daskdist.collective",
-            "lightning.pytorch"]
-
-
-def _preload_fork_server() -> None:
-    from distributed.utils import get_mp_context
-
-    get_mp_context().set_forkserver_preload(_PRELOAD)
-
-
-_preload_fork_server()
+# worker processes fork from a warm server (tests/processes.py), Lightning imported too
+# (4-5 s of imports a worker otherwise)
+use_fork_server("lightning.pytorch")
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,12 +32,15 @@ def child_env(*first: str, **extra: str) -> dict[str, str]:
     tests) from this checkout: the checkout, then ``first``, ahead of the PYTHONPATH we
     have (where Dask itself may come from, as on the GPU machine), plus ``extra``."""
     path = os.pathsep.join([ROOT, *first, *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {**os.environ, "PYTHONPATH": path, **extra}
+    # its Dask as quiet as ours (tests/processes.py)
+    return {**os.environ, "PYTHONPATH": path, **quiet_environ(), **extra}
 
 
 def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "condition",
-               interval: float = 0.02):
-    """Poll ``pred`` until it is truthy; fail the test after ``timeout`` seconds."""
+               interval: float = 0.02, longest: float = 0.1):
+    """Poll ``pred`` until it is truthy; fail the test after ``timeout`` seconds. The
+    interval grows from ``interval`` to ``longest``: a quick condition is seen at once,
+    and a long wait (a predicate that asks every worker) costs the machine little."""
     deadline = time.monotonic() + timeout
     while True:
         value = pred()
@@ -58,6 +49,7 @@ def wait_until(pred: Callable[[], object], timeout: float = 30.0, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+        interval = min(longest, interval * 1.5)
 
 
 def take_rows(it, seconds: float = 0.0) -> list[int]:
@@ -140,6 +132,13 @@ def kill_and_replace(client, coord, pid: int, n: int = 2) -> float:
     return t
 
 
+@pytest.fixture
+def tmp(tmp_path) -> Path:
+    """An empty directory for a command's files and its ``TMPDIR`` (the CLI tests)."""
+    (tmp_path / "tmp").mkdir()
+    return tmp_path / "tmp"
+
+
 @pytest.fixture(scope="module")
 def threads() -> int:
     """Threads per worker of the module's ``cluster``; a module that must hold at any
@@ -194,3 +193,16 @@ def gpu_and_plain_cluster(threads: int = 2) -> Iterator[tuple]:
         members = {a for a, w in info.items() if w.get("resources", {}).get("GPU")}
         (cpu,) = set(info) - members
         yield cluster, client, members, cpu
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files with the most ``slow`` tests first, then the files with the most tests:
+    ``scripts/dev.sh test`` hands whole files to its processes in this order (xdist's
+    ``--dist loadfile --no-loadscope-reorder``), so the longest start at once instead
+    of ending the run alone on one process."""
+    slow: dict[object, int] = {}
+    size: dict[object, int] = {}
+    for item in items:
+        size[item.path] = size.get(item.path, 0) + 1
+        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: (-slow[item.path], -size[item.path]))  # stable in a file

@@ -19,6 +19,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 import daskdist as dd  # noqa: E402
 from daskdist.integrations.transformers import DaskdistCallback, prepare_trainer  # noqa: E402
 from tests.framework_rows import hf_row_model, log_event  # noqa: E402
+from tests.processes import use_fork_server  # noqa: E402
 
 NAME = "hf-rows"  # the dataset's name: its ledger travels in the checkpoints
 EVERY = 4  # commits between checkpoints
@@ -95,5 +96,6 @@ def main(url: str, data: str, n: int, workers: int, logdir: str, outdir: str) ->
 
 
 if __name__ == "__main__":
+    use_fork_server("tests.hf_job")  # its workers fork with this module imported
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
          sys.argv[6])

@@ -17,6 +17,7 @@ import torch
 import daskdist as dd
 from daskdist.integrations.lightning import DaskdistStrategy
 from tests.framework_rows import count_ids, log_event
+from tests.processes import use_fork_server
 
 NAME = "lightning-rows"  # the dataset's name: its ledger travels in the checkpoints
 EVERY = 4  # commits between checkpoints
@@ -98,4 +99,5 @@ def main(url: str, data: str, n: int, workers: int, logdir: str) -> None:
 
 
 if __name__ == "__main__":
+    use_fork_server("tests.lightning_job")  # its workers fork with this module imported
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

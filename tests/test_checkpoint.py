@@ -50,6 +50,7 @@ def complete(url: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in url.glob("commit-*/.metadata"))
 
 
+@pytest.mark.slow
 def test_a_new_cluster_resumes_a_killed_job_every_row_exactly_once(tmp_path):
     data = write_rows(tmp_path / "shards")
     url = tmp_path / "ckpt"
@@ -155,6 +156,7 @@ def _write_then_stall(url: str) -> None:  # pragma: no cover - runs in a child p
     store.write(2, {"w": torch.zeros(8)}, None, {}, {}).result()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_killed_mid_write_is_never_loaded(tmp_path):
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_checkpoint import "
             f"_write_then_stall; _write_then_stall({str(tmp_path)!r})")

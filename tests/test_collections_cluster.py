@@ -289,6 +289,7 @@ def test_sync_training_on_a_frame_every_row_once_in_the_committed_state(coord):
     assert_every_row_once(coord.fetch(coord.schedule_on_all(final_counts, args=(state,))), n)
 
 
+@pytest.mark.slow
 def test_a_member_killed_mid_epoch_every_row_once():
     from distributed import Client
 

@@ -69,6 +69,7 @@ def test_images_array_example_survives_a_sigkill_every_image_once():
         coord.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_transformer_example_survives_a_sigkill_every_sequence_once():
     from distributed import Client

@@ -19,7 +19,8 @@ import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.processes import process_context
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +77,7 @@ class Pool:
     """``n`` spawned processes; ``run`` calls a top-level function on chosen ranks."""
 
     def __init__(self, n: int):
-        self.ctx = mp.get_context("spawn")
+        self.ctx = process_context()
         self.results = self.ctx.Queue()
         self.procs: list = [None] * n
         self.commands: list = [None] * n

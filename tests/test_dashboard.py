@@ -96,6 +96,7 @@ def test_status_json_has_workers_datasets_and_history(live):
     assert "dash" in page and d["dataset_id"] in page and "status.json" in page
 
 
+@pytest.mark.slow
 def test_pages_in_navigation_and_individual_plots(live):
     plots = json.loads(get(live["base"] + "/individual-plots.json"))
     ours = {v for v in plots.values() if "daskdist" in v}
@@ -150,6 +151,7 @@ def _drawn(result) -> bool:
                 and all(n > 0 for n in result["rows"].values()))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs "
                     "Debian's chromium package)")
 def test_browser_renders_live_plots(live, tmp_path):

@@ -21,6 +21,7 @@ from distributed import Client
 
 import daskdist as dd
 from tests.conftest import THREADS, make_cluster, sigkill, wait_for_workers, wait_until
+from tests.processes import process_context
 from tests.row_ledger import assert_every_row_once, final_counts, make_counts, train_rows
 
 pytestmark = [pytest.mark.timeout(180),
@@ -91,6 +92,7 @@ def cluster3(request):
         coord.close()
 
 
+@pytest.mark.slow
 def test_rank0_killed_twice_resumes_from_the_newest_commit(cluster3, tmp_path):
     _cluster, client, coord = cluster3
     coord.collective_group(timeout=30)
@@ -142,6 +144,7 @@ def test_retired_member_survivors_step_again(cluster3, tmp_path):
     assert coord.status()["workers_lost"] == 0
 
 
+@pytest.mark.slow
 def test_worker_added_joins_at_a_commit_with_the_same_state(tmp_path):
     with make_cluster(2) as cluster, Client(cluster) as client:
         coord = dd.Coordinator(client, name="grow")
@@ -284,10 +287,9 @@ def _sync_member(rank: int, addr_q, out_q) -> None:
     destroy_member()
 
 
+@pytest.mark.slow
 def test_sync_takes_the_newest_commit_not_rank_0():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     addr_q, out_q = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_sync_member, args=(r, addr_q, out_q)) for r in range(3)]
     for p in procs:

@@ -51,7 +51,7 @@ pytestmark = [pytest.mark.timeout(300),
 
 
 def test_train_over_a_dynamic_dataset_trains_every_row_once(tmp_path):
-    n = 2000
+    n = 1000
     glob = write_rows(tmp_path, n)
     with make_cluster(2, threads=2) as cluster, Client(cluster) as client:
         coord = dd.Coordinator(client, name="hf-once")
@@ -78,8 +78,9 @@ def test_train_over_a_dynamic_dataset_trains_every_row_once(tmp_path):
         coord.close()
 
 
+@pytest.mark.slow
 def test_member_sigkilled_mid_train_resumes_from_the_committed_step(tmp_path):
-    n = 3000
+    n = 1500
     glob = write_rows(tmp_path, n)
     logdir = tmp_path / "log"
     logdir.mkdir()
@@ -120,13 +121,14 @@ def test_member_sigkilled_mid_train_resumes_from_the_committed_step(tmp_path):
         coord.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_a_new_cluster_resumes_a_killed_train_from_its_checkpoint_every_row_once(tmp_path):
     """DaskdistCallback(it, checkpoint_to=url, every=N) (SPEC §4.3 through §4.4): a job
     SIGKILLed whole mid-train; a new cluster of 2 workers with the same URL and a
     dataset of the same name resumes train() from the newest complete checkpoint (its
     global_step, > 0), and every row of the epoch is trained exactly once across both."""
-    n = 2400
+    n = 1200
     glob = write_rows(tmp_path, n)
     url = tmp_path / "ckpt"
     first_log, second_log = tmp_path / "log1", tmp_path / "log2"
@@ -218,6 +220,7 @@ def test_the_callback_prepares_the_trainer_it_is_given_to_once(tmp_path):
     assert DaskdistCallback(already).batches is already
 
 
+@pytest.mark.slow
 def test_running_the_train_cell_five_times_leaves_memory_and_threads_flat(tmp_path):
     """The notebook cell (a model, a dataset, Trainer.train through the callback) run 5
     times on the same workers: every run trains every row once on Accelerate's state

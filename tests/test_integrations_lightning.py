@@ -52,7 +52,7 @@ def _members(coord) -> list[str]:
 
 @pytest.mark.parametrize("threads", THREADS)
 def test_fit_over_a_dynamic_dataset_trains_every_row_once(tmp_path, threads):
-    n = 2000
+    n = 1000
     glob = write_rows(tmp_path, n)
     with make_cluster(2, threads=threads) as cluster, Client(cluster) as client:
         coord = dd.Coordinator(client, name="lightning-once")
@@ -72,7 +72,7 @@ def test_fit_over_a_dynamic_dataset_trains_every_row_once(tmp_path, threads):
 
 
 def test_member_sigkilled_mid_fit_resumes_from_the_committed_step(tmp_path):
-    n = 3000
+    n = 1500
     glob = write_rows(tmp_path, n)
     logdir = tmp_path / "log"
     logdir.mkdir()
@@ -113,6 +113,7 @@ def test_member_sigkilled_mid_fit_resumes_from_the_committed_step(tmp_path):
         coord.close()
 
 
+@pytest.mark.slow
 def test_worker_joining_mid_fit_is_taken_in_at_the_next_commit(tmp_path):
     n = 4000
     glob = write_rows(tmp_path, n)
@@ -149,6 +150,7 @@ def test_worker_joining_mid_fit_is_taken_in_at_the_next_commit(tmp_path):
         coord.close()
 
 
+@pytest.mark.slow
 def test_sigterm_notice_mid_fit_leaves_at_a_commit(tmp_path):
     """Daskdist's SIGTERM handler (Lightning's own is installed on the main thread
     only): the member leaves at its next commit, nothing counts as lost, every row once."""
@@ -156,7 +158,7 @@ def test_sigterm_notice_mid_fit_leaves_at_a_commit(tmp_path):
 
     import dask
 
-    n = 3000
+    n = 1500
     glob = write_rows(tmp_path, n)
     logdir = tmp_path / "log"
     logdir.mkdir()
@@ -195,6 +197,7 @@ def test_sigterm_notice_mid_fit_leaves_at_a_commit(tmp_path):
         coord.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_a_new_cluster_resumes_a_killed_fit_from_its_checkpoint_every_row_once(tmp_path):
     """DaskdistStrategy(checkpoint_to=url, every=N) (SPEC §4.3 through §4.4): a job
@@ -202,7 +205,7 @@ def test_a_new_cluster_resumes_a_killed_fit_from_its_checkpoint_every_row_once(t
     cluster of 2 workers with the same URL and a dataset of the same name resumes fit
     from the newest complete checkpoint (its global_step, > 0, on every rank), and the
     committed module trains every row of the epoch exactly once across the two jobs."""
-    n = 2400
+    n = 1200
     glob = write_rows(tmp_path, n)
     url = tmp_path / "ckpt"
     first_log, second_log = tmp_path / "log1", tmp_path / "log2"
@@ -284,6 +287,7 @@ def test_running_the_cell_five_times_leaves_memory_and_threads_flat(tmp_path):
         coord.close()
 
 
+@pytest.mark.slow
 def test_a_module_sharded_in_configure_model_survives_a_sigkill_every_row_once(tmp_path):
     """A LightningModule that shards itself with FSDP2 in configure_model over a 2-D
     ``self.device_mesh`` (its "data_parallel" dimension): a member SIGKILLed mid-fit,

@@ -9,6 +9,7 @@ import pytest
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "quickstart.ipynb"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quickstart_notebook_runs():
     nbformat = pytest.importorskip("nbformat")

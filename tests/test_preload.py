@@ -48,6 +48,7 @@ def preloaded_cluster(tmp_path):
                 p.kill()
 
 
+@pytest.mark.slow
 def test_preloaded_scheduler_plugin_serves_coordinator(preloaded_cluster):
     with Client(scheduler_file=preloaded_cluster) as client:
         # the client may not register plugins here: prove it, then use the preload

@@ -88,6 +88,7 @@ def test_dynamic_epoch_on_16_workers_with_a_kill(sixteen, tmp_path):
         coord.close()
 
 
+@pytest.mark.slow
 def test_gang_with_commits_on_16_workers_with_a_kill(sixteen, tmp_path):
     cluster, client = sixteen
     coord = dd.Coordinator(client, name="scale16-gang")

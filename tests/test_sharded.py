@@ -89,6 +89,7 @@ def every_row(counts: list, times: int) -> None:
                                 f"{int((c < times).sum())}, more: {int((c > times).sum())}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_sigkills_reshard_from_memory_and_a_joiner_grows_the_mesh(cluster4, coord, tmp_path):
     """A non-zero rank, then rank 0, SIGKILLed: the survivors go on from the last commit
@@ -156,6 +157,7 @@ def test_sigkills_reshard_from_memory_and_a_joiner_grows_the_mesh(cluster4, coor
     assert coord.status()["workers_lost"] >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cluster4", [1], indirect=True)
 def test_two_neighbours_lost_fall_back_to_the_checkpoint(cluster4, coord, tmp_path):
     """Ranks 1 and 2 (ring neighbours: rank 1's copy lives on rank 2) SIGKILLed at once:
@@ -198,6 +200,7 @@ def test_two_neighbours_lost_fall_back_to_the_checkpoint(cluster4, coord, tmp_pa
     assert world == 2 and commits % 3 == 0 and commits < before, (world, commits, before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cluster4", [2], indirect=True)
 def test_a_job_resumes_on_new_clusters_of_3_then_2_workers_every_row_once(
         cluster4, coord, tmp_path):

@@ -5,11 +5,12 @@ same member) takes the last commit back bit for bit, and a checkpoint round-trip
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 
 import pytest
 import torch
+
+from tests.processes import process_context
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -79,9 +80,10 @@ def _run(device: str, url: str) -> dict:
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_member_shards_on_its_device_and_resumes_bit_for_bit(device, tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     out = ctx.Queue()
     p = ctx.Process(target=_member, args=(device, str(tmp_path / "ckpt"), out), daemon=True)
     p.start()

@@ -14,19 +14,18 @@ last commit (parameters and both Adam moments):
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
 
 from tests import sharded_members
+from tests.processes import process_context
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def run(scenario: list[dict], processes: int, url: str | None) -> list[tuple]:
     """Run ``scenario`` on ``processes`` member processes; every message they sent."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     gens = range(1, len(scenario) + 1)
     addrs = {g: ctx.Queue() for g in gens}
     go = {g: ctx.Event() for g in gens}
@@ -69,6 +68,7 @@ def one(seen: list[tuple], gen: int, kind: str) -> dict:
     return got[0]
 
 
+@pytest.mark.slow
 def test_losses_joins_and_a_new_job_reshard_the_last_commit_bit_for_bit(tmp_path):
     url = str(tmp_path / "ckpt")
     scenario = [
@@ -97,6 +97,7 @@ def test_losses_joins_and_a_new_job_reshard_the_last_commit_bit_for_bit(tmp_path
     assert sum(k.endswith(".exp_avg_sq") for k in keys) == 6
 
 
+@pytest.mark.slow
 def test_a_commit_cut_short_on_one_rank_and_a_lost_pair_of_neighbours():
     """Commit 2's allgather fails on rank 1 after its part went out (as when a peer dies
     inside it): the others commit, rank 1 keeps what it staged. Then rank 2, the only
@@ -114,8 +115,9 @@ def test_a_commit_cut_short_on_one_rank_and_a_lost_pair_of_neighbours():
     assert err[3] == "CollectiveError" and "no member holds shards [0]" in err[4]
 
 
+@pytest.mark.slow
 def test_a_frozen_peer_ends_fsdp_collectives_within_a_second_of_the_lost_mark():
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     world = 3
     addr_q, ready, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     lost = ctx.Event()

@@ -256,6 +256,7 @@ def write_id_shards(root: Path) -> str:
     return str(root / "*.parquet")
 
 
+@pytest.mark.slow
 def test_a_new_allocation_resumes_an_epoch_whose_jobs_were_all_cancelled(slurm, tmp_path):
     from distributed import Client
 

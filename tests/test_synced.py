@@ -6,12 +6,12 @@ over Parquet on an in-process lease table (``LocalLeaseService``)."""
 
 from __future__ import annotations
 
-import multiprocessing
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from tests.processes import process_context
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")]
@@ -100,7 +100,7 @@ def test_a_late_finalized_generator_gives_back_only_its_own_batch(tmp_path):
     ids = np.arange(ROWS, dtype=np.int64)
     pq.write_table(pa.table({"id": ids, "x": ids.astype(np.float32)}),
                    tmp_path / "rows.parquet", row_group_size=10)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     q = ctx.Queue()
     p = ctx.Process(target=_late_finalizers, args=(str(tmp_path / "rows.parquet"), q))
     p.start()
