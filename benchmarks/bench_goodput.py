@@ -744,6 +744,13 @@ def record_variant(v: str, held: bool, by: dict, args) -> None:
                    anchor="torchrun: kill → rank 0 training again",
                    anchor_value=statistics.median(restarts),
                    **target("≤ 0.15 s", max(stalls) <= 0.15))
+        pauses = [j["pause"] for c in chaos for j in c["joins"]]
+        if pauses and restarts:
+            record(None, what=f"incumbents' pause for a joining worker, {v}",
+                   ours=statistics.median(pauses), unit="s",
+                   anchor="torchrun: every rank restarted (kill → rank 0 training again)",
+                   anchor_value=statistics.median(restarts),
+                   **target("≤ 0.3 s", max(pauses) <= 0.3))
 
 
 def _list(xs: list[float]) -> str:
