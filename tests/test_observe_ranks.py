@@ -235,7 +235,7 @@ def test_a_lazy_frame_of_slow_partitions_makes_every_rank_wait_on_data(gang):
     assert coord.fetch(coord.schedule_on_all(consume, args=(iter(ds), 30))) == [30] * 3
     # the last windows travel on the workers' streams, beside the results
     d = wait_until(lambda: (d := coord.report().to_dict()) and len(d["ranks"]) == 3
-                   and all(r["steps"] == 30 for r in d["ranks"]) and d, 10,
+                   and all(r["steps"] == 30 for r in d["ranks"]) and d, 30,
                    "every rank's last window")
     assert d["bottleneck"] == "data", d
     assert len(d["ranks"]) == 3 and d["stragglers"] == []
@@ -262,7 +262,7 @@ def test_a_lightning_fit_shows_the_same_figures(gang, tmp_path):
     out = coord.fetch(coord.schedule_on_all(fit, args=(module, iter(ds), 1)))
     assert [rank for rank, _ in out] == [0, 1, 2] and out[0][1] > 10
     d = wait_until(lambda: (d := coord.report().to_dict()) and len(d["ranks"]) == 3
-                   and all(r["steps"] >= out[0][1] for r in d["ranks"]) and d, 10,
+                   and all(r["steps"] >= out[0][1] for r in d["ranks"]) and d, 30,
                    "every rank's last window")
     assert [r["rank"] for r in d["ranks"]] == [0, 1, 2]
     for r in d["ranks"]:
