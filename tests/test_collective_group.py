@@ -1,7 +1,7 @@
 """Collective groups on real processes, bootstrapped exactly as the worker plugin does.
 
-A pool of spawned processes (reused across tests: torch start-up costs seconds) stands
-in for Dask workers: rank 0 runs ``create_store``, the parent passes ``(host, port)``
+A pool of processes forked from the tests' fork server (reused across tests) stands in
+for Dask workers: rank 0 runs ``create_store``, the parent passes ``(host, port)``
 on, and every member runs ``init_member`` concurrently, each in a fresh thread (as a
 worker thread would). gloo backend; NCCL tests are marked ``gpu``.
 """
@@ -74,7 +74,7 @@ class RemoteError(Exception):
 
 
 class Pool:
-    """``n`` spawned processes; ``run`` calls a top-level function on chosen ranks."""
+    """``n`` member processes; ``run`` calls a top-level function on chosen ranks."""
 
     def __init__(self, n: int):
         self.ctx = process_context()
@@ -83,9 +83,9 @@ class Pool:
         self.commands: list = [None] * n
         self.ids = itertools.count()
         for r in range(n):
-            self._spawn(r)
+            self._start(r)
 
-    def _spawn(self, rank: int) -> None:
+    def _start(self, rank: int) -> None:
         q = self.ctx.Queue()
         p = self.ctx.Process(target=_child_main, args=(rank, q, self.results), daemon=True)
         p.start()
@@ -94,7 +94,7 @@ class Pool:
     def ensure_alive(self) -> None:
         for r, p in enumerate(self.procs):
             if not p.is_alive():
-                self._spawn(r)
+                self._start(r)
 
     def submit(self, fn, ranks, args=()) -> tuple[int, list[int]]:
         call_id = next(self.ids)

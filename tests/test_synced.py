@@ -1,7 +1,7 @@
 """``dd.collective.synced`` (SPEC §4.2): a batch taken but never trained is given back
 by identity, in the closure that took it, whatever runs meanwhile (a framework's
 fetch-ahead, a garbage collector finalizing an old fit's generator in the thread of a
-later closure). A one-member gloo group in a spawned process, a real dynamic loader
+later closure). A one-member gloo group in a process of its own, a real dynamic loader
 over Parquet on an in-process lease table (``LocalLeaseService``)."""
 
 from __future__ import annotations
