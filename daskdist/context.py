@@ -146,6 +146,8 @@ class ClosureScope:
     services: Any = None  # plugins.worker.services.SessionServices (duck-typed here)
     tokens: list = field(default_factory=list)
     aside: list = field(default_factory=list)  # taken out of ``tokens``, still its own
+    # what rides the next gradient allreduce of the closure (collective.riders), by key
+    riders: dict = field(default_factory=dict)
     origin: str = ""  # what States made here are named after (see mint_state_id)
     minted: int = 0  # States made here so far
     ended: bool = False  # the closure returned: its tokens went with its result
@@ -156,6 +158,13 @@ class ClosureScope:
         with self.lock:
             self.ended = True
             out, self.tokens = list(self.tokens), []
+        return out
+
+    def end_aside(self) -> list:
+        """The tokens still set aside when the closure ended: batches fetched ahead and
+        never trained (the runner gives their rows back)."""
+        with self.lock:
+            out, self.aside = list(self.aside), []
         return out
 
 
@@ -185,6 +194,13 @@ def closure_scope(scope: ClosureScope) -> Iterator[ClosureScope]:
 
 def _scope() -> ClosureScope | None:
     return _current.get()
+
+
+def closure_riders() -> dict | None:
+    """The riders registered in this thread's closure (``collective.riders``: owned by
+    the closure's thread, which registers and takes them); ``None`` outside a closure."""
+    scope = _scope()
+    return None if scope is None else scope.riders
 
 
 @contextlib.contextmanager

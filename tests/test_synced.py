@@ -229,45 +229,66 @@ def three(request, tmp_path_factory):
         yield client, str(root), 3600
 
 
-def _tail_epoch(client, root, n, name, on_run=None):
-    """A dynamic epoch trained under synced (a commit a step), the driver looping
-    schedule_on_all until the epoch is complete: the gang runs it took."""
+def _tail_epoch(client, root, n, name, on_run=None, riding=0):
+    """A dynamic epoch trained under synced, the driver looping schedule_on_all until
+    the epoch is complete: the gang runs it took. ``riding``: the counts are gradients
+    summed by ``allreduce_gradients`` (synced's agreement and the commit heads ride it)
+    and committed every ``riding`` steps; else a commit a step, each call its own."""
     import functools
 
     import daskdist as dd
     from tests.conftest import wait_for_workers
-    from tests.row_ledger import assert_every_row_once, final_counts, make_counts, train_rows
+    from tests.row_ledger import (
+        assert_every_row_once,
+        final_counts,
+        final_grad_counts,
+        make_counts,
+        make_grad_counts,
+        train_rows,
+        train_rows_riding,
+    )
 
     coord = dd.Coordinator(client, name=name)
     wait_for_workers(client, coord, 3)
     coord.collective_group(timeout=30)
-    state = coord.create_per_worker_resource(functools.partial(make_counts, n=n))
+    make, final = (make_grad_counts, final_grad_counts) if riding else (make_counts,
+                                                                         final_counts)
+    state = coord.create_per_worker_resource(functools.partial(make, n=n))
     ds = coord.distribute_dataset(root, global_batch_size=3 * 16, policy="dynamic",
                                   shuffle=True, lease_rows=600)
     it = iter(ds)
     runs = 0
     while not ds.progress()["complete"]:
         assert runs < 10, ds.progress()
-        rvs = coord.schedule_on_all(train_rows, args=(state, it, 0.01))
+        if riding:
+            rvs = coord.schedule_on_all(train_rows_riding, args=(state, it, 0.01, riding))
+        else:
+            rvs = coord.schedule_on_all(train_rows, args=(state, it, 0.01))
         if on_run is not None:
             on_run(runs)
-        coord.fetch(rvs)
+        outs = coord.fetch(rvs)
+        if riding and on_run is None:  # every rank stepped alike, in one call a step
+            for _, steps, commit_calls, quiet in outs:
+                assert steps == outs[0][1] and commit_calls == 0, outs
+                assert quiet >= steps // 2, outs  # the tail's pooled steps call
         runs += 1
-    assert_every_row_once(coord.fetch(coord.schedule_on_all(final_counts, args=(state,))),
-                          n)
+    assert_every_row_once(coord.fetch(coord.schedule_on_all(final, args=(state,))), n)
     coord.close()
     return runs
 
 
-def test_a_fault_free_dynamic_epoch_is_one_gang_run(three):
+@pytest.mark.parametrize("riding", [0, 1], ids=["own-calls", "riding"])
+def test_a_fault_free_dynamic_epoch_is_one_gang_run(three, riding):
     """Ranks' leases run dry at different steps: the tail's steps pool the rows the
     others still hold and go on, so the gang ends once, when the epoch's rows are all
     trained (not at the first dry rank: a run per lease, tens an epoch)."""
     client, root, n = three
-    assert _tail_epoch(client, root, n, "tail-one-run") <= 2
+    assert _tail_epoch(client, root, n, "tail-one-run", riding=riding) <= 2
 
 
-def test_a_sigkill_mid_epoch_serves_its_rows_to_the_survivors_in_the_same_gang_run(three):
+@pytest.mark.parametrize("riding", [0, 3], ids=["own-calls", "riding-every-3"])
+def test_a_sigkill_mid_epoch_serves_its_rows_to_the_survivors_in_the_same_gang_run(
+        three, riding):
     """A rank SIGKILLed mid-epoch: its leased rows go back to the pool; the survivors'
     re-run of the same gang (one schedule_on_all) trains them, every row once."""
     import os
@@ -286,7 +307,7 @@ def test_a_sigkill_mid_epoch_serves_its_rows_to_the_survivors_in_the_same_gang_r
             killed.append(pid)
 
     client.wait_for_workers(3)
-    runs = _tail_epoch(client, root, n, "tail-kill", on_run=kill)
+    runs = _tail_epoch(client, root, n, "tail-kill", on_run=kill, riding=riding)
     assert killed and runs <= 2
 
 

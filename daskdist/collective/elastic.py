@@ -9,9 +9,11 @@
   bumped by the scheduler plugin on every join, leave or retirement), so every rank
   takes rank 0's decision and ``HostsUpdatedInterrupt`` is raised on **all** ranks at
   the same commit, never on some ranks only (which would deadlock the next
-  collective). Its ``skip_sync`` is Horovod's: set when members only left since the
-  group formed (no join), so the survivors hold the same commit and the next
-  ``sync()`` skips its broadcast.
+  collective). Where a gradient allreduce came since the last commit, ``restore()`` or
+  ``sync()``, every rank's head rode it (:class:`_HeadRider`) and the commit makes no
+  call of its own: the step's only call is the gradient allreduce. Its ``skip_sync``
+  is Horovod's: set when members only left since the group formed (no join), so the
+  survivors hold the same commit and the next ``sync()`` skips its broadcast.
 - With a ``"dynamic"`` dataset inside the gang, the same commit acknowledges the rows
   each rank consumed since its last commit (see ``daskdist.core.commits``): each
   rank's tokens ride the allgather, packed as int64s (``pack_tokens``) in slots the
@@ -58,10 +60,12 @@ from typing import Any
 
 import torch
 
+from daskdist.collective import riders
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import broadcast_parameters, to_cpu
 from daskdist.collective.snapshot import HostCopy, like
 from daskdist.context import (
+    consumed_since,
     formation_joins,
     formation_version,
     membership_joins,
@@ -70,6 +74,7 @@ from daskdist.context import (
     record_consumed,
     session_services,
     take_consumed,
+    take_tokens,
 )
 from daskdist.core.commits import RankLedger, pack_tokens
 from daskdist.core.nest import map_instances
@@ -83,7 +88,7 @@ from daskdist.observe import phases
 _OWN = ("model", "optimizer", "_objects", "_saved", "_spare", "_last_version", "_commits",
         "_synced",
         "_ledger", "_id", "_seq", "_announced", "_durable", "_last_joins", "_generation",
-        "_skip", "_reset_callbacks", "_slots")
+        "_skip", "_reset_callbacks", "_slots", "_marker", "_gathered")
 
 
 class State:
@@ -91,6 +96,8 @@ class State:
 
     Objects are attributes: ``State(model, opt, step=0)`` gives ``state.step``.
     """
+
+    _rides = True  # the commit's head may ride the step's gradient allreduce
 
     def __init__(
         self,
@@ -121,6 +128,10 @@ class State:
         object.__setattr__(self, "_seq", 0)  # the last commit key's counter (never reused)
         object.__setattr__(self, "_announced", False)  # told the scheduler it committed
         object.__setattr__(self, "_durable", None)  # checkpoint_to's: collective.checkpoint
+        # commits, restores and syncs so far: a head gathered in a gradient allreduce
+        # serves the commit only when none came between them
+        object.__setattr__(self, "_marker", 0)
+        object.__setattr__(self, "_gathered", None)  # _Gathered: the heads that came
         self.save()
 
     def checkpoint_to(self, url: str, every: int = 100) -> State:
@@ -227,28 +238,22 @@ class State:
         g = get_group()
         if self._enter(g):  # a sync() skipped after a skip_sync interrupt
             self._reset()
-        tokens = take_consumed()
+        gathered, self._gathered = self._gathered, None
+        if gathered is not None and gathered.fits(self._marker, g.generation):
+            # every rank's head came in this step's gradient allreduce: the rows of the
+            # batches trained since it (later ones are the next commit's)
+            tokens = take_tokens(gathered.tokens)
+            table = gathered.table
+        else:
+            tokens = take_consumed()
+            head = torch.tensor(self._head(g, tokens), dtype=torch.int64)
+            try:  # one small call: commit() runs every step
+                table = torch.stack(g.allgather(head.to(g._wire_device()))).cpu()
+            except BaseException:
+                _give_back(tokens)
+                raise
+        self._marker += 1
         ledger = self._ledger
-        # the previous commit's reply, waited for at most half the group timeout: the
-        # peers already wait in the allgather below (rank 0's one message: its reply
-        # alone), and must not time out there first
-        prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout / 2)
-        leaving = int(self._durable is not None and _leaving())
-        # this rank's tokens ride the allgather when they fit the slots the ranks agreed on
-        slots = self._slots[1] if self._slots[0] == g.generation else COMMIT_SLOTS_MIN
-        packed = pack_tokens(tokens) if tokens else []
-        used = len(packed) if packed is not None else COMMIT_SLOTS_MAX + 1
-        head = torch.zeros(_HEAD + slots, dtype=torch.int64)
-        head[:_HEAD] = torch.tensor([int(bool(tokens)), membership_version(), prev,
-                                     self._seq, leaving, membership_joins(),
-                                     used if used <= slots else -used])
-        if 0 < used <= slots:
-            head[_HEAD:_HEAD + used] = torch.tensor(packed, dtype=torch.int64)
-        try:  # one small call: commit() runs every step
-            table = torch.stack(g.allgather(head.to(g._wire_device()))).cpu()
-        except BaseException:
-            _give_back(tokens)
-            raise
         heads = table[:, :_HEAD].tolist()
         version, joins = heads[0][1], heads[0][5]
         # every rank takes the same counter, above any key this State ever used
@@ -279,9 +284,36 @@ class State:
             self._synced = True
         else:
             self._promote(self._refill())  # in place: nothing in flight
-        if leaving and min(h[4] for h in heads) and self._writes_durable():
+        self._ride()
+        if min(h[4] for h in heads) and self._writes_durable():
             self._checkpoint_last(g)  # every member leaves: none would hold the state
         self._check(version, joins)
+
+    def _head(self, g: Group, tokens: list) -> list[int]:
+        """This rank's part of a commit's allgather: ``[rows to acknowledge?, membership
+        counter, the previous commit's outcome, commit counter, leaving?, joins counter,
+        packed ints used]``, then its packed tokens in the slots the ranks agreed on."""
+        ledger = self._ledger
+        # the previous commit's reply, waited for at most half the group timeout: the
+        # peers already wait in the allgather (rank 0's one message: its reply alone),
+        # and must not time out there first
+        prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout / 2)
+        leaving = int(self._durable is not None and _leaving())
+        # this rank's tokens ride the allgather when they fit the slots the ranks agreed on
+        slots = self._slots[1] if self._slots[0] == g.generation else COMMIT_SLOTS_MIN
+        packed = pack_tokens(tokens) if tokens else []
+        used = len(packed) if packed is not None else COMMIT_SLOTS_MAX + 1
+        head = [int(bool(tokens)), membership_version(), prev, self._seq, leaving,
+                membership_joins(), used if used <= slots else -used]
+        body = packed if 0 < used <= slots else []
+        return head + body + [0] * (slots - len(body))
+
+    def _ride(self) -> None:
+        """Every rank's head of the next commit rides the next gradient allreduce of
+        this closure (:mod:`~daskdist.collective.riders`), when this kind of State
+        lets it."""
+        if self._rides:
+            riders.ride(_HeadRider(self))
 
     def _confirm(self, first: int, least: int, tokens: list) -> None:
         """The commit in flight's outcome as every rank saw it in an allgather (``first``:
@@ -329,6 +361,7 @@ class State:
     def restore(self) -> None:
         """Return model, optimizer and objects to the last commit (no collective call);
         rows consumed since the last commit go back to the pool."""
+        self._marker += 1
         self._settle_pending()
         self._load(self._saved)
         back = take_consumed()
@@ -388,6 +421,7 @@ class State:
         commit although commits of this State happened, raises ``CollectiveError``
         (never a silent fresh start)."""
         g = get_group()
+        self._marker += 1
         renewed = self._enter(g)
         self._settle_pending()
         if self._synced:
@@ -425,6 +459,7 @@ class State:
         self._took(g, [int(h[1]) for h in heads], [int(h[6]) for h in heads],
                    [int(h[2]) for h in heads], counts[src])
         self.save()
+        self._ride()
 
     def _took(self, g: Group, versions: list[int], joins: list[int], seqs: list[int],
               commits: int) -> None:
@@ -516,6 +551,49 @@ class _Told:
 
     def __init__(self) -> None:
         self.ok: bool | None = None
+
+
+class _HeadRider:
+    """A State's next commit head, riding a gradient allreduce (``riders``): sent with
+    the rows this rank consumed so far (left in place: the commit takes exactly those),
+    kept as :class:`_Gathered` for the commit, and registered again for the next step's
+    call until a commit comes."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.key = f"state:{state._id}"
+        self.sent: tuple[int, int, list] | None = None  # (marker, generation, tokens)
+
+    def ints(self) -> list[int]:
+        st, g = self.state, get_group()
+        tokens = consumed_since(0)
+        self.sent = (st._marker, g.generation, tokens)
+        return st._head(g, tokens)
+
+    def arrived(self, table: list[list[int]], generation: int) -> None:
+        marker, gen, tokens = self.sent
+        self.sent = None
+        if gen == generation:
+            self.state._gathered = _Gathered(marker, gen, torch.tensor(table), tokens)
+        riders.ride(self)  # the next step's head, unless a commit comes first
+
+    def failed(self) -> None:
+        self.sent = None
+
+
+class _Gathered:
+    """Every rank's commit head from a gradient allreduce: the table an allgather would
+    give, the State's marker and the group generation then, and this rank's tokens."""
+
+    def __init__(self, marker: int, generation: int, table: torch.Tensor,
+                 tokens: list) -> None:
+        self.marker, self.generation, self.table, self.tokens = (marker, generation, table,
+                                                                 tokens)
+
+    def fits(self, marker: int, generation: int) -> bool:
+        """Whether it serves the commit now: no commit, restore or sync came since, on
+        the same group (the same answer on every rank: they make the same calls)."""
+        return self.marker == marker and self.generation == generation
 
 
 def _slots_for(need: int) -> int:

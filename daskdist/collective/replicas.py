@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from daskdist.collective import riders
 from daskdist.collective.group import Group, get_group
 from daskdist.core.nest import map_instances
 
@@ -43,21 +44,49 @@ def allreduce_gradients(
     """Sum (or, with ``average``, average) the gradients of ``model`` over all ranks.
 
     A parameter that requires grad but has none on this rank counts as a zero
-    gradient (and gets one), so every rank issues the same calls.
+    gradient (and gets one), so every rank issues the same calls. Inside a closure,
+    what ``synced`` and ``State`` need of every rank before the next step rides in the
+    first bucket (:mod:`~daskdist.collective.riders`): the step makes one call.
     """
     g = group or get_group()
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad.data for p in params]
-    for bucket in _buckets(grads, bucket_mb):
-        flat = _on_wire(_flatten_dense_tensors(bucket), g)
-        g.allreduce(flat, op="sum")
+    buckets = list(_buckets([p.grad.data for p in params], bucket_mb))
+    riding = riders.take(g.generation) if _current(g) else None
+    if riding is not None and (not buckets or not buckets[0][0].is_floating_point()):
+        buckets.insert(0, [])  # nothing to ride on: a float32 call of their own
+    for i, bucket in enumerate(buckets):
+        flat = (_on_wire(_flatten_dense_tensors(bucket), g) if bucket
+                else torch.zeros(0, device=g._wire_device()))
+        n = flat.numel()
+        if i == 0 and riding is not None:
+            flat = torch.cat([flat, riding.encode(g.rank, g.world_size, flat.dtype,
+                                                  flat.device)])
+        try:
+            g.allreduce(flat, op="sum")
+        except BaseException:
+            if i == 0 and riding is not None:
+                riding.failed()
+            raise
+        if i == 0 and riding is not None:
+            riding.decode(flat[n:], g.world_size)
+            flat = flat[:n]
+        if not bucket:
+            continue
         if average and g.world_size > 1:
             flat.div_(g.world_size)
         for t, new in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             t.copy_(new)
+
+
+def _current(g: Group) -> bool:
+    """Whether ``g`` is the group this process is a member of now (what rides is its)."""
+    try:
+        return get_group().generation == g.generation
+    except RuntimeError:
+        return False
 
 
 def _on_wire(flat: torch.Tensor, g: Group) -> torch.Tensor:

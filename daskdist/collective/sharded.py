@@ -85,6 +85,10 @@ class ShardedState(State):
     ``state.optimizer`` are the current generation's, after ``sync()``.
     """
 
+    # its commit learns the previous outcome before the copy travels (_confirm_early):
+    # a head gathered earlier would carry a stale one
+    _rides = False
+
     def __init__(
         self,
         model: Callable[[], torch.nn.Module],

@@ -56,6 +56,7 @@ class HostCopy:
         skeleton = _flatten(value, tensors)
         host = []
         cuda: dict[torch.device, None] = {}
+        same: list[tuple[torch.Tensor, torch.Tensor]] = []  # host buffer, CPU tensor
         for i, t in enumerate(tensors):
             t = t.detach()
             buf = self.host[i] if i < len(self.host) else None
@@ -65,8 +66,10 @@ class HostCopy:
                 cuda[t.device] = None
                 buf.copy_(t, non_blocking=buf.is_pinned())
             else:
-                buf.copy_(t)
+                same.append((buf, t))
             host.append(buf)
+        if same:  # the CPU tensors in one call
+            torch._foreach_copy_([b for b, _ in same], [t for _, t in same])
         events = []
         for dev in cuda:
             ev = torch.cuda.Event()
@@ -95,11 +98,16 @@ class HostCopy:
         return _build(self.skeleton, tensors)
 
 
+_ATOMS = (int, float, bool, str, bytes, type(None))  # immutable: kept, not deep-copied
+
+
 def _flatten(value: Any, out: list[torch.Tensor]) -> Any:
     """``value`` with each tensor replaced by a :class:`_Slot` (appended to ``out``) and
     every other leaf deep-copied; dicts keep their type and a state dict's
     ``_metadata`` (``load_state_dict`` reads module versions there), which
     ``core.nest.map_structure`` would drop."""
+    if isinstance(value, _ATOMS):
+        return value
     if isinstance(value, torch.Tensor):
         out.append(value)
         return _Slot(len(out) - 1)

@@ -2,7 +2,9 @@
 
 In synchronous training every rank must take the same number of steps. With a dynamic
 dataset the ranks' iterators run dry at different steps, so each step's batch is
-agreed on: one small allreduce (min and max of "I got a batch") per step.
+agreed on: every rank's "I got a batch". The next batch is fetched, and the agreement
+carried, inside the step's ``allreduce_gradients`` (a :mod:`~daskdist.collective.riders`
+rider, :class:`_Ahead`); a loop with no such call (DDP) gets one small allreduce a step.
 
 - Every rank got a batch: yield it.
 - Some ranks got one, others found no free rows (the tail of the epoch): the batches
@@ -42,13 +44,18 @@ from typing import Any, TypeVar
 import torch
 
 from daskdist import config
+from daskdist.collective import riders
 from daskdist.collective.group import get_group
 from daskdist.collective.replicas import to_cpu
 from daskdist.context import (
+    closure_riders,
     consumed_mark,
     consumed_since,
+    drop_aside,
     held_tokens,
     session_services,
+    set_aside,
+    take_back,
     take_tokens,
 )
 from daskdist.core.nest import map_structure
@@ -68,43 +75,124 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
     anyone else (call it inside a gang closure; every rank the same way)."""
     it = iter(iterable)
     tail = _Tail(it)
-    while True:
-        phases.step(phases.SYNCED)  # a batch asked for: the previous step ended
-        with phases.phase(phases.DATA) as waited:  # the batch and its agreement
-            while True:
-                mark = consumed_mark()
-                item: Any = next(it, _END)
-                # this batch's tokens, given back by identity if it is not trained (a
-                # position in the closure's list would be stale: see take_tokens)
-                mine = consumed_since(mark)
-                g = get_group()
-                have = 0 if item is _END else 1
-                flags = torch.tensor([have, -have], dtype=torch.int64,
-                                     device=g._wire_device())
-                g.allreduce(flags, op="min")
-                every, anyone = int(flags[0]) == 1, int(flags[1]) == -1
-                # no rank got one: rows still out elsewhere? ask again after a while
-                if anyone or not tail.wait(g):
-                    break
-            if not anyone:
-                return
-            tail.reset()
-            if not every:
-                pooled = g.allgather_object(None if item is _END else to_cpu(item))
-                item = _share([b for b in pooled if b is not None], g.rank, g.world_size,
-                              g.device)
-            waited.rows(phases.batch_rows(item))
-        trained = False
+    ahead = _Ahead(it)
+    try:
+        while True:
+            phases.step(phases.SYNCED)  # a batch asked for: the previous step ended
+            with phases.phase(phases.DATA) as waited:  # the batch and its agreement
+                while True:
+                    g = get_group()
+                    got = ahead.take()  # fetched and agreed inside the step's allreduce
+                    if got is not None:
+                        item, mine, every, anyone = got
+                    else:
+                        mark = consumed_mark()
+                        item = next(it, _END)
+                        # this batch's tokens, given back by identity if it is not
+                        # trained (a position in the closure's list would be stale)
+                        mine = consumed_since(mark)
+                        every, anyone = _agree(g, item is not _END)
+                    # no rank got one: rows still out elsewhere? ask again after a while
+                    if anyone or not tail.wait(g):
+                        break
+                if not anyone:
+                    return
+                tail.reset()
+                if not every:
+                    pooled = g.allgather_object(None if item is _END else to_cpu(item))
+                    item = _share([b for b in pooled if b is not None], g.rank,
+                                  g.world_size, g.device)
+                waited.rows(phases.batch_rows(item))
+            ahead.arm()  # the next batch is fetched and agreed on in this step's allreduce
+            trained = False
+            try:
+                yield item
+                trained = True
+            finally:
+                if not trained:  # the loop stopped with this batch: its step ends here
+                    phases.step(phases.SYNCED)
+                if not trained and mine:
+                    back = take_tokens(mine)  # taken, not trained: back to the pool
+                    if back:
+                        session_services().release_tokens(back)
+    finally:
+        ahead.close()
+
+
+def _agree(g: Any, have: bool) -> tuple[bool, bool]:
+    """Whether every rank, and whether any rank, got a batch (one small allreduce)."""
+    n = int(have)
+    flags = torch.tensor([n, -n], dtype=torch.int64, device=g._wire_device())
+    g.allreduce(flags, op="min")
+    return int(flags[0]) == 1, int(flags[1]) == -1
+
+
+class _Ahead:
+    """The next step's batch, fetched inside this step's gradient allreduce, and the
+    ranks' agreement on it carried by that call (a :mod:`~daskdist.collective.riders`
+    rider): the step makes no call of its own for it. Its tokens are set aside until
+    the step that trains it begins, so this step's commit does not acknowledge them; a
+    batch fetched and never yielded goes back to the pool. Where no allreduce took it
+    (the loop uses DDP, or runs outside a closure), ``synced`` fetches and agrees itself.
+    The closure's thread owns it; :meth:`close` may run late, from the collector."""
+
+    key = "synced"  # one loop at a time rides: a second one's rider replaces it
+
+    def __init__(self, it: Any) -> None:
+        self.it = it
+        self.riders: dict | None = None  # the closure's riders it is registered in
+        self.fetched: tuple[Any, list] | None = None  # (batch or _END, tokens set aside)
+        self.flags: tuple[bool, bool] | None = None  # (every rank got one, any rank did)
+        self.error: BaseException | None = None  # the fetch's, raised at take()
+
+    def arm(self) -> None:
+        self.riders = closure_riders()
+        if riders.ride(self):
+            self.fetched = self.flags = None
+
+    def ints(self) -> list[int]:
+        mark = consumed_mark()
         try:
-            yield item
-            trained = True
-        finally:
-            if not trained:  # the loop stopped with this batch: its step ends here
-                phases.step(phases.SYNCED)
-            if not trained and mine:
-                back = take_tokens(mine)  # taken, not trained: back to the pool
-                if back:
-                    session_services().release_tokens(back)
+            item: Any = next(self.it, _END)
+        except Exception as e:  # noqa: BLE001 - raised at take(), after the call
+            item, self.error = _END, e
+        self.fetched = (item, set_aside(mark))
+        return [int(item is not _END)]
+
+    def arrived(self, table: list[list[int]], generation: int) -> None:
+        haves = [row[0] for row in table]
+        self.flags = (min(haves) == 1, max(haves) == 1)
+
+    def failed(self) -> None:
+        self.flags = None  # the step's error goes up; its batch goes back at close()
+
+    def take(self) -> tuple[Any, list, bool, bool] | None:
+        """(batch, its tokens, every, anyone) when the last allreduce carried them."""
+        if self.error is not None:
+            err, self.error = self.error, None
+            self._give_back()
+            raise err
+        if self.fetched is None or self.flags is None:
+            self._give_back()  # fetched, but the call failed and the loop went on
+            return None
+        (item, tokens), (every, anyone) = self.fetched, self.flags
+        self.fetched = self.flags = None
+        take_back(tokens)  # its step begins: the next commit acknowledges them
+        return item, tokens, every, anyone
+
+    def close(self) -> None:
+        if self.riders is not None and self.riders.get(self.key) is self:
+            del self.riders[self.key]
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """A batch fetched and not yielded goes back to the pool, from the closure's own
+        thread (elsewhere, a late finalizer: the closure's end gives its rows back)."""
+        fetched, self.fetched, self.flags = self.fetched, None, None
+        if fetched is None or not fetched[1] or closure_riders() is not self.riders:
+            return
+        drop_aside(fetched[1])
+        session_services().release_tokens(fetched[1])
 
 
 class _Tail:

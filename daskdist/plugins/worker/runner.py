@@ -23,6 +23,7 @@ count no failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copyreg
 import functools
 import io
@@ -578,6 +579,10 @@ class ClosureRunner(SessionLifecycle):
         tokens = scope.end()
         if tokens:
             tokens = merge_tokens(tokens)
+        aside = scope.end_aside()  # fetched ahead, never trained: back to the pool
+        if aside:
+            with contextlib.suppress(Exception):  # an ended session's rows go with it
+                session.services.release_tokens(aside)
         self._finished(item, Outcome(item.cid, state, payload, kind, item.attempt,
                                      tokens=tokens))
 
