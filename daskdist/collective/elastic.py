@@ -248,13 +248,13 @@ class State:
             tokens = take_consumed()
             head = torch.tensor(self._head(g, tokens), dtype=torch.int64)
             try:  # one small call: commit() runs every step
-                table = torch.stack(g.allgather(head.to(g._wire_device()))).cpu()
+                table = torch.stack(g.allgather(head.to(g._wire_device()))).cpu().tolist()
             except BaseException:
                 _give_back(tokens)
                 raise
         self._marker += 1
         ledger = self._ledger
-        heads = table[:, :_HEAD].tolist()
+        heads = [row[:_HEAD] for row in table]
         version, joins = heads[0][1], heads[0][5]
         # every rank takes the same counter, above any key this State ever used
         self._seq = max(h[3] for h in heads) + 1
@@ -574,7 +574,7 @@ class _HeadRider:
         marker, gen, tokens = self.sent
         self.sent = None
         if gen == generation:
-            self.state._gathered = _Gathered(marker, gen, torch.tensor(table), tokens)
+            self.state._gathered = _Gathered(marker, gen, table, tokens)
         riders.ride(self)  # the next step's head, unless a commit comes first
 
     def failed(self) -> None:
@@ -585,7 +585,7 @@ class _Gathered:
     """Every rank's commit head from a gradient allreduce: the table an allgather would
     give, the State's marker and the group generation then, and this rank's tokens."""
 
-    def __init__(self, marker: int, generation: int, table: torch.Tensor,
+    def __init__(self, marker: int, generation: int, table: list[list[int]],
                  tokens: list) -> None:
         self.marker, self.generation, self.table, self.tokens = (marker, generation, table,
                                                                  tokens)
@@ -604,11 +604,9 @@ def _slots_for(need: int) -> int:
     return max(COMMIT_SLOTS_MIN, 1 << max(0, need - 1).bit_length())
 
 
-def _parts(table: torch.Tensor, heads: list) -> list[list[int]]:
+def _parts(table: list[list[int]], heads: list) -> list[list[int]]:
     """Every rank's packed tokens from the commit's allgather (rank 0 sends them)."""
-    width = max(h[6] for h in heads)
-    rows = table[:, _HEAD:_HEAD + width].tolist()
-    return [row[:h[6]] for row, h in zip(rows, heads, strict=True)]
+    return [row[_HEAD:_HEAD + h[6]] for row, h in zip(table, heads, strict=True)]
 
 
 def _outcome(reply, timeout: float) -> int:
