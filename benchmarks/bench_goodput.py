@@ -46,11 +46,12 @@ its commits (it keeps them in memory; no ``checkpoint_to`` here). Every rank log
   **narrow**: seconds daskdist trained with fewer than all ranks.
 - **gang runs**: daskdist: ``schedule_on_all`` calls of the driver for the epoch (and the
   gang's starts, re-runs after a loss included); torchrun: restarts.
-- **rows exactly once**: each rank records the row ids of every step before committing it
-  (daskdist) or before its optimizer step (torchrun). For each step of the final model's
-  lineage the last attempt that ran it wins (the steps after the last commit or checkpoint
-  are run again); the union of their ids against all ids gives the rows trained once, more
-  than once and never.
+- **rows exactly once**: each rank records the row ids of every step before its gradient
+  allreduce (daskdist: a step whose allreduce completed is trained, and the survivors of a
+  rank killed after it commit it) or before its optimizer step (torchrun). For each step of
+  the final model's lineage the last attempt that ran it wins (the steps after the last
+  commit or checkpoint are run again); the union of their ids against all ids gives the
+  rows trained once, more than once and never.
 
 Targets: fault-free epoch daskdist / torchrun <= 1.05 (at the first
 ``--commit-every``); daskdist goodput >= 0.9 in every run; daskdist goodput / torchrun's
@@ -180,6 +181,11 @@ def dd_train(state, it, log_dir: str, call: int, compute_s: float, commit_every:
     try:
         t_prev = time.perf_counter()
         for batch in dd.collective.synced(it):
+            # recorded before the gradient allreduce: once that call completed on any
+            # rank, the step's rows are trained (it carries the commit's heads, so the
+            # survivors of a rank killed after it commit the step)
+            r0 = time.perf_counter()
+            log.write("T", step=state.step + 1, ids=batch["id"].tolist())
             t1 = time.perf_counter()
             time.sleep(compute_s)
             t2 = time.perf_counter()
@@ -193,9 +199,7 @@ def dd_train(state, it, log_dir: str, call: int, compute_s: float, commit_every:
             opt.step()
             t5 = time.perf_counter()
             state.step += 1
-            log.write("T", step=state.step, ids=batch["id"].tolist())
-            t6 = time.perf_counter()
-            ph = [t1 - t_prev, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5]
+            ph = [r0 - t_prev, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t1 - r0]
             if state.step % commit_every == 0:
                 commit("E", ph)
             else:
