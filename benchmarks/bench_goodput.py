@@ -7,7 +7,8 @@ The job (the defaults): 240,000 rows in 24 Parquet files (``id``, ``x``: 32 floa
 25 ms of simulated compute a step (a ``time.sleep`` before the forward pass).
 
 - **daskdist**: a ``LocalCluster`` of 3 worker processes (1 thread each, Nannies restart a
-  killed worker), a ``"dynamic"`` dataset, a gang closure stepping over
+  killed worker, forking it from a server that imported torch and daskdist:
+  ``daskdist.plugins.fork_server``), a ``"dynamic"`` dataset, a gang closure stepping over
   ``dd.collective.synced(it)`` with the model and optimizer in a ``dd.collective.State``
   (a per-worker resource) committed every ``--commit-every`` steps (default 1, and 10
   reported too), gradients averaged with ``dd.collective.allreduce_gradients``; the driver
@@ -840,6 +841,9 @@ def _cluster(stack: contextlib.ExitStack, args, tmp: Path):
     print(f"daskdist from {Path(dd.__file__).parent}", flush=True)
     # a Nanny whose worker is killed again and again keeps restarting it
     stack.enter_context(dask.config.set({"distributed.deploy.lost-worker-timeout": "600s"}))
+    # a replacement forks from a server that imported torch and daskdist (docs/elastic.md)
+    stack.enter_context(dask.config.set({"distributed.nanny.preload":
+                                         ["daskdist.plugins.fork_server"]}))
     cluster = stack.enter_context(LocalCluster(
         n_workers=args.world, threads_per_worker=1, processes=True, dashboard_address=":0",
         silence_logs=logging.ERROR))

@@ -116,3 +116,59 @@ def test_gpu_pin_on_a_local_cluster_whose_workers_are_named_0_1_2(tmp_path):
                 os.path.basename(gpu_pin.slots_dir(job))]
             assert sorted(p.name for p in (tmp_path / "slots").glob("*/*.lock")) == [
                 "0.lock", "1.lock", "2.lock"]
+
+
+def _worker_parent() -> tuple[int, int, bool]:
+    """This worker's pid, its parent's, and whether the parent has torch loaded."""
+    ppid = os.getppid()
+    with open(f"/proc/{ppid}/maps") as f:
+        return os.getpid(), ppid, "libtorch" in f.read()
+
+
+def _nanny_pid(dask_worker) -> int:
+    return os.getpid()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc")
+def test_the_fork_server_nanny_preload_forks_workers_and_replacements_with_torch(tmp_path):
+    """`dask worker --nanny --preload-nanny daskdist.plugins.fork_server`: the worker, and
+    the Nanny's replacement after a SIGKILL, are children of a fork server (not of the
+    Nanny) that has torch loaded, so a replacement imports nothing heavy again."""
+    from tests.conftest import sigkill
+
+    sched_file = tmp_path / "scheduler.json"
+    env = child_env(os.path.dirname(os.path.abspath(__file__)))
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--port", "0",
+         "--no-dashboard", "--scheduler-file", str(sched_file)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        wait_until(lambda: sched_file.exists() and sched_file.read_text().strip(), 60,
+                   "the scheduler file")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
+             str(sched_file), "--nthreads", "1", "--no-dashboard", "--nanny",
+             "--preload-nanny", "daskdist.plugins.fork_server"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with Client(scheduler_file=str(sched_file)) as client:
+            client.wait_for_workers(1, timeout=60)
+            nanny = next(iter(client.run(_nanny_pid, nanny=True).values()))
+            pid, parent, torch_there = next(iter(client.run(_worker_parent).values()))
+            assert parent != nanny and torch_there, (pid, parent, nanny)
+            sigkill(pid)
+
+            def replacement():
+                got = client.run(_worker_parent, on_error="ignore").values()
+                return next((g for g in got if isinstance(g, tuple) and g[0] != pid), None)
+
+            pid2, parent2, torch_there2 = wait_until(replacement, 60, "the replacement")
+            assert parent2 == parent and torch_there2, (pid2, parent2, parent)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
