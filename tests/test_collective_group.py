@@ -552,6 +552,25 @@ def _elastic_train(_slot, kill_rank, kill_at, steps):
     return ("done", state.step, [p.detach().clone() for p in state.model.parameters()])
 
 
+def _sync_calls(_slot):
+    """``sync()`` of the kept State: the collective calls it made, and the parameters."""
+    from daskdist.collective import get_group
+
+    cls, calls = type(get_group()), []
+    run = cls._run
+
+    def counted(group, what, *args, **kwargs):
+        calls.append(what)
+        return run(group, what, *args, **kwargs)
+
+    cls._run = counted
+    try:
+        _KEPT["state"].sync()
+    finally:
+        cls._run = run
+    return calls, [p.detach().clone() for p in _KEPT["state"].model.parameters()]
+
+
 # -- tests -----------------------------------------------------------------------------
 
 
@@ -711,6 +730,12 @@ def test_elastic_loop_survives_a_sigkill_and_resumes_on_the_new_group(pool):
         assert (status, step) == ("interrupted", 3)  # back to the last commit, in time
     pool.procs[2].join(10)
     form(pool, ranks=[0, 1])  # the re-formed group; the same State objects go on
+    # the survivors of one generation hold the same commit: their sync() compares heads
+    # (one allgather) and broadcasts nothing
+    synced = pool.run(_sync_calls, ranks=[0, 1])
+    assert [calls for calls, _ in synced] == [["allgather"], ["allgather"]]
+    for a, b in zip(synced[0][1], synced[1][1], strict=True):
+        assert torch.equal(a, b)
     done = pool.run(_elastic_train, ranks=[0, 1], args=(-1, -1, 6))
     assert [d[:2] for d in done] == [("done", 6), ("done", 6)]
     for a, b in zip(done[0][2], done[1][2], strict=True):

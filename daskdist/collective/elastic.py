@@ -37,9 +37,11 @@
   made fresh (a replacement's, one made inside the gang closure) calls none.
 - ``sync()`` goes back to this rank's last commit, then broadcasts the state of the rank
   holding the *newest* commit (ties: the lowest rank), never a fresh replacement's, and
-  records it as the last commit on every rank. When no rank holds a commit although
-  the scheduler recorded commits of this State (every holder was lost, or the sole
-  holder retired), it raises ``CollectiveError`` on every rank and the gang fails: never
+  records it as the last commit on every rank; nothing is broadcast when every rank
+  holds the same commit (after a ``skip_sync`` interrupt, or the survivors of one
+  generation after a member's loss: they committed in lockstep). When no rank holds a
+  commit although the scheduler recorded commits of this State (every holder was lost,
+  or the sole holder retired), it raises ``CollectiveError`` on every rank and the gang fails: never
   a silent fresh start (``State._no_holder`` decides it, in one place).
 
 A State's commits are keyed by its id (minted alike on every rank and replacement: the
@@ -422,6 +424,9 @@ class State:
         (never a silent fresh start)."""
         g = get_group()
         self._marker += 1
+        # the generation it last took part in: survivors of one generation holding the
+        # same count of commits hold the same commit (they committed in lockstep)
+        before = -1 if self._generation is None or not self._synced else self._generation
         renewed = self._enter(g)
         self._settle_pending()
         if self._synced:
@@ -439,14 +444,16 @@ class State:
         # skip_sync: this rank's last interrupt said members only left, and it holds a commit
         skip = int(self._skip and self._commits > 0)
         head = torch.tensor([self._commits, membership_version(), self._seq, known, newest,
-                             skip, membership_joins()], dtype=torch.int64, device=dev)
+                             skip, membership_joins(), before], dtype=torch.int64, device=dev)
         heads = g.allgather(head)
         counts = [int(h[0]) for h in heads]
         newest = int(heads[0][4])
-        # every rank holds the same commit (all were interrupted with skip_sync, none is
-        # a newcomer): nothing to broadcast
-        same = (all(int(h[5]) for h in heads) and len(set(counts)) == 1
-                and newest <= counts[0])
+        # every rank holds the same commit, none is a newcomer: all were interrupted with
+        # skip_sync, or all come from one generation with the same commits (the survivors
+        # of a member's loss, every open commit settled above): nothing to broadcast
+        lineage = {int(h[7]) for h in heads}
+        same = (len(set(counts)) == 1 and counts[0] > 0 and newest <= counts[0]
+                and (all(int(h[5]) for h in heads) or (len(lineage) == 1 and -1 not in lineage)))
         if newest > max(counts):  # no member holds a newer commit: resume from it
             if g.rank == 0:
                 self._resume(newest)
