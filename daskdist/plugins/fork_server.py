@@ -27,10 +27,11 @@ import dask
 from daskdist import config
 
 # what a worker of a coordinator imports before it trains: Dask, torch and its
-# collectives and optimizers, Arrow, and daskdist's worker side
+# collectives and optimizers (the first optimizer made in a process imports
+# torch._dynamo: seconds), Arrow, and daskdist's worker side
 MODULES = ["distributed", "dask", "numpy", "pandas", "pyarrow", "pyarrow.parquet", "torch",
-           "torch.distributed", "torch.optim", "daskdist", "daskdist.plugins.worker.plugin",
-           "daskdist.collective", "daskdist.data"]
+           "torch.distributed", "torch.optim", "torch._dynamo", "daskdist",
+           "daskdist.plugins.worker.plugin", "daskdist.collective", "daskdist.data"]
 
 
 def modules() -> list[str]:
