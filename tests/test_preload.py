@@ -19,6 +19,17 @@ def triple(x):
     return 3 * x
 
 
+def _stop(procs: list) -> None:
+    """Terminate the cluster's processes, last started first; kill one that lingers."""
+    for p in reversed(procs):
+        p.terminate()
+    for p in reversed(procs):
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 @pytest.fixture
 def preloaded_cluster(tmp_path):
     """`dask scheduler --preload daskdist.plugins.scheduler` that refuses client plugins."""
@@ -39,13 +50,7 @@ def preloaded_cluster(tmp_path):
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         yield str(sched_file)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in reversed(procs):
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
 
 
 @pytest.mark.slow
@@ -165,10 +170,4 @@ def test_the_fork_server_nanny_preload_forks_workers_and_replacements_with_torch
             pid2, parent2, torch_there2 = wait_until(replacement, 60, "the replacement")
             assert parent2 == parent and torch_there2, (pid2, parent2, parent)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in reversed(procs):
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
