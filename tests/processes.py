@@ -1,9 +1,11 @@
 """How the tests run Dask's processes, in the test processes and in the jobs the tests
 start as processes of their own.
 
-- Worker processes fork from a server that imported Dask, torch and daskdist once (Dask's
-  own test suite does the same): a worker, or a Nanny's replacement after a SIGKILL, is up
-  in a fraction of the time a spawned interpreter takes to import torch. Importing
+- Worker processes fork from a server that imported Dask, torch and daskdist once (the
+  modules of the ``daskdist.plugins.fork_server`` nanny preload; Dask's own test suite
+  does the same): a worker, or a Nanny's replacement after a SIGKILL, is up in a
+  fraction of the time a spawned interpreter takes to import torch and the
+  ``torch._dynamo`` its first optimizer imports. Importing
   creates no CUDA context, so a worker still binds the GPU it is given.
 - None of the periodic work no test reads: Dask's statistical profiler (every worker
   thread's stack every 10 ms), the event-loop tick watch (every 20 ms in each scheduler,
@@ -14,10 +16,6 @@ start as processes of their own.
 from __future__ import annotations
 
 import dask
-
-# imported in the fork server; a module not installed is skipped
-PRELOAD = ["distributed", "dask", "numpy", "pandas", "pyarrow", "torch", "daskdist",
-           "daskdist.plugins.worker.plugin", "daskdist.data", "daskdist.collective"]
 
 # the periodic work above, as Dask configuration (also passed to child processes)
 QUIET = {"distributed.worker.profile.enabled": False,
@@ -31,8 +29,11 @@ def use_fork_server(*modules: str) -> None:
     Dask's periodic work quiet (:data:`QUIET`)."""
     from distributed.utils import get_mp_context
 
+    from daskdist.plugins import fork_server
+
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver", **QUIET})
-    get_mp_context().set_forkserver_preload([*PRELOAD, *modules])
+    # what the fork_server nanny preload imports there (those installed), and ``modules``
+    get_mp_context().set_forkserver_preload([*fork_server.modules(), *modules])
 
 
 def quiet_environ() -> dict[str, str]:
