@@ -265,7 +265,7 @@ def _tail_epoch(client, root, n, name, on_run=None, riding=0):
         else:
             rvs = coord.schedule_on_all(train_rows, args=(state, it, 0.01))
         if on_run is not None:
-            on_run(runs)
+            on_run(runs, coord)
         outs = coord.fetch(rvs)
         if riding and on_run is None:  # every rank stepped alike, in one call a step
             for _, steps, commit_calls, quiet in outs:
@@ -286,11 +286,13 @@ def test_a_fault_free_dynamic_epoch_is_one_gang_run(three, riding):
     assert _tail_epoch(client, root, n, "tail-one-run", riding=riding) <= 2
 
 
-@pytest.mark.parametrize("riding", [0, 3], ids=["own-calls", "riding-every-3"])
+@pytest.mark.parametrize("riding", [0, 3, 1], ids=["own-calls", "riding-every-3",
+                                                    "riding-rank0-killed"])
 def test_a_sigkill_mid_epoch_serves_its_rows_to_the_survivors_in_the_same_gang_run(
         three, riding):
     """A rank SIGKILLed mid-epoch: its leased rows go back to the pool; the survivors'
-    re-run of the same gang (one schedule_on_all) trains them, every row once."""
+    re-run of the same gang (one schedule_on_all) trains them, every row once. Riding a
+    commit every step, the rank killed is rank 0: the one that sends every commit."""
     import os
 
     from tests.conftest import sigkill, wait_until
@@ -298,11 +300,15 @@ def test_a_sigkill_mid_epoch_serves_its_rows_to_the_survivors_in_the_same_gang_r
     client, root, n = three
     killed = []
 
-    def kill(run):
+    def kill(run, coord):
         if run == 0:
             wait_until(lambda: client.run_on_scheduler(_epoch_acked) > 0, 60,
                        "the epoch under way")
-            pid = max(client.run(os.getpid).values())
+            pids = client.run(os.getpid)
+            if riding == 1:
+                pid = pids[coord._call("daskdist_group_info")["members"][0]]
+            else:
+                pid = max(pids.values())
             sigkill(pid)
             killed.append(pid)
 

@@ -61,17 +61,18 @@ def allreduce_gradients(
         flat = (_on_wire(_flatten_dense_tensors(bucket), g) if bucket
                 else torch.zeros(0, device=g._wire_device()))
         n = flat.numel()
-        if i == 0 and riding is not None:
-            flat = torch.cat([flat, riding.encode(g.rank, g.world_size, flat.dtype,
-                                                  flat.device)])
+        ride = riding if i == 0 else None  # the first bucket carries the riders
+        if ride is not None:
+            flat = torch.cat([flat, ride.encode(g.rank, g.world_size, flat.dtype,
+                                                flat.device)])
         try:
             g.allreduce(flat, op="sum")
         except BaseException:
-            if i == 0 and riding is not None:
-                riding.failed()
+            if ride is not None:
+                ride.failed()
             raise
-        if i == 0 and riding is not None:
-            riding.decode(flat[n:], g.world_size)
+        if ride is not None:
+            ride.decode(flat[n:], g.world_size)
             flat = flat[:n]
         if not bucket:
             continue
