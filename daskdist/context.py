@@ -484,6 +484,17 @@ def consumed_since(mark: int) -> list:
         return scope.tokens[mark:]
 
 
+def put_aside(tokens: list) -> None:
+    """Those of ``tokens`` (the same objects) the closure in this thread still holds are
+    set aside: no commit acknowledges them, and the closure's end gives their rows back
+    (a batch never trained when the group broke: the closure is ending)."""
+    taken = take_tokens(tokens)
+    scope = _scope()
+    if scope is not None and taken:
+        with scope.lock:
+            scope.aside.extend(taken)
+
+
 def take_tokens(tokens: list) -> list:
     """Remove and return those of ``tokens`` (the same objects) that the closure running
     in this thread still holds.

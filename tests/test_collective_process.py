@@ -82,3 +82,55 @@ def test_one_state_per_process():
 
     assert isinstance(PROCESS, ProcessGroupState)
     assert bootstrap.PROCESS is PROCESS and group.PROCESS is PROCESS
+
+
+class _Slow:
+    """An object whose destructor takes ``seconds`` and records the thread it ran in."""
+
+    def __init__(self, seconds: float, ran: list):
+        self.seconds, self.ran = seconds, ran
+
+    def __del__(self):
+        import threading
+        import time
+
+        time.sleep(self.seconds)
+        self.ran.append(threading.current_thread().name)
+
+
+def test_the_reaper_runs_destructors_off_the_callers_thread_and_its_thread_ends():
+    import time
+
+    from daskdist.collective.bootstrap import Reaper
+
+    reaper, ran = Reaper(idle=0.05), []
+    t0 = time.monotonic()
+    reaper.take([_Slow(0.2, ran), None, _Slow(0.2, ran)])
+    assert time.monotonic() - t0 < 0.15  # the caller did not wait for the destructors
+    deadline = time.monotonic() + 10
+    while reaper.alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == ["daskdist-reaper", "daskdist-reaper"] and not reaper.alive()
+    reaper.take([_Slow(0.0, ran)])  # a later hand-over starts the thread again
+    deadline = time.monotonic() + 10
+    while (len(ran) < 3 or reaper.alive()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(ran) == 3 and not reaper.alive()
+
+
+def test_stores_let_go_and_finished_graves_go_to_the_reaper():
+    from daskdist.collective import bootstrap
+
+    ran: list = []
+    st = ProcessGroupState()
+    st.keep_store(1, _Slow(0.0, ran))
+    st.keep_store(2, "store-2")  # generation 1's store goes to the reaper
+    st.bury(_Slow(0.0, ran), _Work(True))
+    st.prune_graveyard()
+    st.leave(keep_store=None)
+    import time
+
+    deadline = time.monotonic() + 10
+    while (len(ran) < 2 or bootstrap.REAPER.alive()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == ["daskdist-reaper", "daskdist-reaper"] and st.stores == {}

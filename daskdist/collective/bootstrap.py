@@ -7,7 +7,10 @@ scheduler plugin declared lost, the events of collective calls now waiting (so a
 peer wakes them at once), rank 0's rendezvous stores, and a graveyard of abandoned
 process groups whose in-flight work has not finished (dropping the last reference to a
 gloo group with pending work would block the dropping thread until gloo's own timeout).
-``PROCESS`` is guarded by one lock and issues no collective call.
+``PROCESS`` is guarded by one lock and issues no collective call. The objects it lets
+go of (a destroyed group, a store of an older generation) are dropped by
+:data:`REAPER`'s thread, off the formation's path: a gloo group's destructor joins its
+threads and closes its connections (10-20 ms), which a re-formation must not wait for.
 
 The transitions, driven by the scheduler plugin through worker RPCs:
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import queue
 import socket
 import threading
 import time
@@ -50,6 +54,55 @@ __all__ = [
     "init_member",
     "mark_peer_lost",
 ]
+
+
+class Reaper:
+    """Drops the last references handed to it in a thread of its own, so their
+    destructors run off the caller's thread. The thread starts on demand and ends once
+    nothing came for ``idle`` seconds (it holds nothing then)."""
+
+    def __init__(self, idle: float = 0.05) -> None:
+        self.idle = idle
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        # held while items are handed over (and by the thread before it drops one, so
+        # the caller's last reference is gone by then); guards _thread
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def take(self, items: list) -> None:
+        """Take every object out of ``items`` (the caller keeps no other reference)."""
+        with self._lock:
+            while items:
+                obj = items.pop()
+                if obj is not None:
+                    self._items.put(obj)
+                del obj
+            if self._thread is None and not self._items.empty():
+                self._thread = threading.Thread(target=self._run, name="daskdist-reaper",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                obj = self._items.get(timeout=self.idle)
+            except queue.Empty:
+                with self._lock:
+                    if self._items.empty():
+                        self._thread = None
+                        return
+                continue
+            with self._lock:
+                pass  # the hand-over is over: the caller holds no reference now
+            del obj  # its destructor runs here
+
+    def alive(self) -> bool:
+        """Whether the thread runs (it ends ``idle`` seconds after the last hand-over)."""
+        with self._lock:
+            return self._thread is not None
+
+
+REAPER = Reaper()  # this process's one reaper
 
 
 @dataclass
@@ -103,8 +156,7 @@ class ProcessGroupState:
                 m.broken = "the group was destroyed"
             for ev in self.waiters:
                 ev.set()
-            for g in [g for g in self.stores if g != keep_store]:
-                del self.stores[g]
+            REAPER.take([self.stores.pop(g) for g in list(self.stores) if g != keep_store])
         return m
 
     def is_lost(self, generation: int) -> bool:
@@ -168,8 +220,7 @@ class ProcessGroupState:
     def keep_store(self, generation: int, store: Any) -> None:
         """Hold ``generation``'s store (rank 0), dropping those of older generations."""
         with self.lock:
-            for g in [g for g in self.stores if g < generation]:
-                del self.stores[g]
+            REAPER.take([self.stores.pop(g) for g in list(self.stores) if g < generation])
             self.stores[generation] = store
 
     def store(self, generation: int) -> Any:
@@ -186,7 +237,11 @@ class ProcessGroupState:
     def prune_graveyard(self) -> None:
         """Drop abandoned groups whose work has finished (cheap; called at each formation)."""
         with self.lock:
-            self.graveyard[:] = [(pg, w) for pg, w in self.graveyard if not _completed(w)]
+            kept, done = [], []
+            for entry in self.graveyard:
+                (done if _completed(entry[1]) else kept).append(entry)
+            self.graveyard[:] = kept
+        REAPER.take(done)
 
 
 def _completed(work: Any) -> bool:
@@ -444,12 +499,15 @@ def _rendezvous_wait(store: Any, keys: list[str], rank: int, world_size: int,
 
 
 def _teardown(keep_store: int | None) -> None:
-    """Destroy this process's group, wake its waiters, drop stores not kept."""
-    PROCESS.leave(keep_store)
+    """Destroy this process's group, wake its waiters, drop stores not kept; the group
+    object goes to the reaper (its destructor runs there)."""
+    doomed = [PROCESS.leave(keep_store)]
     # Abandoned in-flight work keeps its group object alive in the graveyard, so this
     # never runs the C++ destructor while gloo still waits on a dead peer.
     if dist.is_initialized():
+        doomed.append(dist.group.WORLD)
         try:
             dist.destroy_process_group()
         except Exception:
             pass
+    REAPER.take(doomed)

@@ -84,6 +84,15 @@ class Group:
         work with :meth:`wait_for` so a lost peer ends it as it ends the group's calls."""
         return self._pg
 
+    @property
+    def usable(self) -> bool:
+        """Whether this generation can still make calls (no peer lost, not torn down)."""
+        try:
+            PROCESS.check(self.generation)
+        except CollectiveError:
+            return False
+        return True
+
     def __repr__(self) -> str:
         return (
             f"Group(rank={self.rank}, world_size={self.world_size}, "

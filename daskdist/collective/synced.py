@@ -53,6 +53,7 @@ from daskdist.context import (
     consumed_since,
     drop_aside,
     held_tokens,
+    put_aside,
     session_services,
     set_aside,
     take_back,
@@ -76,6 +77,7 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
     it = iter(iterable)
     tail = _Tail(it)
     ahead = _Ahead(it)
+    g = None
     try:
         while True:
             phases.step(phases.SYNCED)  # a batch asked for: the previous step ended
@@ -112,11 +114,21 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                 if not trained:  # the loop stopped with this batch: its step ends here
                     phases.step(phases.SYNCED)
                 if not trained and mine:
-                    back = take_tokens(mine)  # taken, not trained: back to the pool
-                    if back:
-                        session_services().release_tokens(back)
+                    _give_back(g, mine)  # taken, not trained: back to the pool
     finally:
-        ahead.close()
+        ahead.close(g)
+
+
+def _give_back(g: Any, tokens: list) -> None:
+    """Rows taken and never trained go back to the pool: now, or, when the loop ended
+    because the group broke (the closure ends), with the closure's result (no call to
+    the scheduler on the survivors' way to re-forming)."""
+    if not g.usable:
+        put_aside(tokens)
+        return
+    back = take_tokens(tokens)
+    if back:
+        session_services().release_tokens(back)
 
 
 def _agree(g: Any, have: bool) -> tuple[bool, bool]:
@@ -180,9 +192,14 @@ class _Ahead:
         take_back(tokens)  # its step begins: the next commit acknowledges them
         return item, tokens, every, anyone
 
-    def close(self) -> None:
+    def close(self, g: Any = None) -> None:
+        """The loop ended: unregistered, and its fetched batch given back (left set
+        aside when ``g``, the loop's group, broke: the closure's end gives it back)."""
         if self.riders is not None and self.riders.get(self.key) is self:
             del self.riders[self.key]
+        if g is not None and not g.usable:
+            self.fetched = self.flags = None
+            return
         self._give_back()
 
     def _give_back(self) -> None:

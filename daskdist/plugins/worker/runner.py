@@ -577,9 +577,13 @@ class ClosureRunner(SessionLifecycle):
         # never be acknowledged), so the tokens sent now are all it consumed; merged
         # only when there are any (a closure that read no rows needs no merging)
         tokens = scope.end()
+        aside = scope.end_aside()  # fetched ahead, never trained: back to the pool
+        if aside and item.gang:
+            # a gang member's tokens are never acknowledged by its result: the
+            # scheduler releases them all with it (no call of their own)
+            tokens, aside = tokens + aside, []
         if tokens:
             tokens = merge_tokens(tokens)
-        aside = scope.end_aside()  # fetched ahead, never trained: back to the pool
         if aside:
             with contextlib.suppress(Exception):  # an ended session's rows go with it
                 session.services.release_tokens(aside)
