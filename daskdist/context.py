@@ -148,6 +148,9 @@ class ClosureScope:
     aside: list = field(default_factory=list)  # taken out of ``tokens``, still its own
     # what rides the next gradient allreduce of the closure (collective.riders), by key
     riders: dict = field(default_factory=dict)
+    # messages for the worker's event loop sent when the closure's synced loop next
+    # hands out a batch (collective.later); None while no such loop runs
+    later: list | None = None
     origin: str = ""  # what States made here are named after (see mint_state_id)
     minted: int = 0  # States made here so far
     ended: bool = False  # the closure returned: its tokens went with its result
@@ -159,6 +162,16 @@ class ClosureScope:
             self.ended = True
             out, self.tokens = list(self.tokens), []
         return out
+
+    def send_queued(self) -> None:
+        """Send the messages queued for the synced loop's next batch (``later``): the
+        loop hands one out, or ends, or the closure does."""
+        with self.lock:
+            if not self.later:
+                return
+            queued, self.later[:] = list(self.later), []
+        for message in queued:
+            message.send()
 
     def end_aside(self) -> list:
         """The tokens still set aside when the closure ended: batches fetched ahead and
@@ -194,6 +207,11 @@ def closure_scope(scope: ClosureScope) -> Iterator[ClosureScope]:
 
 def _scope() -> ClosureScope | None:
     return _current.get()
+
+
+def closure_scope_now() -> ClosureScope | None:
+    """The scope of the closure running in this thread (``None`` outside one)."""
+    return _scope()
 
 
 def closure_riders() -> dict | None:

@@ -64,6 +64,7 @@ import torch
 
 from daskdist.collective import riders
 from daskdist.collective.group import Group, get_group
+from daskdist.collective.later import Late, send_later
 from daskdist.collective.replicas import broadcast_parameters, to_cpu
 from daskdist.collective.snapshot import HostCopy, like
 from daskdist.context import (
@@ -272,7 +273,7 @@ class State:
             key = CommitKey(self._id, g.generation, self._seq)
             try:
                 if all(h[6] >= 0 for h in heads):
-                    reply = _Told() if g.rank != 0 else session_services().send_commit(
+                    reply = _Told() if g.rank != 0 else _send_commit(
                         key, g.world_size, _parts(table, heads))
                 else:
                     reply = session_services().send_commit_part(key, g.rank, g.world_size,
@@ -614,6 +615,13 @@ def _slots_for(need: int) -> int:
 def _parts(table: list[list[int]], heads: list) -> list[list[int]]:
     """Every rank's packed tokens from the commit's allgather (rank 0 sends them)."""
     return [row[_HEAD:_HEAD + h[6]] for row, h in zip(table, heads, strict=True)]
+
+
+def _send_commit(key: CommitKey, world: int, parts: list) -> Late:
+    """Rank 0's message of every rank's part of commit ``key``, sent when the synced loop
+    hands out its next batch (:mod:`~daskdist.collective.later`): its reply's future."""
+    services = session_services()
+    return send_later(lambda: services.send_commit(key, world, parts))
 
 
 def _outcome(reply, timeout: float) -> int:

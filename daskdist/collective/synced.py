@@ -46,6 +46,7 @@ import torch
 from daskdist import config
 from daskdist.collective import riders
 from daskdist.collective.group import get_group
+from daskdist.collective.later import Queue
 from daskdist.collective.replicas import to_cpu
 from daskdist.context import (
     closure_riders,
@@ -78,6 +79,7 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
     tail = _Tail(it)
     ahead = _Ahead(it)
     g = None
+    queue = Queue()  # a commit's message goes out with the next batch
     try:
         while True:
             phases.step(phases.SYNCED)  # a batch asked for: the previous step ended
@@ -106,6 +108,7 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                                   g.world_size, g.device)
                 waited.rows(phases.batch_rows(item))
             ahead.arm()  # the next batch is fetched and agreed on in this step's allreduce
+            queue.send()  # the last commit's message: the step's own work begins
             trained = False
             try:
                 yield item
@@ -116,6 +119,7 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                 if not trained and mine:
                     _give_back(g, mine)  # taken, not trained: back to the pool
     finally:
+        queue.close()
         ahead.close(g)
 
 

@@ -1,0 +1,98 @@
+"""collective.later: a commit's message queued until the synced loop hands out the next
+batch (no worker: a closure scope and futures made here)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+
+from daskdist.collective.later import Late, Queue, send_later
+from daskdist.context import ClosureScope, closure_scope
+
+
+def _sender(sent: list, value=True):
+    def send():
+        sent.append(threading.current_thread().name)
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_result(value)
+        return f
+    return send
+
+
+def test_outside_a_loop_it_is_sent_at_once_and_its_error_raised_there():
+    sent: list = []
+    late = send_later(_sender(sent))
+    assert sent and late.result(1) is True
+    with closure_scope(ClosureScope()):  # a closure, no synced loop in it
+
+        def broken():
+            raise RuntimeError("session ended")
+
+        with pytest.raises(RuntimeError, match="session ended"):
+            send_later(broken)
+
+
+def test_inside_a_loop_it_waits_for_the_next_batch_or_for_its_answer():
+    sent: list = []
+    scope = ClosureScope()
+    with closure_scope(scope):
+        queue = Queue()
+        first = send_later(_sender(sent))
+        assert sent == []  # queued
+        queue.send()  # the loop hands out a batch
+        assert len(sent) == 1 and first.result(1) is True
+        second = send_later(_sender(sent, value=False))
+        assert len(sent) == 1
+        assert second.result(1) is False and len(sent) == 2  # asked for: sent first
+        queue.send()
+        assert len(sent) == 2  # sent once only
+        third = send_later(_sender(sent))
+        queue.close()  # the loop ended: what is left goes
+        assert len(sent) == 3 and third.result(1) and scope.later is None
+        send_later(_sender(sent))  # no loop any more: at once
+        assert len(sent) == 4
+
+
+def test_nested_loops_and_a_late_finalizer_in_another_thread():
+    sent: list = []
+    scope = ClosureScope()
+    with closure_scope(scope):
+        outer = Queue()
+        send_later(_sender(sent))
+        inner = Queue()
+        send_later(_sender(sent))
+        inner.close()  # the inner loop's message goes; the outer's waits for its loop
+        assert len(sent) == 1 and scope.later is not None and len(scope.later) == 1
+    # the outer loop's generator finalized late, from a thread outside the closure
+    t = threading.Thread(target=outer.close, name="finalizer")
+    t.start()
+    t.join(10)
+    assert sent == ["MainThread", "finalizer"] and scope.later is None
+
+
+def test_the_closure_end_sends_what_a_loop_left_queued():
+    sent: list = []
+    scope = ClosureScope()
+    with closure_scope(scope):
+        Queue()  # a loop never closed (its generator kept)
+        late = send_later(_sender(sent))
+    assert sent == []
+    scope.send_queued()  # what the runner does when the closure returns
+    assert len(sent) == 1 and late.result(1) is True
+
+
+def test_a_send_that_fails_later_is_the_answers_error():
+    scope = ClosureScope()
+
+    def broken():
+        raise ConnectionError("scheduler gone")
+
+    with closure_scope(scope):
+        queue = Queue()
+        late = send_later(broken)
+        queue.send()
+    assert isinstance(late, Late)
+    with pytest.raises(ConnectionError, match="scheduler gone"):
+        late.result(1)
