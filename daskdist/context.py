@@ -149,7 +149,7 @@ class ClosureScope:
     # what rides the next gradient allreduce of the closure (collective.riders), by key
     riders: dict = field(default_factory=dict)
     # messages for the worker's event loop sent when the closure's synced loop next
-    # hands out a batch (collective.later); None while no such loop runs
+    # is asked for a batch (collective.later); None while no such loop runs
     later: list | None = None
     origin: str = ""  # what States made here are named after (see mint_state_id)
     minted: int = 0  # States made here so far

@@ -619,7 +619,7 @@ def _parts(table: list[list[int]], heads: list) -> list[list[int]]:
 
 def _send_commit(key: CommitKey, world: int, parts: list) -> Late:
     """Rank 0's message of every rank's part of commit ``key``, sent when the synced loop
-    hands out its next batch (:mod:`~daskdist.collective.later`): its reply's future."""
+    is asked for its next batch (:mod:`~daskdist.collective.later`): its reply's future."""
     services = session_services()
     return send_later(lambda: services.send_commit(key, world, parts))
 

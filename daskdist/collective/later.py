@@ -1,13 +1,14 @@
-"""Messages a closure sends when its ``synced`` loop next hands out a batch.
+"""Messages a closure sends when its ``synced`` loop is next asked for a batch.
 
 Rank 0's commit message goes to the scheduler through the worker's event loop, and
 waking that loop from the training thread (``call_soon_threadsafe``) hands it the GIL:
 the training thread then waits while the loop sends (about a millisecond on a busy
-host), in the middle of the commit. Its answer is needed only at the next commit, so
-inside a ``synced`` loop the message is queued in the closure's scope and sent when the
-loop hands out the next batch, as the step's own work begins (a forward pass, a
-sleep, a GPU's kernels: work during which the loop's wake-up costs little or nothing).
-Asking for the answer first sends it at once; so does the loop's end.
+host), in the middle of the commit, its host copy included. Its answer is needed only
+at the next commit, so inside a ``synced`` loop the message is queued in the closure's
+scope and sent when the commit is over: when the loop is asked for the next batch
+(before it waits for any: rows at an epoch's tail wait for this very commit), as the
+step's own work begins. Asking for the answer first sends it at once; so do the loop's end and the
+closure's.
 
 The closure's thread owns the queue (``ClosureScope.later``, under its lock).
 """
@@ -48,7 +49,7 @@ class Late:
 
 
 def send_later(send: Callable[[], concurrent.futures.Future]) -> Late:
-    """``send`` queued until this closure's ``synced`` loop hands out its next batch, or
+    """``send`` queued until this closure's ``synced`` loop is asked for its next batch, or
     called now when no such loop runs (its error then raised at once)."""
     late = Late(send)
     scope = closure_scope_now()
@@ -62,8 +63,8 @@ def send_later(send: Callable[[], concurrent.futures.Future]) -> Late:
 
 
 class Queue:
-    """While a ``synced`` loop runs in this closure, messages queue here until it hands
-    out a batch (:meth:`send`); what is left is sent when it ends (:meth:`close`, maybe
+    """While a ``synced`` loop runs in this closure, messages queue here until it is
+    asked for a batch (:meth:`send`); what is left is sent when it ends (:meth:`close`, maybe
     from another thread: a late finalizer)."""
 
     def __init__(self) -> None:

@@ -83,6 +83,7 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
     try:
         while True:
             phases.step(phases.SYNCED)  # a batch asked for: the previous step ended
+            queue.send()  # the last commit's message, now that the commit is over
             with phases.phase(phases.DATA) as waited:  # the batch and its agreement
                 while True:
                     g = get_group()
@@ -108,7 +109,6 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                                   g.world_size, g.device)
                 waited.rows(phases.batch_rows(item))
             ahead.arm()  # the next batch is fetched and agreed on in this step's allreduce
-            queue.send()  # the last commit's message: the step's own work begins
             trained = False
             try:
                 yield item
