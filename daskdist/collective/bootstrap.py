@@ -147,16 +147,19 @@ class ProcessGroupState:
             self.member = member
             return True
 
-    def leave(self, keep_store: int | None) -> ProcessMembership | None:
+    def leave(self, keep_store: int | None, reap: bool = True) -> ProcessMembership | None:
         """Forget the membership (marked broken), wake every waiting call and drop every
-        store but ``keep_store``'s; the membership left, if any."""
+        store but ``keep_store``'s (closed by the reaper, or here: ``reap=False``); the
+        membership left, if any."""
         with self.lock:
             m, self.member = self.member, None
             if m is not None and not m.broken:
                 m.broken = "the group was destroyed"
             for ev in self.waiters:
                 ev.set()
-            REAPER.take([self.stores.pop(g) for g in list(self.stores) if g != keep_store])
+            dropped = [self.stores.pop(g) for g in list(self.stores) if g != keep_store]
+        if reap:
+            REAPER.take(dropped)
         return m
 
     def is_lost(self, generation: int) -> bool:
@@ -316,9 +319,9 @@ def init_member(
 
 
 def destroy_member() -> None:
-    """Leave the group and free its store. Safe to call at any time, from any thread,
-    any number of times."""
-    _teardown(keep_store=None)
+    """Leave the group and free its store (both gone when it returns). Safe to call at
+    any time, from any thread, any number of times."""
+    _teardown(keep_store=None, reap=False)
 
 
 def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> None:
@@ -498,10 +501,11 @@ def _rendezvous_wait(store: Any, keys: list[str], rank: int, world_size: int,
         raise CollectiveError(f"generation {generation}: rendezvous failed: {e}") from e
 
 
-def _teardown(keep_store: int | None) -> None:
+def _teardown(keep_store: int | None, reap: bool = True) -> None:
     """Destroy this process's group, wake its waiters, drop stores not kept; the group
-    object goes to the reaper (its destructor runs there)."""
-    doomed = [PROCESS.leave(keep_store)]
+    object and the stores go to the reaper (their destructors run there), or, with
+    ``reap=False``, are destroyed before this returns."""
+    doomed = [PROCESS.leave(keep_store, reap)]
     # Abandoned in-flight work keeps its group object alive in the graveyard, so this
     # never runs the C++ destructor while gloo still waits on a dead peer.
     if dist.is_initialized():
@@ -510,4 +514,5 @@ def _teardown(keep_store: int | None) -> None:
             dist.destroy_process_group()
         except Exception:
             pass
-    REAPER.take(doomed)
+    if reap:
+        REAPER.take(doomed)
