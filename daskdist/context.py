@@ -166,6 +166,8 @@ class ClosureScope:
     def send_queued(self) -> None:
         """Send the messages queued for the synced loop's next batch (``later``): the
         loop hands one out, or ends, or the closure does."""
+        if not self.later:  # the common case, every step: nothing queued, no lock
+            return
         with self.lock:
             if not self.later:
                 return
@@ -506,11 +508,13 @@ def put_aside(tokens: list) -> None:
     """Those of ``tokens`` (the same objects) the closure in this thread still holds are
     set aside: no commit acknowledges them, and the closure's end gives their rows back
     (a batch never trained when the group broke: the closure is ending)."""
-    taken = take_tokens(tokens)
     scope = _scope()
-    if scope is not None and taken:
-        with scope.lock:
-            scope.aside.extend(taken)
+    if scope is None or not tokens:
+        return
+    ids = {id(t) for t in tokens}
+    with scope.lock:
+        scope.aside.extend(t for t in scope.tokens if id(t) in ids)
+        scope.tokens[:] = [t for t in scope.tokens if id(t) not in ids]
 
 
 def take_tokens(tokens: list) -> list:

@@ -96,3 +96,19 @@ def test_a_send_that_fails_later_is_the_answers_error():
     assert isinstance(late, Late)
     with pytest.raises(ConnectionError, match="scheduler gone"):
         late.result(1)
+
+
+def test_put_aside_moves_only_the_closures_own_tokens_out_of_what_a_commit_acknowledges():
+    """The failure path of a synced loop: its untrained batch's tokens leave the list a
+    commit acknowledges and go back with the closure's end (``end_aside``)."""
+    from daskdist.context import put_aside, record_consumed
+
+    a, b, c, stranger = object(), object(), object(), object()
+    scope = ClosureScope()
+    with closure_scope(scope):
+        for t in (a, b, c):
+            record_consumed(t)
+        put_aside([b, c, stranger])  # the stranger is not this closure's: left alone
+    assert scope.tokens == [a] and scope.aside == [b, c]
+    assert scope.end() == [a] and scope.end_aside() == [b, c]
+    put_aside([a])  # outside a closure: nothing to do

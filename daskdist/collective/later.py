@@ -47,19 +47,25 @@ class Late:
     def result(self, timeout: float | None = None) -> Any:
         return self.send().result(timeout)
 
+    @classmethod
+    def of(cls, future: concurrent.futures.Future) -> Late:
+        """One sent already, its answer's future ``future``."""
+        late = cls(lambda: future)
+        late._future = future
+        return late
+
 
 def send_later(send: Callable[[], concurrent.futures.Future]) -> Late:
     """``send`` queued until this closure's ``synced`` loop is asked for its next batch, or
     called now when no such loop runs (its error then raised at once)."""
-    late = Late(send)
     scope = closure_scope_now()
     if scope is not None:
         with scope.lock:
             if scope.later is not None:
+                late = Late(send)
                 scope.later.append(late)
                 return late
-    late._future = send()  # now: its error raised here, as a direct call's
-    return late
+    return Late.of(send())  # now: its error raised here, as a direct call's
 
 
 class Queue:
