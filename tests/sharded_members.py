@@ -90,6 +90,8 @@ def member(pid: int, scenario: list[dict], addrs: dict, go: dict, out: Any,
     when the test sets ``go[gen]`` (the previous one ended everywhere), is formed (rank
     0 opens the store), then its actions run; what it saw goes to ``out``, and
     ``(gen, pid, "done")`` when its part of the generation ended."""
+    import dask
+
     from daskdist.collective import create_store, destroy_member, init_member
 
     torch.set_num_threads(1)
@@ -110,6 +112,9 @@ def member(pid: int, scenario: list[dict], addrs: dict, go: dict, out: Any,
             init_member(rank, world, host, port, "gloo", gen, 60.0)
             if state is None or step.get("fresh"):
                 state = make_state(url)
+            # a member in "wire" copies its commits on the wire, never by a mapping
+            dask.config.set({"daskdist.collective.shard-shared-memory":
+                             pid not in step.get("wire", ())})
             reads = _count_reads(state)
             before = reads[0]
             try:
@@ -121,7 +126,7 @@ def member(pid: int, scenario: list[dict], addrs: dict, go: dict, out: Any,
                 return
             full = state.full_state_dict(optimizer=True)
             out.put((gen, pid, "synced", state.commits, state.step, reads[0] - before,
-                     {k: v.tolist() for k, v in full.items()}))
+                     {k: v.tolist() for k, v in full.items()}, sorted(state._local[1])))
             if train(state, step.get("steps", 0), seed=gen, cut_short=step.get("cut") == pid):
                 out.put((gen, pid, "cut"))
             if step.get("steps"):

@@ -2,7 +2,9 @@
 members lost and joining between generations, each sync() compared bit for bit with the
 last commit (parameters and both Adam moments):
 
-- 4 ranks lose rank 0: the 3 survivors reshard from their copies, reading no storage;
+- 4 ranks lose rank 0: the 3 survivors reshard from their copies, reading no storage
+  (copies between the processes are mappings of the shard, and on the wire to and from
+  a member that shares no memory);
 - two ring neighbours lost: the newest checkpoint (every rank wrote its part), 3 -> 1;
 - a fresh member joins: 1 -> 2 from memory; a new group of fresh States (a new job)
   resumes 2 -> 3 from the checkpoint;
@@ -72,7 +74,8 @@ def one(seen: list[tuple], gen: int, kind: str) -> dict:
 def test_losses_joins_and_a_new_job_reshard_the_last_commit_bit_for_bit(tmp_path):
     url = str(tmp_path / "ckpt")
     scenario = [
-        {"members": [0, 1, 2, 3], "steps": 4},  # commits 1-4, checkpoints at 2 and 4
+        # commits 1-4, checkpoints at 2 and 4; process 2 copies on the wire
+        {"members": [0, 1, 2, 3], "steps": 4, "wire": [2]},
         {"members": [1, 2, 3], "steps": 2},     # rank 0 lost; commits 5-6, checkpoint 6
         {"members": [3], "steps": 1},           # 1 and 2 lost: neighbours; commit 7
         {"members": [3, 4], "steps": 1},        # a fresh member joins; commit 8, ckpt 8
@@ -80,6 +83,9 @@ def test_losses_joins_and_a_new_job_reshard_the_last_commit_bit_for_bit(tmp_path
     ]
     seen = run(scenario, 5, url)
     synced = {(m[0], m[1]): m for m in seen if m[2] == "synced"}
+    # one host: a copy is a mapping of the shard, but to and from the wire-only member
+    assert {m[7] == [0, 3] for k, m in synced.items() if k[0] == 1} == {True}
+    assert {m[7] == [0, 1, 2] for k, m in synced.items() if k[0] == 2} == {True}
     # 4 -> 3 after rank 0's loss: the last commit, from memory (no storage read)
     assert one(seen, 2, "synced") == one(seen, 1, "committed")
     assert {(m[3], m[4], m[5]) for k, m in synced.items() if k[0] == 2} == {(4, 4, 0)}
@@ -150,3 +156,21 @@ def test_bad_arguments_say_what_to_pass():
     state = dd.collective.ShardedState(model=lambda: torch.nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="no collective group"):
         state.commit()
+
+
+def test_a_model_a_commit_is_loaded_into_is_built_on_the_meta_device_when_it_can_be():
+    """Built on the meta device, unless the build makes buffers no commit holds."""
+    import daskdist as dd
+
+    class Scaled(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(3, 2)
+            self.register_buffer("scale", torch.full((2,), 0.5), persistent=False)
+
+    plain = dd.collective.ShardedState(model=lambda: torch.nn.Linear(3, 2))
+    assert plain._built_model(meta=True).weight.is_meta
+    assert not plain._built_model(meta=False).weight.is_meta
+    scaled = dd.collective.ShardedState(model=Scaled)._built_model(meta=True)
+    assert not scaled.weight.is_meta and scaled.scale.tolist() == [0.5, 0.5]
+    with pytest.raises(TypeError, match="returned int"):
+        dd.collective.ShardedState(model=lambda: 3)._built_model(meta=True)

@@ -49,6 +49,7 @@ from daskdist.collective.shardlayout import (
     Live,
     apply_rest,
     capture,
+    pack,
     placed,
     placed_at,
     portable,
@@ -57,6 +58,7 @@ from daskdist.collective.shardlayout import (
     targets,
     views,
 )
+from daskdist.collective.shardmaps import OFFER_LEN, SHARED, Handle
 from daskdist.collective.shardwire import Run, pair_rounds, transfer
 from daskdist.context import membership_joins, membership_version
 from daskdist.core.shards import Report, Source, choose, ring, routes, span
@@ -65,7 +67,7 @@ from daskdist.errors import CollectiveError
 __all__ = ["ShardedState"]
 
 _MINE = ("_build", "_make", "_shard", "_dims", "_built", "_staged", "_incoming",
-         "_wire", "_cut", "_ring", "_tentative", "_source", "_capture")
+         "_wire", "_handles", "_local", "_cut", "_ring", "_tentative", "_source", "_capture")
 
 
 def fully_shard_all(model: torch.nn.Module, mesh: Any) -> None:
@@ -107,7 +109,8 @@ class ShardedState(State):
             raise TypeError("ShardedState: model= (a function building the model) is required")
         mine = {"_build": model, "_make": optimizer, "_shard": shard or fully_shard_all,
                 "_dims": ("data_parallel",), "_built": None, "_staged": None,
-                "_incoming": None, "_wire": {}, "_cut": None, "_ring": None,
+                "_incoming": None, "_wire": {}, "_handles": {},
+                "_local": (None, frozenset(), []), "_cut": None, "_ring": None,
                 "_tentative": None, "_source": None, "_capture": Capture()}
         for k, v in mine.items():
             object.__setattr__(self, k, v)
@@ -137,19 +140,22 @@ class ShardedState(State):
 
     # -- building each generation's model ------------------------------------------------
     def _build_for(self, g: Group, fresh: bool) -> None:
-        """Mesh, model, shards, guarded collectives and optimizer of generation ``g``."""
+        """Mesh, model, shards, guarded collectives and optimizer of generation ``g``.
+        A model a commit is loaded into is built on the meta device and given memory
+        after sharding (no weights made to be overwritten), unless it has buffers the
+        commit does not hold (non-persistent ones: only its build makes them)."""
         forget_meshes()
         mesh = mesh_for(g, self._dims)
-        model = self._build()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"ShardedState: model() returned {type(model).__name__}, "
-                            f"not a torch.nn.Module")
+        model = self._built_model(meta=not fresh)
         if fresh and g.world_size > 1:
             # no commit yet: every rank starts from rank 0's weights, as a State does
             broadcast_parameters(model, src=0, group=g)
+        meta = any(t.is_meta for t in model.parameters())
         out = self._shard(model, mesh)
         if isinstance(out, torch.nn.Module):
             model = out
+        if meta:
+            model.to_empty(device=g.device)
         if not guard(model, g):
             raise ValueError("ShardedState: shard(model, mesh) made no FSDP module (call "
                              "torch.distributed.fsdp.fully_shard on the model with mesh=mesh)")
@@ -158,6 +164,21 @@ class ShardedState(State):
         self._built = g.generation
         self._cut = None
         self._capture = Capture()  # the old model's plan must not outlive it
+
+    def _built_model(self, meta: bool) -> torch.nn.Module:
+        """``model()``, on the meta device when ``meta`` and nothing but the commit's
+        state is in it."""
+        if meta:
+            with torch.device("meta"):
+                model = self._build()
+            if isinstance(model, torch.nn.Module) and not any(
+                    m._non_persistent_buffers_set for m in model.modules()):
+                return model
+        model = self._build()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ShardedState: model() returned {type(model).__name__}, "
+                            f"not a torch.nn.Module")
+        return model
 
     def adopt(self, model: torch.nn.Module, optimizer: Any) -> None:
         """Take ``model``, sharded over this generation's mesh by its owner (a framework
@@ -212,11 +233,15 @@ class ShardedState(State):
     @property
     def commit_bytes(self) -> int:
         """Host bytes this rank keeps for commits: the committed copy (its shard and its
-        neighbour's), a commit in flight, and the buffers the next copy travels in."""
-        copies = [self._saved, self._spare, self._ledger.state, self._tentative]
-        held = sum(c.nbytes for c in copies if isinstance(c, ShardCopy))
+        neighbour's), a commit in flight, and the buffers the next copy travels in. A
+        neighbour's shard mapped from its memory is counted there, not here."""
+        copies = [c for c in (self._saved, self._spare, self._ledger.state, self._tentative)
+                  if isinstance(c, ShardCopy)]
+        held = sum(c.nbytes - (c.peer.numel() if SHARED.is_view(c.peer) else 0)
+                   for c in copies)
         loose = [self._incoming, self._wire.get("in"), self._wire.get("out")]
-        return held + sum(t.numel() for t in loose if t is not None and not t.is_cuda)
+        return held + sum(t.numel() for t in loose
+                          if t is not None and not t.is_cuda and not SHARED.is_view(t))
 
     def _keep_tentative(self, g: Group) -> None:
         """What a failed commit staged, kept until the next ``sync()``: if the commit
@@ -242,7 +267,9 @@ class ShardedState(State):
             self._staged = None
 
     def _stage(self, g: Group) -> None:
-        """This rank's shard to its successor and the predecessor's into ``_incoming``."""
+        """This rank's shard to its successor and the predecessor's into ``_incoming``:
+        bytes on the wire, or, between ranks of one host, a :class:`Handle` to the
+        packed shard that the successor maps (``shardmaps``)."""
         live = self._capture(self.model, self.optimizer, g.rank, g.world_size)
         cut = self._cut
         if cut is None or cut.generation != g.generation or (
@@ -252,22 +279,47 @@ class ShardedState(State):
         event = packed = None
         if g.world_size > 1:
             pred, succ = cut.peer(g.rank), cut.successor(g.rank)
-            n = cut.nbytes(pred)
             cuda = any(t.is_cuda for t in live.locals)
+            mapped = self._mapped(g) if not cuda else frozenset()
             self._reuse_spare(cuda)
-            inc = self._incoming
-            if inc is None or inc.numel() != n or bool(inc.is_pinned()) != cuda:
-                inc = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
-            own = Run(cut.nbytes(g.rank), segments(live.locals, cut.entries, cut.world, g.rank))
+            handle = Handle.wire_bytes()
+            if g.rank in mapped:  # packed into shared memory: the successor maps it
+                packed = self._wire.get("in")  # taken once the handle went out
+                if not SHARED.owns(packed) or packed.numel() != cut.nbytes(g.rank):
+                    packed = self._wire["in"] = SHARED.resized(packed, cut.nbytes(g.rank))
+                pack(live.locals, cut.entries, cut.world, g.rank, packed)
+                own = Run.of([SHARED.handle(packed).encode()])
+            else:
+                own = Run(cut.nbytes(g.rank),
+                          segments(live.locals, cut.entries, cut.world, g.rank))
+            if pred in mapped:
+                inc = torch.empty(handle, dtype=torch.uint8)
+            else:
+                n = cut.nbytes(pred)
+                inc = self._incoming
+                if inc is None or inc.numel() != n or bool(inc.is_pinned()) != cuda \
+                        or SHARED.is_view(inc):
+                    inc = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
             chunk = config.nbytes("collective.shard-bucket")
-            rounds = pair_rounds({(r, cut.successor(r)): cut.nbytes(r)
-                                  for r in range(g.world_size)}, chunk)
+            rounds = pair_rounds({(r, cut.successor(r)): handle if r in mapped
+                                  else cut.nbytes(r) for r in range(g.world_size)}, chunk)
             self._incoming = None  # in transit: a failed transfer leaves it unusable
-            event = transfer(g, {succ: own}, {pred: Run.of([inc])}, rounds, chunk, self._wire)
+            event = transfer(g, {succ: own}, {pred: Run.of([inc])}, rounds, chunk,
+                             self._handles if g.rank in mapped else self._wire)
+            if pred in mapped:
+                inc = SHARED.view(self._local[2][pred], Handle.decode(inc))
             self._incoming = inc
-            if rounds == 1 and not cuda:  # the wire buffer holds the packed shard: keep it
+            if g.rank in mapped:
+                del self._wire["in"]
+            elif rounds == 1 and not cuda:
+                # the wire buffer holds the packed shard: keep it
                 packed = self._wire.pop("in")[:own.nbytes]
         self._staged = (live, cut, event, packed)
+
+    def _mapped(self, g: Group) -> frozenset[int]:
+        """The ranks of ``g`` whose copy is a mapping of their shard (agreed at sync)."""
+        gen, ranks, _ = self._local
+        return ranks if gen == g.generation else frozenset()
 
     def _reuse_spare(self, cuda: bool) -> None:
         """The spare copy's buffers (a commit promoted: the one before it is free) become
@@ -275,8 +327,10 @@ class ShardedState(State):
         spare = self._spare
         if spare is None:
             return
-        if self._incoming is None and spare.peer is not None:
-            self._incoming, spare.peer = spare.peer, None
+        if self._incoming is None and spare.peer is not None \
+                and not SHARED.is_view(spare.peer):  # a mapping is never written
+            self._incoming = spare.peer
+        spare.peer = None
         if not cuda and "in" not in self._wire and spare.own is not None:
             self._wire["in"], spare.own = spare.own, None
 
@@ -286,7 +340,7 @@ class ShardedState(State):
         inc = self._incoming if g.world_size > 1 else None
         old, own = copy.fill(live, self._objects, cut, g.rank, inc,
                              [event] if event else None, packed)
-        self._incoming = old if g.world_size > 1 else None
+        self._incoming = old if g.world_size > 1 and not SHARED.is_view(old) else None
         if own is not None:
             self._wire["in"] = own  # the next commit packs its shard there
         self._staged = None  # taken: the commit happened here
@@ -347,7 +401,7 @@ class ShardedState(State):
         host = zlib.crc32(socket.gethostname().encode())
         head = torch.tensor(_held(self._saved, self._commits) + [
             self._seq, membership_version(), membership_joins(), known, newest, host]
-            + _held(self._tentative, self._commits + 1),
+            + _held(self._tentative, self._commits + 1) + SHARED.offer(g),
             dtype=torch.int64, device=g._wire_device())
         heads = [h.tolist() for h in g.allgather(head)]
         reports = [Report(*h[:5]) for h in heads]
@@ -363,6 +417,9 @@ class ShardedState(State):
                     or g.rank not in staged)
             self._source = self._saved if keep else self._tentative
         self._ring = tuple(ring([h[10] for h in heads]))
+        offers = [h[16:16 + OFFER_LEN] for h in heads]
+        self._local = (g.generation, SHARED.agree(g, self._ring, offers, [h[10] for h in heads]),
+                       [o[1] for o in offers])
         if self._built != g.generation or self.model is None:
             self._build_for(g, fresh=src.kind == "fresh")
         elif src.kind == "fresh" and self._saved.cut is not None \
