@@ -59,7 +59,7 @@ from daskdist.collective.shardlayout import (
     views,
 )
 from daskdist.collective.shardmaps import OFFER_LEN, SHARED, Handle
-from daskdist.collective.shardwire import Run, pair_rounds, transfer
+from daskdist.collective.shardwire import Run, gather_whole, pair_rounds, transfer
 from daskdist.context import membership_joins, membership_version
 from daskdist.core.shards import Report, Source, choose, ring, routes, span
 from daskdist.errors import CollectiveError
@@ -596,41 +596,7 @@ class ShardedState(State):
         self._require_built(g, "full_state_dict")
         live: Live = capture(self.model, self.optimizer if optimizer else None, g.rank,
                              g.world_size)
-        out: dict[str, torch.Tensor] = {}
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, e in enumerate(live.entries):
-            by_dtype.setdefault(e.dtype, []).append(i)
-        dev = g._wire_device()
-        for dtype, idx in by_dtype.items():
-            padded = []
-            for i in idx:
-                e, t = live.entries[i], live.locals[i]
-                c = -(-e.rows // g.world_size)
-                rows = t.movedim(e.dim, 0)
-                pad = torch.zeros((c - rows.shape[0],) + tuple(rows.shape[1:]), dtype=dtype,
-                                  device=rows.device)
-                padded.append(torch.cat([rows, pad]).reshape(-1))
-            flat = torch.cat(padded).to(dev) if padded else torch.empty(0, dtype=dtype)
-            parts = [p.cpu() for p in g.allgather(flat.contiguous())]
-            at = 0
-            for i in idx:
-                e = live.entries[i]
-                c = -(-e.rows // g.world_size)
-                other = tuple(s for j, s in enumerate(e.shape) if j != e.dim)
-                n = c * (torch.Size(other).numel() if other else 1)
-                pieces = []
-                for r, part in enumerate(parts):
-                    a, b = span(e.rows, g.world_size, r)
-                    pieces.append(part[at:at + n].view((c,) + other)[:b - a])
-                kind, name = e.key.split("|", 1)
-                key = name if kind == "p" else "optimizer." + name.replace("|", ".")
-                out[key] = torch.cat(pieces).movedim(0, e.dim).contiguous()
-                at += n
-        for name, t in {**live.rest["params"], **live.rest["buffers"]}.items():
-            out[name] = t.detach().cpu().clone()
-        order = list(self.model.state_dict().keys())
-        return {k: out[k] for k in order if k in out} | {k: v for k, v in out.items()
-                                                         if k not in order}
+        return gather_whole(live, g, list(self.model.state_dict().keys()))
 
 
 def _held(copy: ShardCopy | None, commits: int) -> list[int]:

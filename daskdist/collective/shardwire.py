@@ -7,7 +7,8 @@ within it: a shard's flat buffer, rows of several tensors, or a tensor's local s
 (``Group.all_to_all_single``: a lost peer ends it with ``CollectiveError``), in rounds of
 at most ``chunk`` bytes per pair of ranks so the buffers on the wire stay bounded;
 a rank's runs to itself are copied locally. Every rank must call it with the same
-number of rounds (each computes it from the same global plan).
+number of rounds (each computes it from the same global plan). :func:`gather_whole`
+gathers every rank's shards whole on every rank (``ShardedState.full_state_dict``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 import torch
 
 from daskdist.collective.group import Group
+from daskdist.collective.shardlayout import Live
 from daskdist.core.shards import rounds as rounds_of
+from daskdist.core.shards import span
 
 
 class Run:
@@ -139,3 +142,43 @@ def _buffer(scratch: dict[str, Any], name: str, n: int, device: torch.device) ->
         buf = torch.empty(max(n, 1), dtype=torch.uint8, device=device)
         scratch[name] = buf
     return buf[:n]
+
+
+def gather_whole(live: Live, g: Group, order: list[str]) -> dict[str, torch.Tensor]:
+    """Every rank's ``live`` shards gathered whole, as CPU tensors on every rank (a
+    collective), keyed as a state dict (``order`` first), optimizer states under
+    ``optimizer.<parameter>.<name>``."""
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, e in enumerate(live.entries):
+        by_dtype.setdefault(e.dtype, []).append(i)
+    dev = g._wire_device()
+    for dtype, idx in by_dtype.items():
+        padded = []
+        for i in idx:
+            e, t = live.entries[i], live.locals[i]
+            c = -(-e.rows // g.world_size)
+            rows = t.movedim(e.dim, 0)
+            pad = torch.zeros((c - rows.shape[0],) + tuple(rows.shape[1:]), dtype=dtype,
+                              device=rows.device)
+            padded.append(torch.cat([rows, pad]).reshape(-1))
+        flat = torch.cat(padded).to(dev) if padded else torch.empty(0, dtype=dtype)
+        parts = [p.cpu() for p in g.allgather(flat.contiguous())]
+        at = 0
+        for i in idx:
+            e = live.entries[i]
+            c = -(-e.rows // g.world_size)
+            other = tuple(s for j, s in enumerate(e.shape) if j != e.dim)
+            n = c * (torch.Size(other).numel() if other else 1)
+            pieces = []
+            for r, part in enumerate(parts):
+                a, b = span(e.rows, g.world_size, r)
+                pieces.append(part[at:at + n].view((c,) + other)[:b - a])
+            kind, name = e.key.split("|", 1)
+            key = name if kind == "p" else "optimizer." + name.replace("|", ".")
+            out[key] = torch.cat(pieces).movedim(0, e.dim).contiguous()
+            at += n
+    for name, t in {**live.rest["params"], **live.rest["buffers"]}.items():
+        out[name] = t.detach().cpu().clone()
+    return {k: out[k] for k in order if k in out} | {k: v for k, v in out.items()
+                                                     if k not in order}
