@@ -20,7 +20,8 @@ figure beside its anchor, from the same run:
   checkpoint (SIGKILL -> its first step after the restart). Target <= 2 s. A commit that
   raises ``HostsUpdatedInterrupt`` (the replacement announced itself) was made: it counts.
 - **host memory per rank for commits**: the ShardedState's buffers (its shard, its
-  neighbour's, the copy being received, the spare of a commit in flight) against a
+  neighbour's, the copy being received, the spare of a commit in flight; a neighbour's
+  shard mapped from its memory, as on one host, is counted at that neighbour) against a
   replicated ``State``'s (the whole model and optimizer, and its spare). Target <=
   2.5 / N of it.
 

@@ -67,7 +67,8 @@ from daskdist.errors import CollectiveError
 __all__ = ["ShardedState"]
 
 _MINE = ("_build", "_make", "_shard", "_dims", "_built", "_staged", "_incoming",
-         "_wire", "_handles", "_local", "_cut", "_ring", "_tentative", "_source", "_capture")
+         "_wire", "_handles", "_local", "_told", "_cut", "_ring", "_tentative", "_source",
+         "_capture")
 
 
 def fully_shard_all(model: torch.nn.Module, mesh: Any) -> None:
@@ -110,7 +111,7 @@ class ShardedState(State):
         mine = {"_build": model, "_make": optimizer, "_shard": shard or fully_shard_all,
                 "_dims": ("data_parallel",), "_built": None, "_staged": None,
                 "_incoming": None, "_wire": {}, "_handles": {},
-                "_local": (None, frozenset(), []), "_cut": None, "_ring": None,
+                "_local": (None, frozenset(), []), "_told": None, "_cut": None, "_ring": None,
                 "_tentative": None, "_source": None, "_capture": Capture()}
         for k, v in mine.items():
             object.__setattr__(self, k, v)
@@ -224,11 +225,37 @@ class ShardedState(State):
         """The commit in flight's outcome, learnt before this commit's copy travels (one
         small allgather of each rank's view of it, as ``State.commit``'s carries): once
         promoted, the commit before it is free and its buffers take this one's copy, so
-        a rank keeps two commits' buffers, not three."""
+        a rank keeps two commits' buffers, not three. A rank whose copy is a mapping
+        (``shardmaps``) knows that buffer already: its :class:`Handle` rides along, and
+        when every such rank's did, the copy needs no call of its own."""
         prev = _outcome(self._ledger.reply, g.timeout / 2)
-        seen = [int(t.item()) for t in g.allgather(
-            torch.tensor([prev], dtype=torch.int64, device=g._wire_device()))]
-        self._confirm(seen[0], min(seen), [])
+        rows = [t.tolist() for t in g.allgather(torch.tensor(
+            [prev] + self._announce(g), dtype=torch.int64, device=g._wire_device()))]
+        self._confirm(rows[0][0], min(r[0] for r in rows), [])
+        self._told = (g.generation, [r[1:] for r in rows])
+
+    def _announce(self, g: Group) -> list[int]:
+        """The handle of the buffer this commit packs into, when it is known before the
+        confirmation: the committed copy's own (the spare once the commit in flight is
+        promoted, which ``_confirm`` does or raises), of this commit's size; zeros
+        when not."""
+        if g.rank not in self._mapped(g) or "in" in self._wire:
+            return [0] * Handle.LEN
+        own = self._saved.own
+        live = self._capture(self.model, self.optimizer, g.rank, g.world_size)
+        if not SHARED.owns(own) or own.numel() != self._cut_for(g, live).nbytes(g.rank):
+            return [0] * Handle.LEN
+        h = SHARED.handle(own)
+        return [h.fd, h.inode, h.offset, h.nbytes]
+
+    def _cut_for(self, g: Group, live: Live) -> Cut:
+        """This generation's cut of ``live`` (made anew when its entries changed)."""
+        cut = self._cut
+        if cut is None or cut.generation != g.generation or (
+                cut.entries is not live.entries and cut.entries != live.entries):
+            cut = Cut(g.generation, g.world_size, self._order, live.entries)
+            self._cut = cut
+        return cut
 
     @property
     def commit_bytes(self) -> int:
@@ -271,24 +298,27 @@ class ShardedState(State):
         bytes on the wire, or, between ranks of one host, a :class:`Handle` to the
         packed shard that the successor maps (``shardmaps``)."""
         live = self._capture(self.model, self.optimizer, g.rank, g.world_size)
-        cut = self._cut
-        if cut is None or cut.generation != g.generation or (
-                cut.entries is not live.entries and cut.entries != live.entries):
-            cut = Cut(g.generation, g.world_size, self._order, live.entries)
-            self._cut = cut
+        cut = self._cut_for(g, live)
+        told, self._told = self._told, None
         event = packed = None
         if g.world_size > 1:
             pred, succ = cut.peer(g.rank), cut.successor(g.rank)
             cuda = any(t.is_cuda for t in live.locals)
             mapped = self._mapped(g) if not cuda else frozenset()
+            # every mapping's handle went with the confirmation: none travels now
+            told = told[1] if told and told[0] == g.generation and mapped and all(
+                told[1][r][0] for r in mapped) else None
             self._reuse_spare(cuda)
-            handle = Handle.wire_bytes()
+            handle = 0 if told else Handle.wire_bytes()
             if g.rank in mapped:  # packed into shared memory: the successor maps it
                 packed = self._wire.get("in")  # taken once the handle went out
                 if not SHARED.owns(packed) or packed.numel() != cut.nbytes(g.rank):
                     packed = self._wire["in"] = SHARED.resized(packed, cut.nbytes(g.rank))
+                if told and Handle(*told[g.rank]) != SHARED.handle(packed):
+                    raise CollectiveError("ShardedState.commit(): the shard's buffer is not "
+                                          "the one announced to the ring successor")
                 pack(live.locals, cut.entries, cut.world, g.rank, packed)
-                own = Run.of([SHARED.handle(packed).encode()])
+                own = Run.of([] if told else [SHARED.handle(packed).encode()])
             else:
                 own = Run(cut.nbytes(g.rank),
                           segments(live.locals, cut.entries, cut.world, g.rank))
@@ -307,7 +337,8 @@ class ShardedState(State):
             event = transfer(g, {succ: own}, {pred: Run.of([inc])}, rounds, chunk,
                              self._handles if g.rank in mapped else self._wire)
             if pred in mapped:
-                inc = SHARED.view(self._local[2][pred], Handle.decode(inc))
+                h = Handle(*told[pred]) if told else Handle.decode(inc)
+                inc = SHARED.view(self._local[2][pred], h)
             self._incoming = inc
             if g.rank in mapped:
                 del self._wire["in"]

@@ -165,6 +165,9 @@ class GroupDriver:
             sessions = sessions or self.candidates()
             if not sessions:
                 return False
+            if any(s not in co.members for s in sessions):  # left while this waited
+                self._member_gone = True
+                return False
             book = co.gangs
             try:
                 backend = self.backend_for(sessions)
