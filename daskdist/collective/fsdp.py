@@ -195,3 +195,10 @@ def _wait(g: Group, work: Any, what: str) -> None:
         PROCESS.break_group(g.generation, f"{what} failed: {e}")
         raise CollectiveError(f"{what} failed on rank {g.rank}: {e}") from e
     PROCESS.check(g.generation)  # a peer lost meanwhile: the result is not to be used
+
+
+def fully_shard_all(model: torch.nn.Module, mesh: Any) -> None:
+    """``ShardedState``'s default ``shard``: FSDP2's ``fully_shard(model, mesh=mesh)``."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh)

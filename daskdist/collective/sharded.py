@@ -40,7 +40,7 @@ import torch
 
 from daskdist import config
 from daskdist.collective.elastic import State, _clone, _outcome, _services
-from daskdist.collective.fsdp import forget_meshes, guard, mesh_for
+from daskdist.collective.fsdp import forget_meshes, fully_shard_all, guard, mesh_for
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import broadcast_parameters
 from daskdist.collective.shardcopy import Cut, ShardCopy
@@ -51,7 +51,6 @@ from daskdist.collective.shardlayout import (
     capture,
     pack,
     placed,
-    placed_at,
     portable,
     segments,
     sizes,
@@ -59,7 +58,14 @@ from daskdist.collective.shardlayout import (
     views,
 )
 from daskdist.collective.shardmaps import OFFER_LEN, SHARED, Handle
-from daskdist.collective.shardwire import Run, gather_whole, pair_rounds, transfer
+from daskdist.collective.shardwire import (
+    Run,
+    copy_run,
+    gather_whole,
+    landing_run,
+    pair_rounds,
+    transfer,
+)
 from daskdist.context import membership_joins, membership_version
 from daskdist.core.shards import Report, Source, choose, ring, routes, span
 from daskdist.errors import CollectiveError
@@ -69,13 +75,6 @@ __all__ = ["ShardedState"]
 _MINE = ("_build", "_make", "_shard", "_dims", "_built", "_staged", "_incoming",
          "_wire", "_handles", "_local", "_told", "_cut", "_ring", "_tentative", "_source",
          "_capture")
-
-
-def fully_shard_all(model: torch.nn.Module, mesh: Any) -> None:
-    """The default ``shard``: FSDP2's ``fully_shard(model, mesh=mesh)``."""
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard(model, mesh=mesh)
 
 
 class ShardedState(State):
@@ -505,12 +504,12 @@ class ShardedState(State):
         plan = routes(rows, src.world, g.world_size, src.serve)
         if any(s == g.rank for s, _ in plan):
             held.wait()
-        sends = {d: self._send_run(held, entries, src.world, parts)
+        sends = {d: copy_run(held, entries, src.world, parts)
                  for (s, d), parts in plan.items() if s == g.rank}
         recvs, moved = {}, []
         for (s, d), parts in plan.items():
             if d == g.rank:
-                recvs[s] = self._recv_run(entries, dst, g, parts, moved)
+                recvs[s] = landing_run(entries, dst, g, parts, moved)
         fan = max([sum(1 for (s, d) in plan if s == r and d != r) for r in range(g.world_size)]
                   + [sum(1 for (s, d) in plan if d == r and s != r)
                      for r in range(g.world_size)] + [1])
@@ -525,41 +524,6 @@ class ShardedState(State):
         apply_rest(self.model, self.optimizer, rest)
         self._objects.clear()
         self._objects.update(objects)
-
-    def _send_run(self, held: ShardCopy, entries: tuple, world: int, parts: list) -> Run:
-        """The bytes of ``parts`` (pieces of held shards), read straight from the copies."""
-        rows, rb = sizes(entries)
-        out = []
-        for p in parts:
-            flat = held.flat(p.index)
-            offs, _ = placed_at(entries, world, p.index)
-            a = offs[p.entry] + (p.start - span(rows[p.entry], world, p.index)[0]) * rb[p.entry]
-            out.append(flat[a:a + (p.stop - p.start) * rb[p.entry]])
-        return Run.of(out)
-
-    def _recv_run(self, entries: tuple, dst: list, g: Group, parts: list,
-                  moved: list) -> Run:
-        """Where ``parts`` land: this rank's local shards (rows of a tensor split along
-        a later dimension arrive in a buffer of their own, moved in afterwards)."""
-        rows, rb = sizes(entries)
-        out = []
-        flat_of: dict[int, torch.Tensor] = {}
-        for p in parts:
-            e = entries[p.entry]
-            t = flat_of.get(p.entry)
-            if t is None:
-                local = dst[p.entry]
-                if e.dim == 0:
-                    t = local.reshape(-1).view(torch.uint8)
-                else:
-                    tmp = torch.empty_like(local.movedim(e.dim, 0).contiguous())
-                    moved.append((local, tmp, e.dim))
-                    t = tmp.reshape(-1).view(torch.uint8)
-                flat_of[p.entry] = t
-            start = span(rows[p.entry], g.world_size, g.rank)[0]
-            a = (p.start - start) * rb[p.entry]
-            out.append(t[a:a + (p.stop - p.start) * rb[p.entry]])
-        return Run.of(out)
 
     def _take_checkpoint(self, g: Group, commits: int) -> None:
         """Every rank reads its rows of checkpoint ``commits``; rank 0 gives its datasets'

@@ -8,7 +8,9 @@ within it: a shard's flat buffer, rows of several tensors, or a tensor's local s
 at most ``chunk`` bytes per pair of ranks so the buffers on the wire stay bounded;
 a rank's runs to itself are copied locally. Every rank must call it with the same
 number of rounds (each computes it from the same global plan). :func:`gather_whole`
-gathers every rank's shards whole on every rank (``ShardedState.full_state_dict``).
+gathers every rank's shards whole on every rank (``ShardedState.full_state_dict``);
+:func:`copy_run` and :func:`landing_run` say which bytes of held copies a reshard sends
+and where they land.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 import torch
 
 from daskdist.collective.group import Group
-from daskdist.collective.shardlayout import Live
+from daskdist.collective.shardcopy import ShardCopy
+from daskdist.collective.shardlayout import Live, placed_at, sizes
 from daskdist.core.shards import rounds as rounds_of
 from daskdist.core.shards import span
 
@@ -182,3 +185,38 @@ def gather_whole(live: Live, g: Group, order: list[str]) -> dict[str, torch.Tens
         out[name] = t.detach().cpu().clone()
     return {k: out[k] for k in order if k in out} | {k: v for k, v in out.items()
                                                      if k not in order}
+
+
+def copy_run(held: ShardCopy, entries: tuple, world: int, parts: list) -> Run:
+    """The bytes of ``parts`` (pieces of held shards), read straight from the copies."""
+    rows, rb = sizes(entries)
+    out = []
+    for p in parts:
+        flat = held.flat(p.index)
+        offs, _ = placed_at(entries, world, p.index)
+        a = offs[p.entry] + (p.start - span(rows[p.entry], world, p.index)[0]) * rb[p.entry]
+        out.append(flat[a:a + (p.stop - p.start) * rb[p.entry]])
+    return Run.of(out)
+
+def landing_run(entries: tuple, dst: list, g: Group, parts: list, moved: list) -> Run:
+    """Where ``parts`` land: this rank's local shards (rows of a tensor split along
+    a later dimension arrive in a buffer of their own, moved in afterwards)."""
+    rows, rb = sizes(entries)
+    out = []
+    flat_of: dict[int, torch.Tensor] = {}
+    for p in parts:
+        e = entries[p.entry]
+        t = flat_of.get(p.entry)
+        if t is None:
+            local = dst[p.entry]
+            if e.dim == 0:
+                t = local.reshape(-1).view(torch.uint8)
+            else:
+                tmp = torch.empty_like(local.movedim(e.dim, 0).contiguous())
+                moved.append((local, tmp, e.dim))
+                t = tmp.reshape(-1).view(torch.uint8)
+            flat_of[p.entry] = t
+        start = span(rows[p.entry], g.world_size, g.rank)[0]
+        a = (p.start - start) * rb[p.entry]
+        out.append(t[a:a + (p.stop - p.start) * rb[p.entry]])
+    return Run.of(out)
