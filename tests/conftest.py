@@ -12,12 +12,18 @@ from pathlib import Path
 
 import dask
 import pytest
+from hypothesis import settings
 
 from tests.processes import quiet_environ, use_fork_server
 
 # A LocalCluster closes a Nanny whose worker has not come back within this time; tests
 # kill the same worker repeatedly (poison pills) on a loaded machine, so give it room.
 dask.config.set({"distributed.deploy.lost-worker-timeout": "600s"})
+
+# property tests assert what comes out, never how long an example took: no per-example
+# deadline (on a loaded 2-core machine any example can stall past hypothesis's 200 ms)
+settings.register_profile("daskdist", deadline=None)
+settings.load_profile("daskdist")
 
 # worker processes fork from a warm server (tests/processes.py), Lightning imported too
 # (4-5 s of imports a worker otherwise)
