@@ -208,9 +208,10 @@ class ShardedState(State):
         ``State.commit``: the commit keeps both (see the module)."""
         g = get_group()
         self._require_built(g, "commit")
+        live = self._capture(self.model, self.optimizer, g.rank, g.world_size)
         if self._ledger.in_flight:
-            self._confirm_early(g)
-        self._stage(g)
+            self._confirm_early(g, live)
+        self._stage(g, live)
         try:
             super().commit()
         except BaseException:
@@ -220,7 +221,7 @@ class ShardedState(State):
         finally:
             self._staged = None
 
-    def _confirm_early(self, g: Group) -> None:
+    def _confirm_early(self, g: Group, live: Live) -> None:
         """The commit in flight's outcome, learnt before this commit's copy travels (one
         small allgather of each rank's view of it, as ``State.commit``'s carries): once
         promoted, the commit before it is free and its buffers take this one's copy, so
@@ -229,11 +230,12 @@ class ShardedState(State):
         when every such rank's did, the copy needs no call of its own."""
         prev = _outcome(self._ledger.reply, g.timeout / 2)
         rows = [t.tolist() for t in g.allgather(torch.tensor(
-            [prev] + self._announce(g), dtype=torch.int64, device=g._wire_device()))]
+            [prev] + self._announce(g, live), dtype=torch.int64,
+            device=g._wire_device()))]
         self._confirm(rows[0][0], min(r[0] for r in rows), [])
         self._told = (g.generation, [r[1:] for r in rows])
 
-    def _announce(self, g: Group) -> list[int]:
+    def _announce(self, g: Group, live: Live) -> list[int]:
         """The handle of the buffer this commit packs into, when it is known before the
         confirmation: the committed copy's own (the spare once the commit in flight is
         promoted, which ``_confirm`` does or raises), of this commit's size; zeros
@@ -241,7 +243,6 @@ class ShardedState(State):
         if g.rank not in self._mapped(g) or "in" in self._wire:
             return [0] * Handle.LEN
         own = self._saved.own
-        live = self._capture(self.model, self.optimizer, g.rank, g.world_size)
         if not SHARED.owns(own) or own.numel() != self._cut_for(g, live).nbytes(g.rank):
             return [0] * Handle.LEN
         h = SHARED.handle(own)
@@ -292,11 +293,13 @@ class ShardedState(State):
         finally:
             self._staged = None
 
-    def _stage(self, g: Group) -> None:
+    def _stage(self, g: Group, live: Live | None = None) -> None:
         """This rank's shard to its successor and the predecessor's into ``_incoming``:
         bytes on the wire, or, between ranks of one host, a :class:`Handle` to the
-        packed shard that the successor maps (``shardmaps``)."""
-        live = self._capture(self.model, self.optimizer, g.rank, g.world_size)
+        packed shard that the successor maps (``shardmaps``). ``live``: the capture
+        the commit already took (taken here when none)."""
+        if live is None:
+            live = self._capture(self.model, self.optimizer, g.rank, g.world_size)
         cut = self._cut_for(g, live)
         told, self._told = self._told, None
         event = packed = None
