@@ -148,6 +148,29 @@ def test_rendezvous_store_listens_on_the_given_interface_only_and_only_while_nee
     assert _listening(port) == []
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux's /proc/net/tcp")
+def test_the_next_stores_socket_is_held_until_a_store_opens_on_it():
+    """The port reported for the next store listens (on the given interface only) and
+    stays the same until a store opens on it; then a new one is held. A port not held
+    here any more is refused by name; ``destroy_member`` closes the held socket."""
+    from daskdist.collective import create_store, destroy_member, spare_store_port
+    from daskdist.errors import CollectiveError
+
+    port = spare_store_port("127.0.0.1")
+    assert spare_store_port("127.0.0.1") == port
+    assert _listening(port) == ["0100007F"]
+    assert create_store(987655, "127.0.0.1", timeout=5, port=port) == ("127.0.0.1", port)
+    assert _listening(port) == ["0100007F"]  # the store's now
+    nxt = spare_store_port("127.0.0.1")
+    assert nxt != port
+    with pytest.raises(CollectiveError, match=f"127.0.0.1:{port}"):
+        create_store(987656, "127.0.0.1", timeout=5, port=port)
+    destroy_member()
+    assert _listening(port) == [] and _listening(nxt) == []
+    with pytest.raises(CollectiveError, match=f"127.0.0.1:{nxt}"):
+        create_store(987657, "127.0.0.1", timeout=5, port=nxt)
+
+
 def test_state_ids_are_minted_alike_where_states_are_made():
     """Every worker builds a per-worker resource, and every rank runs a gang closure,
     the same way: States made there get the same ids everywhere (their commit keys, and

@@ -66,3 +66,75 @@ def test_a_sigstopped_rank_0_is_fenced_and_the_group_forms_without_it(threads):
             assert sorted(r[:2] for r in ranks) == [(0, 3), (1, 3), (2, 3)]
         finally:
             coord.close()
+
+
+def _formations(name: str):
+    """The coordinator's group on the scheduler: generation, rank 0's session and
+    address, the store ports its members reported, and its formation events."""
+    def get(dask_scheduler):
+        co = dask_scheduler.extensions["daskdist"].coordinators[name]
+        group = co.gangs.group
+        rank0 = group.sessions[0]
+        return {"generation": group.generation, "rank0": rank0,
+                "address": co.members.members[rank0].address,
+                "ports": dict(co.group_book.driver.store_ports),
+                "events": [e.kind for e in co.stats.events]}
+
+    return get
+
+
+def _held_stores() -> dict:
+    from daskdist.collective import bootstrap
+
+    with bootstrap.PROCESS.lock:
+        return {g: int(s.port) for g, s in bootstrap.PROCESS.stores.items()}
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_a_re_formation_opens_rank_0s_store_on_the_port_it_reported(threads):
+    """Every member's join reports the port of the socket it holds for its next store; the
+    next formation over the same rank 0 tells every member that port at once and rank 0
+    opens its store there as it joins (one round of calls). A port that is no longer
+    held (its worker left the group meanwhile, or another coordinator's store took it)
+    fails that formation, which is tried again at once with the store opened first: the
+    group forms, beside a second coordinator on the same workers."""
+    with make_cluster(3, threads=threads) as cluster, Client(cluster) as client:
+        a = dd.Coordinator(client, name="ports-a")
+        b = dd.Coordinator(client, name="ports-b")
+        try:
+            wait_for_workers(client, a, 3)
+            wait_for_workers(client, b, 3)
+            a.collective_group(backend="gloo", timeout=30)
+            first = client.run_on_scheduler(_formations("ports-a"))
+            assert len(first["ports"]) == 3
+            assert all(isinstance(p, int) and p > 0 for p in first["ports"].values())
+            reported = first["ports"][first["rank0"]]
+
+            a.collective_group(backend="gloo", timeout=30)
+            second = client.run_on_scheduler(_formations("ports-a"))
+            assert second["rank0"] == first["rank0"]
+            held = client.run(_held_stores, workers=[second["address"]])[second["address"]]
+            assert held.get(second["generation"]) == reported, (held, reported)
+            assert second["ports"][second["rank0"]] != reported  # a fresh socket since
+            assert "formation-failed" not in second["events"]
+
+            # b learns the ports too; then its rank 0 leaves its group, and the socket
+            # it reported with it: b's next formation names a port nobody holds
+            b.collective_group(backend="gloo", timeout=30)
+            before = client.run_on_scheduler(_formations("ports-b"))
+            stale = before["ports"][before["rank0"]]
+            client.run(dd.collective.destroy_member, workers=[before["address"]])
+            b.collective_group(backend="gloo", timeout=30)
+            after = client.run_on_scheduler(_formations("ports-b"))
+            assert after["events"].count("formation-failed") == 1, after["events"]
+            assert after["events"][-1] == "formed"
+            held = client.run(_held_stores, workers=[after["address"]])[after["address"]]
+            assert held.get(after["generation"]) not in (None, stale)
+            ranks = b.fetch(b.schedule_on_all(rank_and_world))
+            assert sorted(r[:2] for r in ranks) == [(0, 3), (1, 3), (2, 3)]
+            # and a, whose group b's replaced on these workers, forms and runs again
+            ranks = a.fetch(a.schedule_on_all(rank_and_world))
+            assert sorted(r[:2] for r in ranks) == [(0, 3), (1, 3), (2, 3)]
+        finally:
+            b.close()
+            a.close()

@@ -2,8 +2,9 @@
 
 Worker side only (imports torch). The scheduler plugin never imports this package;
 it drives formation through worker RPCs that call the bootstrap functions:
-``create_store`` on rank 0, then ``init_member`` on every member at once,
-``mark_peer_lost`` when a peer leaves, ``destroy_member`` to leave.
+``create_store`` on rank 0, then ``init_member`` on every member at once (a re-formation
+whose rank 0 reported its ``spare_store_port`` opens the store inside rank 0's
+``init_member``), ``mark_peer_lost`` when a peer leaves, ``destroy_member`` to leave.
 
 Inside a closure: ``get_group()`` for collectives, ``broadcast_parameters`` /
 ``allreduce_gradients`` (or plain ``DistributedDataParallel``) for replicas, and
@@ -20,6 +21,7 @@ from daskdist.collective.bootstrap import (
     destroy_member,
     init_member,
     mark_peer_lost,
+    spare_store_port,
 )
 from daskdist.collective.device import backend_for, bind_device
 from daskdist.collective.elastic import HostsUpdatedInterrupt, State
@@ -42,6 +44,7 @@ __all__ = [
     "get_group",
     "init_member",
     "mark_peer_lost",
+    "spare_store_port",
     "synced",
 ]
 

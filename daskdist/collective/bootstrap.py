@@ -22,6 +22,13 @@ The transitions, driven by the scheduler plugin through worker RPCs:
    (abortable: ``mark_peer_lost`` ends the wait at once), then runs
    ``init_process_group`` which, with every member known alive, takes milliseconds.
 
+A member that formed a group holds a listening socket for the next store it may open
+(``spare_store_port``): a re-formation whose rank 0 reported that port opens the store
+inside rank 0's ``init_member`` (``create_store(..., port=...)``), so it is one round of
+calls, not two. Every generation's keys live under a prefix of their own, so a member
+told a port that was since used for another generation's store finds nothing of its own
+there.
+
 ``mark_peer_lost(generation)`` is how the scheduler plugin tells a member that a
 peer left: collective calls of that generation, waiting or future, raise
 ``CollectiveError`` at once. ``destroy_member()`` leaves the group.
@@ -131,6 +138,7 @@ class ProcessGroupState:
         self.lost_upto = 0  # every generation <= lost_upto has lost a peer
         self.waiters: set[threading.Event] = set()
         self.stores: dict[int, Any] = {}  # generation -> TCPStore master held on rank 0
+        self.spare: _Spare | None = None  # the listening socket of the next store opened here
         self.graveyard: list[tuple[Any, Any]] = []  # (process group, pending work) kept alive
 
     # -- membership -----------------------------------------------------------------
@@ -231,6 +239,33 @@ class ProcessGroupState:
         with self.lock:
             return self.stores.get(generation)
 
+    def spare_port(self, host: str) -> int:
+        """The port of the socket held for the next store opened here (bound on
+        ``host``'s interface now if none is held for it)."""
+        with self.lock:
+            if self.spare is None or self.spare.host != host:
+                self.close_spare()
+                fd, port = _listen_on(host)
+                self.spare = _Spare(host, port, fd)
+            return self.spare.port
+
+    def take_spare(self, host: str, port: int) -> int | None:
+        """The held socket's descriptor if it listens at ``host:port`` (the caller owns
+        it now), else ``None``."""
+        with self.lock:
+            spare = self.spare
+            if spare is None or (spare.host, spare.port) != (host, int(port)):
+                return None
+            self.spare = None
+            return spare.fd
+
+    def close_spare(self) -> None:
+        """Close the held socket, if any."""
+        with self.lock:
+            spare, self.spare = self.spare, None
+        if spare is not None:
+            os.close(spare.fd)
+
     # -- abandoned groups -------------------------------------------------------------
     def bury(self, pg: Any, work: Any) -> None:
         """Keep ``pg`` and its unfinished ``work`` alive until the work ends by itself."""
@@ -254,6 +289,15 @@ def _completed(work: Any) -> bool:
         return True
 
 
+@dataclass(frozen=True)
+class _Spare:
+    """A listening socket held for the next store this process opens as rank 0."""
+
+    host: str
+    port: int
+    fd: int
+
+
 PROCESS = ProcessGroupState()  # this process's one collective-group state
 
 _init_lock = threading.Lock()  # one formation at a time in this process
@@ -261,7 +305,8 @@ _CONNECT_TRY = 0.5  # seconds per attempt to reach rank 0's store
 _JOINED = "daskdist/joined/"  # + rank: idempotent, so a retried init_member counts once
 
 
-def create_store(generation: int, host: str, timeout: float = 60.0) -> tuple[str, int]:
+def create_store(generation: int, host: str, timeout: float = 60.0,
+                 port: int | None = None) -> tuple[str, int]:
     """Rank 0: open the rendezvous store of ``generation``; return ``(host, port)``.
 
     ``host`` is this worker's address as the other members reach it (the host part of
@@ -269,9 +314,19 @@ def create_store(generation: int, host: str, timeout: float = 60.0) -> tuple[str
     (torch's own bind would take every interface) and is held in this process until
     ``destroy_member()`` or a later generation's store replaces it: it lives as long as
     the group generation it serves. Run it in any thread of the rank-0 worker, before
-    ``init_member`` on any member.
+    ``init_member`` on this member. With ``port``, the store listens on the socket
+    :func:`spare_store_port` said (the other members may be connecting already);
+    ``CollectiveError`` if this process no longer holds it.
     """
-    fd = _listen_on(host)
+    if port is None:
+        fd, _ = _listen_on(host)
+    else:
+        fd = PROCESS.take_spare(host, port)
+        if fd is None:
+            raise CollectiveError(
+                f"generation {generation}: this worker holds no store socket at "
+                f"{host}:{port} any more (another group's store took it, or it left its "
+                "group): the group forms again with a store opened first")
     try:
         store = dist.TCPStore(
             host,
@@ -318,10 +373,19 @@ def init_member(
         return _init_locked(rank, world_size, host, port, backend, generation, timeout, dev)
 
 
+def spare_store_port(host: str) -> int:
+    """The port this process holds for the next store it opens on ``host`` as a group's
+    rank 0 (``create_store(..., port=...)``): a formation may tell every member that port
+    before the store is open."""
+    return PROCESS.spare_port(host)
+
+
 def destroy_member() -> None:
-    """Leave the group and free its store (both gone when it returns). Safe to call at
-    any time, from any thread, any number of times."""
+    """Leave the group and free its store and the socket held for the next one (all
+    gone when it returns). Safe to call at any time, from any thread, any number of
+    times."""
     _teardown(keep_store=None, reap=False)
+    PROCESS.close_spare()
 
 
 def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> None:
@@ -345,18 +409,19 @@ def mark_peer_lost(generation: int, reason: str = "a peer left the group") -> No
 # -- internals ---------------------------------------------------------------
 
 
-def _listen_on(host: str) -> int:
-    """A TCP socket listening on ``host``'s interface only, at an ephemeral port; its file
-    descriptor, which the store takes over (and closes when it is destroyed)."""
+def _listen_on(host: str) -> tuple[int, int]:
+    """A TCP socket listening on ``host``'s interface only, at an ephemeral port: its file
+    descriptor, which the store takes over (and closes when it is destroyed), and port."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.bind(addr)
         sock.listen(128)
+        port = sock.getsockname()[1]
     except BaseException:
         sock.close()
         raise
-    return sock.detach()
+    return sock.detach(), port
 
 
 def _init_locked(
@@ -381,7 +446,10 @@ def _init_locked(
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
     deadline = time.monotonic() + timeout
-    store = _store_for(rank, generation, host, port, timeout, deadline)
+    # this generation's keys only: a member told a port that another generation's store
+    # took since (a stale spare) meets nobody there, and neither side's keys mix
+    store = dist.PrefixStore(f"daskdist/{generation}/",
+                             _store_for(rank, generation, host, port, timeout, deadline))
     _rendezvous(store, rank, world_size, generation, deadline)
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and dev.type == "cuda":
@@ -481,7 +549,7 @@ def _rendezvous_wait(store: Any, keys: list[str], rank: int, world_size: int,
                      generation: int, deadline: float, wake: threading.Event) -> None:
     try:
         store.set(keys[rank], b"1")
-        pause = 0.0005
+        pause, started = 0.0005, time.monotonic()
         while not store.check(keys):
             _raise_if_lost(generation)
             left = deadline - time.monotonic()
@@ -491,9 +559,10 @@ def _rendezvous_wait(store: Any, keys: list[str], rank: int, world_size: int,
                     f"generation {generation}: ranks {missing} of {world_size} did not "
                     "arrive before the timeout"
                 )
-            # The event is set by mark_peer_lost; otherwise this is a short poll.
+            # The event is set by mark_peer_lost; otherwise this is a short poll, at most
+            # 2 ms apart while the others are expected (members are asked at once)
             wake.wait(min(pause, left))
-            pause = min(pause * 2, 0.02)
+            pause = min(pause * 2, 0.002 if time.monotonic() < started + 0.25 else 0.02)
         _raise_if_lost(generation)
     except CollectiveError:
         raise

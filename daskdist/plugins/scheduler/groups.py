@@ -2,7 +2,9 @@
 
 The scheduler-side half of SPEC §4. It asks the pure :class:`GangBook` what to do and
 does it: formation is two worker RPCs (rank 0 opens a rendezvous store on a port it
-holds; then every member joins at once, each in a worker thread), gang members are
+holds; then every member joins at once, each in a worker thread), one when rank 0 was a
+member before (every member's join reports the port of the socket it holds for its next
+store: rank 0 opens the store there as it joins), gang members are
 put in the closure queue pinned to their sessions and the member workers are told at
 once on their streams (a worker whose threads are all busy still keeps a slot for
 them). Never imports torch: the worker plugin does the torch side.
@@ -23,6 +25,8 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+from distributed.comm.addressing import get_address_host
 
 from daskdist import config
 from daskdist.core.backends import (
@@ -70,6 +74,10 @@ class GroupDriver:
         self._hopeless = False  # the last formation cannot succeed by retrying (a backend)
         self._failures = 0
         self._member_gone = False  # the last formation was aborted: a member ended
+        # session -> the port its next store listens on (its last join's reply); rank 0's
+        # lets a formation skip the store call
+        self.store_ports: dict[str, int] = {}
+        self._port_failed = False  # the last formation named a port rank 0 no longer held
 
     def start(self) -> None:
         if self.task is None or self.task.done():
@@ -120,7 +128,9 @@ class GroupDriver:
         three times)."""
         for _ in range(3):
             ok = await self._form_once(sessions)
-            if ok or sessions is not None or not self._member_gone:
+            # again: over the workers left, or with a store opened first (the port rank 0
+            # reported was taken since: the ports it named are forgotten)
+            if ok or not (self._port_failed or sessions is None and self._member_gone):
                 return ok
         return ok
 
@@ -159,7 +169,7 @@ class GroupDriver:
                 task.cancel()
 
     async def _form_once(self, sessions: tuple[str, ...] | None) -> bool:
-        self._member_gone = False
+        self._member_gone = self._port_failed = False
         async with self.lock:
             co = self.co
             sessions = sessions or self.candidates()
@@ -188,25 +198,36 @@ class GroupDriver:
             # meanwhile is fenced by its lease, and the group forms without it
             deadline = t0 + co.members.leases.timeout
             ok = False
+            reported = self.store_ports.get(sessions[0])
             try:
-                host, port = await self._within(
-                    self.rpc(members[0].address).daskdist_collective(
-                        action="store", name=co.name, generation=generation,
-                        timeout=group.timeout,
-                    ), sessions[:1], deadline)
+                if reported is None:
+                    host, port = await self._within(
+                        self.rpc(members[0].address).daskdist_collective(
+                            action="store", name=co.name, generation=generation,
+                            timeout=group.timeout,
+                        ), sessions[:1], deadline)
+                else:  # rank 0 opens it on this port as it joins
+                    host, port = get_address_host(members[0].address), reported
                 fanout = co.group_book.relay_fanout
-                await self._within(asyncio.gather(*[
+                replies = await self._within(asyncio.gather(*[
                     self.rpc(m.address).daskdist_collective(
                         action="init", name=co.name, rank=rank, world_size=len(members),
                         host=host, port=port, backend=backend, generation=generation,
                         timeout=group.timeout, version=version, joins=joins,
                         relay=[members[c].address  # whom it tells if the group breaks
                                for c in relay_children(rank, len(members), fanout)],
+                        open_store=rank == 0 and reported is not None,
                     )
                     for rank, m in enumerate(members)
                 ]), sessions, deadline)
                 ok = all(s in co.members for s in sessions)
+                self.store_ports = {s: r["store_port"] for s, r in zip(sessions, replies,
+                                                                        strict=True)}
             except Exception as e:
+                # a port named may be taken (by another coordinator's group on that
+                # worker): the next formation asks rank 0 for a store first
+                self.store_ports.pop(sessions[0], None)
+                self._port_failed = reported is not None and not self._member_gone
                 self.last_error = f"forming generation {generation} failed: {e}"
                 logger.info("daskdist[%s]: forming generation %d failed: %r",
                             co.name, generation, e)

@@ -149,12 +149,17 @@ async def collective(worker, action: str, name: str, **kw: Any) -> Any:
         _set_formation_version(kw["generation"], kw.get("version"), kw.get("joins"))
         if runner is not None:  # whom to tell if this generation breaks
             runner.relay = (kw["generation"], list(kw.get("relay") or ()))
-        await asyncio.to_thread(
-            coll.init_member, kw["rank"], kw["world_size"], kw["host"], kw["port"],
-            kw["backend"], kw["generation"], kw["timeout"],
-            runner.device if runner is not None else None,
-        )
-        return {"rank": kw["rank"]}
+        host = get_address_host(worker.address)
+
+        def join() -> int:
+            if kw.get("open_store"):  # rank 0, on the port it reported: one round, not two
+                coll.create_store(kw["generation"], host, kw["timeout"], port=kw["port"])
+            coll.init_member(kw["rank"], kw["world_size"], kw["host"], kw["port"],
+                             kw["backend"], kw["generation"], kw["timeout"],
+                             runner.device if runner is not None else None)
+            return coll.spare_store_port(host)
+
+        return {"rank": kw["rank"], "store_port": await asyncio.to_thread(join)}
     if action == "destroy":
         await asyncio.to_thread(coll.destroy_member)
         return None
