@@ -73,7 +73,7 @@ class _WorkerRPC:
     async def daskdist_collective(self, action: str, **kw: Any) -> Any:
         if action == "store":
             return ["127.0.0.1", 29500]
-        return {"rank": kw.get("rank")}
+        return {"rank": kw.get("rank"), "store_port": 29501}  # its next store's
 
 
 class SimScheduler:
