@@ -1,7 +1,9 @@
 """Group formation has a deadline: a member that answers nothing while
 the group forms (SIGSTOPped) is fenced by its lease, and the group forms without it,
 instead of waiting for Dask's 5-minute worker-ttl. Rank 0 is the stopped one: the
-formation's first RPC (rank 0 opening the rendezvous store) is the one that hangs."""
+formation's first RPC (rank 0 opening the rendezvous store) is the one that hangs.
+A re-formation whose rank 0 reported its next store's port is one round of calls, and
+one whose port is no longer held forms anyway."""
 
 from __future__ import annotations
 
