@@ -141,15 +141,14 @@ async def collective(worker, action: str, name: str, **kw: Any) -> Any:
     from daskdist import collective as coll
 
     runner = _runner(worker, name)
+    host = get_address_host(worker.address)  # where this worker's stores listen
     if action == "store":
-        host = get_address_host(worker.address)
         return list(await asyncio.to_thread(coll.create_store, kw["generation"], host,
                                             kw["timeout"]))
     if action == "init":
         _set_formation_version(kw["generation"], kw.get("version"), kw.get("joins"))
         if runner is not None:  # whom to tell if this generation breaks
             runner.relay = (kw["generation"], list(kw.get("relay") or ()))
-        host = get_address_host(worker.address)
 
         def join() -> int:
             if kw.get("open_store"):  # rank 0, on the port it reported: one round, not two
