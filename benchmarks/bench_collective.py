@@ -412,7 +412,7 @@ def _membership_event(kind: str) -> tuple[float, float]:
 def _ack_loop(state, it, steps, acknowledge, pause=0.02):
     """A 20 ms step on a dynamic dataset; seconds per commit() (mean)."""
     import daskdist as dd
-    from daskdist.context import record_consumed, take_consumed
+    from daskdist.session.tokens import record_consumed, take_consumed
 
     g = dd.collective.get_group()
     state.sync()

@@ -7,7 +7,7 @@ closure's result carries it). Printed per size: the epoch's seconds, bookkeeping
 acknowledgements/s, microseconds of table time per lease and per acknowledgement, the
 peak memory of the epoch's table and the size of the dataset's unit definition.
 
-The anchor is the table before units were ranges (the commit's ``daskdist/core/leases.py``,
+The anchor is the table before units were ranges (the commit's ``daskdist/core/leases/table.py``,
 loaded from git in the same run: one lease per unit, the unit row list sent and compared
 on every lease), measured up to ``--old-max-units`` (its cost is quadratic: 10^5 units
 would take about 25 minutes). Targets: rows/s at 10^6 units within 2x of 10^3 units,
@@ -30,9 +30,9 @@ import types
 
 from figures import record
 
-from daskdist.core import leases as new_leases
+from daskdist.core.leases import table as new_leases
+from daskdist.core.leases.units import DenseUnits
 from daskdist.core.protocol import LeaseToken
-from daskdist.core.units import DenseUnits
 
 ROWS_PER_UNIT = 1000
 BATCH = 250

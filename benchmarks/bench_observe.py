@@ -37,9 +37,9 @@ from figures import record
 import daskdist as dd
 from daskdist.collective import create_store, destroy_member, init_member
 from daskdist.context import InputContext
-from daskdist.core.steptimes import COLLECTIVE, COMMIT, DATA
 from daskdist.data import ArrowLoader
 from daskdist.observe import phases
+from daskdist.observe.steptimes import COLLECTIVE, COMMIT, DATA
 
 STEP = 0.020  # seconds of compute a step (the SPEC's 20 ms step)
 

@@ -352,7 +352,7 @@ async def row_commit(n: int, repeat: int) -> dict[str, dict]:
     """A gang commit step of N members, each part acknowledging one batch of rows: every
     rank sends its part (the fallback for parts too large for the allgather's slots), or
     rank 0 sends them all in one message (what State.commit does)."""
-    from daskdist.core.commits import pack_tokens
+    from daskdist.core.leases.commits import pack_tokens
     from daskdist.core.protocol import DatasetDef, LeaseToken
 
     sim = Sim()
@@ -424,7 +424,7 @@ async def row_rank_window(n: int, repeat: int) -> dict[str, dict]:
     Rank 1 is slow: its straggler episode (and notice) starts on the way. The median CPU
     of a report, sampled over the windows after the first."""
     from daskdist.core.protocol import RankWindow
-    from daskdist.core.steptimes import bucket
+    from daskdist.observe.steptimes import bucket
 
     sim = Sim()
     await sim.start()

@@ -35,7 +35,7 @@ import time
 import torch
 from figures import record
 
-from daskdist.collective.snapshot import HostCopy
+from daskdist.collective.state.snapshot import HostCopy
 from daskdist.data.convert import Chunk
 from daskdist.data.staging import DeviceStage
 

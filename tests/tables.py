@@ -5,7 +5,7 @@ asks them, so they live here, not on the tables)."""
 from __future__ import annotations
 
 from daskdist.core.intervals import Interval, normalize
-from daskdist.core.leases import LeaseTable
+from daskdist.core.leases.table import LeaseTable
 from daskdist.core.protocol import PENDING, RUNNING
 from daskdist.core.queue import ClosureQueue
 

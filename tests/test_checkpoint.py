@@ -29,7 +29,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import daskdist as dd
-from daskdist.collective.checkpoint import CheckpointStore
+from daskdist.collective.state.checkpoint import CheckpointStore
 from tests.checkpoint_job import BATCH, N_ROWS, MakeCounts, final_counts, train_rows
 from tests.conftest import child_env, wait_until
 

@@ -17,7 +17,7 @@ pd = pytest.importorskip("pandas")
 ddf = pytest.importorskip("dask.dataframe")
 
 import daskdist as dd  # noqa: E402
-from daskdist.core.partitions import STRIDE  # noqa: E402
+from daskdist.core.leases.partitions import STRIDE  # noqa: E402
 from tests.conftest import (  # noqa: E402
     gpu_and_plain_cluster,
     make_cluster,
@@ -317,7 +317,7 @@ def slow_when_recomputed(mark: str) -> int:
 
 def test_a_lost_partition_is_awaited_without_polling(tmp_path):
     """A partition computed on a worker that is then SIGKILLed: its future goes "lost"
-    while Dask computes it again (3 s). A loader's wait for it (data/compute.py
+    while Dask computes it again (3 s). A loader's wait for it (data/collections/compute.py
     ``settled``) sleeps on the future's own state meanwhile: this process stays idle
     (a wait that woke at once for a lost future, over and over, would keep a core busy)."""
     import signal
@@ -325,7 +325,7 @@ def test_a_lost_partition_is_awaited_without_polling(tmp_path):
 
     from distributed import Client
 
-    from daskdist.data.compute import Interrupt, settled
+    from daskdist.data.collections.compute import Interrupt, settled
 
     with make_cluster(2, threads=1) as cluster, Client(cluster) as client:
         a = sorted(client.scheduler_info()["workers"])[0]

@@ -16,12 +16,13 @@ pd = pytest.importorskip("pandas")
 ddf = pytest.importorskip("dask.dataframe")
 da = pytest.importorskip("dask.array")
 
-from daskdist.context import ClosureScope, InputContext, closure_scope  # noqa: E402
-from daskdist.core.partitions import STRIDE  # noqa: E402
+from daskdist.context import InputContext  # noqa: E402
+from daskdist.core.leases.partitions import STRIDE  # noqa: E402
 from daskdist.data import ArrowLoader, LocalLeaseService  # noqa: E402
-from daskdist.data.collections import DaskCollection  # noqa: E402
+from daskdist.data.collections.source import DaskCollection  # noqa: E402
 from daskdist.data.sources import as_source  # noqa: E402
 from daskdist.errors import InputError  # noqa: E402
+from daskdist.session.scope import ClosureScope, closure_scope  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
 PARTS = 12
@@ -257,7 +258,7 @@ def test_unknown_lengths_use_strided_ids():
 
 
 def test_a_partitions_arrow_table_is_what_pyarrow_makes_of_the_frame():
-    from daskdist.data.partitions import _frame_table
+    from daskdist.data.collections.partitions import _frame_table
 
     pa = pytest.importorskip("pyarrow")
     n = 6

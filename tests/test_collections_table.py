@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from daskdist.core import resume
 from daskdist.core.intervals import normalize, size_of
-from daskdist.core.leases import EpochFailed, LeaseTable
-from daskdist.core.partitions import STRIDE, Permutation
-from daskdist.core.units import DenseUnits, StridedUnits
+from daskdist.core.leases import resume
+from daskdist.core.leases.partitions import STRIDE, Permutation
+from daskdist.core.leases.table import EpochFailed, LeaseTable
+from daskdist.core.leases.units import DenseUnits, StridedUnits
 from tests.tables import check_leases, define_collection, leased_to
 
 DS = "frame"
@@ -200,7 +200,7 @@ def test_a_resumed_epoch_with_the_ledgers_lengths_leases_only_the_partitions_lef
 
 
 def test_a_checkpoint_ledger_carries_the_learned_lengths():
-    from daskdist.core.ledgers import Ledgers
+    from daskdist.core.leases.ledgers import Ledgers
 
     t = half_trained()
     led = Ledgers()

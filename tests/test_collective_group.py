@@ -338,7 +338,7 @@ def _state_roundtrip(_slot):
 def _commit_loop(_slot, bump_at, bump_ranks, steps):
     """Commit every step; bump membership at ``bump_at`` on ``bump_ranks``."""
     from daskdist.collective import HostsUpdatedInterrupt, State, get_group
-    from daskdist.context import _set_membership, membership_version
+    from daskdist.session.counters import membership_version, set_membership
 
     g = get_group()
     state = State(step=0)
@@ -346,7 +346,7 @@ def _commit_loop(_slot, bump_at, bump_ranks, steps):
     for step in range(steps):
         state.step = step
         if step == bump_at and g.rank in bump_ranks:
-            _set_membership(membership_version() + 1)
+            set_membership(membership_version() + 1)
         try:
             state.commit()
         except HostsUpdatedInterrupt:

@@ -175,7 +175,7 @@ def test_state_ids_are_minted_alike_where_states_are_made():
     """Every worker builds a per-worker resource, and every rank runs a gang closure,
     the same way: States made there get the same ids everywhere (their commit keys, and
     the scheduler's record that they committed). Elsewhere an id is local and unique."""
-    from daskdist.context import ClosureScope, closure_scope, minting
+    from daskdist.session.scope import ClosureScope, closure_scope, minting
 
     with minting("resource-abc"):
         a, b = State(step=0), State(step=1)

@@ -578,7 +578,7 @@ def test_a_gang_commit_in_one_message_from_rank_0():
     part and each rank's rows are leased to its session; refused from another rank,
     with a part missing, a row its rank does not hold, a dataset key defined nowhere or
     a malformed part."""
-    from daskdist.core.commits import pack_tokens
+    from daskdist.core.leases.commits import pack_tokens
     from daskdist.core.protocol import LeaseToken, dataset_key
 
     co = make()

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from daskdist.context import ClosureScope, closure_scope
-from daskdist.core.leases import LeaseTable
+from daskdist.core.leases.table import LeaseTable
 from daskdist.data import ArrowLoader, ArrowShards, InputContext, LocalLeaseService
 from daskdist.errors import InputError
+from daskdist.session.scope import ClosureScope, closure_scope
 from tests.tables import check_leases
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from daskdist.data import ArrowLoader, ArrowShards, InputContext
-from daskdist.data.shards import UnitReader
+from daskdist.data.files.arrow import UnitReader
 
 # Arrow buffers are read-only; the loader silences torch's one-time warning in its own
 # module, but pytest re-enables warnings per test.

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from daskdist.context import ClosureScope, closure_scope
 from daskdist.data import ArrowLoader, ArrowShards, InputContext, LocalLeaseService
+from daskdist.session.scope import ClosureScope, closure_scope
 from tests.tables import check_leases
 
 pytestmark = [

@@ -38,7 +38,7 @@ WORKERS = 3
 
 def slow_reads(seconds: float) -> None:
     """Make every row-group read on this worker take ``seconds`` longer (a slow disk)."""
-    from daskdist.data.shards import UnitReader
+    from daskdist.data.files.arrow import UnitReader
 
     read = getattr(UnitReader.read, "__wrapped__", UnitReader.read)
 
@@ -82,7 +82,7 @@ def nap_then_take(it, nap: float, batches: int, victim: int) -> list[int]:
     STARTED.append(time.time())
     time.sleep(nap)
     if os.getpid() == victim:
-        from daskdist.context import session_services
+        from daskdist.session.scope import session_services
 
         services = session_services()  # this closure's session, not the worker's new one
         deadline = time.monotonic() + 120
@@ -193,7 +193,7 @@ def test_a_fence_mid_read_closes_the_old_sessions_loaders(shards):
 def wait_then_ask(marker: str) -> str:
     """Runs until the test ended this worker's session on the scheduler, then asks the
     scheduler something as that session: the reply says the session ended."""
-    from daskdist.context import session_services
+    from daskdist.session.scope import session_services
 
     deadline = time.monotonic() + 60
     while not os.path.exists(marker):

@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.context import origin_of
 from daskdist.core.gang import GangBook, member_cid
 from daskdist.core.protocol import FAILED, READY
+from daskdist.session.scope import origin_of
 
 
 def _formed(book: GangBook, sessions: tuple[str, ...]) -> None:

@@ -1,5 +1,5 @@
 """Rows acknowledged at commit granularity (pure): the commit protocol of elastic State
-(core/commits.py) simulated over a real LeaseTable with random steps, commits, member
+(core/leases/commits.py) simulated over a real LeaseTable with random steps, commits, member
 losses at every point of a commit, commits whose part came late (expired, then caught
 and restored: Horovod's pattern), and restores. The committed "model" (a count per row)
 must hold exactly the acknowledged rows, each once; after draining, every row once."""
@@ -12,15 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.core.commits import (
+from daskdist.core.intervals import normalize
+from daskdist.core.leases.commits import (
     CommitBook,
     RankLedger,
     pack_tokens,
     unpack_part,
     unpack_parts,
 )
-from daskdist.core.intervals import normalize
-from daskdist.core.leases import LeaseTable, group_tokens, unit_runs
+from daskdist.core.leases.table import LeaseTable, group_tokens, unit_runs
 from daskdist.core.protocol import CommitKey, LeaseToken, dataset_key
 from tests.tables import check_leases
 

@@ -213,7 +213,7 @@ def test_the_callback_prepares_the_trainer_it_is_given_to_once(tmp_path):
     with pytest.raises(TypeError, match="this worker's batches"):
         DaskdistCallback(trainer)
     # a prepared Trainer's data: the per-worker batches, wrapped in synced once
-    from daskdist.collective.synced import synced
+    from daskdist.collective.step.synced import synced
 
     assert cb.batches.gi_code is synced.__code__
     already = synced(iter([]))

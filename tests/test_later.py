@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from daskdist.collective.later import Late, Queue, send_later
-from daskdist.context import ClosureScope, closure_scope
+from daskdist.collective.step.later import Late, Queue, send_later
+from daskdist.session.scope import ClosureScope, closure_scope
 
 
 def _sender(sent: list, value=True):
@@ -101,7 +101,7 @@ def test_a_send_that_fails_later_is_the_answers_error():
 def test_put_aside_moves_only_the_closures_own_tokens_out_of_what_a_commit_acknowledges():
     """The failure path of a synced loop: its untrained batch's tokens leave the list a
     commit acknowledges and go back with the closure's end (``end_aside``)."""
-    from daskdist.context import put_aside, record_consumed
+    from daskdist.session.tokens import put_aside, record_consumed
 
     a, b, c, stranger = object(), object(), object(), object()
     scope = ClosureScope()

@@ -17,16 +17,16 @@ from hypothesis.stateful import (
     rule,
 )
 
-from daskdist.core import resume
 from daskdist.core.intervals import intervals_from_ids, normalize, subtract, union
-from daskdist.core.leases import (
+from daskdist.core.leases import resume
+from daskdist.core.leases.table import (
     EpochFailed,
     LeaseTable,
     SessionExpired,
     UnknownDataset,
     unit_runs,
 )
-from daskdist.core.units import DenseUnits
+from daskdist.core.leases.units import DenseUnits
 from tests.tables import check_leases, leased_to
 
 DS = "ds"
@@ -429,7 +429,7 @@ def test_acknowledging_several_sessions_at_once_completes_and_drops_the_epoch():
 
 
 def test_a_closures_tokens_are_merged_one_per_epoch_table():
-    from daskdist.core.leases import merge_tokens
+    from daskdist.core.leases.table import merge_tokens
 
     toks = [("lease", DS, 0, [(0, 4)]), ("gang", 1), ("lease", DS, 0, [(4, 8), (10, 12)]),
             ("lease", DS, 1, [(0, 2)])]

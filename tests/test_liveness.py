@@ -273,7 +273,7 @@ def test_a_completed_closure_whose_rows_are_refused_is_counted_and_frees_its_lea
     """A closure that completes with rows its session does not hold (never expected) is
     counted and logged, and the rows it does hold go back to the pool (none stay stuck)."""
     from daskdist.core.protocol import READY, Outcome
-    from daskdist.data.dynamic import lease_token
+    from daskdist.data.leased.service import lease_token
     from daskdist.plugins.scheduler.state import CoordinatorState
 
     co = CoordinatorState("t")

@@ -8,7 +8,7 @@ import pytest
 from distributed import Client
 
 import daskdist as dd
-from daskdist.plugins.scheduler import observe
+from daskdist.plugins.scheduler.web import pages
 from tests.conftest import make_cluster, wait_for_workers
 
 
@@ -53,9 +53,9 @@ def test_dashboard_page_and_metrics(dash_client):
         assert values[f'{name}{{coordinator="observed"}}'] == 0.0
     # Prometheus naming: counters end in _total (and only there), gauges do not
     names = {n.split("{")[0] for n in values}
-    for key in observe.COUNTERS:
+    for key in pages.COUNTERS:
         assert f"daskdist_closures_{key}_total" in names, key
-    for key in observe.GAUGES:
+    for key in pages.GAUGES:
         assert f"daskdist_{key}" in names and f"daskdist_{key}_total" not in names, key
     assert not [n for n in names if "_total" in n and not n.endswith("_total")]
     coord.close()

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from daskdist.core.steptimes import COLLECTIVE, COMMIT, COMPUTE, DATA
 from daskdist.observe import phases, stacks
+from daskdist.observe.steptimes import COLLECTIVE, COMMIT, COMPUTE, DATA
 
 pytestmark = pytest.mark.timeout(60)
 

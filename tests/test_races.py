@@ -6,18 +6,17 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from daskdist.context import (
-    ClosureScope,
-    WorkerContext,
-    _forget_membership,
-    _set_membership,
-    closure_scope,
-    membership_joins,
-    membership_version,
-)
+from daskdist.context import WorkerContext
 from daskdist.core.protocol import READY, USER_ERROR, Outcome
 from daskdist.plugins.scheduler import CoordinatorPlugin
 from daskdist.plugins.scheduler.state import CoordinatorState
+from daskdist.session.counters import (
+    forget_membership,
+    membership_joins,
+    membership_version,
+    set_membership,
+)
+from daskdist.session.scope import ClosureScope, closure_scope
 
 
 class _Services:
@@ -31,9 +30,9 @@ def test_membership_counter_is_per_worker_session():
     """Counters belong to a worker session (one coordinator's registration on a worker):
     two coordinators on a worker, or a closed coordinator and a new one of the same
     name, never share them."""
-    _set_membership(7, 2, session="race-a")
-    _set_membership(3, 1, session="race-b")
-    _set_membership(2, 1, session="race-a")  # never goes back
+    set_membership(7, 2, session="race-a")
+    set_membership(3, 1, session="race-b")
+    set_membership(2, 1, session="race-a")  # never goes back
     assert membership_version("race-a") == 7 and membership_version("race-b") == 3
     assert membership_joins("race-a") == 2
     seen = {}
@@ -50,7 +49,7 @@ def test_membership_counter_is_per_worker_session():
         t.start()
         t.join()
     assert seen == {"race-a": 7, "race-b": 3, "race-c": 0}  # a new session starts clean
-    _forget_membership("race-a")
+    forget_membership("race-a")
     assert membership_version("race-a") == 0
 
 

@@ -10,7 +10,7 @@ import dask
 import pytest
 
 from daskdist.core.protocol import SESSION_ENDED, RankWindow
-from daskdist.core.steptimes import bucket
+from daskdist.observe.steptimes import bucket
 from daskdist.plugins.scheduler.state import CoordinatorState
 from tests.conftest import route
 
@@ -86,7 +86,7 @@ def test_windows_of_another_worker_or_an_ended_session_and_bad_ones_are_dropped(
     logged: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("daskdist.plugins.scheduler.ranks")
+    logger = logging.getLogger("daskdist.observe.book")
 
     async def run() -> None:
         co, _ = group_of()

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.collective.riders import Riding, ride, take
-from daskdist.context import ClosureScope, closure_scope
+from daskdist.collective.step.riders import Riding, ride, take
+from daskdist.session.scope import ClosureScope, closure_scope
 
 pytestmark = pytest.mark.timeout(120)
 

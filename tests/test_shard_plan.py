@@ -1,6 +1,6 @@
-"""The pure rules of sharded commits (``daskdist.core.shards``), property-tested: how rows
-are cut over ranks, the copy ring, who serves which shard after losses, and the row
-routes and byte windows that reshard a commit to a new world size."""
+"""The pure rules of sharded commits (``daskdist.core.resharding``),
+property-tested: how rows are cut over ranks, the copy ring, who serves which shard
+after losses, and the row routes and byte windows that reshard a commit to a new world size."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.core.shards import (
+from daskdist.core.resharding import (
     ALIGN,
     Report,
     choose,

@@ -53,7 +53,7 @@ def _run(device: str, url: str) -> dict:
             got["pinned"] = bool(saved.own.is_pinned())
             got["own_on_host"] = saved.own.device.type
             # the host copy holds what the device shards held at the commit
-            from daskdist.collective.shardlayout import views
+            from daskdist.collective.sharded.layout import views
 
             live = state._capture(state.model, state.optimizer, 0, 1)
             host_views = views(saved.own, saved.cut.entries, 1, 0)

@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from daskdist.collective.shardmaps import SHARED, Handle
+from daskdist.collective.sharded.maps import SHARED, Handle
 from tests.processes import process_context
 
 pytestmark = pytest.mark.timeout(120)

@@ -260,7 +260,7 @@ def write_id_shards(root: Path) -> str:
 def test_a_new_allocation_resumes_an_epoch_whose_jobs_were_all_cancelled(slurm, tmp_path):
     from distributed import Client
 
-    from daskdist.collective.checkpoint import CheckpointStore
+    from daskdist.collective.state.checkpoint import CheckpointStore
 
     example = load_example()
     data = write_id_shards(tmp_path / "ids")

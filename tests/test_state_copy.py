@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import daskdist as dd
-from daskdist.collective.snapshot import HostCopy, like
+from daskdist.collective.state.snapshot import HostCopy, like
 
 pytestmark = pytest.mark.timeout(60)
 

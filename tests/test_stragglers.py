@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daskdist.core import protocol
-from daskdist.core.hangs import HangWatch, odd_ranks
-from daskdist.core.steptimes import (
+from daskdist.observe.hangs import HangWatch, odd_ranks
+from daskdist.observe.steptimes import (
     BUCKETS,
     COLLECTIVE,
     COMMIT,
@@ -24,7 +24,7 @@ from daskdist.core.steptimes import (
     quantile,
     value,
 )
-from daskdist.core.stragglers import RankTable, Rule, Streak
+from daskdist.observe.stragglers import RankTable, Rule, Streak
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -30,9 +30,10 @@ def _late_finalizers(path: str, out_q) -> None:
     import torch
 
     from daskdist.collective import create_store, destroy_member, init_member, synced
-    from daskdist.context import ClosureScope, closure_scope, take_consumed
     from daskdist.data import ArrowLoader, InputContext, LocalLeaseService
     from daskdist.integrations.common import TokenHold
+    from daskdist.session.scope import ClosureScope, closure_scope
+    from daskdist.session.tokens import take_consumed
 
     torch.set_num_threads(1)
     host, port = create_store(1, "127.0.0.1")
@@ -126,7 +127,7 @@ def test_the_tail_pools_and_splits_a_string_column_with_its_rows():
     sliced with the tensors; lists and tuples of tensors stay nested fields."""
     import torch
 
-    from daskdist.collective.synced import _share
+    from daskdist.collective.step.synced import _share
 
     def batch(ids):
         t = torch.tensor(ids, dtype=torch.int64)

@@ -24,10 +24,10 @@ from daskdist.collective.bootstrap import (
     spare_store_port,
 )
 from daskdist.collective.device import backend_for, bind_device
-from daskdist.collective.elastic import HostsUpdatedInterrupt, State
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import allreduce_gradients, broadcast_parameters
-from daskdist.collective.synced import synced
+from daskdist.collective.state.elastic import HostsUpdatedInterrupt, State
+from daskdist.collective.step.synced import synced
 
 __all__ = [
     "CollectiveGroup",
@@ -51,7 +51,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "ShardedState":
-        from daskdist.collective.sharded import ShardedState
+        from daskdist.collective.sharded.state import ShardedState
 
         globals()[name] = ShardedState
         return ShardedState

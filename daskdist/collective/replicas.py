@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from daskdist.collective import riders
 from daskdist.collective.group import Group, get_group
+from daskdist.collective.step import riders
 from daskdist.core.nest import map_instances
 
 _BUCKET_MB = 32.0
@@ -46,7 +46,7 @@ def allreduce_gradients(
     A parameter that requires grad but has none on this rank counts as a zero
     gradient (and gets one), so every rank issues the same calls. Inside a closure,
     what ``synced`` and ``State`` need of every rank before the next step rides in the
-    first bucket (:mod:`~daskdist.collective.riders`): the step makes one call.
+    first bucket (:mod:`~daskdist.collective.step.riders`): the step makes one call.
     """
     g = group or get_group()
     params = [p for p in model.parameters() if p.requires_grad]

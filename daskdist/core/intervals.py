@@ -1,6 +1,6 @@
 """Sets of row ids as sorted, disjoint, non-adjacent half-open intervals ``(start, stop)``.
 
-Pure helpers shared by the lease table (:mod:`daskdist.core.leases`, the scheduler
+Pure helpers shared by the lease table (:mod:`daskdist.core.leases.table`, the scheduler
 side of the ``"dynamic"`` policy) and the loader (:mod:`daskdist.data`, the worker
 side), so neither imports the other: list helpers for small sets, and :class:`RowSet`,
 a mutable set whose single-interval operations cost O(log fragments) to find the place

@@ -161,7 +161,7 @@ LEASE_TOKEN = "lease"  # the tag of a lease token (other tokens are ignored)
 
 def dataset_key(dataset_id: str) -> int:
     """A dataset id as a positive 63-bit integer, the same in every process: how a gang
-    commit's packed parts (:func:`daskdist.core.commits.pack_tokens`) name it in an
+    commit's packed parts (:func:`daskdist.core.leases.commits.pack_tokens`) name it in an
     int64 tensor; the scheduler's lease table maps it back."""
     digest = hashlib.blake2b(dataset_id.encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 1) or 1

@@ -7,9 +7,11 @@
 """
 
 from daskdist.context import InputContext
-from daskdist.data.dynamic import LeaseService, LocalLeaseService, lease_token
+from daskdist.data.collections import source as _collections  # noqa: F401 - registers itself
+from daskdist.data.files import source as _files  # noqa: F401 - registers itself
+from daskdist.data.files.arrow import ArrowShards, Unit
+from daskdist.data.leased.service import LeaseService, LocalLeaseService, lease_token
 from daskdist.data.loader import ArrowLoader
-from daskdist.data.shards import ArrowShards, Unit
 
 __all__ = [
     "ArrowLoader",

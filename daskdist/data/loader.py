@@ -64,9 +64,9 @@ from daskdist.context import InputContext
 from daskdist.core.intervals import normalize
 from daskdist.data import batching
 from daskdist.data.convert import concat_cols, slice_cols, to_device
+from daskdist.data.files.arrow import ArrowShards
 from daskdist.data.plans import make_plan
 from daskdist.data.prefetch import CLOSED, END, Failure, Feed
-from daskdist.data.shards import ArrowShards
 from daskdist.data.sources import ChunkItem, ChunkSource, ReadSpec, as_source
 from daskdist.data.staging import CudaTransfer, DeviceStage
 from daskdist.errors import InputError

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from daskdist.data.leased import LeasedPass
+from daskdist.data.leased.passes import LeasedPass
 from daskdist.data.sharding import POLICIES, Piece, assign
 from daskdist.data.sources import ChunkSource, Source, SourceReader
 

@@ -12,7 +12,7 @@ TensorFlow's auto-sharding semantics (``tf.data.experimental.AutoShardPolicy``):
 - ``"off"``: every pipeline reads every row.
 
 ``"dynamic"`` is not a static plan: units are leased on demand (see
-``daskdist.core.leases``). This module only sees groups and row counts, so it decides
+``daskdist.core.leases.table``). This module only sees groups and row counts, so it decides
 for files and a Dask collection's partitions alike (a partition is its own group; its
 row count may be unknown until it is computed: its rows are then kept by their position
 in it) and is unit-tested without files; each policy partitions the rows exactly across

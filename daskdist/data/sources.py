@@ -240,8 +240,6 @@ def as_source(obj: Any, columns: Sequence | None = None) -> Source:
     paths, a ``pyarrow.dataset``, :class:`~.shards.ArrowShards`), a dask DataFrame, a
     dict of dask Arrays, or a source already; anything else: ``TypeError`` naming what
     was given. ``columns`` selects columns where the kind can push it down."""
-    from daskdist.data import collections, files  # noqa: F401 - their registrations
-
     if isinstance(obj, Source):
         return obj
     for accepts, make in _KINDS:

@@ -19,18 +19,12 @@ import torch
 import torch.distributed as dist
 
 from daskdist.collective.bootstrap import PROCESS
-from daskdist.collective.elastic import State
 from daskdist.collective.group import Group
-from daskdist.context import (
-    consumed_mark,
-    drop_aside,
-    minting,
-    resource_id,
-    session_services,
-    set_aside,
-    take_back,
-)
+from daskdist.collective.state.elastic import State
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt
+from daskdist.session.resources import resource_id
+from daskdist.session.scope import minting, session_services
+from daskdist.session.tokens import consumed_mark, drop_aside, set_aside, take_back
 
 logger = logging.getLogger(__name__)
 

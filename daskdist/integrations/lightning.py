@@ -49,8 +49,8 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parallel import DistributedDataParallel
 
-from daskdist.collective.elastic import State
 from daskdist.collective.group import Group, get_group
+from daskdist.collective.state.elastic import State
 from daskdist.integrations.common import (
     GroupHook,
     Optimizers,

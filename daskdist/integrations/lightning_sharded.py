@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from daskdist.collective.fsdp import forget_meshes, mesh_for
 from daskdist.collective.group import Group
 from daskdist.collective.replicas import broadcast_parameters
-from daskdist.collective.sharded import ShardedState
+from daskdist.collective.sharded.fsdp import forget_meshes, mesh_for
+from daskdist.collective.sharded.state import ShardedState
 from daskdist.integrations.common import _STATE_ATTR, state_for
 
 _UNSHARDED = "_daskdist_unsharded"  # the module as it was before its first sharding

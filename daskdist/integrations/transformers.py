@@ -50,9 +50,9 @@ import torch
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from transformers import Trainer, TrainerCallback
 
-from daskdist.collective.elastic import State
 from daskdist.collective.group import Group, get_group
-from daskdist.collective.synced import synced
+from daskdist.collective.state.elastic import State
+from daskdist.collective.step.synced import synced
 from daskdist.integrations.common import GroupHook, Optimizers, disarm, failures, state_for
 
 __all__ = ["DaskdistCallback", "prepare_trainer"]

@@ -14,7 +14,7 @@ The hooks are one line each where daskdist owns the wait:
 
 While no gang closure runs here (:func:`recording` not entered) each hook costs one
 global read. While one runs, its :class:`Recorder` sums every step into the open
-:class:`~daskdist.core.steptimes.WindowSum`; the worker plugin takes the closed windows
+:class:`~daskdist.observe.steptimes.WindowSum`; the worker plugin takes the closed windows
 (:meth:`Recorder.roll`) once a window and sends them to the scheduler.
 
 Threads: the gang closure's thread (``Recorder.thread``) owns the current step's sums
@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from daskdist.core.steptimes import COLLECTIVE, COMMIT, DATA, WindowSum
+from daskdist.observe.steptimes import COLLECTIVE, COMMIT, DATA, WindowSum
 
 __all__ = ["COLLECTIVE", "COMMIT", "COMPUTING", "DATA", "READING", "Recorder", "active",
            "batch_rows", "partitions", "phase", "recording", "step", "stuck", "timed"]

@@ -1,8 +1,8 @@
 """LeaseBook: the dynamic datasets' book on the scheduler, and its routes.
 
-The ``"dynamic"`` policy's leases (the pure :class:`~daskdist.core.leases.LeaseTable`)
+The ``"dynamic"`` policy's leases (the pure :class:`~daskdist.core.leases.table.LeaseTable`)
 and the checkpoint ledgers of the States that trained on them
-(:class:`~daskdist.core.ledgers.Ledgers`): the routes that define a dataset (files or a
+(:class:`~daskdist.core.leases.ledgers.Ledgers`): the routes that define a dataset (files or a
 Dask collection alike: :class:`~daskdist.core.protocol.DatasetDef`), lease, release and
 report rows and learned unit lengths, start an epoch from a ledger, and export or
 restore a State's ledgers (:data:`LEASE_ROUTES`; their names are the wire protocol).
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from daskdist.core import protocol, resume
-from daskdist.core.leases import EpochFailed, LeaseTable, SessionExpired
-from daskdist.core.ledgers import Ledgers
-from daskdist.core.partitions import MAX_UNITS
+from daskdist.core import protocol
+from daskdist.core.leases import resume
+from daskdist.core.leases.ledgers import Ledgers
+from daskdist.core.leases.partitions import MAX_UNITS
+from daskdist.core.leases.table import EpochFailed, LeaseTable, SessionExpired
 from daskdist.core.protocol import (
     ANY,
     OWNER,

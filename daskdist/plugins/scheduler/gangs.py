@@ -2,7 +2,7 @@
 
 Gang closures (``schedule_on_all``) and the group generations they run on are the pure
 :class:`~daskdist.core.gang.GangBook`; the commits that acknowledge gang members' rows
-(SPEC §4.2) are the pure :class:`~daskdist.core.commits.CommitBook`. This book routes
+(SPEC §4.2) are the pure :class:`~daskdist.core.leases.commits.CommitBook`. This book routes
 gang members' outcomes to the gang book, tells a broken group's members at once, and
 serves the group and commit routes (:data:`GROUP_ROUTES`). Formation itself is the
 :class:`~daskdist.plugins.scheduler.groups.GroupDriver`'s (``driver``). Runs on the scheduler's
@@ -15,9 +15,9 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from daskdist.core import protocol
-from daskdist.core.commits import CommitBook, unpack_parts
 from daskdist.core.gang import INTERRUPTING, GangBook, relay_children, tell_targets
-from daskdist.core.leases import group_tokens
+from daskdist.core.leases.commits import CommitBook, unpack_parts
+from daskdist.core.leases.table import group_tokens
 from daskdist.core.protocol import OWNER, READY, SESSION, CommitKey, Outcome, Route
 from daskdist.plugins.scheduler.closures import wait_event
 
@@ -148,7 +148,7 @@ class GroupBook:
     def gang_commit(self, session: str, key: Any, world: int, parts: list) -> bool:
         """Every rank's part of a gang commit in one message, sent by the generation's
         rank 0 once the commit's allgather brought them (``parts``: one per rank, in rank
-        order, each the rank's :func:`~daskdist.core.commits.pack_tokens` ints): the
+        order, each the rank's :func:`~daskdist.core.leases.commits.pack_tokens` ints): the
         commit's outcome, decided at once. One message per step instead of ``world``:
         O(parts) on the scheduler, with no waiter per part. Refused unless ``session``
         is rank 0 of ``key``'s generation, the current one, and every rank's part is

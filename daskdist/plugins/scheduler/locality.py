@@ -1,7 +1,7 @@
 """Where a dataset's units already are, on the scheduler (SPEC §3.2): partitions of a Dask
 collection the user persisted, leased first to the member whose worker holds them.
 
-A :class:`~daskdist.core.locality.LocalityIndex` per persisted collection is built once
+A :class:`~daskdist.core.leases.locality.LocalityIndex` per persisted collection is built once
 from ``Scheduler.tasks[key].who_has`` when the dataset is defined and checked lazily
 when a partition comes up, so a lease costs O(1) amortized whatever the number of
 partitions. The lease book asks it; an index goes with its dataset or coordinator.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daskdist.core.intervals import Interval
-from daskdist.core.locality import LocalityIndex
+from daskdist.core.leases.locality import LocalityIndex
 
 
 def _key(value: Any) -> Any:

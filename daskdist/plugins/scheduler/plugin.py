@@ -35,15 +35,15 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from daskdist import config
 from daskdist.core import protocol
 from daskdist.core.protocol import PLUGIN_NAME, RETIRING
-from daskdist.plugins.scheduler import observe
+from daskdist.observe.book import RANK_ROUTES, RANK_STREAM_ROUTES
 from daskdist.plugins.scheduler.closures import CLOSURE_ROUTES
 from daskdist.plugins.scheduler.datasets import LEASE_ROUTES
 from daskdist.plugins.scheduler.gangs import GROUP_ROUTES
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.locality import Locality
 from daskdist.plugins.scheduler.names import Coordinators
-from daskdist.plugins.scheduler.ranks import RANK_ROUTES, RANK_STREAM_ROUTES
 from daskdist.plugins.scheduler.state import STATE_ROUTES, CoordinatorState
+from daskdist.plugins.scheduler.web import pages
 
 # Every route of a named coordinator, by the attribute of CoordinatorState that holds its
 # book ("": the coordinator itself) and the book's table (protocol.Route)
@@ -87,7 +87,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         # cut off); Dask logs the event just before it calls remove_worker
         self._expected: dict[str, bool] = {}
         self._liveness_task: asyncio.Task | None = None
-        self._sampler: observe.Sampler | None = None  # dashboard history, until close
+        self._sampler: pages.Sampler | None = None  # dashboard history, until close
         self.locality: Locality | None = None  # persisted partitions' holders (at start)
 
     async def start(self, scheduler) -> None:
@@ -105,7 +105,7 @@ class CoordinatorPlugin(SchedulerPlugin):
                 scheduler.stream_handlers[op] = _never_raises(
                     op, protocol.book_handler(self.coordinators, book, op, route))
         scheduler.extensions["daskdist"] = self
-        self._sampler = observe.install(self, scheduler)
+        self._sampler = pages.install(self, scheduler)
         self._liveness_task = asyncio.create_task(self._expire_loop())
 
     async def _expire_loop(self) -> None:

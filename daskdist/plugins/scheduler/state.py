@@ -11,7 +11,7 @@ in its books, each with its own handlers (the pattern of Dask's
   generations, elastic commits;
 - :class:`~daskdist.plugins.scheduler.datasets.LeaseBook`: dynamic datasets' leases
   and checkpoint ledgers;
-- :class:`~daskdist.plugins.scheduler.ranks.RankBook`: what gang members measure (per-rank
+- :class:`~daskdist.observe.book.RankBook`: what gang members measure (per-rank
   phases, stragglers, hangs and stacks);
 - :class:`~daskdist.plugins.scheduler.stats.CoordinatorStats`: the dashboard's counters.
 
@@ -30,10 +30,10 @@ from daskdist import config
 from daskdist.core import protocol
 from daskdist.core.membership import LivenessTable, Membership
 from daskdist.core.protocol import OWNER, RETIRING, SESSION, Route
+from daskdist.observe.book import RankBook
 from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
-from daskdist.plugins.scheduler.ranks import RankBook
 from daskdist.plugins.scheduler.stats import CoordinatorStats
 
 logger = logging.getLogger(__name__)

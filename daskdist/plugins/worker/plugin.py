@@ -25,13 +25,13 @@ from distributed.comm.addressing import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from daskdist.context import _set_formation_version, _set_membership
 from daskdist.core import protocol
 from daskdist.core.protocol import worker_plugin_name
+from daskdist.observe.recorder import gang_stack
 from daskdist.plugins import devices
 from daskdist.plugins.worker import preemption
-from daskdist.plugins.worker.observe import gang_stack
 from daskdist.plugins.worker.runner import ClosureRunner
+from daskdist.session.counters import set_formation_version, set_membership
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def membership(worker, name: str, version: int, joins: int | None = None,
     runner = _runner(worker, name)
     current = runner.session_id if runner is not None else ""
     if current and session in (None, current):
-        _set_membership(version, joins, session=current)
+        set_membership(version, joins, session=current)
 
 
 def hold(worker, name: str, owners: list) -> None:
@@ -146,7 +146,7 @@ async def collective(worker, action: str, name: str, **kw: Any) -> Any:
         return list(await asyncio.to_thread(coll.create_store, kw["generation"], host,
                                             kw["timeout"]))
     if action == "init":
-        _set_formation_version(kw["generation"], kw.get("version"), kw.get("joins"))
+        set_formation_version(kw["generation"], kw.get("version"), kw.get("joins"))
         if runner is not None:  # whom to tell if this generation breaks
             runner.relay = (kw["generation"], list(kw.get("relay") or ()))
 

@@ -8,7 +8,7 @@ runs belongs to a *session* (:class:`~daskdist.plugins.worker.services.Session`,
 registered, renewed and ended by the runner's base,
 :class:`~daskdist.plugins.worker.services.SessionLifecycle`). A session owns its
 scheduler services and its per-worker resources; each closure runs bound to the session
-it was dispatched under (:func:`daskdist.context.closure_scope`), so a closure that
+it was dispatched under (:func:`daskdist.session.scope.closure_scope`), so a closure that
 outlives its session can only make calls the scheduler refuses, and its result is
 dropped. A closure's value is pickled with its tensors on the host (:func:`dump_result`).
 
@@ -44,9 +44,9 @@ from distributed.protocol.pickle import dumps, loads
 from distributed.utils import sync
 
 from daskdist import config
-from daskdist.context import ClosureScope, WorkerContext, _set_membership, closure_scope, origin_of
+from daskdist.context import WorkerContext
 from daskdist.core.gpus import given_gpu, gpu_identity
-from daskdist.core.leases import merge_tokens
+from daskdist.core.leases.table import merge_tokens
 from daskdist.core.protocol import (
     COLLECTIVE_ERROR,
     FAILED,
@@ -62,9 +62,11 @@ from daskdist.core.protocol import (
     is_session_ended,
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
+from daskdist.observe.recorder import gang_scope
 from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
-from daskdist.plugins.worker.observe import gang_scope
 from daskdist.plugins.worker.services import Session, SessionLifecycle
+from daskdist.session.counters import set_membership
+from daskdist.session.scope import ClosureScope, closure_scope, origin_of
 
 logger = logging.getLogger(__name__)
 
@@ -421,7 +423,7 @@ class ClosureRunner(SessionLifecycle):
             self.num_workers = reply["num_workers"]
             self.renew_interval = reply.get("renew", self.renew_interval)
             self.set_hold(reply["hold"])
-            _set_membership(reply["version"], reply.get("joins"), session=self.session_id)
+            set_membership(reply["version"], reply.get("joins"), session=self.session_id)
             session = self.session
             work = []
             for cid, payload, attempt, gang, owner in map(Dispatch._make, reply["closures"]):

@@ -2,7 +2,7 @@
 registering, renewing and ending it (:class:`Session`, :class:`SessionLifecycle`).
 
 TensorFlow hands a closure its ``coordinator_context``; daskdist hands each closure
-(through :func:`daskdist.context.session_services`) and each per-worker resource built
+(through :func:`daskdist.session.scope.session_services`) and each per-worker resource built
 for a session (``InputContext.services``) the services of the session it belongs to:
 lease acquire, progress and release for the ``"dynamic"`` policy, commit parts and
 commit outcomes for elastic state. Every call names that session, so once the session
@@ -34,14 +34,8 @@ from distributed.comm.core import CommClosedError
 from distributed.utils import sync
 
 from daskdist import config
-from daskdist.context import (
-    InputContext,
-    ResourceRegistry,
-    WorkerContext,
-    _forget_membership,
-    _set_membership,
-)
-from daskdist.core.leases import group_tokens
+from daskdist.context import InputContext, WorkerContext
+from daskdist.core.leases.table import group_tokens
 from daskdist.core.protocol import (
     RETIRING,
     CommitKey,
@@ -49,6 +43,8 @@ from daskdist.core.protocol import (
     is_session_ended,
 )
 from daskdist.errors import CollectiveError, InputError
+from daskdist.session.counters import forget_membership, set_membership
+from daskdist.session.resources import ResourceRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -335,7 +331,7 @@ class Session:
         """Refuse the session's calls from now on, and close its resources in a thread
         of their own (a loader's producer may be in the middle of a read); the thread."""
         self.services.end()
-        _forget_membership(self.id)
+        forget_membership(self.id)
         closer = threading.Thread(target=self.resources.close, daemon=True,
                                   name=f"daskdist-close-{self.id[:8]}")
         closer.start()
@@ -393,7 +389,7 @@ class SessionLifecycle:
         self.renew_interval = reply.get("renew", self.renew_interval)
         self.observe = float(reply.get("observe") or 0.0)  # gang members' window (SPEC §5.1)
         self._end_session()
-        _set_membership(reply["version"], reply.get("joins"), session=sid)
+        set_membership(reply["version"], reply.get("joins"), session=sid)
         services = SessionServices(self.worker, self.name, sid)
         self.session = Session(sid, services, ResourceRegistry(
             functools.partial(self._fetch_spec, sid), self._contexts_for(services)))

@@ -1,0 +1,48 @@
+"""The tail rule of ``"dynamic"`` leases (pure): how leases shrink and who waits near the
+end of an epoch, so every reader has rows to the end instead of one holding a whole unit
+while the others idle.
+
+- **Cap**: a lease ends at a unit's end (a unit is read by one worker) unless that would
+  more than double it past its share of what is left (``free / (2 * readers)``); then it
+  ends inside the unit, so near the end leases shrink toward the two batches a loader
+  asks for at least. A collection's partitions are never split (a partition read in
+  part is computed whole): no cap.
+- **Hold-back**: a reader already holding its share of the rows not yet acknowledged
+  (``(free + leased) / readers``: leases it asked ahead) gets none while it holds a
+  lease's worth or the pool is low; the rows go to the readers holding less, so readers
+  that consume alike run out alike. For whole partitions, once fewer than two are free
+  per reader (by the mean partition), a reader holding two (the one it reads, one
+  computed ahead) waits too.
+
+Imports nothing from Dask, torch, pyarrow or the rest of the package.
+"""
+
+from __future__ import annotations
+
+from daskdist.core.intervals import RowSet
+from daskdist.core.leases.units import Units
+
+__all__ = ["TailRule"]
+
+
+class TailRule:
+    """The two decisions of the tail rule (see the module doc); stateless."""
+
+    @staticmethod
+    def cap(whole: bool, need: int, share: int) -> int | None:
+        """The most rows a lease may take past a unit's end (``None``: no cap)."""
+        return None if whole else 2 * max(need, share)
+
+    @staticmethod
+    def holds_back(units: Units, whole: bool, held: RowSet | None, n_leased: int,
+                   parts: int, need: int, n_free: int) -> bool:
+        """Whether a reader holding ``held`` waits now (``parts`` readers, ``n_free``
+        rows free, ``n_leased`` leased to anyone, a lease of ``need`` asked)."""
+        if held is None:
+            return False
+        if held.size * parts >= n_free + n_leased and (
+                held.size >= need or n_free < parts * need):
+            return True
+        if not whole or units.units_in(n_free) >= 2 * parts:
+            return False  # two partitions or more free per reader: not the tail yet
+        return units.unit_of(held.stops[-1] - 1) > units.unit_of(held.starts[0])

@@ -1,0 +1,1 @@
+"""Dask collections (DataFrames, dicts of Arrays) as a loader's source."""

@@ -1,0 +1,1 @@
+"""Parquet and Arrow IPC files as a loader's source."""

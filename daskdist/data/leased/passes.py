@@ -1,0 +1,130 @@
+"""A pass over an epoch's leased rows (``"dynamic"``), for any kind of source.
+
+:class:`LeasedPass` asks the lease service for rows until none are free *right now*,
+has the source's :class:`~.sources.UnitReads` read them, and keeps what it holds in a
+:class:`~.held.LeaseHolder`. The next lease is asked for as soon as one arrives, so its
+round trip overlaps the reads; ``reads.ahead`` planned reads (a collection's partitions
+computing) are kept beyond the one being read.
+
+A read that fails gives back at once what the pass holds and has not handed on: the
+failed read's rows deferred with the failure counted (the scheduler fails the epoch
+after ``max_worker_failures``), the rest free. Then the error is raised once, to the
+closure that reaches it, naming the unit (and the column, for a conversion);
+``InputError`` once the epoch failed. ``chunks()`` may run again after it ended, to
+pick up rows that came back to the pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from daskdist.core.intervals import Interval, normalize, subtract
+from daskdist.data.collections.compute import Interrupted
+from daskdist.data.leased.held import LeaseHolder
+from daskdist.data.sources import ChunkItem, Pending, ReadSpec, UnitFailure, UnitReads
+from daskdist.errors import InputError
+
+__all__ = ["LeasedPass"]
+
+
+class LeasedPass:
+    """Leased rows of one epoch, read through a source's unit reads (module doc)."""
+
+    def __init__(self, spec: ReadSpec, epoch: int,
+                 reads: Callable[[Callable[[list[Interval]], None]], UnitReads],
+                 define: Callable[[], None], outside: bool) -> None:
+        self.spec = spec
+        self.epoch = epoch
+        self.held = LeaseHolder(spec.services, spec.dataset_id, epoch,
+                                spec.label or spec.dataset_id, outside)
+        self._define = define  # the loader's definition of its dataset, once
+        self._make_reads = reads
+        self._reads: UnitReads | None = None
+
+    def _ask(self, reads: UnitReads) -> Any:
+        rows, least = reads.lease_size
+        return self.spec.services.acquire_async(self.spec.dataset_id, self.epoch, rows,
+                                                least=least)
+
+    def chunks(self) -> Iterator[ChunkItem]:
+        """Lease, read and convert rows until none are free right now."""
+        self._define()
+        reads = self._reads = self._make_reads(self.held.drop)
+        held = self.held
+        pending: deque[Pending] = deque()
+        ask: Any = self._ask(reads)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) <= reads.ahead:
+                    ranges, ask = ask.result(), None  # ends when the RPC does (or times out)
+                    if not ranges:
+                        exhausted = True
+                        break
+                    ranges = [(int(a), int(b)) for a, b in ranges]
+                    held.hold(ranges)
+                    pending.extend(reads.plan(ranges))
+                    ask = self._ask(reads)  # asked now, read after this lease
+                reads.check()
+                if not pending:
+                    reads.finish()
+                    return
+                p = pending.popleft()
+                try:
+                    item = reads.read(p)
+                except Interrupted:  # closed: its rows are given back by close()
+                    reads.cancel(p)
+                    return
+                except UnitFailure as f:
+                    self._failed(reads, p, pending, f)
+                if item is not None and item.rows:
+                    yield item
+        finally:
+            for p in pending:  # closed early, or failed: their rows are given back
+                reads.cancel(p)
+            reads.close()
+            if ask is not None:  # asked ahead, never read: given back
+                try:
+                    rest = ask.result()
+                except Exception:  # noqa: BLE001 - no lease came: nothing to give back
+                    rest = None
+                if rest:
+                    self.spec.services.release(self.spec.dataset_id, self.epoch, rest)
+
+    def _failed(self, reads: UnitReads, p: Pending, pending: deque[Pending],
+                f: UnitFailure) -> None:
+        """A read failed: its rows go back deferred (counted), every other row held and
+        not handed on goes back free; then the error is raised (``InputError`` once the
+        epoch failed)."""
+        err = f.error()
+        bad = normalize(f.rows if f.rows is not None else p.rows)
+        rest = normalize([*subtract(normalize(p.rows), bad),
+                          *(iv for q in pending for iv in q.rows)])
+        while pending:
+            reads.cancel(pending.popleft())
+        reads.cancel(p)
+        self.held.give_back(bad, failure=(f.source, str(err)))
+        self.held.give_back(rest)
+        s = self.spec
+        failed = s.services.progress(s.dataset_id, self.epoch).get("failed")
+        if failed:  # that was its last allowed failure: the epoch cannot complete
+            raise InputError(failed, f.exc) from f.exc
+        raise err from f.exc
+
+    def delivered(self, ranges: list[Interval]) -> None:
+        self.held.delivered(ranges)
+
+    def interrupt(self) -> None:
+        """End the producer's wait for a read now (its iterator is closing)."""
+        reads = self._reads
+        if reads is not None:
+            reads.interrupt()
+
+    def close(self) -> None:
+        """Give back leased rows no caller received."""
+        self.held.close()
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "outstanding": self.held.outstanding()}
