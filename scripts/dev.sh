@@ -21,11 +21,12 @@ cmd="${1:-test}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   # four test processes (a file's tests stay together: they share its clusters), handed
-  # the files in the order tests/conftest.py gives them (those with slow tests first); a
-  # test that fails runs once more (R, and named in the summary: real processes on a
-  # loaded 2-core machine miss timing now and then; a real failure fails twice); then
-  # the 15 slowest tests. Arguments are pytest's (`-n 0` serially, `--reruns 0` never again).
-  test) exec "$PY" -m pytest -n 4 --dist loadfile --no-loadscope-reorder --reruns 1 -rR --durations=15 "$@" ;;
+  # the files in the order tests/conftest.py gives them (those with slow tests first);
+  # no test runs twice, except one marked may_rerun(reason=...), whose first failure's
+  # traceback is shown in the summary; then the 15 slowest tests. Arguments are
+  # pytest's (`-n 0` runs the tests serially).
+  test) exec "$PY" -m pytest -n 4 --dist loadfile --no-loadscope-reorder -rR \
+          --rerun-show-tracebacks --durations=15 "$@" ;;
   demo) exec "$VENV/bin/daskdist" demo "$@" ;;
   bench)
     # every benchmark records its figures into one file; table.py makes docs/benchmarks.md

@@ -209,6 +209,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     slow: dict[object, int] = {}
     size: dict[object, int] = {}
     for item in items:
+        may = item.get_closest_marker("may_rerun")
+        if may is not None:  # one more try, for the reason it names (pytest-rerunfailures)
+            if not (may.kwargs.get("reason") or may.args):
+                raise pytest.UsageError(f"{item.nodeid}: may_rerun needs reason='why'")
+            item.add_marker(pytest.mark.flaky(reruns=1))
         size[item.path] = size.get(item.path, 0) + 1
         slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
     items.sort(key=lambda item: (-slow[item.path], -size[item.path]))  # stable in a file
