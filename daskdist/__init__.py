@@ -3,8 +3,9 @@
 The public API, imported on first use: ``import daskdist`` loads neither Dask's
 ``distributed`` nor tornado nor torch (the scheduler unpickles its plugin through this
 package, and the pure state machines in ``daskdist.core`` are used without Dask).
-``Coordinator`` and the values come from ``daskdist.client``; ``daskdist.data`` and
-``daskdist.collective`` (which import torch) are imported when first named.
+``Coordinator`` and the values come from ``daskdist.client``; ``daskdist.data``,
+``daskdist.collective`` (which import torch) and ``daskdist.asynchronous`` are imported
+when first named.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _LAZY = {
     "RemoteValue": "daskdist.client.closures",
     "RemoteValueStatus": "daskdist.client.closures",
     "Report": "daskdist.client.report",
+    "asynchronous": None,
     "collective": None,
     "data": None,
 }
@@ -67,6 +69,7 @@ __all__ = [
     "Report",
     "WorkerContext",
     "WorkerLostError",
+    "asynchronous",
     "collective",
     "data",
     "get_worker_context",

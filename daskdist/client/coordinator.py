@@ -290,6 +290,24 @@ class Coordinator(ClosureClient):
         weakref.finalize(handle, _dropped, weakref.ref(self), rid)
         return handle
 
+    def async_model(self, model: Callable[[], Any], optimizer: Callable[[Any], Any],
+                    outer: Any = None, max_staleness: int = 8) -> Any:
+        """One model every closure trains, asynchronously (SPEC §2.8): ``model()`` builds
+        the module (on every worker and for the global copy, which a worker holds with
+        a standby copy on another), ``optimizer(params)`` a replica's inner optimizer,
+        ``outer`` applies each pushed delta on the holder
+        (``dd.asynchronous.Nesterov(lr=0.7, momentum=0.9)`` by default), and a delta
+        pulled more than ``max_staleness`` versions ago is refused (its rows go back).
+        Pass ``am.replica`` to closures: ``replica.pull()``, inner steps,
+        ``replica.push()``. Returns a ``daskdist.client.asynchronous.AsyncModel`` once a
+        worker holds the model; a bad setting raises before anything is registered."""
+        from daskdist.client.asynchronous import create
+
+        self._check_open()
+        return create(model, optimizer, outer, max_staleness, call=self._call,
+                      owned=self._owned, resource=self.create_per_worker_resource,
+                      client=self.client, name=self.name)
+
     def report(self) -> Report:
         """Where each gang member's step time goes (SPEC §5.1): a row a rank of the current
         generation (steps, step time median and p90, its split into data, collective,

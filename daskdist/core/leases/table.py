@@ -20,6 +20,8 @@ Transitions:
   :meth:`ack_sessions` through it): completed work acknowledges rows leased to its
   session; all or nothing, refused when the session expired or any row is not leased
   to it: fencing, so a late or duplicate message never counts a row twice;
+- :meth:`LeaseTable.transfer_tokens`: rows leased to one session move to another's lease
+  (an asynchronous model's push hands its rows to the model until the delta is durable);
 - :meth:`LeaseTable.release`: rows go back (a failed closure, a closed loader); a failed
   read defers them and counts a failure of its source; the ``max_failures``-th fails
   the epoch (:class:`EpochFailed`), rather than retrying forever;
@@ -302,6 +304,45 @@ class LeaseTable(DatasetIndex):
                 self._on_ack(key[0], counts)
             if acked.size == ep.total:
                 self.complete(key[0], ds, key[1])
+        return True
+
+    # -- handing rows over -------------------------------------------------------------------
+    def transfer_tokens(self, source: str, target: str, tokens: Iterable[object]) -> bool:
+        """Move the rows of lease tokens leased to ``source`` to ``target``'s lease, all
+        or nothing: refused (``False``, nothing moves) when either session expired, a
+        token is malformed, or a row is not leased to ``source``. The rows stay leased
+        (counts unchanged); ``target`` then acknowledges or releases them, and a loss of
+        ``source`` no longer touches them (an asynchronous model's push: its rows wait
+        with the delta until the delta is durable)."""
+        expired = self._expired
+        if source in expired or target in expired:
+            return False
+        try:
+            groups = group_tokens(tokens)
+        except ValueError:
+            return False
+        checked = []
+        for key, ranges in groups.items():
+            ds = self.datasets.get(key[0])
+            ep = ds.epochs.get(int(key[1])) if ds is not None else None
+            held = ep.leased.get(source) if ep is not None else None
+            if ep is None or held is None:
+                return False
+            ranges = normalize(ranges)
+            if not all(held.covers(a, b) for a, b in ranges):
+                return False
+            checked.append(((key[0], int(key[1])), ep, held, ranges))
+        for key, ep, held, ranges in checked:
+            into = ep.leased.get(target)
+            if into is None:
+                into = ep.leased[target] = RowSet()
+                self._session_keys.setdefault(target, set()).add(key)
+            for a, b in ranges:
+                held.remove(a, b)
+                into.add(a, b)
+            if not held.size:
+                del ep.leased[source]
+                self._unkey(source, key)
         return True
 
     # -- give-backs ------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from daskdist import config
 from daskdist.core import protocol
 from daskdist.core.protocol import PLUGIN_NAME, RETIRING
 from daskdist.observe.book import RANK_ROUTES, RANK_STREAM_ROUTES
+from daskdist.plugins.scheduler.asynchronous import ASYNC_ROUTES, ASYNC_STREAM_ROUTES
 from daskdist.plugins.scheduler.closures import CLOSURE_ROUTES
 from daskdist.plugins.scheduler.datasets import LEASE_ROUTES
 from daskdist.plugins.scheduler.gangs import GROUP_ROUTES
@@ -53,9 +54,10 @@ BOOK_ROUTES = {
     "group_book": GROUP_ROUTES,
     "lease_book": LEASE_ROUTES,
     "rank_book": RANK_ROUTES,
+    "async_book": ASYNC_ROUTES,
 }
 # ... and those of messages on a worker's own stream (one-way; Dask adds worker=)
-BOOK_STREAM_ROUTES = {"rank_book": RANK_STREAM_ROUTES}
+BOOK_STREAM_ROUTES = {"rank_book": RANK_STREAM_ROUTES, "async_book": ASYNC_STREAM_ROUTES}
 # The plugin's own routes (coordinators' lives, worker sessions, status): their methods
 PLUGIN_ROUTES = {
     "daskdist_create": "create",

@@ -13,6 +13,8 @@ in its books, each with its own handlers (the pattern of Dask's
   and checkpoint ledgers;
 - :class:`~daskdist.observe.book.RankBook`: what gang members measure (per-rank
   phases, stragglers, hangs and stacks);
+- :class:`~daskdist.plugins.scheduler.asynchronous.AsyncBook`: asynchronously trained
+  models (who holds each, its versions, the rows its pushes wait with);
 - :class:`~daskdist.plugins.scheduler.stats.CoordinatorStats`: the dashboard's counters.
 
 Talks to workers only through the ``send`` callable the plugin provides (a message on
@@ -31,6 +33,7 @@ from daskdist.core import protocol
 from daskdist.core.membership import LivenessTable, Membership
 from daskdist.core.protocol import OWNER, RETIRING, SESSION, Route
 from daskdist.observe.book import RankBook
+from daskdist.plugins.scheduler.asynchronous import AsyncBook
 from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
@@ -62,6 +65,7 @@ class CoordinatorState:
             1, 2**16))
         self.lease_book = LeaseBook(self, max_worker_failures)
         self.rank_book = RankBook(self)  # per-rank phases, stragglers, hangs (SPEC §5.1)
+        self.async_book = AsyncBook(self)  # one model trained asynchronously (SPEC §2.8)
         # the books' pure state machines, by the names the rest of the package uses
         self.queue = self.closure_book.queue
         self.outboxes = self.closure_book.outboxes
@@ -94,6 +98,7 @@ class CoordinatorState:
         workers, their results dropped; workers give back the ones they had not started
         (held, like an owner whose error is raised), and those are cancelled."""
         self.gangs.cancel_pending(owner)
+        self.async_book.drop_owner(owner)  # its models' open rows go back first
         self.release_resources([rid for rid, o in self.resource_owners.items() if o == owner])
         self.lease_book.forget_datasets(  # its datasets go with it
             [d for d, ds in self.leases.datasets.items() if ds.owner == owner])
@@ -128,6 +133,7 @@ class CoordinatorState:
         self.closure_book.close()
         self.group_book.close()
         self.rank_book.close()
+        self.async_book.close()
 
     # -- workers ---------------------------------------------------------------------
     def broadcast(self, msg: dict, sessions: Iterable[str] | None = None,
@@ -277,6 +283,7 @@ class CoordinatorState:
                                                  and session not in self.gangs.group.ranks))
         self.workers_lost += not expected
         self.leases.drop_session(session)
+        self.async_book.session_lost(session)  # a lost holder's model recovers
         self.rank_book.session_ended(session)
         self.group_book.session_lost(session, expected)  # a member's loss tells the rest
         self.membership_changed()  # (so this sends nothing more to them)
@@ -367,6 +374,7 @@ class CoordinatorState:
             "group_generation": group.generation,
             "group_size": len(group.sessions),
             "gangs_pending": len(self.gangs.pending),
+            "async_models": self.async_book.status(),
         }
 
 

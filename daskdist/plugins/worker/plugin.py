@@ -25,6 +25,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from daskdist.asynchronous.routes import ASYNC_RPC_ROUTES, ASYNC_STREAM_ROUTES
 from daskdist.core import protocol
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.observe.recorder import gang_stack
@@ -189,12 +190,14 @@ STREAM_ROUTES = {
     "daskdist-steal": steal,
     "daskdist-leaving": leaving,
     "daskdist-release": release,
+    **ASYNC_STREAM_ROUTES,  # an asynchronous model's roles (daskdist/asynchronous/routes.py)
 }
 RPC_ROUTES = {
     "daskdist_collective": collective,
     "daskdist_peer_lost": peer_lost,
     "daskdist_confirm_session": confirm_session,
     "daskdist_gang_stack": stack,
+    **ASYNC_RPC_ROUTES,  # its pulls, pushes and standby copies
 }
 
 

@@ -129,6 +129,14 @@ class SessionServices:
         reply.add_done_callback(done)
         return out
 
+    def request(self, op: str, **kwargs: Any) -> Any:
+        """Call scheduler handler ``op`` for this session and wait (at most
+        ``worker.rpc-timeout``): its reply, or ``None`` once the session ended (a
+        feature's own route, such as an asynchronous model's ``daskdist_async_where``)."""
+        if self.ended:
+            return None
+        return self._call(op, ended=None, **kwargs)
+
     def ready(self) -> None:
         """This session built its per-worker resources: it may join the group."""
         if not self.ended:

@@ -1,0 +1,462 @@
+"""AsyncBook: the scheduler's book of a coordinator's asynchronously trained models,
+and its routes.
+
+The scheduler holds no tensor of them: each model's pure
+:class:`~daskdist.core.async_ledger.ModelLedger` (holder, standby, versions, the pushes
+waiting for durability, figures). This book picks the holder and the standby among the
+members, gives them their roles (``daskdist-async-role`` on their streams), moves a
+push's rows to the model when its holder stages it (``LeaseTable.transfer_tokens``),
+acknowledges them once the push is durable, gives them back when it is refused or lost,
+and plans a lost holder's recovery. Its routes: :data:`ASYNC_ROUTES` and
+:data:`ASYNC_STREAM_ROUTES`. It asks its coordinator only what :class:`AsyncHost`
+declares. Runs on the scheduler's event loop; imports nothing from Dask or torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+import msgpack
+
+from daskdist import config
+from daskdist.core import async_protocol, protocol
+from daskdist.core.async_ledger import (
+    APPLIED,
+    DURABLE,
+    FAILED,
+    MOVING,
+    READY,
+    STARTING,
+    ModelLedger,
+    PushRecord,
+    Recovery,
+    Settle,
+)
+from daskdist.core.async_protocol import COPY, FRESH, HOLDER, NONE, SAME, STANDBY, AsyncRole
+from daskdist.core.intervals import normalize, union
+from daskdist.core.leases.ledgers import Ledgers
+from daskdist.core.leases.table import LeaseTable, group_tokens
+from daskdist.core.membership import Membership
+from daskdist.core.protocol import ANY, OWNER, SESSION, SESSION_ENDED, Route
+from daskdist.plugins.scheduler.closures import wait_event
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncHost(Protocol):
+    """What the book asks of its coordinator (``CoordinatorState``)."""
+
+    name: str
+    members: Membership  # its worker sessions
+    leases: LeaseTable  # the dynamic datasets' rows
+    ledgers: Ledgers  # the datasets each State (or model) trained, for checkpoints
+
+    def send(self, address: str, msg: dict) -> None:
+        """A message on a worker's stream."""
+
+
+def _size(obj: Any) -> int:
+    """Bytes of ``obj`` as msgpack puts it on the wire (what the scheduler moved)."""
+    try:
+        return len(msgpack.packb(obj, use_bin_type=True, default=str))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _rows(tokens: list) -> int:
+    return sum(b - a for ranges in group_tokens(tokens).values() for a, b in ranges)
+
+
+class AsyncBook:
+    """A coordinator's asynchronous models (see the module doc)."""
+
+    def __init__(self, co: AsyncHost) -> None:
+        self.co = co
+        self.models: dict[str, ModelLedger] = {}
+        self.specs: dict[str, bytes] = {}
+        self.plans: dict[str, Recovery] = {}  # recoveries waiting for a target
+        self._ready: dict[str, asyncio.Event] = {}  # set when its holder next serves
+        self.timeout = config.seconds("asynchronous.ready-timeout")
+
+    # -- helpers --------------------------------------------------------------------------
+    @staticmethod
+    def pseudo(model: str) -> str:
+        """The lease-table session that holds a model's staged rows."""
+        return f"async:{model}"
+
+    def _address(self, session: str | None) -> str:
+        m = self.co.members.members.get(session) if session else None
+        return m.address if m is not None else ""
+
+    def _alive(self, session: str) -> bool:
+        return session in self.co.members
+
+    def _pick(self, exclude: tuple) -> str | None:
+        """The member with the fewest model roles (then the lowest index), not leaving."""
+        roles: dict[str, int] = {}
+        for led in self.models.values():
+            for s in (led.holder, led.standby, led.target):
+                if s:
+                    roles[s] = roles.get(s, 0) + 1
+        best = None
+        for m in self.co.members.members.values():
+            if m.draining or m.session in exclude:
+                continue
+            key = (roles.get(m.session, 0), m.index)
+            if best is None or key < best[0]:
+                best = (key, m.session)
+        return None if best is None else best[1]
+
+    def _role(self, led: ModelLedger, session: str, role: str, source: str = SAME,
+              version: int = 0, spec: bool = False, standby: str = "") -> None:
+        address = self._address(session)
+        if not address:
+            return
+        msg = AsyncRole(led.model, session, role, led.incarnation, version,
+                        self.specs[led.model] if spec else b"", standby, source,
+                        list(led.checkpoint) if led.checkpoint else [])
+        self.co.send(address, {"op": "daskdist-async-role", "name": self.co.name,
+                               "role": tuple(msg)})
+
+    def _settle(self, led: ModelLedger, settle: Settle) -> None:
+        """Do what a transition asks of the rows."""
+        if not settle:
+            return
+        leases, pseudo = self.co.leases, self.pseudo(led.model)
+        for rec in settle.ack:
+            if not rec.tokens:
+                continue
+            # back to the pusher's session first, when it lives: its worker's row count
+            if not (self._alive(rec.pusher)
+                    and leases.transfer_tokens(pseudo, rec.pusher, rec.tokens)
+                    and leases.ack_tokens(rec.pusher, rec.tokens)):
+                if not leases.ack_tokens(pseudo, rec.tokens):
+                    logger.warning("daskdist[%s]: the rows of push %s of model %s could not "
+                                   "be acknowledged", self.co.name, rec.pid, led.model)
+        for rec in settle.release:
+            if rec.tokens:
+                leases.release_tokens(pseudo, rec.tokens)
+        if settle.restore:
+            try:
+                self.co.ledgers.restore(led.model, settle.restore, leases)
+            except (TypeError, ValueError) as e:
+                logger.warning("daskdist[%s]: the datasets' ledger of model %s's checkpoint "
+                               "was not restored: %s", self.co.name, led.model, e)
+
+    def _ensure_standby(self, led: ModelLedger) -> None:
+        """A serving model without a standby gets one, if another member exists."""
+        if led.phase != READY or led.standby is not None or led.holder is None:
+            return
+        session = self._pick((led.holder,))
+        if session is None:
+            return
+        led.set_standby(session)
+        self._role(led, session, STANDBY, spec=True)
+        self._role(led, led.holder, HOLDER, SAME, led.version,
+                   standby=self._address(session))
+
+    def _alone(self, led: ModelLedger) -> bool:
+        """No member but the holder could keep a copy."""
+        return led.standby is None and self._pick((led.holder,)) is None
+
+    def _recover(self, led: ModelLedger, plan: Recovery) -> None:
+        if not plan.source:
+            logger.error("daskdist[%s]: %s", self.co.name, plan.reason)
+            self._settle(led, led.fail(plan.reason))
+            self._wake(led)
+            return
+        if plan.source == COPY and not (plan.target and self._alive(plan.target)):
+            self._recover(led, led.holder_lost(self._alive))  # its standby went too
+            return
+        target = plan.target if plan.target and self._alive(plan.target) else self._pick(())
+        if target is None:  # no member now: the next member that asks takes it
+            self.plans[led.model] = plan
+            return
+        self.plans.pop(led.model, None)
+        led.aim(target)
+        logger.warning("daskdist[%s]: model %s moves to %s (from its %s, version %d)",
+                       self.co.name, led.model, self._address(target), plan.source,
+                       plan.version)
+        self._role(led, target, HOLDER, plan.source, plan.version, spec=True)
+
+    def _wake(self, led: ModelLedger) -> None:
+        event = self._ready.get(led.model)
+        if event is not None:
+            event.set()
+
+    async def _wait_ready(self, led: ModelLedger, what: str) -> None:
+        event = self._ready[led.model] = asyncio.Event()
+        try:
+            while led.phase in (STARTING, MOVING):
+                event.clear()
+                if not await wait_event(event, self.timeout):
+                    raise TimeoutError(f"{what}: no worker served model {led.model} within "
+                                       f"{self.timeout:g} s (daskdist.asynchronous."
+                                       "ready-timeout)")
+        finally:
+            self._ready.pop(led.model, None)
+        if led.phase == FAILED:
+            raise RuntimeError(f"{what}: {led.failed}")
+
+    def _model(self, model: Any, op: str) -> ModelLedger:
+        led = self.models.get(protocol.text(model, f"{op}: model"))
+        if led is None:
+            raise KeyError(f"{op}: no asynchronous model {model!r} on coordinator "
+                           f"{self.co.name!r} (dropped, or its coordinator closed)")
+        return led
+
+    # -- the client's routes --------------------------------------------------------------
+    async def create(self, owner: str, token: str, model: str, spec: bytes,
+                     max_staleness: int) -> dict:
+        """A new model: a member builds the global model from ``spec``; waits until it
+        serves (its first members may still be joining)."""
+        op = "daskdist_async_create"
+        protocol.text(model, f"{op}: model")
+        if not isinstance(spec, bytes):
+            raise TypeError(f"{op}: spec must be bytes, got {type(spec).__name__}")
+        max_staleness = async_protocol.max_staleness(max_staleness)
+        if model in self.models:
+            raise ValueError(f"{op}: model {model!r} exists")
+        led = self.models[model] = ModelLedger(model, owner, max_staleness)
+        self.specs[model] = spec
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.timeout
+            target = self._pick(())
+            while target is None:  # no member yet
+                if loop.time() > deadline:
+                    raise TimeoutError(f"{op}: no worker joined coordinator "
+                                       f"{self.co.name!r} within {self.timeout:g} s")
+                await asyncio.sleep(0.05)
+                target = self._pick(())
+            led.aim(target)
+            self._role(led, target, HOLDER, FRESH, 0, spec=True)
+            await self._wait_ready(led, "async_model")
+        except BaseException:
+            self.models.pop(model, None)
+            self.specs.pop(model, None)
+            if led.target or led.holder:
+                self._role(led, led.target or led.holder, NONE)
+            raise
+        self._ensure_standby(led)
+        return self.info(model)
+
+    async def configure(self, owner: str, token: str, model: str, url: str,
+                        every: int) -> dict:
+        """``am.checkpoint_to(url, every)``: the holder writes a checkpoint every
+        ``every`` versions; before anything was applied, it first loads the newest one
+        under ``url`` (a job resumed on a new cluster). Waits for that load."""
+        op = "daskdist_async_checkpoint"
+        led = self._model(model, op)
+        protocol.text(url, f"{op}: url", 4096)
+        every = async_protocol.every(every, f"{op}: every")
+        if led.owner != owner:
+            raise PermissionError(f"{op}: model {model!r} is another owner's")
+        led.checkpoint = (url, every)
+        if led.phase == READY and not led.applied and not led.open and led.version == 0:
+            plan = led.reload()
+            self._role(led, plan.target, HOLDER, plan.source, plan.version, spec=True)
+            await self._wait_ready(led, "checkpoint_to")
+            self._ensure_standby(led)
+        elif led.holder is not None:
+            self._role(led, led.holder, HOLDER, SAME, led.version,
+                       standby=self._address(led.standby))
+        return self.info(model)
+
+    def drop(self, owner: str, token: str, model: str) -> None:
+        """The owner drops a model: its holders forget it, its open rows go back."""
+        led = self.models.get(protocol.text(model, "daskdist_async_drop: model"))
+        if led is not None and led.owner == owner:
+            self._forget(led, "dropped by its owner")
+
+    def info(self, model: str) -> dict:
+        """A model's version, holders and phase (read-only)."""
+        led = self._model(model, "daskdist_async_info")
+        return {"model": led.model, "version": led.version, "phase": led.phase,
+                "failed": led.failed, "incarnation": led.incarnation,
+                "holder": self._address(led.holder), "standby": self._address(led.standby),
+                "nbytes": led.nbytes}
+
+    def report(self, model: str) -> dict:
+        """Everything ``am.report()`` shows (read-only)."""
+        return self._model(model, "daskdist_async_report").report(self._address)
+
+    def reports(self) -> list[dict]:
+        """Every model's report (the dashboard)."""
+        return [led.report(self._address) for led in self.models.values()]
+
+    # -- the workers' routes --------------------------------------------------------------
+    def where(self, session: str, model: str) -> dict:
+        """Where a model's holder is, for a worker about to pull or push."""
+        led = self.models.get(protocol.text(model, "daskdist_async_where: model"))
+        if led is None:
+            return {"failed": f"no asynchronous model {model!r} on coordinator "
+                              f"{self.co.name!r} (dropped, or its coordinator closed)"}
+        plan = self.plans.get(led.model)
+        if plan is not None:  # a recovery waiting for a member: this one
+            self._recover(led, plan)
+        self._ensure_standby(led)
+        reply = {"holder": self._address(led.holder), "phase": led.phase,
+                 "incarnation": led.incarnation, "version": led.version,
+                 "failed": led.failed}
+        led.scheduler_bytes += _size(reply) + 64
+        return reply
+
+    def stage(self, session: str, stage: Any) -> dict:
+        """The holder received push ``stage.pid``: its rows become the model's (all of
+        them, or it is refused: its pusher's session ended and they went back)."""
+        op = "daskdist_async_stage"
+        s = async_protocol.stage(stage, op)
+        led = self.models.get(s.model)
+        if led is None:
+            return {"refused": f"no asynchronous model {s.model!r}"}
+        led.scheduler_bytes += _size(stage) + 64
+        why, rec = led.may_stage(session, s.incarnation, s.pid)
+        if why == "duplicate" and rec is not None:
+            applied = rec.state in (APPLIED, DURABLE)
+            return {"duplicate": {"applied": applied, "version": rec.version,
+                                  "reason": "" if applied else f"it was {rec.state}"}}
+        if why:
+            return {"refused": why}
+        if s.tokens and not self.co.leases.transfer_tokens(s.pusher, self.pseudo(s.model),
+                                                          s.tokens):
+            return {"refused": "its rows are no longer leased to the pushing worker's "
+                               "session (the worker was lost): they went back"}
+        self.co.ledgers.note(s.model, s.tokens)
+        led.stage(PushRecord(s.pid, s.pusher, s.address, list(s.tokens), _rows(s.tokens),
+                             s.base))
+        return {"staged": True, "speed": led.rate_share(s.address)}
+
+    def ledger(self, session: str, model: str, version: int) -> dict:
+        """The datasets' ledger a checkpoint at ``version`` keeps: the rows acknowledged
+        now (every push durable so far) and those of the pushes applied up to
+        ``version`` and not yet durable. The holder asks before it applies anything
+        later, so no push after ``version`` is among them."""
+        op = "daskdist_async_ledger"
+        led = self._model(model, op)
+        version = protocol.integer(version, f"{op}: version", 0, 1 << 62)
+        if session != led.holder:
+            raise PermissionError(f"{op}: the caller is not the holder of model {model!r}")
+        out = self.co.ledgers.export(led.model, self.co.leases)
+        extra = group_tokens([t for r in led.pending_rows(version) for t in r.tokens])
+        for entry in out.values():
+            more = extra.get((entry["dataset_id"], entry["epoch"]))
+            if more:
+                entry["acknowledged"] = [list(iv) for iv in union(
+                    normalize(entry["acknowledged"]), normalize(more))]
+        return out
+
+    # -- the workers' stream messages ---------------------------------------------------
+    def on_ready(self, session: str, ready: Any, worker: str | None = None) -> None:
+        r = async_protocol.ready(ready, "daskdist-async-ready")
+        led = self.models.get(r.model)
+        if led is None:
+            return
+        led.scheduler_bytes += _size(ready)
+        if r.nbytes:
+            led.nbytes = r.nbytes
+        settle = led.recovered(session, r.incarnation, r.version, r.origin, r.source,
+                               r.ledger, r.error)
+        self._settle(led, settle)
+        if led.phase == FAILED:
+            logger.error("daskdist[%s]: model %s: %s", self.co.name, led.model, led.failed)
+        self._wake(led)
+        self._ensure_standby(led)
+
+    def on_decided(self, session: str, decision: Any, worker: str | None = None) -> None:
+        d = async_protocol.decision(decision, "daskdist-async-decided")
+        led = self.models.get(d.model)
+        if led is None:
+            return
+        led.scheduler_bytes += _size(decision)
+        settle = led.decided(session, d.incarnation, d.pid, d.applied, d.version, d.staleness,
+                             self._alone(led), d.steps, d.seconds, d.round_bytes)
+        self._settle(led, settle)
+        self._ensure_standby(led)
+
+    def on_copied(self, session: str, copy: Any, worker: str | None = None) -> None:
+        c = async_protocol.copied(copy, "daskdist-async-copied")
+        led = self.models.get(c.model)
+        if led is None:
+            return
+        led.scheduler_bytes += _size(copy)
+        self._settle(led, led.copied(session, c.incarnation, c.version, c.applied))
+
+    def on_checkpointed(self, session: str, checkpointed: Any,
+                        worker: str | None = None) -> None:
+        c = protocol.named(checkpointed, "daskdist-async-checkpointed",
+                           async_protocol.Checkpointed)
+        led = self.models.get(c.model)
+        if led is None or session != led.holder:
+            return
+        self._settle(led, led.checkpointed_at(protocol.integer(
+            c.version, "daskdist-async-checkpointed: version", 0, 1 << 62)))
+
+    # -- the coordinator's events -----------------------------------------------------------
+    def session_lost(self, session: str) -> None:
+        """A member's session ended (the coordinator calls this after the membership
+        dropped it): a lost holder's model recovers, a lost standby is replaced."""
+        for led in list(self.models.values()):
+            if led.phase == FAILED:
+                continue
+            if session == led.holder or (session == led.target and led.phase == MOVING):
+                if session == led.standby:
+                    led.standby_lost()
+                self._recover(led, led.holder_lost(self._alive))
+            elif session == led.target and led.phase == STARTING:
+                target = self._pick((session,))
+                if target is not None:
+                    led.aim(target)
+                    self._role(led, target, HOLDER, FRESH, 0, spec=True)
+            if session == led.standby:
+                led.standby_lost()
+            self._ensure_standby(led)
+
+    def _forget(self, led: ModelLedger, why: str) -> None:
+        for s in {led.holder, led.standby, led.target} - {None}:
+            self._role(led, s, NONE)
+        self._settle(led, led.fail(why))
+        self._wake(led)
+        self.models.pop(led.model, None)
+        self.specs.pop(led.model, None)
+        self.plans.pop(led.model, None)
+
+    def drop_owner(self, owner: str) -> None:
+        """An owner closed: its models go (their open rows back to the pool)."""
+        for led in [led for led in self.models.values() if led.owner == owner]:
+            self._forget(led, "its coordinator closed")
+
+    def close(self) -> None:
+        for led in list(self.models.values()):
+            self._forget(led, "its coordinator closed")
+
+    def status(self) -> dict:
+        """Each model's few counts (``coord.status()``)."""
+        return {m: led.summary() for m, led in self.models.items()}
+
+    def metrics(self) -> list[tuple[str, dict]]:
+        """``(model, report)`` of every model (the ``daskdist_async_*`` metrics)."""
+        return [(m, led.report(self._address)) for m, led in self.models.items()]
+
+
+# The book's routes (the plugin registers each on the named coordinator's book,
+# protocol.book_handler). A worker's session is checked (and renewed) by its route; a
+# stream message from an ended session is dropped there.
+ASYNC_ROUTES = {
+    "daskdist_async_create": Route(AsyncBook.create, caller=OWNER),
+    "daskdist_async_checkpoint": Route(AsyncBook.configure, caller=OWNER),
+    "daskdist_async_drop": Route(AsyncBook.drop, None, OWNER),
+    "daskdist_async_info": Route(AsyncBook.info, caller=ANY),
+    "daskdist_async_report": Route(AsyncBook.report, caller=ANY),
+    "daskdist_async_where": Route(AsyncBook.where, SESSION_ENDED, SESSION),
+    "daskdist_async_stage": Route(AsyncBook.stage, SESSION_ENDED, SESSION),
+    "daskdist_async_ledger": Route(AsyncBook.ledger, SESSION_ENDED, SESSION),
+}
+ASYNC_STREAM_ROUTES = {
+    "daskdist-async-ready": Route(AsyncBook.on_ready, None, SESSION, None),
+    "daskdist-async-decided": Route(AsyncBook.on_decided, None, SESSION, None),
+    "daskdist-async-copied": Route(AsyncBook.on_copied, None, SESSION, None),
+    "daskdist-async-checkpointed": Route(AsyncBook.on_checkpointed, None, SESSION, None),
+}
