@@ -414,6 +414,15 @@ class AsyncBook:
                 led.standby_lost()
             self._ensure_standby(led)
 
+    def member_joined(self) -> None:
+        """A session joined: a model without a standby (or waiting for a member to
+        recover on) gets it."""
+        for led in list(self.models.values()):
+            plan = self.plans.get(led.model)
+            if plan is not None:
+                self._recover(led, plan)
+            self._ensure_standby(led)
+
     def _forget(self, led: ModelLedger, why: str) -> None:
         for s in {led.holder, led.standby, led.target} - {None}:
             self._role(led, s, NONE)

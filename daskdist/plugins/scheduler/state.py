@@ -199,6 +199,7 @@ class CoordinatorState:
         member, _ = self.members.join(session, address, device, gpu, now=now,
                                       warming=bool(warm))
         self.queue.add_session(session, slots)
+        self.async_book.member_joined()  # a model without a standby gets it
         if not warm:
             self.membership_changed()
         if retiring(address):
