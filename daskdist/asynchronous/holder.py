@@ -104,7 +104,7 @@ class Held:
 
     def configure(self, checkpoint: list) -> None:
         if checkpoint:
-            url, every = checkpoint
+            url, every = checkpoint[:2]
             if self.store is None or self.store.url != str(url).rstrip("/"):
                 self.store = CheckpointStore(url)
             self.every = int(every)
@@ -282,16 +282,19 @@ class Held:
         gm = self.gm
         version = gm.version
         model_state, outer_state = gm.checkpoint_state()
+        applied = [[pid, v] for pid, v in list(self.log) if v <= version]
         try:
             ledger = sync(self.svc.worker.loop, self.svc.worker.scheduler.daskdist_async_ledger,
                           name=self.svc.name, session=self.session, model=self.model,
-                          version=version, callback_timeout=config.seconds("worker.rpc-timeout"))
+                          version=version, applied=applied,
+                          callback_timeout=config.seconds("worker.rpc-timeout"))
         except Exception as e:  # noqa: BLE001 - no ledger, no checkpoint: try next time
             logger.warning("daskdist: checkpoint of model %s skipped: %r", self.model, e)
             return
         if not isinstance(ledger, dict) or is_session_ended(ledger):
             return
-        record = {"model": self.model, "version": version, "ledger": ledger}
+        record = {"model": self.model, "incarnation": gm.incarnation, "version": version,
+                  "ledger": ledger}
         fut = store.write(version, model_state, outer_state, {}, record)
         if fut is not None:
             fut.add_done_callback(lambda f: self._written(f, version))
@@ -354,7 +357,7 @@ class AsyncService:
         task.add_done_callback(self._tasks.discard)
 
     async def _become_holder(self, role: AsyncRole) -> None:
-        origin, ledger = 0, {}
+        origin, ledger, loaded = 0, {}, []
         source = role.source
         try:
             spec = loads(self.specs[role.model])
@@ -371,7 +374,8 @@ class AsyncService:
                     raise RuntimeError(f"this worker keeps no copy of model {role.model}")
                 origin = await asyncio.to_thread(gm.restore, standby.blob)
             elif source == CHECKPOINT:
-                origin, ledger = await asyncio.to_thread(_load_newest, gm, role.checkpoint)
+                origin, ledger, loaded = await asyncio.to_thread(_load_newest, gm,
+                                                                 role.checkpoint)
                 if not origin:
                     source = FRESH
             gm.version = max(int(role.version), origin)
@@ -380,11 +384,11 @@ class AsyncService:
             held.copied = -1
             self.held[role.model] = held
             ready = Ready(role.model, role.session, role.incarnation, gm.version, origin,
-                          source, gm.nbytes, ledger)
+                          source, gm.nbytes, ledger, loaded)
         except Exception as e:  # noqa: BLE001 - the book hears why (and the client)
             logger.warning("daskdist: this worker could not hold model %s: %r", role.model, e)
             ready = Ready(role.model, role.session, role.incarnation, 0, 0, role.source, 0,
-                          {}, f"{type(e).__name__}: {e}")
+                          {}, [], f"{type(e).__name__}: {e}")
         self.send("daskdist-async-ready", role.session, ready=tuple(ready))
 
     async def push(self, p: Push) -> dict:
@@ -414,19 +418,27 @@ class AsyncService:
         return True
 
 
-def _load_newest(gm: GlobalModel, checkpoint: list) -> tuple[int, dict]:
-    """Load the newest complete checkpoint under the model's URL into ``gm``:
-    ``(its version, its datasets' ledger)``; ``(0, {})`` when there is none."""
+def _load_newest(gm: GlobalModel, checkpoint: list) -> tuple[int, dict, list]:
+    """Load into ``gm`` the newest complete checkpoint under the model's URL that is on
+    its lineage (``checkpoint[2]``: ``[[model id, incarnation, newest version], ...]``,
+    ``-1`` any version; ``None``: any checkpoint): ``(its version, its datasets'
+    ledger, [its writer's model id, incarnation])``; ``(0, {}, [])`` when there is none."""
     if not checkpoint:
-        return 0, {}
+        return 0, {}, []
+    lineage = checkpoint[2] if len(checkpoint) > 2 else None
     store = CheckpointStore(checkpoint[0])
     try:
-        info = store.latest()
-        if info is None:
-            return 0, {}
-        _, extra = store.load(info, gm.module.state_dict())
-        gm.outer.load_state_dict(extra["optimizer"])
-        record = extra["record"]
-        return int(record.get("version", info.commits)), dict(record.get("ledger") or {})
+        for info in reversed(store.complete()):
+            _, extra = store.load(info, None)
+            record = extra["record"]
+            version = int(record.get("version", info.commits))
+            writer = [str(record.get("model", "")), int(record.get("incarnation", 0))]
+            if lineage is not None and not any(
+                    [m, i] == writer and (cap < 0 or version <= cap) for m, i, cap in lineage):
+                continue  # a state the model no longer descends from
+            _, extra = store.load(info, gm.module.state_dict())
+            gm.outer.load_state_dict(extra["optimizer"])
+            return version, dict(record.get("ledger") or {}), writer
+        return 0, {}, []
     finally:
         store.close()

@@ -16,8 +16,9 @@ this ledger holds no tensor. It decides what happens to the rows each push consu
 - The holder lost: the newest of the standby's copy and the checkpoint is where the
   model goes on (:meth:`holder_lost` plans it, :meth:`recovered` settles it). Pushes
   applied after it are gone: their rows go back. Loading a checkpoint also restores
-  its dataset ledger (rows acknowledged after it are free again). With neither, after
-  anything was applied, the model *fails* (never a silent fresh start).
+  its dataset ledger (rows acknowledged after it are free again). With neither, once
+  a push was durable (rows acknowledged), the model *fails*: never a silent fresh
+  start. Before that, nothing is lost by starting from the factory again.
 
 So at every moment the rows acknowledged for a model are those of deltas that survive
 any single loss, and when everything is durable, exactly those of the deltas in the
@@ -120,6 +121,11 @@ class ModelLedger:
         self.target: str | None = None  # the session a recovery was sent to
         self.incarnation = 0
         self.served = 0  # the incarnation of the holder that served last (its copies count)
+        # the past incarnations whose states the model descends from, oldest first:
+        # [model id, incarnation, the newest version of theirs it holds]; only their
+        # checkpoints up to that version (and any of the last holder's) may be loaded
+        self.chain: list[list] = []
+        self.any_checkpoint = False  # a resumed job: the newest checkpoint, whoever wrote it
         self.version = 0  # the newest version known: never goes back
         self.durable = 0  # every applied version up to this survives a holder loss
         self.checkpoint: tuple[str, int] | None = None  # (url, every)
@@ -218,14 +224,19 @@ class ModelLedger:
         ``applied`` in it since its copy before."""
         if standby != self.standby or incarnation != self.served or self.phase == FAILED:
             return Settle()  # (while moving: the copy the lost holder sent last counts)
-        for pid, v in applied:
-            rec = self.open.get(pid)
-            if rec is not None and rec.state == STAGED:
-                rec.state, rec.version = APPLIED, v
-                self._newer(v)
+        self.note_applied(applied)
         self.standby_version = version
         self.durable = max(self.durable, version)
         return self._settle_through(self.durable)
+
+    def note_applied(self, applied: list[tuple[str, int]]) -> None:
+        """The holder says it applied these pushes (``(pid, version)``), maybe before its
+        decisions arrive: a copy lists them, and so does a checkpoint's ledger request."""
+        for pid, v in applied:
+            rec = self.open.get(pid)
+            if rec is not None and rec.state == STAGED:
+                rec.state, rec.version = APPLIED, int(v)
+                self._newer(int(v))
 
     def checkpointed_at(self, version: int) -> Settle:
         """A checkpoint of the model at ``version`` is complete (it holds every push
@@ -266,18 +277,32 @@ class ModelLedger:
             keep = self.standby if self.standby is not None and alive(self.standby) else None
             self.target = keep
             return Recovery(CHECKPOINT, keep, version, self.incarnation)
-        if self.applied == 0 and self.version == 0 and not self.open:
-            self.target = None  # nothing was ever applied: nothing is lost
-            return Recovery(FRESH, None, 0, self.incarnation)
+        if self.durable == 0:
+            # no push was ever durable, so no row was acknowledged: those it applied go
+            # back with their pushes, and the model starts again from its factory
+            self.target = keep = self.standby if self.standby is not None and alive(
+                self.standby) else None
+            return Recovery(FRESH, keep, version, self.incarnation)
         why = (f"every holder of asynchronous model {self.model} was lost (version "
                f"{self.version}; its standby had no copy) and no checkpoint_to was set: "
                "its global model is gone. Set am.checkpoint_to(url, every=N) to survive "
                "this; daskdist never starts it afresh silently")
         return Recovery("", None, version, self.incarnation, why)
 
+    def lineage(self) -> list | None:
+        """The checkpoints a recovery may load: ``[[model id, incarnation, the newest
+        version], ...]`` (``-1``: any version); ``None``: any checkpoint (a resumed job).
+        A checkpoint written by a holder whose state the model no longer descends from
+        (its report lost, a copy older than it taken over) holds pushes whose rows went
+        back: loading it would train them twice."""
+        if self.any_checkpoint:
+            return None
+        return [*self.chain, [self.model, self.served, -1]]
+
     def reload(self) -> Recovery:
         """The owner set a checkpoint URL before anything was applied: the holder loads
         the newest checkpoint there, if any (a job resumed on a new cluster)."""
+        self.any_checkpoint = True
         self.phase = MOVING
         self.incarnation += 1
         self.target = self.holder
@@ -289,14 +314,16 @@ class ModelLedger:
         self.target = target
 
     def recovered(self, session: str, incarnation: int, version: int, origin: int,
-                  source: str, ledger: dict, error: str = "") -> Settle:
+                  source: str, ledger: dict, error: str = "",
+                  loaded: list | None = None) -> Settle:
         """The recovery's target serves (or could not, ``error``): its content is the
-        state at ``origin``, from ``source``. Pushes applied up to ``origin`` are in it
+        state at ``origin``, from ``source`` (a checkpoint: the one ``loaded``, ``[model
+        id, incarnation]`` of its writer). Pushes applied up to ``origin`` are in it
         (acknowledged); the others are lost (given back)."""
         if self.phase not in (MOVING, STARTING) or session != self.target \
                 or incarnation != self.incarnation:
             return Settle()
-        if not error and source == FRESH and (self.applied or self.version):
+        if not error and source == FRESH and self.durable:
             error = (f"no checkpoint of asynchronous model {self.model} was found under "
                      f"{self.checkpoint[0] if self.checkpoint else '?'} and its holder "
                      f"was lost at version {self.version}: daskdist never starts it "
@@ -317,8 +344,13 @@ class ModelLedger:
             self.durable = origin
             self.checkpointed = max(self.checkpointed, origin)
             out.restore = ledger or None
+            self.chain = self._cut(loaded, origin)
         elif source == COPY:
             self.durable = max(self.durable, origin)
+            self.chain = [*self.chain, [self.model, self.served, origin]]
+        elif self.phase == MOVING:  # fresh: it descends from nothing
+            self.chain = []
+        self.any_checkpoint = False
         if source == COPY or session == self.standby:
             self.standby, self.standby_version = None, None
         self.phase = READY
@@ -326,6 +358,21 @@ class ModelLedger:
         self.served = incarnation
         self._newer(version)
         return out
+
+    def _cut(self, loaded: list | None, origin: int) -> list:
+        """The chain once checkpoint ``loaded`` (at ``origin``) was loaded: what it
+        descends from, and it."""
+        if not loaded:
+            return []
+        key = [str(loaded[0]), int(loaded[1])]
+        out = []
+        for entry in [*self.chain, [self.model, self.served, -1]]:
+            if entry[:2] == key:
+                break
+            out.append(entry)
+        else:
+            out = []  # a resumed job's: what it descends from is not known here
+        return [*out, [*key, origin]]
 
     def standby_lost(self) -> None:
         self.standby, self.standby_version = None, None

@@ -42,7 +42,8 @@ class AsyncRole(NamedTuple):
     spec: bytes  # the pickled model spec (b"": the worker has it)
     standby: str  # a holder's standby address ("": none)
     source: str  # FRESH, COPY, CHECKPOINT or SAME
-    checkpoint: list  # [url, every] ([]: none)
+    checkpoint: list  # [url, every, lineage] ([]: none; lineage: the checkpoints a
+    #                   recovery may load, ModelLedger.lineage(), None: any)
 
 
 class Ready(NamedTuple):
@@ -57,6 +58,7 @@ class Ready(NamedTuple):
     source: str
     nbytes: int  # the parameters' bytes (what a pull moves)
     ledger: dict  # a loaded checkpoint's dataset ledger ({} otherwise)
+    loaded: list  # the loaded checkpoint's writer: [model id, incarnation] ([]: none)
     error: str = ""
 
 
@@ -200,7 +202,12 @@ def ready(value: Any, op: str) -> Ready:
     if not isinstance(r.ledger, dict):
         raise TypeError(f"{op}: ledger must be a dict, got {type(r.ledger).__name__}")
     protocol.text(r.error, f"{op}: error", 16384, empty=True)
-    return r
+    loaded = protocol.items(r.loaded, f"{op}: loaded", 2)
+    if loaded:
+        protocol.record(loaded, f"{op}: loaded", 2)
+        loaded = [protocol.text(loaded[0], f"{op}: loaded model"),
+                  protocol.integer(loaded[1], f"{op}: loaded incarnation", 0, 1 << 62)]
+    return r._replace(loaded=list(loaded))
 
 
 def stage(value: Any, op: str) -> Stage:

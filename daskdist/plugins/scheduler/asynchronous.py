@@ -116,7 +116,7 @@ class AsyncBook:
             return
         msg = AsyncRole(led.model, session, role, led.incarnation, version,
                         self.specs[led.model] if spec else b"", standby, source,
-                        list(led.checkpoint) if led.checkpoint else [])
+                        [*led.checkpoint, led.lineage()] if led.checkpoint else [])
         self.co.send(address, {"op": "daskdist-async-role", "name": self.co.name,
                                "role": tuple(msg)})
 
@@ -329,16 +329,19 @@ class AsyncBook:
                              s.base))
         return {"staged": True, "speed": led.rate_share(s.address)}
 
-    def ledger(self, session: str, model: str, version: int) -> dict:
+    def ledger(self, session: str, model: str, version: int, applied: list) -> dict:
         """The datasets' ledger a checkpoint at ``version`` keeps: the rows acknowledged
         now (every push durable so far) and those of the pushes applied up to
-        ``version`` and not yet durable. The holder asks before it applies anything
-        later, so no push after ``version`` is among them."""
+        ``version`` and not yet durable (``applied``: those the holder applied since its
+        last copy, whose decisions may still be on their way). The holder asks before it
+        applies anything later, so no push after ``version`` is among them."""
         op = "daskdist_async_ledger"
         led = self._model(model, op)
         version = protocol.integer(version, f"{op}: version", 0, 1 << 62)
         if session != led.holder:
             raise PermissionError(f"{op}: the caller is not the holder of model {model!r}")
+        led.note_applied(async_protocol.copied(
+            (model, session, 0, version, applied), op).applied)
         out = self.co.ledgers.export(led.model, self.co.leases)
         extra = group_tokens([t for r in led.pending_rows(version) for t in r.tokens])
         for entry in out.values():
@@ -358,7 +361,7 @@ class AsyncBook:
         if r.nbytes:
             led.nbytes = r.nbytes
         settle = led.recovered(session, r.incarnation, r.version, r.origin, r.source,
-                               r.ledger, r.error)
+                               r.ledger, r.error, r.loaded)
         self._settle(led, settle)
         if led.phase == FAILED:
             logger.error("daskdist[%s]: model %s: %s", self.co.name, led.model, led.failed)
