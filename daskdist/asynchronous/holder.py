@@ -169,15 +169,16 @@ class Held:
         if is_session_ended(st) or self.closed:
             self.svc.drop(self.model)
             return {"moved": True}
-        if "duplicate" in st:
+        if "duplicate" in st:  # staged before (a retry): the book has its fate
             d = st["duplicate"]
             return {"applied": bool(d["applied"]), "version": int(d["version"]),
-                    "staleness": 0, "reason": "" if d["applied"] else d.get("reason", "")}
+                    "staleness": 0, "reason": "" if d["applied"] else d.get("reason", ""),
+                    "staged": True}
         if "refused" in st:
             if st.get("unsure"):  # it may have been staged: its rows go back if so
                 self._report(p, False, gm.version, 0, st["refused"])
             return {"applied": False, "version": gm.version, "staleness": 0,
-                    "reason": st["refused"]}
+                    "reason": st["refused"], "staged": False}
         loop = asyncio.get_running_loop()
         error = ""
         try:
@@ -200,7 +201,7 @@ class Held:
             except RuntimeError:  # closed meanwhile: its successor checkpoints
                 pass
         out = {"applied": applied, "version": version, "staleness": staleness,
-               "reason": reason, "speed": float(st.get("speed", 1.0))}
+               "reason": reason, "speed": float(st.get("speed", 1.0)), "staged": True}
         if error:
             out["error"] = error
         return out

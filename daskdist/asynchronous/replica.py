@@ -13,8 +13,11 @@ A round is ``pull()``, inner steps, ``push()``: the push sends the pseudo-gradie
 (the weights pulled minus the weights now; parameters only, the buffers as they are)
 straight to the holder, with the lease tokens of the rows the closure consumed since
 its pull. Rows consumed before the pull trained weights the pull replaced: they are
-set aside and go back when the closure ends. A push that is not applied gives the rows
-it still holds back; an applied one's rows are acknowledged once the delta is durable.
+set aside and go back when the closure ends. The holder stages a push with the
+scheduler first (its rows become the model's): a staged push's rows are acknowledged
+once its delta is durable, or given back by the scheduler when it is refused or lost; a
+push no holder staged is abandoned at the scheduler, which gives its rows back in the
+same step (never the worker itself: its loader may hold them again by then).
 Rows a closure takes after its last push are acknowledged with the closure, as any
 closure's: end a round with ``push()``.
 """
@@ -74,6 +77,9 @@ class ModelClient:
         self.speed = 1.0  # this worker's inner steps/s over the fastest worker's
         self.timeout = config.seconds("asynchronous.push-timeout")
         self.attempt_timeout = min(self.timeout, config.seconds("worker.rpc-timeout"))
+        # the first try of a call is short: a lost holder's address refuses connections
+        # for Dask's whole connect timeout (30 s), while the book knows within a second
+        self.first_timeout = min(5.0, self.attempt_timeout)
 
     def locate(self, services: Any, deadline: float) -> str:
         """The holder's address, from the scheduler's book (waits while it moves)."""
@@ -97,9 +103,10 @@ class ModelClient:
         """Call the holder's ``op``, following the model when its holder moves."""
         deadline = time.monotonic() + self.timeout
         address = self.holder or self.locate(services, deadline)
+        timeout, tried = self.first_timeout, set()
         while True:
             try:
-                reply = self._rpc(services, address, op, **kwargs)
+                reply = self._rpc(services, address, op, timeout, **kwargs)
             except (OSError, CommClosedError, TimeoutError) as e:
                 reply = {"moved": True, "why": repr(e)}
             if not (isinstance(reply, dict) and reply.get("moved")):
@@ -108,21 +115,28 @@ class ModelClient:
                 raise TimeoutError(f"asynchronous model {self.model_id}: its holder "
                                    f"{address} did not answer {op} within {self.timeout:g} s "
                                    f"(daskdist.asynchronous.push-timeout): {reply.get('why')}")
+            tried.add(address)
             time.sleep(0.05)
             address = self.locate(services, deadline)
+            # the book still names a holder that did not answer: wait for it longer
+            timeout = self.attempt_timeout if address in tried else self.first_timeout
 
-    def _rpc(self, services: Any, address: str, op: str, **kwargs: Any) -> Any:
+    def _rpc(self, services: Any, address: str, op: str, timeout: float,
+             **kwargs: Any) -> Any:
         worker = services.worker
         if address == worker.address:  # the holder is this worker: no comm
             return sync(worker.loop, routes.ASYNC_RPC_ROUTES[op], worker, name=services.name,
-                        callback_timeout=self.attempt_timeout, **kwargs)
+                        callback_timeout=timeout, **kwargs)
         return sync(worker.loop, getattr(worker.rpc(address), op), name=services.name,
-                    callback_timeout=self.attempt_timeout, **kwargs)
+                    callback_timeout=timeout, **kwargs)
 
     def fetch(self, services: Any) -> tuple[Fetched, int]:
         """The newest version (and the bytes fetched for it: 0 when this worker had it)."""
         with self.lock:
             have = self.cache
+            # where the holder is now (a round's push goes there too): a lost holder's
+            # address is never tried again once the book knows
+            self.locate(services, time.monotonic() + self.timeout)
             reply = self.call(services, "daskdist_async_pull", model=self.model_id,
                               incarnation=have.incarnation if have else -1,
                               version=have.version if have else -1)
@@ -207,16 +221,27 @@ class Replica:
         try:
             reply = self.client.call(services, "daskdist_async_push", push=tuple(push))
         except BaseException:
-            services.release_tokens(tokens)  # only rows still this session's move
+            self._abandon(services, push)
             raise
-        if not reply.get("applied"):
-            services.release_tokens(tokens)
+        if not reply.get("applied") and not reply.get("staged"):
+            self._abandon(services, push)  # staged: the book gave its rows back
         if reply.get("error"):
             raise ValueError(reply["error"])
         self.client.speed = float(reply.get("speed", self.client.speed))
         self._fetched = 0
-        return {"applied": bool(reply.get("applied")), "version": int(reply["version"]),
-                "staleness": int(reply.get("staleness", 0)), "rows": rows}
+        out = {"applied": bool(reply.get("applied")), "version": int(reply["version"]),
+               "staleness": int(reply.get("staleness", 0)), "rows": rows}
+        if not out["applied"]:
+            out["reason"] = str(reply.get("reason", ""))
+        return out
+
+    @staticmethod
+    def _abandon(services: Any, push: Push) -> None:
+        """Give up ``push``: unless a holder staged it (then the book decides), its rows
+        go back from this session, at the book, in one step."""
+        if push.tokens:
+            services.request("daskdist_async_abandon", model=push.model, pid=push.pid,
+                             tokens=list(push.tokens))
 
     def suggested_steps(self, steps: int) -> int:
         """Dynamic local updates (Asynchronous Local-SGD, arXiv 2401.09135): ``steps``

@@ -136,9 +136,10 @@ def create(model: Any, optimizer: Any, outer: Any, max_staleness: Any, *,
            resource: Callable[[Any], Any], client: Any, name: str) -> AsyncModel:
     """``coord.async_model``: check the settings (nothing is registered if one is bad),
     register the replicas and the model; returns once a worker holds it."""
-    if not callable(model):
+    if not callable(model) or (hasattr(model, "parameters") and hasattr(model, "forward")):
         raise TypeError(f"async_model: model must be a callable that builds the module "
-                        f"(called with no argument), got {model!r:.60}")
+                        f"(called with no argument, on every worker: model=lambda: Net()), "
+                        f"got {type(model).__name__} {model!r:.60}")
     if not callable(optimizer):
         raise TypeError(f"async_model: optimizer must be a callable taking the parameters "
                         f"(e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), got "

@@ -168,6 +168,13 @@ class ModelLedger:
         self.pushes[rec.pid] = self.open[rec.pid] = rec
         self._prune()
 
+    def abandon(self, rec: PushRecord) -> None:
+        """A push its worker gave up before any holder staged it (its rows went back
+        from the worker's session): a later stage of it is refused."""
+        rec.state = RELEASED
+        self.pushes[rec.pid] = rec
+        self._prune()
+
     def decided(self, holder: str, incarnation: int, pid: str, applied: bool, version: int,
                 staleness: int, alone: bool, steps: int = 0, seconds: float = 0.0,
                 round_bytes: int = 0) -> Settle:

@@ -329,6 +329,23 @@ class AsyncBook:
                              s.base))
         return {"staged": True, "speed": led.rate_share(s.address)}
 
+    def abandon(self, session: str, model: str, pid: str, tokens: list) -> dict:
+        """A worker's push that no holder staged, as far as it knows (refused before
+        staging, or its holder did not answer): if the book knows the push, its fate is
+        the book's; else its rows go back from the caller's session now, and a later
+        stage of it is refused. Atomic here: the pusher never gives back rows the book
+        may have handed on (they may be leased to its session again)."""
+        op = "daskdist_async_abandon"
+        protocol.text(pid, f"{op}: pid")
+        protocol.items(tokens, f"{op}: tokens")
+        led = self.models.get(protocol.text(model, f"{op}: model"))
+        if led is not None:
+            led.scheduler_bytes += _size(tokens) + 64
+            if pid in led.pushes:
+                return {"staged": True}
+            led.abandon(PushRecord(pid, session, self._address(session), [], 0, 0))
+        return {"staged": False, "released": self.co.leases.release_tokens(session, tokens)}
+
     def ledger(self, session: str, model: str, version: int, applied: list) -> dict:
         """The datasets' ledger a checkpoint at ``version`` keeps: the rows acknowledged
         now (every push durable so far) and those of the pushes applied up to
@@ -465,6 +482,7 @@ ASYNC_ROUTES = {
     "daskdist_async_where": Route(AsyncBook.where, SESSION_ENDED, SESSION),
     "daskdist_async_stage": Route(AsyncBook.stage, SESSION_ENDED, SESSION),
     "daskdist_async_ledger": Route(AsyncBook.ledger, SESSION_ENDED, SESSION),
+    "daskdist_async_abandon": Route(AsyncBook.abandon, SESSION_ENDED, SESSION),
 }
 ASYNC_STREAM_ROUTES = {
     "daskdist-async-ready": Route(AsyncBook.on_ready, None, SESSION, None),

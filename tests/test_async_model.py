@@ -1,0 +1,212 @@
+"""One model trained asynchronously (``coord.async_model``) on a real LocalCluster of 3
+worker processes, 1 and 2 threads each, over real Parquet files with a ``"dynamic"``
+dataset: the model reaches its target loss and learns every row exactly once (its
+``counts`` parameter, tests/async_rounds.py); a staleness bound refuses deltas and
+their rows go back; SIGKILLs of a non-holder and of the holder mid-epoch lose nothing,
+and the replacement that joins contributes; every holder lost without a checkpoint is a
+clear error, never a fresh start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from distributed import Client
+
+import daskdist as dd
+from tests.async_rounds import Counting, local_round, mse_of, sgd, write_rows
+from tests.conftest import THREADS, make_cluster, wait_for_workers, wait_until, worker_pids
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")]
+
+ROWS = 1200
+PAD = 100_000  # 400 kB of parameters: what a pull moves beside the scheduler's bytes
+
+
+@pytest.fixture(scope="module")
+def rows_dir(tmp_path_factory):
+    return write_rows(tmp_path_factory.mktemp("async-rows"), ROWS)
+
+
+@pytest.fixture(scope="module", params=THREADS, ids=lambda t: f"{t}-threads")
+def cl(request):
+    with make_cluster(3, threads=request.param) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="async")
+        wait_for_workers(client, coord, 3)
+        yield cluster, client, coord, request.param
+        coord.close()
+
+
+def make(rows: int = ROWS, pad: int = 0):
+    return lambda: Counting(rows, pad)
+
+
+def drain(coord, ds, am, steps: int = 3, wave: int = 6, during=None, pause: float = 0.0,
+          deadline: float = 60.0) -> list[dict]:
+    """Rounds until every row of the epoch is acknowledged; each round's outcome."""
+    it = iter(ds)
+    out: list[dict] = []
+    versions = []
+    t = time.monotonic()
+    while not ds.progress()["complete"]:
+        assert time.monotonic() - t < deadline, (ds.progress(), am.report())
+        rvs = [coord.schedule(local_round, args=(am.replica, it, steps, pause))
+               for _ in range(wave)]
+        if during is not None:
+            during(ds.progress())
+        out += coord.fetch(rvs)
+        versions.append(am.version)
+    assert versions == sorted(versions), versions  # the version never goes back
+    return out
+
+
+def assert_every_row_once(am) -> dict:
+    sd = am.state_dict()
+    c = sd["counts"].numpy()
+    assert len(c) == ROWS
+    assert (c == 1).all(), (f"rows learned 0 times: {int((c == 0).sum())}, more than "
+                            f"once: {int((c > 1).sum())}")
+    return sd
+
+
+def test_one_model_reaches_its_target_loss_with_every_row_once(cl, rows_dir):
+    cluster, client, coord, threads = cl
+    am = coord.async_model(model=make(pad=PAD), optimizer=sgd,
+                           outer=dd.asynchronous.Average(), max_staleness=50)
+    ds = coord.distribute_dataset(str(rows_dir), global_batch_size=60, shuffle=True,
+                                  policy="dynamic")
+    before = mse_of(am.state_dict(), rows_dir)
+    rounds = drain(coord, ds, am)
+    sd = assert_every_row_once(am)
+    after = mse_of(sd, rows_dir)
+    assert after < 0.05 < before, (before, after)  # one model, trained by every worker
+    assert sum(r["rows"] for r in rounds if r["applied"]) == ROWS
+    report = am.report()
+    assert report["applied"] == am.version == sum(r["applied"] for r in rounds)
+    assert report["rows"] == ROWS
+    # the last pushes (an empty round's) are durable at the holder's next idle copy
+    wait_until(lambda: am.report()["open_pushes"] == 0, 10, "every push durable")
+    workers = {w["address"]: w for w in report["workers"]}
+    assert len(workers) == 3 and all(w["rounds"] > 0 for w in workers.values()), workers
+    assert report["staleness"]["max"] >= report["staleness"]["p90"] >= 0
+    assert report["versions_per_second"] > 0
+    # pulls and pushes go worker to worker: the scheduler carries under 1% of the bytes
+    nbytes = report["model_bytes"]
+    assert nbytes >= 4 * PAD
+    assert nbytes <= report["bytes_per_round"] <= 2.1 * nbytes
+    assert report["scheduler_bytes_per_round"] < 0.01 * nbytes, report
+    holder, standby = am.holders()
+    assert {holder, standby} <= set(client.scheduler_info()["workers"]) and holder != standby
+    assert coord.status()["async_models"][am.model_id]["version"] == am.version
+    # each closure thread trains its own replica, kept across rounds
+    by_thread = defaultdict(set)
+    for r in rounds:
+        by_thread[r["thread"]].add(r["model"])
+    assert all(len(models) == 1 for models in by_thread.values()), by_thread
+    assert len({m for models in by_thread.values() for m in models}) == len(by_thread)
+
+
+def test_a_staleness_bound_refuses_deltas_and_their_rows_go_back(cl, rows_dir):
+    cluster, client, coord, threads = cl
+    am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average(),
+                           max_staleness=0)
+    ds = coord.distribute_dataset(str(rows_dir), global_batch_size=60, policy="dynamic")
+    rounds = drain(coord, ds, am, steps=2, wave=9, pause=0.005)
+    refused = [r for r in rounds if not r["applied"]]
+    odd = [r["reason"] for r in refused if r["staleness"] < 1 or "stale" not in r["reason"]]
+    assert refused and not odd, odd[:3]
+    assert_every_row_once(am)  # the refused rows went back and were learned later
+    report = am.report()
+    assert report["refused"] == len(refused) and report["rows_released"] > 0
+    assert report["staleness"]["max"] == 0  # no applied delta was stale
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_non_holder_then_of_the_holder_mid_epoch(cl, rows_dir):
+    """The replacement of the killed non-holder joins and contributes; the holder's
+    loss loses at most the deltas since its standby's copy, whose rows go back."""
+    cluster, client, coord, threads = cl
+    am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average(),
+                           max_staleness=50)
+    ds = coord.distribute_dataset(str(rows_dir), global_batch_size=30, policy="dynamic")
+    before = set(worker_pids(client))
+    killed: dict[str, str] = {}
+
+    def during(p):
+        pids = worker_pids(client)
+        if "other" not in killed and p["acknowledged"] > ROWS // 5:
+            holder, standby = am.holders()
+            other = sorted(set(pids) - {holder, standby})[0]
+            os.kill(pids[other], signal.SIGKILL)
+            killed["other"] = other
+            wait_until(lambda: len(set(worker_pids(client)) - before) == 1, 60,
+                       "the replacement")
+        elif "holder" not in killed and "other" in killed and p["acknowledged"] > ROWS // 2:
+            holder = am.holders()[0]
+            os.kill(pids[holder], signal.SIGKILL)
+            killed["holder"] = holder
+
+    drain(coord, ds, am, steps=2, during=during, pause=0.01, deadline=90)
+    assert set(killed) == {"other", "holder"}
+    assert_every_row_once(am)
+    report = am.report()
+    assert report["holder_losses"] == 1 and report["incarnation"] >= 1
+    assert am.holders()[0] != killed["holder"]
+    joined = set(worker_pids(client)) - before
+    contributed = {w["address"] for w in report["workers"] if w["rounds"]}
+    assert joined & contributed, (joined, report["workers"])  # a joiner pulls and pushes
+    wait_for_workers(client, coord, 3)
+
+
+def test_every_holder_lost_without_a_checkpoint_is_a_clear_error(cl, rows_dir):
+    cluster, client, coord, threads = cl
+    am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average())
+    ds = coord.distribute_dataset(str(rows_dir), global_batch_size=30, policy="dynamic")
+    it = iter(ds)
+    coord.fetch([coord.schedule(local_round, args=(am.replica, it, 2)) for _ in range(3)])
+    wait_until(lambda: am.report()["durable"] > 0, 30, "a durable version")
+    pids = worker_pids(client)
+    for address in am.holders():
+        os.kill(pids[address], signal.SIGKILL)
+    wait_until(lambda: am.report()["phase"] == "failed", 30, "the model to fail")
+    with pytest.raises(RuntimeError, match="no checkpoint_to was set"):
+        am.version  # noqa: B018 - the client's call raises
+    rv = coord.schedule(local_round, args=(am.replica, it, 2))
+    with pytest.raises(RuntimeError, match="every holder of asynchronous model"):
+        rv.fetch(timeout=60)
+    with pytest.raises(RuntimeError):
+        coord.join(timeout=60)  # the closure's error, raised to its owner
+    wait_for_workers(client, coord, 3)
+
+
+def test_bad_settings_are_refused_before_anything_is_registered(cl):
+    cluster, client, coord, threads = cl
+    before = coord.status()
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        coord.async_model(model=make(), optimizer=sgd, max_staleness=-1)
+    with pytest.raises(TypeError, match="outer must be an outer optimizer"):
+        coord.async_model(model=make(), optimizer=sgd, outer=sgd)
+    with pytest.raises(TypeError, match="model must be a callable"):
+        coord.async_model(model=Counting(3), optimizer=sgd)
+    status = coord.status()
+    assert status["resources"] == before["resources"]
+    assert status["async_models"] == before["async_models"]
+
+
+def test_a_model_factory_that_differs_between_workers_names_the_parameter(cl, tmp_path):
+    cluster, client, coord, threads = cl
+    flag = str(tmp_path / "other-model")
+    am = coord.async_model(model=lambda: Counting(ROWS, 16 if os.path.exists(flag) else 0),
+                           optimizer=sgd, outer=dd.asynchronous.Average())
+    open(flag, "w").close()  # every replica built from now on has another 'pad'
+    rv = coord.schedule(local_round, args=(am.replica, iter([]), 1))
+    with pytest.raises(ValueError, match="parameter 'pad'"):
+        rv.fetch(timeout=60)
+    with pytest.raises(ValueError):
+        coord.join(timeout=60)
+    assert np.all(am.state_dict()["counts"].numpy() == 0)  # nothing was applied
