@@ -696,6 +696,10 @@ def test_every_session_route_answers_an_ended_session_with_one_reply():
         "daskdist_report": dict(results=[]),
         "daskdist_renew": {},
         "daskdist_session_ready": {},
+        "daskdist_async_where": dict(model="m"),
+        "daskdist_async_stage": dict(stage=["m", 0, "p", "s", "w", [], 0]),
+        "daskdist_async_ledger": dict(model="m", version=0, applied=[]),
+        "daskdist_async_abandon": dict(model="m", pid="p", tokens=[]),
     }
     sessions = {op for table in BOOK_ROUTES.values() for op, r in table.items()
                 if r.caller in (SESSION, OWNER_OR_SESSION)}

@@ -77,6 +77,13 @@ def test_the_worker_plugin_loads_no_torch_until_a_device_is_bound():
                                                    "daskdist.client"))]
 
 
+def test_the_asynchronous_package_and_its_worker_routes_load_no_torch():
+    loaded = loaded_after("import daskdist as dd; dd.asynchronous.Nesterov; "
+                          "import daskdist.asynchronous.routes, daskdist.client.asynchronous")
+    assert "daskdist.asynchronous.outer" in loaded
+    assert not [m for m in loaded if m.split(".")[0] in ("torch", "pyarrow")]
+
+
 def test_the_step_clock_loads_no_dask_tornado_or_torch():
     loaded = loaded_after("import daskdist.observe.phases, daskdist.observe.stacks")
     assert "daskdist.observe.phases" in loaded
@@ -152,7 +159,7 @@ RULES = {  # room -> rooms it must not import (anywhere in the file, lazily too)
                          "daskdist.collective", "daskdist.cli", "daskdist.observe"),
     "daskdist.plugins.scheduler": ("daskdist.client", "daskdist.plugins.worker",
                                    "daskdist.data", "daskdist.collective", "daskdist.cli",
-                                   *WORKER_OBSERVE),
+                                   "daskdist.asynchronous", *WORKER_OBSERVE),
     "daskdist.plugins.worker": ("daskdist.client", "daskdist.plugins.scheduler",
                                 "daskdist.cli"),
     "daskdist.client": ("daskdist.plugins.scheduler", "daskdist.plugins.worker",
@@ -161,6 +168,10 @@ RULES = {  # room -> rooms it must not import (anywhere in the file, lazily too)
                       "daskdist.cli"),
     "daskdist.collective": ("daskdist.data", "daskdist.plugins", "daskdist.client",
                             "daskdist.cli"),
+    # one model trained asynchronously: its workers' side (replicas, holder, standby),
+    # below the plugins that route to it and the client that makes it
+    "daskdist.asynchronous": ("daskdist.client", "daskdist.plugins", "daskdist.data",
+                              "daskdist.cli"),
     # the step clock the data and collective layers call: theirs, and nobody's above
     "daskdist.observe": ("daskdist.data", "daskdist.collective", "daskdist.plugins",
                          "daskdist.client", "daskdist.cli"),

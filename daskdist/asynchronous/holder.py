@@ -285,14 +285,15 @@ class Held:
         model_state, outer_state = gm.checkpoint_state()
         applied = [[pid, v] for pid, v in list(self.log) if v <= version]
         try:
-            ledger = sync(self.svc.worker.loop, self.svc.worker.scheduler.daskdist_async_ledger,
+            reply = sync(self.svc.worker.loop, self.svc.worker.scheduler.daskdist_async_ledger,
                           name=self.svc.name, session=self.session, model=self.model,
                           version=version, applied=applied,
                           callback_timeout=config.seconds("worker.rpc-timeout"))
         except Exception as e:  # noqa: BLE001 - no ledger, no checkpoint: try next time
             logger.warning("daskdist: checkpoint of model %s skipped: %r", self.model, e)
             return
-        if not isinstance(ledger, dict) or is_session_ended(ledger):
+        ledger = reply.get("ledger") if isinstance(reply, dict) else None
+        if not isinstance(ledger, dict):  # its session ended, or the model was dropped
             return
         record = {"model": self.model, "incarnation": gm.incarnation, "version": version,
                   "ledger": ledger}

@@ -347,13 +347,15 @@ class AsyncBook:
         return {"staged": False, "released": self.co.leases.release_tokens(session, tokens)}
 
     def ledger(self, session: str, model: str, version: int, applied: list) -> dict:
-        """The datasets' ledger a checkpoint at ``version`` keeps: the rows acknowledged
-        now (every push durable so far) and those of the pushes applied up to
+        """``{"ledger": ...}``: the datasets' ledger a checkpoint at ``version`` keeps:
+        the rows acknowledged now (every push durable so far) and those of the pushes applied up to
         ``version`` and not yet durable (``applied``: those the holder applied since its
         last copy, whose decisions may still be on their way). The holder asks before it
         applies anything later, so no push after ``version`` is among them."""
         op = "daskdist_async_ledger"
-        led = self._model(model, op)
+        led = self.models.get(protocol.text(model, f"{op}: model"))
+        if led is None:
+            return {"failed": f"no asynchronous model {model!r} (dropped)"}
         version = protocol.integer(version, f"{op}: version", 0, 1 << 62)
         if session != led.holder:
             raise PermissionError(f"{op}: the caller is not the holder of model {model!r}")
@@ -366,7 +368,7 @@ class AsyncBook:
             if more:
                 entry["acknowledged"] = [list(iv) for iv in union(
                     normalize(entry["acknowledged"]), normalize(more))]
-        return out
+        return {"ledger": out}
 
     # -- the workers' stream messages ---------------------------------------------------
     def on_ready(self, session: str, ready: Any, worker: str | None = None) -> None:

@@ -1,0 +1,129 @@
+"""The scheduler's book of asynchronous models with a real coordinator state and lease
+table, no cluster: the roles it gives, the rows a staged push takes from its worker's
+session (a loss of that worker no longer frees them), acknowledged once a standby's
+copy holds the push (on the pusher's worker's count), given back when refused, and an
+abandoned push released from its worker's session in one step and fenced."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from daskdist.core.async_protocol import HOLDER, STANDBY, AsyncRole, Copied, Decision, Ready
+from daskdist.core.protocol import LeaseToken
+from daskdist.plugins.scheduler.state import CoordinatorState
+from tests.conftest import route
+from tests.tables import check_leases, leased_to
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def roles(sent: list) -> list[tuple[str, AsyncRole]]:
+    return [(a, AsyncRole._make(m["role"])) for a, m in sent if m["op"] == "daskdist-async-role"]
+
+
+@pytest.fixture
+def book():
+    """A coordinator of three members and a served model held by the first."""
+    sent: list = []
+    co = CoordinatorState("t", send=lambda address, msg: sent.append((address, msg)))
+    co.closure_book.add_owner("me", None, "tok")
+    for i in range(3):
+        co.start_session(f"s{i}", f"w{i}", 1, "cpu", "", lambda a: False, 0.0)
+    co.leases.define("ds", [(10, 10)])
+
+    async def create():
+        task = asyncio.ensure_future(route(co, "daskdist_async_create")(
+            owner="me", token="tok", model="m", spec=b"spec", max_staleness=1))
+        await asyncio.sleep(0.01)
+        address, role = roles(sent)[-1]
+        assert role.role == HOLDER and role.spec == b"spec"
+        co.async_book.on_ready(role.session, tuple(Ready("m", role.session, 0, 0, 0, "fresh",
+                                                         40, {}, [])))
+        return await task
+
+    info = asyncio.run(create())
+    return co, sent, info
+
+
+def lease(co, session: str, rows: int = 10) -> list:
+    got = co.leases.acquire(session, "ds", 0, rows)
+    return [tuple(LeaseToken.of("ds", 0, got))]
+
+
+def stage(co, holder: str, pid: str, pusher: str, tokens: list) -> dict:
+    return route(co, "daskdist_async_stage")(
+        session=holder, stage=["m", 0, pid, pusher, f"w{pusher[-1]}", tokens, 0])
+
+
+def test_a_holder_and_a_standby_on_two_members(book):
+    co, sent, info = book
+    assert info["holder"] == "w0" and info["standby"] == "w1" and info["version"] == 0
+    kinds = [(a, r.role, r.source) for a, r in roles(sent)]
+    assert ("w1", STANDBY, "same") in kinds and ("w0", HOLDER, "same") in kinds
+
+
+def test_a_staged_push_outlives_its_worker_and_is_acknowledged_at_the_copy(book):
+    co, sent, _ = book
+    tokens = lease(co, "s2")
+    assert stage(co, "s0", "p1", "s2", tokens)["staged"]
+    assert leased_to(co.leases, "s2", "ds", 0) == []  # the model's now
+    co.end_session("s2")  # the pusher is lost: its rows stay with the push
+    assert leased_to(co.leases, "async:m", "ds", 0) == [(0, 10)]
+    co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p1", True, 1, 0, "", 3,
+                                                  0.1, 80)))
+    assert co.leases.progress("ds", 0)["acknowledged"] == 0  # not durable yet
+    co.async_book.on_copied("s1", tuple(Copied("m", "s1", 0, 1, [["p1", 1]])))
+    assert co.leases.progress("ds", 0)["acknowledged"] == 10
+    check_leases(co.leases)
+    report = co.async_book.report("m")
+    assert report["rows"] == 10 and report["durable"] == 1 and report["open_pushes"] == 0
+
+
+def test_a_refused_push_gives_its_rows_back(book):
+    co, sent, _ = book
+    tokens = lease(co, "s2")
+    assert stage(co, "s0", "p1", "s2", tokens)["staged"]
+    co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p1", False, 0, 3,
+                                                  "stale", 3, 0.1, 80)))
+    p = co.leases.progress("ds", 0)
+    assert p["leased"] == 0 and p["free"] == 100
+    assert co.async_book.report("m")["refused"] == 1
+    # a retry of it is a duplicate: its fate, never a second application
+    assert stage(co, "s0", "p1", "s2", tokens)["duplicate"]["applied"] is False
+    check_leases(co.leases)
+
+
+def test_an_abandoned_push_is_released_from_its_session_and_fenced(book):
+    co, sent, _ = book
+    tokens = lease(co, "s2")
+    reply = route(co, "daskdist_async_abandon")(session="s2", model="m", pid="p9",
+                                                 tokens=tokens)
+    assert reply == {"staged": False, "released": 10}
+    # a holder staging it later (the push was on its way) finds it given up
+    assert stage(co, "s0", "p9", "s2", tokens)["duplicate"]["applied"] is False
+    # once staged, the book has its fate: abandoning it gives nothing back
+    tokens = lease(co, "s2")
+    assert stage(co, "s0", "p10", "s2", tokens)["staged"]
+    assert route(co, "daskdist_async_abandon")(session="s2", model="m", pid="p10",
+                                               tokens=tokens) == {"staged": True}
+    assert leased_to(co.leases, "async:m", "ds", 0) != []
+    check_leases(co.leases)
+
+
+def test_only_the_holder_stages_and_a_lost_holder_moves_the_model(book):
+    co, sent, _ = book
+    tokens = lease(co, "s2")
+    assert "refused" in stage(co, "s1", "p1", "s2", tokens)  # the standby is no holder
+    assert stage(co, "s0", "p1", "s2", tokens)["staged"]
+    co.async_book.on_copied("s1", tuple(Copied("m", "s1", 0, 0, [])))
+    co.end_session("s0")
+    address, role = roles(sent)[-1]
+    assert (address, role.role, role.source, role.incarnation) == ("w1", HOLDER, "copy", 1)
+    assert route(co, "daskdist_async_where")(session="s2", model="m")["phase"] == "moving"
+    co.async_book.on_ready("s1", tuple(Ready("m", "s1", 1, 2, 0, "copy", 40, {}, [])))
+    assert co.leases.progress("ds", 0)["free"] == 100  # the push was not in the copy
+    where = route(co, "daskdist_async_where")(session="s2", model="m")
+    assert where["holder"] == "w1" and where["phase"] == "ready" and where["version"] == 2
+    check_leases(co.leases)
