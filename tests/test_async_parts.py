@@ -1,0 +1,121 @@
+"""The worker-side parts of an asynchronous model, in one process: the outer optimizers'
+steps (DiLoCo's Nesterov, Average, Asynchronous Local-SGD's delayed Nesterov), the flat
+bytes a pull and a push carry, the global model's staleness bound and buffers, a model
+of other parameters named, and a push outside a closure refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import daskdist as dd
+from daskdist.asynchronous import flat
+from daskdist.asynchronous.model import GlobalModel
+from daskdist.asynchronous.replica import ReplicaPool
+from daskdist.asynchronous.spec import AsyncSpec
+from daskdist.core.async_protocol import Push
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_average_applies_a_delta_as_it_is():
+    p = [torch.tensor([1.0, 2.0])]
+    dd.asynchronous.Average().step(p, [torch.tensor([0.5, -1.0])], workers=3)
+    assert p[0].tolist() == [0.5, 3.0]
+
+
+def test_nesterov_is_diloco_s_outer_step():
+    opt = dd.asynchronous.Nesterov(lr=0.5, momentum=0.9)
+    p = [torch.zeros(1)]
+    opt.step(p, [torch.ones(1)], workers=1)  # m = 1; w -= 0.5 * (1 + 0.9 * 1)
+    assert p[0].item() == pytest.approx(-0.95)
+    opt.step(p, [torch.ones(1)], workers=1)  # m = 1.9; w -= 0.5 * (1 + 0.9 * 1.9)
+    assert p[0].item() == pytest.approx(-0.95 - 0.5 * 2.71)
+    state = opt.state_dict()
+    other = dd.asynchronous.Nesterov(lr=0.5, momentum=0.9)
+    other.load_state_dict(state)
+    assert other.state_dict()["m"][0].item() == pytest.approx(1.9)
+
+
+def test_delayed_nesterov_steps_plainly_and_moves_momentum_every_n_pushes():
+    opt = dd.asynchronous.DelayedNesterov(lr=1.0, momentum=0.5)
+    p = [torch.zeros(1)]
+    opt.step(p, [torch.tensor([2.0])], workers=2)  # plain: w -= 2 / 2
+    assert p[0].item() == pytest.approx(-1.0)
+    opt.step(p, [torch.tensor([4.0])], workers=2)  # plain -2; m = mean 3; w -= 0.5 * 3
+    assert p[0].item() == pytest.approx(-1.0 - 2.0 - 1.5)
+    assert opt.state_dict()["count"] == 2
+
+
+@pytest.mark.parametrize("bad", [{"lr": 0}, {"lr": -1.0}, {"momentum": 1.0},
+                                 {"momentum": "0.9"}])
+def test_outer_settings_are_checked(bad):
+    with pytest.raises((TypeError, ValueError)):
+        dd.asynchronous.Nesterov(**bad)
+    with pytest.raises(ValueError, match="delay"):
+        dd.asynchronous.DelayedNesterov(delay=0)
+
+
+def test_flat_bytes_keep_every_dtype_and_shape():
+    tensors = [torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               torch.tensor([1, 2, 3], dtype=torch.int64),
+               torch.tensor([0.5, 1.5, 2.5], dtype=torch.bfloat16)]
+    layout = flat.layout_of((f"t{i}", t) for i, t in enumerate(tensors))
+    data = flat.pack(tensors)
+    assert len(data) == flat.nbytes(layout) and len(data) % flat.ALIGN == 0
+    for a, b in zip(tensors, flat.unpack(data, layout), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_model_of_other_parameters_is_named():
+    a = flat.layout_of(torch.nn.Linear(4, 2).named_parameters())
+    b = flat.layout_of(torch.nn.Linear(4, 3).named_parameters())
+    with pytest.raises(ValueError, match="parameter 'weight'"):
+        flat.check_layout(a, b, "push")
+    c = flat.layout_of(torch.nn.Sequential(torch.nn.Linear(4, 2)).named_parameters())
+    with pytest.raises(ValueError, match="parameter 'weight' of the global model is missing"):
+        flat.check_layout(a, c, "push")
+
+
+def net():
+    return torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+
+
+def spec(max_staleness=1):
+    return AsyncSpec("m", net, lambda p: torch.optim.SGD(p, lr=0.1),
+                     dd.asynchronous.Average(), max_staleness)
+
+
+def push_of(gm, base, deltas, buffers, workers=2):
+    return Push("m", "p", "s", "w", base, gm.param_layout, flat.pack(deltas),
+                flat.pack(buffers), [], 1, 0.1, 0, workers)
+
+
+def test_the_global_model_applies_refuses_stale_and_averages_buffers():
+    gm = GlobalModel(spec(max_staleness=1))
+    before = [p.detach().clone() for p in gm.params]
+    deltas = [torch.ones_like(p) for p in gm.params]
+    buffers = [b.clone() + 2 if b.dtype.is_floating_point else b.clone() + 5
+               for b in gm.buffers]
+    assert gm.apply(push_of(gm, 0, deltas, buffers)) == (True, 1, 0, "")
+    assert all(torch.equal(p, b - 1) for p, b in zip(gm.params, before, strict=True))
+    mean = dict(gm.module.named_buffers())["1.running_mean"]
+    assert torch.allclose(mean, torch.ones(2))  # half-way to the pushed 2 (2 workers)
+    assert dict(gm.module.named_buffers())["1.num_batches_tracked"].item() == 5
+    assert gm.apply(push_of(gm, 0, deltas, buffers))[0] is True  # staleness 1: ok
+    applied, version, staleness, why = gm.apply(push_of(gm, 0, deltas, buffers))
+    assert (applied, version, staleness) == (False, 2, 2) and "max_staleness=1" in why
+    version, blob = gm.snapshot()
+    other = GlobalModel(spec())
+    assert other.restore(blob) == 2
+    assert all(torch.equal(a, b) for a, b in zip(other.params, gm.params, strict=True))
+
+
+def test_a_push_or_pull_outside_a_closure_names_the_call():
+    pool = ReplicaPool(spec(), None)
+    with pytest.raises(RuntimeError, match=r"replica.push\(\) must run inside a closure"):
+        pool.push()
+    with pytest.raises(RuntimeError, match=r"replica.pull\(\) must run inside a closure"):
+        pool.pull()
+    assert pool.replicas == 1 and isinstance(pool.model, torch.nn.Sequential)
+    assert pool.suggested_steps(50) == 50  # no speed measured: every worker alike
