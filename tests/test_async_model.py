@@ -65,6 +65,17 @@ def drain(coord, ds, am, steps: int = 3, wave: int = 6, during=None, pause: floa
     return out
 
 
+def seen_on_the_scheduler(dask_scheduler) -> tuple[list, dict]:
+    """The ``daskdist_async_*`` metrics with their samples, and status.json's models."""
+    from daskdist.plugins.scheduler.stats import snapshots
+    from daskdist.plugins.scheduler.web.pages import MetricsCollector
+
+    plugin = dask_scheduler.extensions["daskdist"]
+    metrics = [(f.name, len(f.samples)) for f in MetricsCollector(plugin).collect()
+               if f.name.startswith("daskdist_async")]
+    return metrics, {n: s["async_models"] for n, s in snapshots(plugin).items()}
+
+
 def assert_every_row_once(am) -> dict:
     sd = am.state_dict()
     c = sd["counts"].numpy()
@@ -103,6 +114,13 @@ def test_one_model_reaches_its_target_loss_with_every_row_once(cl, rows_dir):
     holder, standby = am.holders()
     assert {holder, standby} <= set(client.scheduler_info()["workers"]) and holder != standby
     assert coord.status()["async_models"][am.model_id]["version"] == am.version
+    metrics, models = client.run_on_scheduler(seen_on_the_scheduler)
+    names = dict(metrics)
+    assert names["daskdist_async_version"] >= 1 and names["daskdist_async_worker_rows"] >= 3
+    assert {"daskdist_async_versions_per_second", "daskdist_async_staleness",
+            "daskdist_async_deltas_refused", "daskdist_async_bytes_per_round"} <= set(names)
+    shown = {r["model"]: r for r in models["async"]}
+    assert shown[am.model_id]["version"] == am.version  # on /daskdist/status.json
     # each closure thread trains its own replica, kept across rounds
     by_thread = defaultdict(set)
     for r in rounds:

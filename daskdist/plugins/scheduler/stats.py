@@ -284,6 +284,8 @@ def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
         "history": stats.series(),
         # the gang's per-rank phases and stragglers (SPEC §5.1)
         "ranks": co.rank_book.report(limit=TOP_RANKS),
+        # asynchronously trained models: versions, staleness, per-worker rounds (§2.8)
+        "async_models": co.async_book.reports(),
     }
 
 

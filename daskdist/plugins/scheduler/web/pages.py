@@ -53,7 +53,8 @@ class StatusPage(RequestHandler):
                  "<p><a href='daskdist-dashboard'>plots</a> · "
                  "<a href='daskdist/status.json'>status.json</a></p>"]
         for name, snap in snapshots(self.plugin).items():
-            status = [{"counter": k, "value": v} for k, v in snap["status"].items()]
+            status = [{"counter": k, "value": v} for k, v in snap["status"].items()
+                      if not isinstance(v, dict)]
             group = [{"field": k, "value": v} for k, v in snap["group"].items()]
             parts += [f"<h3>{html.escape(name)}</h3>",
                       _table(status, ["counter", "value"]),
@@ -70,7 +71,9 @@ class StatusPage(RequestHandler):
                                               "worker"]),
                       "<h4>gang ranks (mean seconds a step)</h4>",
                       _table(_rank_rows(snap["ranks"]), ["rank", "worker", "steps",
-                                                         "median", *PHASES, "straggler"])]
+                                                         "median", *PHASES, "straggler"]),
+                      "<h4>asynchronous models</h4>",
+                      _table(_async_rows(snap["async_models"]), list(ASYNC_COLUMNS))]
         if not self.plugin.coordinators:
             parts.append("<p>No coordinator yet.</p>")
         parts.append("</body></html>")
@@ -84,6 +87,25 @@ def _rank_rows(report: dict) -> list[dict]:
     return [{"rank": r["rank"], "worker": r["worker"], "steps": r["steps"],
              "median": r["step_seconds"]["median"], **r["phases"],
              "straggler": slow.get(r["rank"], "")} for r in report.get("ranks") or []]
+
+
+ASYNC_COLUMNS = ("model", "worker", "version", "versions/s", "staleness p90", "applied",
+                 "refused", "rounds", "rows", "MB/round")
+
+
+def _async_rows(reports: list[dict]) -> list[dict]:
+    """A row per asynchronous model, then one per worker training it."""
+    rows = []
+    for r in reports:
+        rows.append({"model": r["model"], "worker": r["holder"], "version": r["version"],
+                     "versions/s": r["versions_per_second"],
+                     "staleness p90": r["staleness"]["p90"], "applied": r["applied"],
+                     "refused": r["refused"], "rows": r["rows"],
+                     "MB/round": r["bytes_per_round"] / 1e6})
+        rows += [{"model": "", "worker": w["address"], "rounds": w["rounds"],
+                  "rows": w["rows"], "refused": w["refused"],
+                  "MB/round": w["bytes_per_round"] / 1e6} for w in r["workers"]]
+    return rows
 
 
 class StatusJSON(RequestHandler):
@@ -182,6 +204,7 @@ class MetricsCollector:
                 ck_secs.add_metric([name], ck["seconds"])
                 ck_bytes.add_metric([name], ck["nbytes"])
         yield from self._ranks()
+        yield from self._async_models()
         yield from fams.values()
         yield from (recoveries, reformations, losses, formation, expiries, lost,
                     w_closures, w_rows, d_rows, d_epoch, ck_total, ck_step, ck_age, ck_secs,
@@ -215,6 +238,53 @@ class MetricsCollector:
                 rows.add_metric(values, totals[-1])
                 straggler.add_metric(values, float(slow))
         return step, phase, rows, straggler
+
+
+    def _async_models(self):
+        """Per asynchronous model (SPEC §2.8): its version, versions applied per second,
+        staleness, deltas applied and refused, holder losses, bytes per round; per
+        worker, its rounds and rows. Labelled by coordinator and model (and worker)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["coordinator", "model"]
+        version = GaugeMetricFamily("daskdist_async_version",
+                                    "The global model's newest version", labels=labels)
+        rate = GaugeMetricFamily("daskdist_async_versions_per_second",
+                                 "Versions applied per second (recent)", labels=labels)
+        stale = GaugeMetricFamily("daskdist_async_staleness",
+                                  "Staleness of applied deltas (versions since their pull)",
+                                  labels=[*labels, "quantile"])
+        applied = CounterMetricFamily("daskdist_async_deltas_applied",
+                                      "Deltas applied to the global model", labels=labels)
+        refused = CounterMetricFamily("daskdist_async_deltas_refused",
+                                      "Deltas refused (staleness over max_staleness)",
+                                      labels=labels)
+        losses = CounterMetricFamily("daskdist_async_holder_losses",
+                                     "Holders of the global model lost", labels=labels)
+        per_round = GaugeMetricFamily("daskdist_async_bytes_per_round",
+                                      "Bytes a round moves (its pull and its push)",
+                                      labels=labels)
+        w_rounds = CounterMetricFamily("daskdist_async_worker_rounds",
+                                       "Rounds (pushes decided), per worker",
+                                       labels=[*labels, "worker"])
+        w_rows = CounterMetricFamily("daskdist_async_worker_rows",
+                                     "Rows of applied deltas, per worker",
+                                     labels=[*labels, "worker"])
+        for name, co in sorted(self.plugin.coordinators.items()):
+            for model, r in co.async_book.metrics():
+                values = [name, model]
+                version.add_metric(values, r["version"])
+                rate.add_metric(values, r["versions_per_second"])
+                for q in ("median", "p90", "max"):
+                    stale.add_metric([*values, q], r["staleness"][q])
+                applied.add_metric(values, r["applied"])
+                refused.add_metric(values, r["refused"])
+                losses.add_metric(values, r["holder_losses"])
+                per_round.add_metric(values, r["bytes_per_round"])
+                for w in r["workers"]:
+                    w_rounds.add_metric([*values, w["address"]], w["rounds"])
+                    w_rows.add_metric([*values, w["address"]], w["rows"])
+        return version, rate, stale, applied, refused, losses, per_round, w_rounds, w_rows
 
 
 class Sampler:
