@@ -2,8 +2,9 @@
 
 The demo writes synthetic Parquet shards (or reads ``--data``), starts a ``LocalCluster``
 with worker processes (or connects to ``--scheduler``), then trains a linear regression
-two ways: asynchronously for ``--epochs`` epochs (closures on per-worker replicas, a
-dynamic dataset: every row of every epoch exactly once, reported per epoch) and
+two ways: asynchronously for ``--epochs`` epochs (one model, ``coord.async_model``:
+closures pull it, train their worker's replica a few steps and push the difference; a
+dynamic dataset: every row of every epoch learned exactly once, reported per epoch) and
 synchronously (a gloo collective group, gang closures, averaged gradients, elastic
 state). ``--kill`` SIGKILLs a worker mid-epoch to show recovery (and rank 0 of the group
 in the synchronous phase). Bad input is one line
@@ -48,28 +49,36 @@ def write_shards(root: Path | str, rows: int, files: int, seed: int = 0) -> np.n
     return w
 
 
-def make_replica(ctx):
+def make_model():
     import torch
 
-    torch.manual_seed(ctx.worker_index)
-    model = torch.nn.Linear(FEATURES, 1).to(ctx.device)
-    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.05)}
+    return torch.nn.Linear(FEATURES, 1)
 
 
-def async_step(replica, iterator):
-    """One SGD step of this worker's replica on its next batch; the batch's loss."""
+def make_optimizer(params):
     import torch
 
-    try:
-        batch = next(iterator)
-    except StopIteration:
-        return None
-    model, opt = replica["model"], replica["opt"]
-    loss = torch.nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item(), len(batch["y"])
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def async_round(replica, iterator, steps):
+    """One round of the global model: pull it, up to ``steps`` SGD steps on this
+    worker's replica, push the difference; the round's losses and the push's outcome."""
+    import torch
+
+    replica.pull()
+    losses = []
+    for _ in range(steps):
+        batch = next(iterator, None)
+        if batch is None:
+            break
+        loss = torch.nn.functional.mse_loss(replica.model(batch["x"]).squeeze(-1),
+                                            batch["y"])
+        replica.optimizer.zero_grad()
+        loss.backward()
+        replica.optimizer.step()
+        losses.append(loss.item())
+    return losses, replica.push()
 
 
 def make_state(ctx):
@@ -300,35 +309,42 @@ def connect(args: argparse.Namespace, stack: ExitStack):
     return client
 
 
-def async_epoch(coord, client, ds, replica, epoch: int, kill: bool) -> None:
-    """One epoch of asynchronous training, until every row is acknowledged; one line."""
+def async_epoch(coord, client, ds, am, epoch: int, kill: bool) -> None:
+    """One epoch of the one global model, until every row is acknowledged; one line."""
     from tqdm.auto import tqdm
 
     ds.set_epoch(epoch)
     it = iter(ds)
     total = ds.progress()["total"]
-    losses, rows, killed = [], 0, None
+    before = am.report()
+    losses, pushed, killed = [], 0, None
     t = time.perf_counter()
     with tqdm(total=total, desc=f"epoch {epoch}", unit="row", unit_scale=True,
               leave=False) as bar:
         while not ds.progress()["complete"]:
             INTERRUPT.check()
-            rvs = [coord.schedule(async_step, args=(replica, it)) for _ in range(32)]
-            if kill and killed is None and rows > total // 3:
+            rvs = [coord.schedule(async_round, args=(am.replica, it, 4)) for _ in range(8)]
+            if kill and killed is None and pushed > total // 3:
                 killed = kill_one_worker(client)
                 bar.write(f"killed    worker {killed} (SIGKILL); its work re-runs")
-            for out in coord.fetch(rvs):
-                if out is not None:
-                    losses.append(out[0])
-                    rows += out[1]
-                    bar.update(out[1])
+            for round_losses, out in coord.fetch(rvs):
+                losses += round_losses
+                if out["applied"]:
+                    pushed += out["rows"]
+                    bar.update(out["rows"])
+    while am.report()["open_pushes"]:  # the last deltas: durable at the standby's copy
+        INTERRUPT.check()
+        time.sleep(0.05)
+    after = am.report()
+    rows = (after["rows"] - after["rows_lost"]) - (before["rows"] - before["rows_lost"])
     p = ds.progress()
     once = "each exactly once" if rows == p["acknowledged"] == p["total"] else "MISMATCH"
     print(f"epoch {epoch}   {rows:,} rows ({once}: {p['acknowledged']:,} acknowledged of "
-          f"{p['total']:,}) in {time.perf_counter() - t:.1f} s; "
-          f"loss {losses[0]:.3f} -> {np.mean(losses[-8:]):.4f}", flush=True)
+          f"{p['total']:,}) in {time.perf_counter() - t:.1f} s; one model, version "
+          f"{after['version']}; loss {losses[0]:.3f} -> {np.mean(losses[-8:]):.4f}",
+          flush=True)
     if once == "MISMATCH":
-        raise RuntimeError(f"epoch {epoch}: {rows} rows trained, {p} acknowledged")
+        raise RuntimeError(f"epoch {epoch}: {rows} rows in the model, {p} acknowledged")
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -352,12 +368,13 @@ def demo(args: argparse.Namespace) -> int:
         print(f"cluster   {args.workers} workers ready in {time.perf_counter() - t0:.1f} s"
               + (f"; dashboard {client.dashboard_link}" if args.dashboard else ""), flush=True)
 
-        # -- asynchronous training: any worker takes any step of its own replica --------
-        replica = coord.create_per_worker_resource(make_replica)
+        # -- asynchronous training: one model, any worker's rounds update it -------------
+        am = coord.async_model(model=make_model, optimizer=make_optimizer,
+                               outer=dd.asynchronous.Average())
         ds = coord.distribute_dataset(shards, global_batch_size=args.batch_size * args.workers,
                                       shuffle=True, seed=0, policy="dynamic", name="async")
         for epoch in range(args.epochs):
-            async_epoch(coord, client, ds, replica, epoch,
+            async_epoch(coord, client, ds, am, epoch,
                         kill=args.kill and epoch == args.epochs // 2)
 
         # -- synchronous training: a gloo group, gang closures, elastic state -----------

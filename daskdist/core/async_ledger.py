@@ -140,6 +140,7 @@ class ModelLedger:
         self.refused = 0
         self.rows = 0  # rows of applied pushes
         self.released_rows = 0  # rows given back (refused, or lost with a holder)
+        self.lost_rows = 0  # of them, rows of applied deltas lost with a holder
         self.holder_losses = 0
         self.workers: dict[str, WorkerTally] = {}
         self.staleness: deque[int] = deque(maxlen=4096)
@@ -344,6 +345,7 @@ class ModelLedger:
                 rec.state = DURABLE
                 out.ack.append(rec)
             else:
+                self.lost_rows += rec.rows if rec.state == APPLIED else 0
                 rec.state = RELEASED
                 self.released_rows += rec.rows
                 out.release.append(rec)
@@ -395,6 +397,7 @@ class ModelLedger:
         self.holder = self.standby = self.target = None
         out = Settle(release=list(self.open.values()))
         for rec in out.release:
+            self.lost_rows += rec.rows if rec.state == APPLIED else 0
             rec.state = RELEASED
             self.released_rows += rec.rows
         self.open.clear()
@@ -455,8 +458,9 @@ class ModelLedger:
                           "p90": _quantile(st, 0.9), "max": self.max_seen_staleness},
             "applied": self.applied,
             "refused": self.refused,
-            "rows": self.rows,
+            "rows": self.rows,  # of applied deltas (rows - rows_lost: in the model)
             "rows_released": self.released_rows,
+            "rows_lost": self.lost_rows,  # of applied deltas lost with a holder
             "holder_losses": self.holder_losses,
             "open_pushes": len(self.open),
             "model_bytes": self.nbytes,

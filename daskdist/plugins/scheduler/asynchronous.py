@@ -176,7 +176,7 @@ class AsyncBook:
             return
         self.plans.pop(led.model, None)
         led.aim(target)
-        logger.warning("daskdist[%s]: model %s moves to %s (from its %s, version %d)",
+        logger.info("daskdist[%s]: model %s moves to %s (from its %s, version %d)",
                        self.co.name, led.model, self._address(target), plan.source,
                        plan.version)
         self._role(led, target, HOLDER, plan.source, plan.version, spec=True)

@@ -1,0 +1,286 @@
+"""One model trained asynchronously (``coord.async_model``) beside the synchronous gang
+(``schedule_on_all`` + ``synced`` + ``allreduce_gradients`` with ``dd.collective.State``),
+on the same data and workers, in one run.
+
+Run: ``python benchmarks/bench_async.py [--workers 3] [--rows 60000] [--steps 50]``.
+
+Each inner step of a worker takes ``--step-ms`` (a ``sleep`` beside the real forward and
+backward: an accelerator's step on this CPU-only machine); in the slow run one worker's
+steps take ``--slowdown`` times as long. The gang runs at its slowest member's pace;
+asynchronous rounds do not wait for anyone (dynamic local updates: the slow worker takes
+fewer inner steps a round). Figures, each for the slow run and for the run with no slow
+worker:
+
+- time to the target loss (the evaluation set's MSE at ``--target``): asynchronous / gang
+  (target with a worker 3x slower: <= 0.6x);
+- the final loss after one epoch: asynchronous / gang (target <= 1.1x); the inner
+  optimizer is AdamW on both sides (the gang's steps on averaged gradients);
+- bytes a worker moves per inner step: the gang's ring allreduce of the gradients
+  (2 (N-1)/N of the model a step) / the asynchronous rounds' pull and push (twice the
+  model a round of H steps) (target at H = 50: >= 20x), and the scheduler's share of
+  the asynchronous bytes (target < 1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+
+import numpy as np
+from distributed import Client, LocalCluster
+from figures import record
+
+import daskdist as dd
+from daskdist.cli import FEATURES, write_shards
+
+
+def make_model(width: int):
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, width), torch.nn.Tanh(),
+                               torch.nn.Linear(width, width), torch.nn.Tanh(),
+                               torch.nn.Linear(width, 1))
+
+
+class Factory:
+    """The model, the inner optimizer, the per-step pause: the same on both sides."""
+
+    def __init__(self, width: int, lr: float, step_s: float, slowdown: float) -> None:
+        self.width, self.lr, self.step_s, self.slowdown = width, lr, step_s, slowdown
+
+    def model(self):
+        return make_model(self.width)
+
+    def optimizer(self, params):
+        import torch
+
+        return torch.optim.AdamW(params, lr=self.lr)
+
+    def pace(self) -> float:
+        return self.step_s * (self.slowdown if dd.get_worker_context().worker_index == 0
+                              else 1.0)
+
+
+def mse(model, x, y) -> float:
+    import torch
+
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(torch.as_tensor(x)).squeeze(-1),
+                                                  torch.as_tensor(y)))
+
+
+def step(model, opt, batch) -> None:
+    import torch
+
+    loss = torch.nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
+    opt.zero_grad()
+    loss.backward()
+    return loss
+
+
+# -- asynchronous: rounds of H inner steps, nothing waits ---------------------------------
+def local_round(replica, it, steps: int, f: Factory) -> dict:
+    pace = f.pace()
+    replica.pull()
+    taken = 0
+    for _ in range(replica.suggested_steps(steps)):
+        batch = next(it, None)
+        if batch is None:
+            break
+        step(replica.model, replica.optimizer, batch)
+        replica.optimizer.step()
+        time.sleep(pace)
+        taken += 1
+    if not taken:  # the epoch's tail: nothing learned, nothing to push
+        return {"applied": False, "steps": 0}
+    return {**replica.push(), "steps": taken}
+
+
+def run_async(coord, ds, f: Factory, steps: int, ev, target: float,
+              outer) -> dict:
+    am = coord.async_model(model=f.model, optimizer=f.optimizer, outer=outer,
+                           max_staleness=16)
+    it = iter(ds)
+    in_flight = 2 * coord.num_workers
+    trace, taken, pending = [], 0, []
+    t0 = time.perf_counter()
+    last_eval = 0.0
+    while not ds.progress()["complete"]:
+        while len(pending) < in_flight:
+            pending.append(coord.schedule(local_round, args=(am.replica, it, steps, f)))
+        done = [rv for rv in pending if rv.done()]
+        for rv in done:
+            pending.remove(rv)
+            taken += rv.fetch()["steps"]
+        now = time.perf_counter()
+        if now - last_eval > 0.25:
+            last_eval = now
+            trace.append((now - t0, evaluate(am.state_dict(), f, ev)))
+        if not done:
+            time.sleep(0.005)
+    seconds = time.perf_counter() - t0
+    taken += sum(r["steps"] for r in coord.fetch(pending))
+    final = evaluate(am.state_dict(), f, ev)
+    trace.append((seconds, final))
+    report = am.report()
+    moved = sum(w["bytes_per_round"] * w["rounds"] for w in report["workers"])
+    return {"trace": trace, "final": final, "seconds": seconds, "steps": taken,
+            "bytes_per_step": moved / max(1, taken), "report": report,
+            "to_target": first_below(trace, target)}
+
+
+def evaluate(state: dict, f: Factory, ev) -> float:
+    model = f.model()
+    model.load_state_dict(state)
+    return mse(model, *ev)
+
+
+def first_below(trace: list, target: float) -> float:
+    return next((t for t, loss in trace if loss <= target), float("nan"))
+
+
+# -- synchronous: the gang at its slowest member's pace --------------------------------------
+def make_state(f: Factory):
+    def build(ctx):
+        model = f.model()
+        return dd.collective.State(model=model, optimizer=f.optimizer(model.parameters()),
+                                   step=0)
+    return build
+
+
+def gang_epoch(state, it, f: Factory, ev, t0: float, every: int) -> list:
+    state.sync()
+    g = dd.collective.get_group()
+    pace = f.pace()
+    trace = []
+    for batch in dd.collective.synced(it):
+        step(state.model, state.optimizer, batch)
+        dd.collective.allreduce_gradients(state.model, average=True)
+        state.optimizer.step()
+        time.sleep(pace)
+        state.step += 1
+        if state.step % 10 == 0:
+            state.commit()
+        if g.rank == 0 and state.step % every == 0:
+            trace.append((time.time() - t0, mse(state.model, *ev)))
+    state.commit()
+    if g.rank == 0:
+        trace.append((time.time() - t0, mse(state.model, *ev)))
+    return trace
+
+
+def run_gang(coord, ds, f: Factory, ev, target: float) -> dict:
+    coord.collective_group(backend="gloo", timeout=60)
+    state = coord.create_per_worker_resource(make_state(f))
+    it = iter(ds)
+    t0 = time.time()
+    trace: list = []
+    while not ds.progress()["complete"]:
+        out = coord.fetch(coord.schedule_on_all(gang_epoch, args=(state, it, f, ev, t0, 5)))
+        trace += out[0]
+    return {"trace": trace, "final": trace[-1][1], "seconds": time.time() - t0,
+            "to_target": first_below(trace, target)}
+
+
+def warm(f: Factory) -> None:
+    """A step of the model on a worker: its first optimizer imports what a step needs
+    (seconds, once per process), before either side is timed."""
+    import torch
+
+    model = f.model()
+    opt = f.optimizer(model.parameters())
+    model(torch.zeros(2, FEATURES)).sum().backward()
+    opt.step()
+
+
+def one_run(client, coord, data: str, args, slowdown: float) -> tuple[dict, dict]:
+    f = Factory(args.width, args.lr, args.step_ms / 1e3, slowdown)
+    client.run(warm, f)
+    rng = np.random.default_rng(1)
+    w = np.random.default_rng(0).standard_normal(FEATURES).astype(np.float32)
+    x = rng.standard_normal((2000, FEATURES)).astype(np.float32)
+    ev = (x, x @ w)  # the shards' own rule (write_shards, seed 0), new rows
+    batch = args.batch_size * args.workers
+    ds_async = coord.distribute_dataset(f"{data}/*.parquet", global_batch_size=batch,
+                                        policy="dynamic", shuffle=True, seed=2)
+    outer = {"delayed": lambda: dd.asynchronous.DelayedNesterov(lr=args.outer_lr,
+                                                                 momentum=args.momentum),
+             "nesterov": lambda: dd.asynchronous.Nesterov(lr=args.outer_lr,
+                                                          momentum=args.momentum),
+             "average": dd.asynchronous.Average}[args.outer]()
+    ours = run_async(coord, ds_async, f, args.steps, ev, args.target, outer)
+    ds_gang = coord.distribute_dataset(f"{data}/*.parquet", global_batch_size=batch,
+                                       policy="dynamic", shuffle=True, seed=2)
+    theirs = run_gang(coord, ds_gang, f, ev, args.target)
+    return ours, theirs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=60_000)
+    ap.add_argument("--batch-size", type=int, default=32, help="per worker")
+    ap.add_argument("--steps", type=int, default=50, help="inner steps a round (H)")
+    ap.add_argument("--step-ms", type=float, default=20.0, help="a fast worker's step")
+    ap.add_argument("--slowdown", type=float, default=3.0)
+    ap.add_argument("--width", type=int, default=256, help="hidden units (model size)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="the inner AdamW's")
+    ap.add_argument("--outer", choices=("delayed", "nesterov", "average"), default="delayed")
+    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--momentum", type=float, default=0.5, help="the outer momentum")
+    ap.add_argument("--only-slow", action="store_true", help="skip the run with no slow "
+                    "worker")
+    ap.add_argument("--target", type=float, default=0.1, help="the target MSE")
+    args = ap.parse_args()
+
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                      dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
+            Client(cluster) as client:
+        coord = dd.Coordinator(client, name="bench-async")
+        coord.wait_for_workers(args.workers, timeout=120)
+        data = tempfile.mkdtemp(prefix="daskdist-bench-async-")
+        write_shards(data, rows=args.rows, files=4)
+        for slowdown in (args.slowdown,) if args.only_slow else (args.slowdown, 1.0):
+            ours, theirs = one_run(client, coord, data, args, slowdown)
+            slow = (f"one of {args.workers} workers {slowdown:g}x slower" if slowdown != 1
+                    else f"{args.workers} workers, none slower")
+            ratio = ours["to_target"] / theirs["to_target"]
+            goal = 0.6 if slowdown != 1 else None
+            record(f"time to MSE {args.target:g}, {slow}: asynchronous "
+                   f"{ours['to_target']:.2f} s | gang {theirs['to_target']:.2f} s | ratio "
+                   f"{ratio:.2f}x" + (f" (target <= {goal}x)" if goal else ""),
+                   what=f"time to the target loss, {slow}, H={args.steps}",
+                   ours=ours["to_target"], unit="s",
+                   anchor="the synchronous gang (`schedule_on_all` + `synced`)",
+                   anchor_value=theirs["to_target"], target=f"≤ {goal}x" if goal else None,
+                   met=ratio <= goal if goal else None)
+            final = ours["final"] / theirs["final"]
+            record(f"final loss after an epoch, {slow}: asynchronous {ours['final']:.4f} | "
+                   f"gang {theirs['final']:.4f} | ratio {final:.2f}x (target <= 1.1x)",
+                   what=f"the loss after one epoch, {slow}", ours=ours["final"], unit="MSE",
+                   anchor="the synchronous gang", anchor_value=theirs["final"],
+                   target="≤ 1.1x", met=final <= 1.1)
+            rep = ours["report"]
+            nbytes = rep["model_bytes"]
+            n = args.workers
+            gang_bytes = 2 * (n - 1) / n * nbytes
+            fewer = gang_bytes / ours["bytes_per_step"]
+            share = rep["scheduler_bytes_per_round"] / max(1.0, rep["bytes_per_round"])
+            record(f"bytes a worker moves per inner step, {slow}: asynchronous "
+                   f"{ours['bytes_per_step'] / 1e3:.1f} kB | gang's allreduce "
+                   f"{gang_bytes / 1e3:.1f} kB | {fewer:.1f}x fewer (target >= 20x); "
+                   f"through the scheduler {100 * share:.3f}% (target < 1%); staleness "
+                   f"median {rep['staleness']['median']:g}, {rep['refused']} refused",
+                   what=f"bytes per inner step, {slow}, H={args.steps} "
+                        f"(scheduler {100 * share:.2f}% of them)",
+                   ours=ours["bytes_per_step"], unit="bytes",
+                   anchor="the gang's ring allreduce of the gradients",
+                   anchor_value=gang_bytes, target="≥ 20x fewer, < 1% via the scheduler",
+                   met=fewer >= 20 and share < 0.01)
+        coord.close()
+
+
+if __name__ == "__main__":
+    main()
