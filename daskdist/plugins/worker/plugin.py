@@ -5,10 +5,11 @@ The scheduler plugin registers one on every present and future worker (by refere
 installs the stream and RPC handlers the scheduler side calls: wake, steal, hold,
 release and leaving for the runner, and the confirmation of a session it registers;
 peer-lost, membership and the collective actions (store, init, destroy) for this
-process's collective group. A broken group's word (peer-lost) also comes from a peer,
-which passes it down the tree the group's init drew (:func:`_pass_on`). torch is
-imported only by those actions. The first one in a worker process turns SIGTERM into
-a graceful leave (:mod:`.preemption`).
+process's collective group; an asynchronous model's roles, pulls, pushes and standby
+copies (:mod:`daskdist.asynchronous.routes`). A broken group's word (peer-lost) also
+comes from a peer, which passes it down the tree the group's init drew
+(:func:`_pass_on`). torch is imported only by those actions. The first one in a
+worker process turns SIGTERM into a graceful leave (:mod:`.preemption`).
 """
 
 from __future__ import annotations
