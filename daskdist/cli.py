@@ -61,9 +61,11 @@ def make_optimizer(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
-def async_round(replica, iterator, steps):
+def async_round(replica, iterator, steps, pace: float = 0.0):
     """One round of the global model: pull it, up to ``steps`` SGD steps on this
-    worker's replica, push the difference; the round's losses and the push's outcome."""
+    worker's replica (each followed by ``pace`` seconds: the rest of a step on a slower
+    accelerator, in examples), push the difference; the round's losses and the push's
+    outcome."""
     import torch
 
     replica.pull()
@@ -78,6 +80,8 @@ def async_round(replica, iterator, steps):
         loss.backward()
         replica.optimizer.step()
         losses.append(loss.item())
+        if pace:
+            time.sleep(pace)
     return losses, replica.push()
 
 

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import daskdist as dd
-from daskdist.cli import FEATURES, write_shards
+from daskdist.cli import FEATURES, async_round, write_shards
 
 
 def make_model():
@@ -37,30 +37,17 @@ def make_model():
 def make_optimizer(params):
     import torch
 
-    return torch.optim.SGD(params, lr=0.02)
+    return torch.optim.SGD(params, lr=0.02)  # each replica's inner optimizer
 
 
 def local_round(replica, it, steps: int, step_seconds: float, slowdown: float) -> dict:
-    """One round on this worker's replica; worker 0 is ``slowdown`` times slower."""
-    import torch
-
+    """One round on this worker's replica (the demo's, ``daskdist.cli.async_round``):
+    worker 0 is ``slowdown`` times slower, and each worker takes the steps its speed
+    suggests."""
     ctx = dd.get_worker_context()
     pace = step_seconds * (slowdown if ctx.worker_index == 0 else 1.0)
-    replica.pull()
-    taken, losses = 0, []
-    for _ in range(replica.suggested_steps(steps)):
-        batch = next(it, None)
-        if batch is None:
-            break
-        loss = torch.nn.functional.mse_loss(replica.model(batch["x"]).squeeze(-1),
-                                            batch["y"])
-        replica.optimizer.zero_grad()
-        loss.backward()
-        replica.optimizer.step()
-        time.sleep(pace)  # the rest of a step on this worker's accelerator
-        taken += 1
-        losses.append(loss.item())
-    return {**replica.push(), "steps": taken, "worker": ctx.address, "losses": losses}
+    losses, out = async_round(replica, it, replica.suggested_steps(steps), pace)
+    return {**out, "steps": len(losses), "worker": ctx.address, "losses": losses}
 
 
 def run_epochs(coord, am, ds, epochs: int, steps: int, step_seconds: float,

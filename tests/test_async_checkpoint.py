@@ -40,6 +40,15 @@ def rounds_until(coord, ds, am, it, rows: int) -> None:
                                      f"{am.report()} {coord.status()}") from e
 
 
+def start(coord, rows, url: str, batch: int):
+    """The dataset named "train" and the model checkpointed under ``url``."""
+    ds = coord.distribute_dataset(str(rows), global_batch_size=batch, policy="dynamic",
+                                  name="train")
+    am = coord.async_model(model=model, optimizer=sgd, outer=dd.asynchronous.Average(),
+                           max_staleness=50).checkpoint_to(url, every=2)
+    return ds, am
+
+
 @pytest.mark.slow
 def test_every_holder_lost_loads_the_checkpoint_and_a_new_cluster_resumes(tmp_path):
     (tmp_path / "rows").mkdir()
@@ -48,10 +57,7 @@ def test_every_holder_lost_loads_the_checkpoint_and_a_new_cluster_resumes(tmp_pa
     with make_cluster(3, threads=2) as cluster, Client(cluster) as client:
         coord = dd.Coordinator(client, name="async-ckpt")
         wait_for_workers(client, coord, 3)
-        ds = coord.distribute_dataset(str(rows), global_batch_size=60, policy="dynamic",
-                                      name="train")
-        am = coord.async_model(model=model, optimizer=sgd, outer=dd.asynchronous.Average(),
-                               max_staleness=50).checkpoint_to(url, every=2)
+        ds, am = start(coord, rows, url, 60)
         it = iter(ds)
         rounds_until(coord, ds, am, it, ROWS // 3)
         wait_until(lambda: (am.report()["checkpoint"] or {}).get("version", 0) > 0, 30,
@@ -74,10 +80,7 @@ def test_every_holder_lost_loads_the_checkpoint_and_a_new_cluster_resumes(tmp_pa
     with make_cluster(2, threads=1) as cluster, Client(cluster) as client:
         coord = dd.Coordinator(client, name="async-ckpt")
         wait_for_workers(client, coord, 2)
-        ds = coord.distribute_dataset(str(rows), global_batch_size=40, policy="dynamic",
-                                      name="train")
-        am = coord.async_model(model=model, optimizer=sgd, outer=dd.asynchronous.Average(),
-                               max_staleness=50).checkpoint_to(url, every=2)
+        ds, am = start(coord, rows, url, 40)
         assert am.version >= written  # resumed, never a fresh start
         resumed = ds.progress()["acknowledged"]
         assert 0 < resumed < ROWS
