@@ -11,9 +11,9 @@ bytes).
 
 A round is ``pull()``, inner steps, ``push()``: the push sends the pseudo-gradient
 (the weights pulled minus the weights now; parameters only, the buffers as they are)
-straight to the holder, with the lease tokens of the rows the closure consumed since
-its pull. Rows consumed before the pull trained weights the pull replaced: they are
-set aside and go back when the closure ends. The holder stages a push with the
+straight to the holder, with the lease tokens of the rows the closure consumed since it
+started or since its previous push (a batch taken before the pull is trained after it).
+The holder stages a push with the
 scheduler first (its rows become the model's): a staged push's rows are acknowledged
 once its delta is durable, or given back by the scheduler when it is refused or lost; a
 push no holder staged is abandoned at the scheduler, which gives its rows back in the
@@ -41,7 +41,7 @@ from daskdist.core import protocol
 from daskdist.core.async_protocol import Pulled, Push
 from daskdist.core.leases.table import group_tokens, merge_tokens
 from daskdist.session.scope import closure_scope_now
-from daskdist.session.tokens import set_aside, take_consumed
+from daskdist.session.tokens import take_consumed
 
 
 class Fetched(NamedTuple):
@@ -191,7 +191,6 @@ class Replica:
         self._base = fetched
         self.version = fetched.version
         self._steps, self._t0, self._fetched = 0, time.perf_counter(), nbytes
-        set_aside(0)  # rows taken before the pull trained weights it replaced: given back
         return fetched.version
 
     def push(self) -> dict:
