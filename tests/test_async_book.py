@@ -126,4 +126,8 @@ def test_only_the_holder_stages_and_a_lost_holder_moves_the_model(book):
     assert co.leases.progress("ds", 0)["free"] == 100  # the push was not in the copy
     where = route(co, "daskdist_async_where")(session="s2", model="m")
     assert where["holder"] == "w1" and where["phase"] == "ready" and where["version"] == 2
+    # the new holder gets a standby of its own incarnation
+    address, role = roles(sent)[-1]
+    assert (address, role.role, role.standby) == ("w1", HOLDER, "w2")
+    assert [r for a, r in roles(sent) if a == "w2" and r.role == STANDBY][-1].incarnation == 1
     check_leases(co.leases)

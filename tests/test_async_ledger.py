@@ -168,6 +168,7 @@ class Sim(RuleBasedStateMachine):
             return
         self.content, self.version = set(content), version
         self.standby_copy, self.log = None, []
+        assert self.led.standby is None  # the new incarnation's standby is assigned anew
         self.seen_versions.append(self.led.version)
 
     @rule()

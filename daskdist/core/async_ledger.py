@@ -360,8 +360,8 @@ class ModelLedger:
         elif self.phase == MOVING:  # fresh: it descends from nothing
             self.chain = []
         self.any_checkpoint = False
-        if source == COPY or session == self.standby:
-            self.standby, self.standby_version = None, None
+        # a new incarnation: its standby (maybe the same worker) takes its copies anew
+        self.standby, self.standby_version = None, None
         self.phase = READY
         self.holder, self.target = session, None
         self.served = incarnation
