@@ -69,6 +69,50 @@ def _rows(tokens: list) -> int:
     return sum(b - a for ranges in group_tokens(tokens).values() for a, b in ranges)
 
 
+def pseudo(model: str) -> str:
+    """The lease-table session that holds a model's staged rows."""
+    return f"async:{model}"
+
+
+def settle_rows(co: AsyncHost, model: str, settle: Settle) -> None:
+    """Do what a transition of ``model``'s ledger asks of the rows: acknowledge (on the
+    pusher's worker's count when its session lives), give back, restore a ledger."""
+    if not settle:
+        return
+    leases, holder = co.leases, pseudo(model)
+    for rec in settle.ack:
+        if not rec.tokens:
+            continue
+        if not (rec.pusher in co.members
+                and leases.transfer_tokens(holder, rec.pusher, rec.tokens)
+                and leases.ack_tokens(rec.pusher, rec.tokens)):
+            if not leases.ack_tokens(holder, rec.tokens):
+                logger.warning("daskdist[%s]: the rows of push %s of model %s could not be "
+                               "acknowledged", co.name, rec.pid, model)
+    for rec in settle.release:
+        if rec.tokens:
+            leases.release_tokens(holder, rec.tokens)
+    if settle.restore:
+        try:
+            co.ledgers.restore(model, settle.restore, leases)
+        except (TypeError, ValueError) as e:
+            logger.warning("daskdist[%s]: the datasets' ledger of model %s's checkpoint "
+                           "was not restored: %s", co.name, model, e)
+
+
+def checkpoint_ledger(co: AsyncHost, led: ModelLedger, version: int) -> dict:
+    """The datasets' ledger of a checkpoint of ``led``'s model at ``version``: the rows
+    acknowledged now and those of its pushes applied up to ``version``, not yet durable."""
+    out = co.ledgers.export(led.model, co.leases)
+    extra = group_tokens([t for r in led.pending_rows(version) for t in r.tokens])
+    for entry in out.values():
+        more = extra.get((entry["dataset_id"], entry["epoch"]))
+        if more:
+            entry["acknowledged"] = [list(iv) for iv in union(
+                normalize(entry["acknowledged"]), normalize(more))]
+    return out
+
+
 class AsyncBook:
     """A coordinator's asynchronous models (see the module doc)."""
 
@@ -81,11 +125,6 @@ class AsyncBook:
         self.timeout = config.seconds("asynchronous.ready-timeout")
 
     # -- helpers --------------------------------------------------------------------------
-    @staticmethod
-    def pseudo(model: str) -> str:
-        """The lease-table session that holds a model's staged rows."""
-        return f"async:{model}"
-
     def _address(self, session: str | None) -> str:
         m = self.co.members.members.get(session) if session else None
         return m.address if m is not None else ""
@@ -120,31 +159,6 @@ class AsyncBook:
         self.co.send(address, {"op": "daskdist-async-role", "name": self.co.name,
                                "role": tuple(msg)})
 
-    def _settle(self, led: ModelLedger, settle: Settle) -> None:
-        """Do what a transition asks of the rows."""
-        if not settle:
-            return
-        leases, pseudo = self.co.leases, self.pseudo(led.model)
-        for rec in settle.ack:
-            if not rec.tokens:
-                continue
-            # back to the pusher's session first, when it lives: its worker's row count
-            if not (self._alive(rec.pusher)
-                    and leases.transfer_tokens(pseudo, rec.pusher, rec.tokens)
-                    and leases.ack_tokens(rec.pusher, rec.tokens)):
-                if not leases.ack_tokens(pseudo, rec.tokens):
-                    logger.warning("daskdist[%s]: the rows of push %s of model %s could not "
-                                   "be acknowledged", self.co.name, rec.pid, led.model)
-        for rec in settle.release:
-            if rec.tokens:
-                leases.release_tokens(pseudo, rec.tokens)
-        if settle.restore:
-            try:
-                self.co.ledgers.restore(led.model, settle.restore, leases)
-            except (TypeError, ValueError) as e:
-                logger.warning("daskdist[%s]: the datasets' ledger of model %s's checkpoint "
-                               "was not restored: %s", self.co.name, led.model, e)
-
     def _ensure_standby(self, led: ModelLedger) -> None:
         """A serving model without a standby gets one, if another member exists."""
         if led.phase != READY or led.standby is not None or led.holder is None:
@@ -164,7 +178,7 @@ class AsyncBook:
     def _recover(self, led: ModelLedger, plan: Recovery) -> None:
         if not plan.source:
             logger.error("daskdist[%s]: %s", self.co.name, plan.reason)
-            self._settle(led, led.fail(plan.reason))
+            settle_rows(self.co, led.model, led.fail(plan.reason))
             self._wake(led)
             return
         if plan.source == COPY and not (plan.target and self._alive(plan.target)):
@@ -320,7 +334,7 @@ class AsyncBook:
                                   "reason": "" if applied else f"it was {rec.state}"}}
         if why:
             return {"refused": why}
-        if s.tokens and not self.co.leases.transfer_tokens(s.pusher, self.pseudo(s.model),
+        if s.tokens and not self.co.leases.transfer_tokens(s.pusher, pseudo(s.model),
                                                           s.tokens):
             return {"refused": "its rows are no longer leased to the pushing worker's "
                                "session (the worker was lost): they went back"}
@@ -361,14 +375,7 @@ class AsyncBook:
             raise PermissionError(f"{op}: the caller is not the holder of model {model!r}")
         led.note_applied(async_protocol.copied(
             (model, session, 0, version, applied), op).applied)
-        out = self.co.ledgers.export(led.model, self.co.leases)
-        extra = group_tokens([t for r in led.pending_rows(version) for t in r.tokens])
-        for entry in out.values():
-            more = extra.get((entry["dataset_id"], entry["epoch"]))
-            if more:
-                entry["acknowledged"] = [list(iv) for iv in union(
-                    normalize(entry["acknowledged"]), normalize(more))]
-        return {"ledger": out}
+        return {"ledger": checkpoint_ledger(self.co, led, version)}
 
     # -- the workers' stream messages ---------------------------------------------------
     def on_ready(self, session: str, ready: Any, worker: str | None = None) -> None:
@@ -381,7 +388,7 @@ class AsyncBook:
             led.nbytes = r.nbytes
         settle = led.recovered(session, r.incarnation, r.version, r.origin, r.source,
                                r.ledger, r.error, r.loaded)
-        self._settle(led, settle)
+        settle_rows(self.co, led.model, settle)
         if led.phase == FAILED:
             logger.error("daskdist[%s]: model %s: %s", self.co.name, led.model, led.failed)
         self._wake(led)
@@ -395,7 +402,7 @@ class AsyncBook:
         led.scheduler_bytes += _size(decision)
         settle = led.decided(session, d.incarnation, d.pid, d.applied, d.version, d.staleness,
                              self._alone(led), d.steps, d.seconds, d.round_bytes)
-        self._settle(led, settle)
+        settle_rows(self.co, led.model, settle)
         self._ensure_standby(led)
 
     def on_copied(self, session: str, copy: Any, worker: str | None = None) -> None:
@@ -404,7 +411,7 @@ class AsyncBook:
         if led is None:
             return
         led.scheduler_bytes += _size(copy)
-        self._settle(led, led.copied(session, c.incarnation, c.version, c.applied))
+        settle_rows(self.co, led.model, led.copied(session, c.incarnation, c.version, c.applied))
 
     def on_checkpointed(self, session: str, checkpointed: Any,
                         worker: str | None = None) -> None:
@@ -413,7 +420,7 @@ class AsyncBook:
         led = self.models.get(c.model)
         if led is None or session != led.holder:
             return
-        self._settle(led, led.checkpointed_at(protocol.integer(
+        settle_rows(self.co, led.model, led.checkpointed_at(protocol.integer(
             c.version, "daskdist-async-checkpointed: version", 0, 1 << 62)))
 
     # -- the coordinator's events -----------------------------------------------------------
@@ -448,7 +455,7 @@ class AsyncBook:
     def _forget(self, led: ModelLedger, why: str) -> None:
         for s in {led.holder, led.standby, led.target} - {None}:
             self._role(led, s, NONE)
-        self._settle(led, led.fail(why))
+        settle_rows(self.co, led.model, led.fail(why))
         self._wake(led)
         self.models.pop(led.model, None)
         self.specs.pop(led.model, None)
