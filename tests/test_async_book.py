@@ -131,3 +131,21 @@ def test_only_the_holder_stages_and_a_lost_holder_moves_the_model(book):
     assert (address, role.role, role.standby) == ("w1", HOLDER, "w2")
     assert [r for a, r in roles(sent) if a == "w2" and r.role == STANDBY][-1].incarnation == 1
     check_leases(co.leases)
+
+
+def test_a_coordinator_closed_while_a_model_is_made_is_an_answer_not_an_error():
+    sent: list = []
+    co = CoordinatorState("t", send=lambda address, msg: sent.append((address, msg)))
+    co.closure_book.add_owner("me", None, "tok")
+    co.start_session("s0", "w0", 1, "cpu", "", lambda a: False, 0.0)
+
+    async def create_then_close():
+        task = asyncio.ensure_future(route(co, "daskdist_async_create")(
+            owner="me", token="tok", model="m", spec=b"spec", max_staleness=1))
+        await asyncio.sleep(0.01)
+        co.drop_owner("me")  # its client pressed Ctrl-C: the owner goes
+        return await task
+
+    reply = asyncio.run(create_then_close())
+    assert "its coordinator closed" in reply["closed"]
+    assert [r.role for _, r in roles(sent)] == ["holder", "none"]

@@ -23,6 +23,7 @@ from daskdist.asynchronous.outer import Nesterov, OuterOptimizer
 from daskdist.asynchronous.spec import AsyncSpec, ReplicaFactory
 from daskdist.client.reprs import STYLE
 from daskdist.core import async_protocol, protocol
+from daskdist.errors import CoordinatorClosedError
 
 
 class AsyncReport(dict):
@@ -118,8 +119,8 @@ class AsyncModel:
         if "://" not in url:
             url = os.path.abspath(url)
         every = async_protocol.every(every, "checkpoint_to: every")
-        self._info = self._owned("daskdist_async_checkpoint", model=self.model_id, url=url,
-                                 every=every)
+        self._info = _served(self._owned("daskdist_async_checkpoint", model=self.model_id,
+                                         url=url, every=every))
         return self
 
     def report(self) -> AsyncReport:
@@ -129,6 +130,14 @@ class AsyncModel:
 
     def __repr__(self) -> str:
         return f"<AsyncModel {self.model_id} version {self._info.get('version', 0)}>"
+
+
+def _served(reply: dict) -> dict:
+    """The book's answer once a worker serves the model; its coordinator closed
+    meanwhile: ``CoordinatorClosedError``."""
+    if reply.get("closed"):
+        raise CoordinatorClosedError(reply["closed"])
+    return reply
 
 
 def create(model: Any, optimizer: Any, outer: Any, max_staleness: Any, *,
@@ -159,6 +168,6 @@ def create(model: Any, optimizer: Any, outer: Any, max_staleness: Any, *,
         raise TypeError(f"async_model: the model, optimizer or outer cannot be pickled: "
                         f"{e}") from e
     replica = resource(ReplicaFactory(spec))
-    info = owned("daskdist_async_create", model=model_id, spec=payload,
-                 max_staleness=max_staleness)
+    info = _served(owned("daskdist_async_create", model=model_id, spec=payload,
+                         max_staleness=max_staleness))
     return AsyncModel(model_id, replica, info, call, owned, client, name)

@@ -200,7 +200,10 @@ class AsyncBook:
         if event is not None:
             event.set()
 
-    async def _wait_ready(self, led: ModelLedger, what: str) -> None:
+    async def _wait_ready(self, led: ModelLedger, what: str) -> dict | None:
+        """Wait until the model serves: ``None``; ``{"closed": why}`` when its owner or
+        coordinator closed meanwhile (an answer, not an error: the caller is going);
+        ``RuntimeError`` when it failed, ``TimeoutError`` after ``ready-timeout``."""
         event = self._ready[led.model] = asyncio.Event()
         try:
             while led.phase in (STARTING, MOVING):
@@ -211,8 +214,11 @@ class AsyncBook:
                                        "ready-timeout)")
         finally:
             self._ready.pop(led.model, None)
+        if self.models.get(led.model) is not led:
+            return {"closed": f"{what}: model {led.model}: {led.failed}"}
         if led.phase == FAILED:
             raise RuntimeError(f"{what}: {led.failed}")
+        return None
 
     def _model(self, model: Any, op: str) -> ModelLedger:
         led = self.models.get(protocol.text(model, f"{op}: model"))
@@ -247,13 +253,15 @@ class AsyncBook:
                 target = self._pick(())
             led.aim(target)
             self._role(led, target, HOLDER, FRESH, 0, spec=True)
-            await self._wait_ready(led, "async_model")
+            closed = await self._wait_ready(led, "async_model")
         except BaseException:
             self.models.pop(model, None)
             self.specs.pop(model, None)
             if led.target or led.holder:
                 self._role(led, led.target or led.holder, NONE)
             raise
+        if closed is not None:
+            return closed
         self._ensure_standby(led)
         return self.info(model)
 
@@ -272,7 +280,9 @@ class AsyncBook:
         if led.phase == READY and not led.applied and not led.open and led.version == 0:
             plan = led.reload()
             self._role(led, plan.target, HOLDER, plan.source, plan.version, spec=True)
-            await self._wait_ready(led, "checkpoint_to")
+            closed = await self._wait_ready(led, "checkpoint_to")
+            if closed is not None:
+                return closed
             self._ensure_standby(led)
         elif led.holder is not None:
             self._role(led, led.holder, HOLDER, SAME, led.version,
