@@ -14,6 +14,7 @@ from typing import Any
 
 from daskdist import config  # noqa: F401 - loads daskdist.yaml into dask.config
 from daskdist.context import InputContext, WorkerContext, get_worker_context
+from daskdist.core.protocol import Preemption
 from daskdist.errors import (
     CancelledError,
     CollectiveError,
@@ -62,6 +63,7 @@ __all__ = [
     "InputError",
     "PerWorkerDataset",
     "PerWorkerValues",
+    "Preemption",
     "RemoteValue",
     "RemoteValueStatus",
     "Report",

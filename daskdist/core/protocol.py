@@ -247,6 +247,23 @@ class EpochLedger(NamedTuple):
     lengths: list | None = None
 
 
+class Preemption(NamedTuple):
+    """A worker will be taken away: ``deadline`` (epoch seconds, ``time.time()``) and
+    why (``"SIGTERM"``, ``"SIGUSR1"``, ``"aws-spot"``, ``"notify_preemption"``, ...).
+    What ``dd.get_worker_context().preemption`` gives, what a worker reports to the
+    scheduler (``daskdist_preemption``) and what ``coord.status()`` lists."""
+
+    deadline: float
+    reason: str
+
+
+def preemption(deadline: Any, reason: Any, what: str) -> Preemption:
+    """A :class:`Preemption` from the wire, checked (its deadline a finite number of
+    epoch seconds, its reason a short text); the error names ``what``."""
+    return Preemption(number(deadline, f"{what}: deadline", 0.0, 1e12),
+                      text(reason, f"{what}: reason"))
+
+
 
 class RankWindow(NamedTuple):
     """One gang member's window of steps (``daskdist-rank-window``, on the worker's

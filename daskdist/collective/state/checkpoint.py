@@ -80,6 +80,7 @@ class CheckpointStore:
         self._executor: ThreadPoolExecutor | None = None
         self._running: Future | None = None
         self._lock = threading.Lock()
+        self.seconds: float | None = None  # the last write's (a just-in-time one's estimate)
 
     def __getstate__(self) -> dict:
         return {"url": self.url, "keep": self.keep}
@@ -164,9 +165,15 @@ class CheckpointStore:
                 return None
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="daskdist-ckpt")
-            fut = self._executor.submit(job, *args)
+            fut = self._executor.submit(self._timed, job, *args)
             self._running = fut
             return fut
+
+    def _timed(self, job: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = job(*args)
+        self.seconds = time.perf_counter() - t0
+        return out
 
     def _write(self, commits: int, model_state: dict | None, optimizer_state: Any,
                objects: dict, record: dict) -> Written:

@@ -64,6 +64,7 @@ import torch
 
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.replicas import broadcast_parameters, to_cpu
+from daskdist.collective.state import deadline
 from daskdist.collective.state.snapshot import HostCopy, like
 from daskdist.collective.step import riders
 from daskdist.collective.step.later import Late, send_later
@@ -284,9 +285,26 @@ class State:
         else:
             self._promote(self._refill())  # in place: nothing in flight
         self._ride()
-        if min(h[4] for h in heads) and self._writes_durable():
-            self._checkpoint_last(g)  # every member leaves: none would hold the state
-        self._check(version, joins)
+        self._check(version, joins, self._leaves(g, [h[4] for h in heads]))
+
+    def _leaves(self, g: Group, flags: list[int]) -> bool:
+        """Members leaving at this commit (the ranks' "leaving?" flags): every one, the
+        last holder's checkpoint; one on its preemption deadline, a just-in-time one
+        (``collective.state.deadline``). Whether every rank is interrupted for it."""
+        act = deadline.at_commit(flags, g.rank, self._writes_durable())
+        durable = self._durable
+        if durable is not None and self._writes_durable():
+            if act.last:
+                self._checkpoint_last(g)  # every member leaves: none would hold the state
+            elif act.write:
+                if not durable.due(self._commits):  # else its periodic write runs already
+                    deadline.wait_written(durable.store)  # an older one still running
+                    self._write_durable(wait=False)
+                if act.wait:  # this rank leaves: its write first, up to its deadline
+                    deadline.wait_written(durable.store)
+        if act.leave:
+            deadline.announce()
+        return act.interrupt
 
     def _head(self, g: Group, tokens: list) -> list[int]:
         """This rank's part of a commit's allgather: ``[rows to acknowledge?, membership
@@ -297,7 +315,10 @@ class State:
         # peers already wait in the allgather (rank 0's one message: its reply alone),
         # and must not time out there first
         prev = _NONE if not ledger.in_flight else _outcome(ledger.reply, g.timeout / 2)
-        leaving = int(self._durable is not None and _leaving())
+        durable = self._durable
+        leaving = deadline.flag(durable is not None and _leaving(),
+                                durable is not None and self._writes_durable(),
+                                None if durable is None else durable.store.seconds)
         # this rank's tokens ride the allgather when they fit the slots the ranks agreed on
         slots = self._slots[1] if self._slots[0] == g.generation else COMMIT_SLOTS_MIN
         packed = pack_tokens(tokens) if tokens else []
@@ -345,10 +366,11 @@ class State:
                 services.state_commits(self._id, committed=True)
             self._announced = True
 
-    def _check(self, version: int, joins: int) -> None:
+    def _check(self, version: int, joins: int, leaving: bool = False) -> None:
         """Rank 0's counters against the last ones seen: a change interrupts every rank
-        (``skip_sync`` when no worker joined: members only left)."""
-        changed = version != self._last_version
+        (``skip_sync`` when no worker joined: members only left); so do members leaving
+        on their deadline (``leaving``)."""
+        changed = version != self._last_version or leaving
         skip = joins == self._last_joins
         self._last_version, self._last_joins = version, joins
         self._skip = changed and skip

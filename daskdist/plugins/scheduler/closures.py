@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from daskdist.core import protocol
+from daskdist.core.keepalive import KeptResults
 from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
@@ -84,17 +85,21 @@ async def _acquire(lock: asyncio.Lock, timeout: float | None) -> bool:
 class Outbox:
     """Outcomes waiting for one client-side Coordinator (an *owner*); kept until it
     acknowledges them. ``token`` is the owner's secret: only the client it was given to
-    can act as that owner (SPEC §2.5b)."""
+    can act as that owner (SPEC §2.5b). A keep-alive owner's outcomes are also
+    ``kept`` until its client reads them (``core.keepalive``: see the keep book)."""
 
     client: str | None
     token: str = ""
     first_seq: int = 0
     items: list = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    kept: KeptResults | None = None
 
     def push(self, item: Outcome) -> None:
         self.items.append(item)
         self.event.set()
+        if self.kept is not None:
+            self.kept.add(item)
 
     def ack(self, seq: int) -> None:
         """Forget everything before ``seq`` (the client has it)."""

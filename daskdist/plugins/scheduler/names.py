@@ -4,8 +4,10 @@ A name lives while it has owners (client-side Coordinators, SPEC §2.5b): the fi
 ``create`` of a name makes its :class:`CoordinatorState` and :class:`GroupDriver` and
 registers its worker plugin; each ``create`` attaches a new owner with a secret token;
 when the last owner leaves (``close()``, or its client gone for
-``daskdist.coordinator.client-grace``) the state and driver go and the worker plugin is
-removed from every worker (its threads and timers with it). Creation and teardown of a
+``daskdist.coordinator.client-grace``; a keep-alive owner's, for
+``daskdist.coordinator.keep-alive-timeout`` with nobody attaching: see the keep book)
+the state and driver go and the worker plugin is removed from every worker (its threads
+and timers with it). Creation and teardown of a
 name are serialized (a lock per name), so a worker plugin's registration and removal
 never cross on a worker.
 
@@ -86,13 +88,14 @@ class Coordinators:
     # -- creation and owners -------------------------------------------------------------
     async def create(self, name: str, client: str | None, max_worker_failures: int | None,
                      torch_threads: int | None, lease_timeout: float | None,
-                     resources: dict | None = None, members: str | None = None) -> dict:
+                     resources: dict | None = None, members: str | None = None,
+                     keep_alive: bool = False) -> dict:
         """Create ``name`` if new (its settings: the first caller's; arguments already
         checked), make sure workers run its plugin, attach a new owner:
         ``{"workers", "owner", "token"}``. ``resources``: the Dask resources a worker must
         declare to be a member; ``members="gpu"``: a member must have a GPU by the Dask
         convention (the first caller's; another asking for others gets a ``ValueError``
-        naming both)."""
+        naming both). ``keep_alive``: the owner outlives its client (the keep book)."""
         async with self._lock(name):
             co = self.states.get(name)
             if co is not None and resources is not None and \
@@ -122,6 +125,7 @@ class Coordinators:
                 driver = GroupDriver(co, self.scheduler.rpc, self._next_generation)
                 self.drivers[name] = co.group_book.driver = driver
                 co.rank_book.scheduler = self.scheduler  # rpc to members, NVML metrics
+                co.keep_book.drop = lambda owner, co=co: self.drop_owner(co, owner)
             try:
                 started = await self._register_worker_plugin(
                     name, torch_threads, co.member_resources, co.member_kind)
@@ -131,6 +135,8 @@ class Coordinators:
                 raise
             owner, token = uuid.uuid4().hex[:12], secrets.token_hex(16)
             co.closure_book.add_owner(owner, client, token)
+            if keep_alive:
+                co.keep_book.keep(owner)
         # workers register their sessions once their plugin is set up (the others say
         # they are not members): wait a little for them, so the reply's worker count is
         # the cluster's (its end: 5 poll intervals)
@@ -226,13 +232,28 @@ class Coordinators:
                     logger.warning("daskdist[%s]: removing the worker plugin: %r", name, e)
             logger.info("daskdist[%s]: last owner left; coordinator closed", name)
 
+    async def attach(self, name: str, client: str | None) -> dict:
+        """``client`` becomes the keep-alive owner of ``name`` (``KeepBook.attach``);
+        ``KeyError`` naming ``name`` when it closed or never was."""
+        async with self._lock(name):
+            co = self.states.get(name)
+            if co is None or co.closed:
+                raise KeyError(f"no daskdist coordinator named {name!r} on this scheduler "
+                               f"to attach to: it closed (close(), or its keep_alive owner "
+                               f"stayed unattached for daskdist.coordinator."
+                               f"keep-alive-timeout), or never was")
+            return co.keep_book.attach(client)
+
     # -- clients ---------------------------------------------------------------------------
     def client_left(self, client: str) -> None:
         """A client's connection closed: drop its owners after ``coordinator.client-grace``
-        unless it reconnects first (Dask's client reconnects with the same id)."""
+        unless it reconnects first (Dask's client reconnects with the same id); its
+        keep-alive owners wait ``keep-alive-timeout`` instead."""
         if not any(box.client == client for co in self.states.values()
                    for box in co.outboxes.values()):
             return
+        for co in self.states.values():
+            co.keep_book.client_left(client)
         old = self._orphaned.pop(client, None)
         if old is not None:
             old.cancel()
@@ -244,14 +265,17 @@ class Coordinators:
         handle = self._orphaned.pop(client, None)
         if handle is not None:
             handle.cancel()  # it came back: its closures and results are still here
+        for co in self.states.values():
+            co.keep_book.client_back(client)
 
     def _drop_client(self, client: str) -> None:
         """The client stayed away for ``client-grace``: its owners are dropped as if they
-        had closed (their per-worker resources are released)."""
+        had closed (their per-worker resources are released); its keep-alive owners
+        wait on (the keep book)."""
         self._orphaned.pop(client, None)
         for co in list(self.states.values()):
             for owner, box in list(co.outboxes.items()):
-                if box.client == client:
+                if box.client == client and not co.keep_book.kept(owner):
                     logger.info("daskdist[%s]: client %s gone for client-grace: owner %s "
                                 "dropped", co.name, client, owner)
                     self.drop_owner(co, owner)
@@ -262,6 +286,9 @@ class Coordinators:
             task.cancel()
         for driver in self.drivers.values():
             driver.stop()
+        for co in self.states.values():
+            co.keep_book.close()
+            co.preempt_book.close()
         for handle in self._orphaned.values():
             handle.cancel()
         self._orphaned.clear()

@@ -40,8 +40,10 @@ from daskdist.plugins.scheduler.closures import CLOSURE_ROUTES
 from daskdist.plugins.scheduler.datasets import LEASE_ROUTES
 from daskdist.plugins.scheduler.gangs import GROUP_ROUTES
 from daskdist.plugins.scheduler.groups import GroupDriver
+from daskdist.plugins.scheduler.keepalive import KEEP_ROUTES
 from daskdist.plugins.scheduler.locality import Locality
 from daskdist.plugins.scheduler.names import Coordinators
+from daskdist.plugins.scheduler.preemptions import PREEMPT_ROUTES
 from daskdist.plugins.scheduler.state import STATE_ROUTES, CoordinatorState
 from daskdist.plugins.scheduler.web import pages
 
@@ -53,12 +55,15 @@ BOOK_ROUTES = {
     "group_book": GROUP_ROUTES,
     "lease_book": LEASE_ROUTES,
     "rank_book": RANK_ROUTES,
+    "keep_book": KEEP_ROUTES,
+    "preempt_book": PREEMPT_ROUTES,
 }
 # ... and those of messages on a worker's own stream (one-way; Dask adds worker=)
 BOOK_STREAM_ROUTES = {"rank_book": RANK_STREAM_ROUTES}
 # The plugin's own routes (coordinators' lives, worker sessions, status): their methods
 PLUGIN_ROUTES = {
     "daskdist_create": "create",
+    "daskdist_attach": "attach",
     "daskdist_detach": "detach",
     "daskdist_register": "register",
     "daskdist_unregister": "unregister",
@@ -198,12 +203,14 @@ class CoordinatorPlugin(SchedulerPlugin):
                      max_worker_failures: int | None = None,
                      torch_threads: int | None = None,
                      lease_timeout: float | None = None,
-                     resources: dict | None = None, members: str | None = None) -> dict:
+                     resources: dict | None = None, members: str | None = None,
+                     keep_alive: bool = False) -> dict:
         """Create the named coordinator if new (its settings: the first caller's), make
         sure workers run its plugin, and attach the caller as a new owner: its id and
         secret token (``{"workers", "owner", "token"}``). ``resources``: only workers
         declaring those Dask resources are members; ``members="gpu"``: only workers with
-        a GPU by the Dask convention (a later caller asking for others is refused)."""
+        a GPU by the Dask convention (a later caller asking for others is refused).
+        ``keep_alive``: the owner's work outlives its client (the keep book)."""
         op = "daskdist_create"
         protocol.text(name, f"{op}: name")
         client = protocol.optional(protocol.text, client, f"{op}: client")
@@ -215,8 +222,19 @@ class CoordinatorPlugin(SchedulerPlugin):
                                         f"{op}: lease_timeout")
         resources = protocol.optional(protocol.resources, resources, f"{op}: resources")
         members = protocol.optional(protocol.members, members, f"{op}: members")
+        keep_alive = protocol.flag(keep_alive, f"{op}: keep_alive")
         return await self.names.create(name, client, max_worker_failures, torch_threads,
-                                       lease_timeout, resources=resources, members=members)
+                                       lease_timeout, resources=resources, members=members,
+                                       keep_alive=keep_alive)
+
+    async def attach(self, name: str, client: str | None = None) -> dict:
+        """``Coordinator.attach``: the caller becomes the coordinator's keep-alive owner
+        (``KeepBook.attach``: a new token, what it had not read and what still runs);
+        ``KeyError`` naming a coordinator that closed or never was."""
+        op = "daskdist_attach"
+        protocol.text(name, f"{op}: name")
+        client = protocol.optional(protocol.text, client, f"{op}: client")
+        return await self.names.attach(name, client)
 
     async def detach(self, name: str, owner: str, token: str) -> dict:
         """The owner closes: its queued closures are cancelled, its per-worker resources

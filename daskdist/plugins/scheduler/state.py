@@ -13,7 +13,11 @@ in its books, each with its own handlers (the pattern of Dask's
   and checkpoint ledgers;
 - :class:`~daskdist.observe.book.RankBook`: what gang members measure (per-rank
   phases, stragglers, hangs and stacks);
-- :class:`~daskdist.plugins.scheduler.stats.CoordinatorStats`: the dashboard's counters.
+- :class:`~daskdist.plugins.scheduler.stats.CoordinatorStats`: the dashboard's counters;
+- :class:`~daskdist.plugins.scheduler.keepalive.KeepBook`: keep-alive owners (their
+  unread values, their clients' absences, attaching);
+- :class:`~daskdist.plugins.scheduler.preemptions.PreemptBook`: workers' preemption
+  deadlines.
 
 Talks to workers only through the ``send`` callable the plugin provides (a message on
 the worker's stream), so it imports nothing from Dask.
@@ -34,6 +38,8 @@ from daskdist.observe.book import RankBook
 from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
+from daskdist.plugins.scheduler.keepalive import KeepBook
+from daskdist.plugins.scheduler.preemptions import PreemptBook
 from daskdist.plugins.scheduler.stats import CoordinatorStats
 
 logger = logging.getLogger(__name__)
@@ -62,6 +68,8 @@ class CoordinatorState:
             1, 2**16))
         self.lease_book = LeaseBook(self, max_worker_failures)
         self.rank_book = RankBook(self)  # per-rank phases, stragglers, hangs (SPEC §5.1)
+        self.keep_book = KeepBook(self)  # keep-alive owners (SPEC §4.6)
+        self.preempt_book = PreemptBook(self)  # workers' preemption deadlines (SPEC §4.6)
         # the books' pure state machines, by the names the rest of the package uses
         self.queue = self.closure_book.queue
         self.outboxes = self.closure_book.outboxes
@@ -94,6 +102,7 @@ class CoordinatorState:
         workers, their results dropped; workers give back the ones they had not started
         (held, like an owner whose error is raised), and those are cancelled."""
         self.gangs.cancel_pending(owner)
+        self.keep_book.forget(owner)
         self.release_resources([rid for rid, o in self.resource_owners.items() if o == owner])
         self.lease_book.forget_datasets(  # its datasets go with it
             [d for d, ds in self.leases.datasets.items() if ds.owner == owner])
@@ -128,6 +137,8 @@ class CoordinatorState:
         self.closure_book.close()
         self.group_book.close()
         self.rank_book.close()
+        self.keep_book.close()
+        self.preempt_book.close()
 
     # -- workers ---------------------------------------------------------------------
     def broadcast(self, msg: dict, sessions: Iterable[str] | None = None,
@@ -312,9 +323,10 @@ class CoordinatorState:
 
     def active_sessions(self) -> tuple[str, ...]:
         """Sessions that may be in the group, in worker-index (rank) order (not leaving,
-        not warming)."""
+        not warming, no preemption deadline within the horizon)."""
+        preempt = self.preempt_book
         return tuple(m.session for m in self.members.by_index()
-                     if not m.draining and not m.warming)
+                     if not m.draining and not m.warming and not preempt.leaving(m.session))
 
     # -- per-worker resources: routes ---------------------------------------------------------
     def resource_add(self, owner: str, token: str, rid: str, payload: bytes) -> None:
@@ -367,6 +379,7 @@ class CoordinatorState:
             "group_generation": group.generation,
             "group_size": len(group.sessions),
             "gangs_pending": len(self.gangs.pending),
+            "preemptions": self.preempt_book.listing(),  # deadlines, soonest first
         }
 
 

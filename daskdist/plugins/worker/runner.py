@@ -18,6 +18,8 @@ and hand results back with ``add_callback``; ``_pending`` (received, not started
 ``_started`` (started, not finished) are shared under ``_lock``. Every message to the
 scheduler says which held closures started, so a lost worker's prefetched closures
 count no failure.
+A worker with a preemption deadline starts only closures expected to end before it
+(:class:`~daskdist.plugins.worker.deadlines.Admission`); the others go back unstarted.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from daskdist.core.protocol import (
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
 from daskdist.observe.recorder import gang_scope
+from daskdist.plugins.worker import deadlines
 from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
 from daskdist.plugins.worker.services import Session, SessionLifecycle
 from daskdist.session.counters import set_membership
@@ -311,6 +314,8 @@ class ClosureRunner(SessionLifecycle):
         self.closers: list[threading.Thread] = []  # closing ended sessions' resources
         # results leave with their tensors on the host (a client may have no CUDA)
         self.results_host = "cpu" if config.get("worker.results-to-cpu", True) else None
+        # which closures end before this worker's deadline, by their durations here
+        self.admission = deadlines.Admission(worker.address)
 
     @property
     def session_id(self) -> str:
@@ -377,9 +382,11 @@ class ClosureRunner(SessionLifecycle):
     async def _loop(self) -> None:
         if not await self._register_until_done():
             return
+        deadlines.tell(self)  # a deadline known before this session: the scheduler hears it
         backoff = 0.05
         while not self.stopping:
-            want = 0 if self._retiring() else self.capacity - self.taken
+            want = 0 if self._retiring() or not self.admission.takes_more() else \
+                self.capacity - self.taken
             # Report results as soon as there are any (asking for more in the same call);
             # long-poll only when a thread is idle; otherwise wait for a result, so the
             # loop does not compete with running closures for the GIL.
@@ -417,6 +424,7 @@ class ClosureRunner(SessionLifecycle):
                 self._drop_pending()
                 if not await self._register_until_done():
                     return
+                deadlines.tell(self)
                 continue
             for r in results:
                 self.unacked.discard(r.cid)
@@ -562,6 +570,9 @@ class ClosureRunner(SessionLifecycle):
         if item.owner in self.hold and not item.gang:  # its owner's error is being raised
             self._finished(item, _unstarted(item))
             return
+        if not item.gang and not self.admission.fits(item.payload[0]):  # a deadline
+            self._finished(item, _unstarted(item))
+            return
         scope = ClosureScope(self._worker_context(item.attempt), session.services,
                              origin=origin_of(item.cid))
         with closure_scope(scope):
@@ -571,7 +582,10 @@ class ClosureRunner(SessionLifecycle):
                 args, kwargs = ((), {}) if arg_bytes is None else loads(arg_bytes)
                 if args or kwargs:
                     args, kwargs = session.resources.resolve((args, kwargs))
+                start = time.monotonic()
                 value = fn(*args, **kwargs)
+                if not item.gang:
+                    self.admission.ran(fn_bytes, time.monotonic() - start)
                 state, payload, kind = READY, dump_result(value, self.results_host), None
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
                 state, payload, kind = FAILED, dump_error(e), _error_kind(e)

@@ -53,7 +53,8 @@ class StatusPage(RequestHandler):
                  "<p><a href='daskdist-dashboard'>plots</a> · "
                  "<a href='daskdist/status.json'>status.json</a></p>"]
         for name, snap in snapshots(self.plugin).items():
-            status = [{"counter": k, "value": v} for k, v in snap["status"].items()]
+            status = [{"counter": k, "value": v} for k, v in snap["status"].items()
+                      if not isinstance(v, list)]
             group = [{"field": k, "value": v} for k, v in snap["group"].items()]
             parts += [f"<h3>{html.escape(name)}</h3>",
                       _table(status, ["counter", "value"]),
@@ -64,6 +65,9 @@ class StatusPage(RequestHandler):
                       _table(snap["datasets"], ["name", "dataset_id", "epoch",
                                                 "acknowledged", "leased", "free", "total",
                                                 "complete", "failed"]),
+                      "<h4>preemption deadlines</h4>",
+                      _table(snap["status"].get("preemptions") or [],
+                             ["worker", "index", "reason", "seconds_left"]),
                       "<h4>collective group</h4>", _table(group, ["field", "value"]),
                       "<h4>group events</h4>",
                       _table(snap["events"], ["kind", "generation", "members", "seconds",
