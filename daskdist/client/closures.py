@@ -54,14 +54,19 @@ class RemoteValueStatus(str, Enum):
 
 
 class RemoteValue:
-    """The future result of one scheduled closure (TensorFlow's ``RemoteValue``)."""
+    """The future result of one scheduled closure (TensorFlow's ``RemoteValue``).
+
+    ``reader(cid)`` is called once, when its value is first read (``fetch`` or
+    ``exception`` returns): a keep-alive coordinator's read receipt."""
 
     __slots__ = ("_cid", "_coordinator", "_event", "_status", "_payload", "_kind",
-                 "_value", "_loaded", "attempt", "__weakref__")
+                 "_value", "_loaded", "_reader", "attempt", "__weakref__")
 
-    def __init__(self, cid: str, coordinator: Any = None):
+    def __init__(self, cid: str, coordinator: Any = None,
+                 reader: Callable[[str], None] | None = None):
         self._cid = cid
         self._coordinator = coordinator
+        self._reader = reader
         self._event = threading.Event()
         self._status = RemoteValueStatus.PENDING
         self._payload: Any = None
@@ -102,11 +107,17 @@ class RemoteValue:
             self._loaded = True
         return self._value
 
+    def _read(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader(self._cid)
+
     def fetch(self, timeout: float | None = None) -> Any:
         """Wait for the closure; return its value or raise its error."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"closure {self._cid} did not finish within {timeout} s")
         value = self._load()
+        self._read()
         if self._status is not RemoteValueStatus.READY:
             raise value
         return value
@@ -119,6 +130,7 @@ class RemoteValue:
         """Wait for the closure; its error, or ``None`` if it succeeded."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"closure {self._cid} did not finish within {timeout} s")
+        self._read()
         if self._status is RemoteValueStatus.READY:
             return None
         return self._load()
@@ -246,7 +258,8 @@ class ClosureClient:
     ``_init_closures`` sets its own state; the class using it sets ``client``, ``name``,
     ``_rpc`` (the scheduler's RPC), ``_owner``, ``_token`` and ``_workers`` (the member
     count, renewed by each batch of results), and ``_owned`` (a call acting as this
-    owner, used only once an error is pending), then starts ``_results_loop``.
+    owner, used only once an error is pending), then starts ``_results_loop``; and
+    ``_reader``, what each ``RemoteValue`` it makes calls when read (``None``: nothing).
     """
 
     client: Client
@@ -268,6 +281,7 @@ class ClosureClient:
             self._min_queued = int(config.get("coordinator.min-max-queued"))
         self._max_queued = max_queued
         self._seq = itertools.count()
+        self._reader: Callable[[str], None] | None = None  # a keep-alive owner's receipts
         self._cv = threading.Condition()
         self._pending: dict[str, RemoteValue] = {}
         # gang cid -> its per-rank values; written by the caller and the result loop,
@@ -311,7 +325,7 @@ class ClosureClient:
             self._raise_pending()
         payload = self._pickle(fn, args, kwargs, retries)
         cid = f"{self._owner}-{next(self._seq)}"
-        rv = RemoteValue(cid, self)
+        rv = RemoteValue(cid, self, self._reader)
         while True:
             with self._cv:
                 while (len(self._pending) >= self._limit() and not self._error_pending
@@ -454,8 +468,8 @@ class ClosureClient:
                 reply = {"detached": True}  # the scheduler no longer knows this owner
             if reply is None or reply.get("detached"):
                 self._cancel_all("the scheduler dropped it (its client was cut off longer "
-                                 "than daskdist.coordinator.client-grace, or the "
-                                 "scheduler restarted)")
+                                 "than daskdist.coordinator.client-grace, another client "
+                                 "attached to it, or the scheduler restarted)")
                 return
             first = reply["first"]
             items = reply["items"]
@@ -497,7 +511,8 @@ class ClosureClient:
             view.final = True
             return
         members = old[: len(payload)]
-        members += [RemoteValue(f"{gid}#{r}", None) for r in range(len(members), len(payload))]
+        members += [RemoteValue(f"{gid}#{r}", None, view.whole._reader)
+                    for r in range(len(members), len(payload))]
         for rv, value in zip(members, payload, strict=True):
             rv._set(state, value, None, attempt)
         for rv in old[len(payload):]:  # ranks of a member that left: not an error

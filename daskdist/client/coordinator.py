@@ -5,7 +5,9 @@ everything but the single closure: registering the plugin and attaching as an ow
 the plumbing to the handlers, gang closures (``schedule_on_all``), the collective
 group, per-worker resources and datasets, status, and ``close()``, which ends every
 wait at once (SPEC §2.5b). ``schedule`` / ``join`` / ``done`` / ``fetch`` and the
-client loop that runs them are ``ClosureClient``'s (``client/closures.py``).
+client loop that runs them are ``ClosureClient``'s (``client/closures.py``);
+``attach``, ``pending``, ``datasets`` and ``notify_preemption`` are ``JobLife``'s
+(``client/lifetime.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from daskdist.client.datasets import (
     _ResourceHandle,
 )
 from daskdist.client.group import CollectiveGroup
+from daskdist.client.lifetime import JobLife
 from daskdist.client.notices import NoticeListener
 from daskdist.client.report import Report
 from daskdist.core import protocol
@@ -50,7 +53,7 @@ class _SchedulerPluginRef(SchedulerPlugin):
         return (instantiate, (SCHEDULER_PLUGIN, {}))
 
 
-class Coordinator(ClosureClient):
+class Coordinator(ClosureClient, JobLife):
     """Schedule closures on a Dask cluster's workers, at least once each, surviving worker loss.
 
     ``Coordinator(client, name="default")`` registers the scheduler plugin (which
@@ -82,6 +85,14 @@ class Coordinator(ClosureClient):
     than ``daskdist.coordinator.client-grace``) ends it: every pending ``RemoteValue``
     resolves at once, its resources are released on every worker, and when no
     Coordinator of the name is left its worker plugin goes too.
+
+    ``keep_alive=True``: its work outlives its client (SPEC §4.6). When the client
+    disconnects (a kernel restart), its closures, gangs and datasets go on and their
+    values wait on the scheduler, each until it is read (bounded by
+    ``daskdist.coordinator.keep-results``: beyond, its queued closures wait), for
+    ``daskdist.coordinator.keep-alive-timeout`` (24 h); ``Coordinator.attach(client,
+    name)`` from any client of the scheduler takes it over, and ``pending()`` gives
+    what it had not read.
     """
 
     def __init__(
@@ -95,8 +106,12 @@ class Coordinator(ClosureClient):
         lease_timeout: float | None = None,
         resources: dict[str, float] | None = None,
         members: str | None = None,
+        keep_alive: bool = False,
     ):
+        if not isinstance(keep_alive, bool):
+            raise TypeError(f"keep_alive must be True or False, got {keep_alive!r}")
         self._init_closures(max_queued)
+        self._init_life(keep_alive)
         if max_worker_failures is None:
             max_worker_failures = protocol.max_worker_failures(
                 config.integer("coordinator.max-worker-failures"),
@@ -118,12 +133,18 @@ class Coordinator(ClosureClient):
                           max_worker_failures=max_worker_failures,
                           torch_threads=torch_threads, lease_timeout=lease_timeout,
                           **({"resources": resources} if resources else {}),
-                          **({"members": members} if members else {}))
+                          **({"members": members} if members else {}),
+                          **({"keep_alive": True} if keep_alive else {}))
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "
                 "on the scheduler?"
             )
+        self._begin(info)
+
+    def _begin(self, info: dict) -> None:
+        """Act as the owner the scheduler handed out (``info``: a create's or an
+        attach's reply): its results loop and notices start."""
         self._workers = info["workers"]
         # this Coordinator's owner id (its closure ids start with it) and the secret
         # only it holds: the scheduler lets only the holder act as this owner
@@ -169,7 +190,7 @@ class Coordinator(ClosureClient):
         payload = self._pickle(fn, args, kwargs, 0)
         self._notices.start()
         gid = f"{self._owner}-g{next(self._seq)}"
-        whole = RemoteValue(gid, None)
+        whole = RemoteValue(gid, None, self._reader)
         view = GangValues(whole)
         with self._cv:
             self._pending[gid] = whole
@@ -184,7 +205,8 @@ class Coordinator(ClosureClient):
         n = info["world_size"]  # 0: no group could form yet; the gang waits for one
         with self._cv:
             if n and not view.final:  # not finished before we got here
-                view.values = tuple(RemoteValue(f"{gid}#{r}", None) for r in range(n))
+                view.values = tuple(RemoteValue(f"{gid}#{r}", None, self._reader)
+                                    for r in range(n))
         return view
 
     def collective_group(self, backend: str = "auto", timeout: float = 60.0, *,
@@ -310,10 +332,13 @@ class Coordinator(ClosureClient):
         return {int(rank): str(stack) for rank, stack in self._owned("daskdist_rank_stacks")}
 
     def status(self) -> dict[str, Any]:
-        """Queue and worker counts: queued, running, done, failed, retried, cancelled, ..."""
+        """Queue and worker counts: queued, running, done, failed, retried, cancelled,
+        ...; ``preemptions``: the workers' deadlines, soonest first (``{worker, index,
+        deadline, reason, seconds_left}`` each)."""
         self._check_open()
         s = self._call("daskdist_status")
         s["recoveries"] = s["recovered"]
+        s["preemptions"] = [dict(p) for p in s.get("preemptions") or ()]
         return s
 
     def members(self) -> dict[str, list]:

@@ -47,6 +47,11 @@ def next_seq(cids: Iterable[str], floor: int = -1) -> int:
     return max([floor, *(s for s in map(seq_of, cids) if s is not None)]) + 1
 
 
+def is_gang(cid: str) -> bool:
+    """Whether ``cid`` is a gang's id (``owner-g12``)."""
+    return cid.rpartition("-")[2].startswith("g")
+
+
 def gang_of(cid: str) -> str:
     """The outcome a read receipt names: a gang's per-rank value (``gid#rank``) is read
     as its gang's."""
