@@ -77,8 +77,8 @@ class JobLife:
         try:
             info = self._call("daskdist_attach", client=self.client.id)
         except LookupError as e:  # KeyError: closed or unknown; LookupError: not kept alive
-            raise CoordinatorClosedError(f"cannot attach to coordinator {name!r}: "
-                                         f"{e.args[0] if e.args else e}") from None
+            raise CoordinatorClosedError(f"cannot attach: {e.args[0] if e.args else e}"
+                                         ) from None
         if info is None:
             raise CoordinatorClosedError(f"cannot attach to coordinator {name!r}: the "
                                          f"daskdist scheduler plugin did not answer")

@@ -238,9 +238,9 @@ class Coordinators:
         async with self._lock(name):
             co = self.states.get(name)
             if co is None or co.closed:
-                raise KeyError(f"it is not on this scheduler: it closed (close(), or its "
-                               f"keep_alive owner stayed unattached for daskdist."
-                               f"coordinator.keep-alive-timeout), or never was")
+                raise KeyError(f"coordinator {name!r} is not on this scheduler: it closed "
+                               f"(close(), or its keep_alive owner stayed unattached for "
+                               f"daskdist.coordinator.keep-alive-timeout), or never was")
             return co.keep_book.attach(client)
 
     # -- clients ---------------------------------------------------------------------------

@@ -201,6 +201,20 @@ def tell(runner: Any) -> None:
     asyncio.ensure_future(send())
 
 
+def left_group(runner: Any) -> None:
+    """A gang member of ``runner`` ended on a worker whose deadline is within the
+    horizon: it left its group at a commit, and no formation takes it again. Its
+    per-worker iterators close, giving the rows they hold leased back to the pool for
+    the members that stay (a closure that uses one here again builds it anew). Event
+    loop."""
+    notice = preemption_of(runner.worker.address)
+    resources = runner.resources
+    if notice is None or resources is None or not acting(
+            notice.deadline, time.time(), config.seconds("preemption.horizon")):
+        return
+    resources.drop([rid for rid in resources.rids() if rid.startswith("iterator-")])
+
+
 def install(worker: Any, runners: Callable[[], list]) -> DeadlineWatch:
     """This worker's watch, started once (event loop)."""
     watch = getattr(worker, _ATTR, None)

@@ -620,6 +620,7 @@ class ClosureRunner(SessionLifecycle):
 
     def _gang_ended(self) -> None:
         self.gangs -= 1
+        deadlines.left_group(self)  # leaving on its deadline: its iterators' rows go back
 
     def _finished(self, item: Work, result: Outcome | None) -> None:
         try:
