@@ -5,8 +5,9 @@ notices that give one.
   longest of their last few runs). A worker with a deadline starts a closure only if
   its function's expected time, plus a margin, ends before the deadline; a function it
   never ran counts a configured bound (``daskdist.preemption.unknown-duration``). It
-  asks for new work only while its longest expected closure would still fit, so a
-  closure it hands back is not handed to it again.
+  asks for new work only while the longest closure it expects (of the functions it
+  ran, or refused) would still fit, so a closure it hands back is not handed to it
+  again.
 - :func:`acting`: a deadline nearer than the horizon (``daskdist.preemption.horizon``)
   is acted on (a gang member leaves at its next commit, with a just-in-time checkpoint);
   a farther one (Dask's worker ``lifetime``, hours away) is only known.
@@ -24,6 +25,7 @@ import datetime
 import email.utils
 import json
 from collections import deque
+from collections.abc import Hashable
 
 from daskdist.core.protocol import Preemption
 
@@ -43,10 +45,10 @@ class DurationBook:
             raise ValueError(f"unknown must be >= 0 seconds, got {unknown}")
         self.keep = keep
         self.unknown = float(unknown)
-        self._runs: dict[str, deque[float]] = {}
-        self._expected: dict[str, float] = {}
+        self._runs: dict[Hashable, deque[float]] = {}
+        self._expected: dict[Hashable, float] = {}
 
-    def add(self, key: str, seconds: float) -> None:
+    def add(self, key: Hashable, seconds: float) -> None:
         """A closure of function ``key`` ran ``seconds``."""
         runs = self._runs.get(key)
         if runs is None:
@@ -54,19 +56,24 @@ class DurationBook:
         runs.append(max(0.0, float(seconds)))
         self._expected[key] = max(runs)
 
-    def expected(self, key: str) -> float:
+    def expected(self, key: Hashable) -> float:
         """Seconds a closure of ``key`` is expected to take here (``unknown`` if none ran)."""
         return self._expected.get(key, self.unknown)
 
     def longest(self) -> float:
-        """The longest expected closure of any function run here (``unknown`` if none
-        ran, or if it is longer: a closure of a new function may come)."""
-        return max(self.unknown, max(self._expected.values(), default=0.0))
+        """The longest expected closure of the functions run or refused here
+        (``unknown`` before any)."""
+        return max(self._expected.values(), default=self.unknown)
 
-    def fits(self, key: str, now: float, deadline: float, margin: float) -> bool:
+    def fits(self, key: Hashable, now: float, deadline: float, margin: float) -> bool:
         """Whether a closure of ``key`` started at ``now`` ends ``margin`` seconds before
-        ``deadline``."""
-        return now + self.expected(key) + margin <= deadline
+        ``deadline``. One that does not is remembered (as expected to take ``unknown``
+        if it never ran here): :meth:`takes_more` says no from then on."""
+        expected = self.expected(key)
+        if now + expected + margin <= deadline:
+            return True
+        self._expected.setdefault(key, expected)
+        return False
 
     def takes_more(self, now: float, deadline: float, margin: float) -> bool:
         """Whether to ask for more closures: the longest expected one still fits."""
