@@ -94,9 +94,12 @@ class PreemptBook:
         if timer is not None:
             timer.cancel()
         wait = notice.deadline - self.horizon - time.time()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (the state driven directly): nothing to wake
+            return
         if wait > 0:
-            self._timers[session] = asyncio.get_running_loop().call_later(
-                wait, self.co.membership_changed)
+            self._timers[session] = loop.call_later(wait, self.co.membership_changed)
 
     def notify(self, owner: str, token: str, worker: str, deadline: float,
                reason: str = "notify_preemption") -> None:

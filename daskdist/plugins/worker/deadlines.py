@@ -68,7 +68,7 @@ def signal_leads(setting: Any) -> dict[int, tuple[str, float]]:
                              f"daskdist.preemption.grace)")
         try:
             seconds = float(parse_timedelta(lead, default="seconds"))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, KeyError) as e:
             raise ValueError(f"{what}: the lead of {key!r} must be a duration, got "
                              f"{lead!r}") from e
         out[int(signum)] = (name, seconds)
