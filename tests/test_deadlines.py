@@ -116,7 +116,7 @@ def test_notify_preemption_gives_its_exact_deadline_to_that_worker_only(coord, c
     for notice in before.values():  # the worker lifetime, known at start
         assert notice.reason == "worker lifetime"
         assert started + 3600 - 120 < notice.deadline <= started + 3600
-    worker = sorted(before)[1]
+    worker = coord.members()["members"][1]["address"]  # index 1
     deadline = time.time() + 120.123456
     coord.notify_preemption(worker, deadline)
     wait_until(lambda: any(p["reason"] == "notify_preemption"

@@ -144,47 +144,52 @@ class DeadlineWatch:
 
 
 class Admission:
-    """Which closures a worker with a deadline starts (any thread): those expected to
-    end ``daskdist.preemption.margin`` before it, by the durations of the same function
-    here (:class:`~daskdist.core.deadlines.DurationBook`: the longest of its last runs;
-    ``daskdist.preemption.unknown-duration`` for one never run here). A function is
-    known by its pickled bytes (the scheduler hands the same bytes for the same
-    function: clients pickle it once)."""
+    """Which closures a runner whose worker has a deadline (``runner.deadline``) starts
+    (any thread): those expected to end ``daskdist.preemption.margin`` before it, by the
+    durations of the same function here (:class:`~daskdist.core.deadlines.DurationBook`:
+    the longest of its last runs; ``daskdist.preemption.unknown-duration`` for one never
+    run here). The runner appends every closure's ``(function key, seconds)`` to
+    ``runner.ran``; they are read here when judging. A function is known by its pickled
+    bytes (the same for the same function: clients pickle it once)."""
 
-    def __init__(self, address: str) -> None:
-        self.address = address
+    def __init__(self) -> None:
         self.durations = DurationBook(unknown=config.seconds("preemption.unknown-duration"))
         self.margin = config.seconds("preemption.margin")
         self._lock = threading.Lock()
 
-    def ran(self, fn_bytes: bytes, seconds: float) -> None:
-        """A closure of that function ran ``seconds`` here."""
-        with self._lock:
-            self.durations.add(hash(fn_bytes), seconds)
+    def _fold(self, ran: Any) -> None:
+        """The runs appended since the last judgement (under the lock)."""
+        while ran:
+            try:
+                key, seconds = ran.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            self.durations.add(key, seconds)
 
-    def fits(self, fn_bytes: bytes) -> bool:
+    def fits(self, runner: Any, fn_bytes: bytes) -> bool:
         """Whether a closure of that function, started now, ends before the deadline."""
-        notice = preemption_of(self.address)
-        if notice is None:
-            return True
+        notice = runner.deadline
         with self._lock:
-            return self.durations.fits(hash(fn_bytes), time.time(), notice.deadline,
-                                       self.margin)
+            self._fold(runner.ran)
+            return notice is None or self.durations.fits(hash(fn_bytes), time.time(),
+                                                         notice.deadline, self.margin)
 
-    def takes_more(self) -> bool:
+    def takes_more(self, runner: Any) -> bool:
         """Whether to ask for closures: no deadline, or the longest expected one still
         fits (so a closure handed back is not handed here again)."""
-        notice = preemption_of(self.address)
-        if notice is None:
-            return True
+        notice = runner.deadline
         with self._lock:
-            return self.durations.takes_more(time.time(), notice.deadline, self.margin)
+            self._fold(runner.ran)
+            return notice is None or self.durations.takes_more(time.time(), notice.deadline,
+                                                               self.margin)
 
 
 def tell(runner: Any) -> None:
-    """Tell ``runner``'s coordinator (its scheduler side, from its current session) this
-    worker's deadline, in the background (event loop); nothing without one."""
+    """Give ``runner`` this worker's deadline, and tell its coordinator (its scheduler
+    side, from its current session), in the background (event loop); nothing without
+    one."""
     notice = preemption_of(runner.worker.address)
+    runner.deadline = notice
     session = runner.session_id
     if notice is None or not session:
         return

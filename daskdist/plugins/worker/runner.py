@@ -61,6 +61,7 @@ from daskdist.core.protocol import (
     USER_ERROR,
     Dispatch,
     Outcome,
+    Preemption,
     is_session_ended,
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
@@ -314,8 +315,12 @@ class ClosureRunner(SessionLifecycle):
         self.closers: list[threading.Thread] = []  # closing ended sessions' resources
         # results leave with their tensors on the host (a client may have no CUDA)
         self.results_host = "cpu" if config.get("worker.results-to-cpu", True) else None
-        # which closures end before this worker's deadline, by their durations here
-        self.admission = deadlines.Admission(worker.address)
+        # this worker's preemption deadline (the deadline watch sets it), the closures'
+        # durations (function key, seconds: a C append, the closure's path runs no code
+        # elsewhere) and the judgement of what ends before the deadline
+        self.deadline: Preemption | None = None
+        self.ran: deque[tuple[int, float]] = deque(maxlen=1024)
+        self.admission = deadlines.Admission()
 
     @property
     def session_id(self) -> str:
@@ -385,8 +390,8 @@ class ClosureRunner(SessionLifecycle):
         deadlines.tell(self)  # a deadline known before this session: the scheduler hears it
         backoff = 0.05
         while not self.stopping:
-            want = 0 if self._retiring() or not self.admission.takes_more() else \
-                self.capacity - self.taken
+            late = self.deadline is not None and not self.admission.takes_more(self)
+            want = 0 if self._retiring() or late else self.capacity - self.taken
             # Report results as soon as there are any (asking for more in the same call);
             # long-poll only when a thread is idle; otherwise wait for a result, so the
             # loop does not compete with running closures for the GIL.
@@ -570,7 +575,8 @@ class ClosureRunner(SessionLifecycle):
         if item.owner in self.hold and not item.gang:  # its owner's error is being raised
             self._finished(item, _unstarted(item))
             return
-        if not item.gang and not self.admission.fits(item.payload[0]):  # a deadline
+        if self.deadline is not None and not item.gang and \
+                not self.admission.fits(self, item.payload[0]):  # it would end too late
             self._finished(item, _unstarted(item))
             return
         scope = ClosureScope(self._worker_context(item.attempt), session.services,
@@ -585,7 +591,7 @@ class ClosureRunner(SessionLifecycle):
                 start = time.monotonic()
                 value = fn(*args, **kwargs)
                 if not item.gang:
-                    self.admission.ran(fn_bytes, time.monotonic() - start)
+                    self.ran.append((hash(fn_bytes), time.monotonic() - start))
                 state, payload, kind = READY, dump_result(value, self.results_host), None
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
                 state, payload, kind = FAILED, dump_error(e), _error_kind(e)
@@ -620,7 +626,8 @@ class ClosureRunner(SessionLifecycle):
 
     def _gang_ended(self) -> None:
         self.gangs -= 1
-        deadlines.left_group(self)  # leaving on its deadline: its iterators' rows go back
+        if self.deadline is not None:  # leaving on it: its iterators' rows go back
+            deadlines.left_group(self)
 
     def _finished(self, item: Work, result: Outcome | None) -> None:
         try:
