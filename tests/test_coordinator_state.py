@@ -696,6 +696,7 @@ def test_every_session_route_answers_an_ended_session_with_one_reply():
         "daskdist_report": dict(results=[]),
         "daskdist_renew": {},
         "daskdist_session_ready": {},
+        "daskdist_preemption": dict(deadline=2e9, reason="a test"),
     }
     sessions = {op for table in BOOK_ROUTES.values() for op, r in table.items()
                 if r.caller in (SESSION, OWNER_OR_SESSION)}
