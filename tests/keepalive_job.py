@@ -38,8 +38,8 @@ def main(address: str, name: str, out: str, data: str) -> None:
     coord.collective_group(timeout=60)
     train = coord.distribute_dataset(data, global_batch_size=60, policy="dynamic",
                                      name="train")
-    coord.schedule_on_all(gang_rank, args=(3.0,))
-    rvs = [coord.schedule(square, args=(i, 4.0 if i >= N - LONG else 0.1)) for i in range(N)]
+    coord.schedule_on_all(gang_rank, args=(2.0,))
+    rvs = [coord.schedule(square, args=(i, 2.0 if i >= N - LONG else 0.1)) for i in range(N)]
     fetched = {i: rvs[i].fetch() for i in range(FETCHED)}
     assert train.progress()["total"] > 0  # the notebook holds its handle
     Path(out, "fetched.json").write_text(json.dumps(fetched))

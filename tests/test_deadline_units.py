@@ -130,3 +130,25 @@ def test_a_ranks_flag_reads_its_workers_deadline():
         finally:
             forget_preemption("tcp://w:1")
     assert ctx.preemption is None
+
+
+def test_listeners_hear_every_notice_and_a_failing_one_stops_none():
+    from daskdist.session import preemption
+
+    heard = []
+
+    def broken(address, notice):
+        raise RuntimeError("a listener's bug")
+
+    gone = [preemption.on_preemption(broken),
+            preemption.on_preemption(lambda address, notice: heard.append((address, notice)))]
+    try:
+        set_preemption("tcp://w:2", Preemption(1.0, "x"))
+        assert heard == [("tcp://w:2", Preemption(1.0, "x"))]
+    finally:
+        for unregister in gone:
+            unregister()
+        forget_preemption("tcp://w:2")
+    set_preemption("tcp://w:2", Preemption(2.0, "y"))
+    forget_preemption("tcp://w:2")
+    assert len(heard) == 1

@@ -69,6 +69,7 @@ def _members(coord) -> list[str]:
     return coord._call("daskdist_group_info")["members"]
 
 
+@pytest.mark.slow
 def test_a_deadline_commits_just_in_time_and_survivors_never_wait_past_it(tmp_path):
     data = write_rows(tmp_path / "shards")
     url, arm, saving = tmp_path / "ckpt", tmp_path / "arm", tmp_path / "saving"

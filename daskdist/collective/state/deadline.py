@@ -20,9 +20,9 @@ decision from the same table (:func:`at_commit`):
 
 When every member leaves (a whole job preempted, or retired) the State's last-holder
 checkpoint applies as before. The values of :func:`flag` keep the head's meaning for
-retiring members (``RETIRING``). An asynchronous model's holder handing the global
-model over before its deadline hooks in at the same place (:func:`preemption_now` is
-the deadline it would read).
+retiring members (``RETIRING``). What else must act before a worker's deadline (an
+asynchronous model's holder handing the global model over first) registers with
+:func:`daskdist.session.preemption.on_preemption`, or reads :func:`preemption_now`.
 """
 
 from __future__ import annotations
