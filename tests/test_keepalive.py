@@ -7,8 +7,8 @@
   takes over from the first; attaching to a closed name raises an error naming it.
 - Without ``keep_alive``, a client gone for ``client-grace`` closes its work.
 - A keep-alive owner nobody attaches to closes after ``keep-alive-timeout``.
-- Values nobody read hold the owner's queue past ``keep-results`` (none is dropped), and
-  reading them lets it go on.
+- With no client attached, values nobody read hold the owner's queue past
+  ``keep-results`` (none is dropped); a client attaching lets it go on.
 """
 
 from __future__ import annotations
@@ -150,21 +150,27 @@ def test_a_keep_alive_owner_nobody_attaches_to_closes_after_its_timeout(cluster,
         dd.Coordinator.attach(client, "forgotten")
 
 
-def blob(n: int) -> bytes:
+def blob(n: int, seconds: float) -> bytes:
+    time.sleep(seconds)
     return b"x" * n
 
 
-def test_values_nobody_reads_hold_the_queue_past_keep_results(client):
+def test_with_no_client_unread_values_past_keep_results_hold_the_queue(cluster, client):
+    other = Client(cluster)
     with dask.config.set({"daskdist.coordinator.keep-results": "4KiB"}):
-        coord = dd.Coordinator(client, name="bounded", keep_alive=True)
+        coord = dd.Coordinator(other, name="bounded", keep_alive=True)
+    for _ in range(40):
+        coord.schedule(blob, args=(1000, 0.1))
+    wait_until(lambda: _status(client, "bounded")["scheduled"] == 40, 30, "the closures sent")
+    other.close()  # nobody reads them now
+    wait_until(lambda: (s := _status(client, "bounded"))["done"] >= 4 and s["running"] == 0
+               and s["queued"] > 0, 30, "the queue held")
+    held = _status(client, "bounded")  # workers idle, closures queued: held
+    # 4 KiB hold ~3 values; the closures already handed to workers ended too
+    assert held["done"] + held["queued"] == 40 and held["queued"] > 0, held
+    coord = dd.Coordinator.attach(client, "bounded")  # a client again: the queue goes on
     try:
-        rvs = [coord.schedule(blob, args=(1000,)) for _ in range(40)]
-        wait_until(lambda: (s := coord.status())["done"] >= 1 and s["running"] == 0
-                   and s["queued"] > 0, 30, "the queue held")
-        held = coord.status()  # workers idle, closures queued: held
-        # 4 KiB hold ~3 values; the closures already handed to workers ended too
-        assert held["done"] + held["queued"] == 40 and held["queued"] > 0, held
-        assert coord.fetch(rvs) == [b"x" * 1000] * 40  # reading makes room: all of them run
+        assert coord.fetch(coord.pending()) == [b"x" * 1000] * 40  # every value, once
         assert coord.status()["done"] == 40
     finally:
         coord.close()

@@ -15,27 +15,48 @@ from daskdist.plugins.scheduler.state import CoordinatorState
 from tests.conftest import route
 
 CIDS = st.builds(lambda g, n: f"owner-{'g' if g else ''}{n}", st.booleans(),
-                 st.integers(0, 10**6))
-EVENTS = st.lists(st.tuples(st.sampled_from(["add", "read"]), CIDS,
-                            st.binary(max_size=64)), max_size=60)
+                 st.integers(0, 30))
+EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("add"), CIDS, st.binary(max_size=64)),
+    st.tuples(st.just("read"), CIDS, st.just(b"")),
+    st.tuples(st.just("received"), CIDS, st.just(b"")),
+    st.tuples(st.just("attached"), st.just(""), st.sampled_from([b"", b"1"]))),
+    max_size=80)
 
 
 @given(EVENTS, st.integers(0, 2000))
-def test_kept_results_count_their_bytes_and_say_when_full(events, limit):
+def test_kept_results_hold_what_no_client_received_and_count_its_bytes(events, limit):
     changes = []
     kept = KeptResults(limit, on_full=changes.append)
     model: dict[str, bytes] = {}
+    received: dict[str, None] = {}  # kept ids the attached client received, oldest first
+    attached = True
+    let_go = 0
     for op, cid, value in events:
         if op == "add":
             kept.add(Outcome(cid, READY, value))
             model[cid] = value
-        else:
+        elif op == "read":
             assert kept.read([cid, f"{cid}#2"]) == (1 if cid in model else 0)
             model.pop(cid, None)
-        assert kept.nbytes == sum(OVERHEAD + len(v) for v in model.values())
-        assert [o.cid for o in kept.unread()] == [c for c in kept.outcomes]
-        assert set(kept.outcomes) == set(model)
-        assert kept.full == (kept.nbytes > limit)
+            received.pop(cid, None)
+        elif op == "received":
+            kept.received([cid])
+            if cid in model:
+                received[cid] = None
+        else:
+            attached = bool(value)
+            kept.set_attached(attached)
+        # past the bound, an attached client's received values go, oldest first
+        while attached and received and sum(OVERHEAD + len(v) for v in model.values()) \
+                > limit:
+            gone = next(iter(received))
+            del received[gone], model[gone]
+            let_go += 1
+        nbytes = sum(OVERHEAD + len(v) for v in model.values())
+        assert kept.nbytes == nbytes and kept.let_go == let_go
+        assert [o.cid for o in kept.unread()] == list(model)  # arrival order
+        assert kept.full == (nbytes > limit and not attached)  # the queue waits
     # on_full is told each change, alternating, starting with True
     assert changes == [i % 2 == 0 for i in range(len(changes))]
     assert kept.high == max([-1, *(seq_of(c) for op, c, _ in events if op == "add")])
@@ -79,18 +100,21 @@ def test_a_keep_alive_owners_values_stay_until_read_and_attach_hands_them_over()
     assert [o.cid for o in box.kept.unread()] == ["old-3"]
     with pytest.raises(PermissionError):
         route(co, "daskdist_read")(owner="old", token="wrong", cids=["old-3"])
-    # past keep-results: the owner's queue is held, and released once values are read
+    # past keep-results with no client: the owner's queue is held until one attaches
+    box.kept.set_attached(False)
     co.closure_book.deliver([Outcome("old-5", READY, b"y" * 2000, owner="old")])
     assert "old" in co.queue.held
-    route(co, "daskdist_read")(owner="old", token="secret", cids=["old-5"])
-    assert "old" not in co.queue.held
 
     reply = co.keep_book.attach("client-b")
     assert reply["owner"] == "old" and reply["token"] != "secret"
     assert reply["closures"] == ["old-0", "old-1"] and reply["gangs"] == ["old-g2"]
-    assert [Outcome._make(o).cid for o in reply["kept"]] == ["old-3"]
+    assert [Outcome._make(o).cid for o in reply["kept"]] == ["old-3", "old-5"]
     assert reply["seq"] == 6  # above every id it used
     assert box.client == "client-b" and not box.items
+    # attached: its queue goes on; past the bound, what the new client received (in the
+    # reply) goes, oldest first
+    assert "old" not in co.queue.held
+    assert box.kept.unread() == [] and box.kept.let_go == 2
     with pytest.raises(PermissionError):  # the previous client acts for it no more
         co.closure_book.owner_box("old", "secret")
     co.drop_owner("old")

@@ -89,10 +89,10 @@ class Coordinator(ClosureClient, JobLife):
     ``keep_alive=True``: its work outlives its client (SPEC §4.6). When the client
     disconnects (a kernel restart), its closures, gangs and datasets go on and their
     values wait on the scheduler, each until it is read (bounded by
-    ``daskdist.coordinator.keep-results``: beyond, its queued closures wait), for
-    ``daskdist.coordinator.keep-alive-timeout`` (24 h); ``Coordinator.attach(client,
-    name)`` from any client of the scheduler takes it over, and ``pending()`` gives
-    what it had not read.
+    ``daskdist.coordinator.keep-results``: beyond, with no client its queued closures
+    wait), for ``daskdist.coordinator.keep-alive-timeout`` (24 h);
+    ``Coordinator.attach(client, name)`` from any client of the scheduler takes it over,
+    and ``pending()`` gives what it had not read.
     """
 
     def __init__(

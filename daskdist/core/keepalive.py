@@ -5,12 +5,19 @@ A keep-alive owner outlives its client (a restarted kernel, a laptop asleep): wh
 attaches next (``Coordinator.attach``) gets every value nobody read, so an outcome stays
 here after it reached the client, until the client *reads* it (``fetch`` or
 ``exception`` sends a read receipt), not merely receives it: a value that reached a
-kernel which died before it was fetched is still there. :class:`KeptResults` holds them,
-counts their bytes against a bound (``daskdist.coordinator.keep-results``) and says when
-the bound is passed (``full``): the owner's queued closures then wait, so no value is
-ever dropped and memory stays bounded (the kept bytes plus the closures already
-running). It also remembers the highest closure number it saw, so an attached client
-numbers its closures above every earlier one.
+kernel which died before it was fetched is still there. :class:`KeptResults` holds them
+and counts their bytes against a bound (``daskdist.coordinator.keep-results``):
+
+- while no client is attached, past the bound it is ``full``: the owner's queued
+  closures wait (the closures already handed to workers finish), so no value is
+  dropped, and the next client to attach finds them all;
+- while a client is attached (it may be waiting for a queued closure: holding the queue
+  could never end), past the bound the oldest values that client has *received* are
+  kept no longer (it holds them; only its crash would lose them), so the bound holds
+  but for values not delivered yet.
+
+It also remembers the highest closure number it saw, so an attached client numbers its
+closures above every earlier one.
 
 Imports nothing from Dask or the rest of the package but the wire's types.
 """
@@ -62,7 +69,7 @@ class KeptResults:
     """A keep-alive owner's outcomes not yet read, in arrival order, and their bytes.
 
     ``on_full(full)`` is called whenever ``full`` changes (the caller holds or releases
-    the owner's queued closures).
+    the owner's queued closures). ``attached``: a client is connected (see the module).
     """
 
     def __init__(self, limit: int, on_full: Callable[[bool], None] | None = None) -> None:
@@ -74,12 +81,28 @@ class KeptResults:
         self.nbytes = 0
         self.high = -1  # the highest schedule number seen
         self._sizes: dict[str, int] = {}
+        self._received: dict[str, None] = {}  # kept ids its client received, oldest first
         self._full = False
+        self.attached = True
+        self.let_go = 0  # values received by an attached client, kept no longer
 
     @property
     def full(self) -> bool:
-        """Whether the unread outcomes hold more than ``limit`` bytes."""
+        """Whether the owner's queue waits: no client attached, and the unread outcomes
+        hold more than ``limit`` bytes."""
         return self._full
+
+    def set_attached(self, attached: bool) -> None:
+        """A client is connected to the owner (``True``), or none is."""
+        self.attached = attached
+        self._update()
+
+    def received(self, cids: Iterable[str]) -> None:
+        """The attached client received these outcomes (not read them)."""
+        for cid in cids:
+            if cid in self.outcomes:
+                self._received[cid] = None
+        self._update()
 
     def add(self, outcome: Outcome) -> None:
         """An outcome of the owner (final: it replaces one of the same id, a duplicate)."""
@@ -98,12 +121,17 @@ class KeptResults:
         they are forgotten. How many were kept."""
         n = 0
         for cid in map(gang_of, cids):
-            if self.outcomes.pop(cid, None) is not None:
-                self.nbytes -= self._sizes.pop(cid)
+            if cid in self.outcomes:
+                self._forget(cid)
                 n += 1
         if n:
             self._update()
         return n
+
+    def _forget(self, cid: str) -> None:
+        del self.outcomes[cid]
+        self.nbytes -= self._sizes.pop(cid)
+        self._received.pop(cid, None)
 
     def unread(self) -> list[Outcome]:
         """The outcomes kept, oldest first."""
@@ -113,7 +141,11 @@ class KeptResults:
         return len(self.outcomes)
 
     def _update(self) -> None:
-        full = self.nbytes > self.limit
+        if self.attached:  # past the bound, what the client holds goes, oldest first
+            while self.nbytes > self.limit and self._received:
+                self._forget(next(iter(self._received)))
+                self.let_go += 1
+        full = self.nbytes > self.limit and not self.attached
         if full != self._full:
             self._full = full
             if self.on_full is not None:

@@ -105,6 +105,8 @@ class Outbox:
         """Forget everything before ``seq`` (the client has it)."""
         drop = seq - self.first_seq
         if drop > 0:
+            if self.kept is not None:
+                self.kept.received(o.cid for o in self.items[:drop])
             del self.items[:drop]
             self.first_seq = seq
         if not self.items:

@@ -6,7 +6,8 @@ client (a restarted kernel, a laptop asleep, a dropped SSH tunnel):
 - its outcomes are kept until its client *reads* them (``Outbox.kept``, a
   :class:`~daskdist.core.keepalive.KeptResults`; the client's ``fetch`` sends a read
   receipt, ``daskdist_read``), bounded by ``daskdist.coordinator.keep-results``: past
-  the bound its queued closures are held (none is dropped) until values are read;
+  the bound, with no client attached its queued closures are held (none is dropped)
+  until someone attaches; with one, what that client received goes, oldest first;
 - when its client leaves, nothing is dropped after ``client-grace``: the owner waits
   ``daskdist.coordinator.keep-alive-timeout`` for its client to come back or for
   someone to attach, then it is dropped like a closed one;
@@ -59,13 +60,12 @@ class KeepBook:
         return owner in self.owners
 
     def _full(self, owner: str, full: bool) -> None:
-        """Its unread values passed ``keep-results`` (its queued closures wait), or
-        fell below it again."""
+        """With no client attached, its unread values passed ``keep-results`` (its
+        queued closures wait), or not any more."""
         if full:
-            logger.warning("daskdist[%s]: owner %s holds more unread values than "
-                           "daskdist.coordinator.keep-results: its queued closures wait "
-                           "until values are fetched (attach, and fetch)", self.co.name,
-                           owner)
+            logger.warning("daskdist[%s]: keep-alive owner %s holds more unread values "
+                           "than daskdist.coordinator.keep-results and no client: its "
+                           "queued closures wait until one attaches", self.co.name, owner)
         self.co.closure_book.hold_owner(owner, full)
 
     def forget(self, owner: str) -> None:
@@ -85,6 +85,7 @@ class KeepBook:
             box = self.co.outboxes.get(owner)
             if box is not None and box.client == client and owner not in self._timers:
                 self._timers[owner] = loop.call_later(timeout, self._expired, owner)
+                box.kept.set_attached(False)
 
     def client_back(self, client: str) -> None:
         """A client reconnected: its owners wait no more."""
@@ -92,6 +93,7 @@ class KeepBook:
             box = self.co.outboxes.get(owner)
             if box is not None and box.client == client:
                 self._timers.pop(owner).cancel()
+                box.kept.set_attached(True)
 
     def _expired(self, owner: str) -> None:
         self._timers.pop(owner, None)
@@ -123,6 +125,7 @@ class KeepBook:
             timer.cancel()
         box.client = client
         box.token = secrets.token_hex(16)  # the previous client acts for it no more
+        kept = box.kept.unread() if box.kept is not None else []
         box.ack(box.first_seq + len(box.items))  # every one of them is in the reply
         box.event.set()  # a long-poll of the previous client returns (then is refused)
         closures = sorted((c.cid for c in co.queue.closures.values() if c.owner == owner),
@@ -130,7 +133,8 @@ class KeepBook:
         running = co.gangs.running
         gangs = [g.cid for g in ([running] if running is not None else [])
                  + list(co.gangs.pending) if g.owner == owner]
-        kept = box.kept.unread() if box.kept is not None else []
+        if box.kept is not None:
+            box.kept.set_attached(True)  # its queue goes on, if it was held
         logger.info("daskdist[%s]: client %s attached to keep-alive owner %s (%d unfinished, "
                     "%d unread)", co.name, client, owner, len(closures) + len(gangs),
                     len(kept))
