@@ -124,6 +124,10 @@ def test_without_keep_alive_the_work_closes_after_client_grace(cluster, client, 
         for _ in range(12):
             coord.schedule(wait_for_file, args=(gate,))
         wait_until(lambda: coord.status()["running"] >= 3, 30, "closures running")
+        with pytest.raises(dd.CoordinatorClosedError, match="'graced' has no keep_alive"):
+            dd.Coordinator.attach(client, "graced")  # nothing to take over
+        with pytest.raises(dd.CoordinatorClosedError, match="'never-made' is not"):
+            dd.Coordinator.attach(client, "never-made")
         other.close()
         left = time.monotonic()
         wait_until(lambda: not _exists(client, "graced"), 30, "the work to close")
