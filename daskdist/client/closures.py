@@ -30,7 +30,7 @@ from distributed.worker import dumps_function
 
 from daskdist import config
 from daskdist.client import reprs
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
 from daskdist.core.nest import map_structure
 from daskdist.core.protocol import (
     CANCELLED,
@@ -261,7 +261,7 @@ class ClosureClient:
         """The closure state, and the bound on unfinished closures: ``max_queued``, or
         the ``daskdist.coordinator`` settings read once here (not per ``schedule``)."""
         if max_queued is not None:
-            protocol.integer(max_queued, "max_queued", 1, 2**62)
+            checks.integer(max_queued, "max_queued", 1, 2**62)
             self._per_worker_queued = self._min_queued = 0
         else:
             self._per_worker_queued = int(config.get("coordinator.max-queued-per-worker"))
@@ -420,7 +420,7 @@ class ClosureClient:
                 if not self._outgoing:
                     self._flushing = False
                     return
-                n = min(len(self._outgoing), protocol.MAX_ITEMS)
+                n = min(len(self._outgoing), checks.MAX_ITEMS)
                 batch = [self._outgoing.popleft() for _ in range(n)]
             try:
                 # one-way: no reply to wait for, so the scheduler dispatches sooner

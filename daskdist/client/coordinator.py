@@ -32,7 +32,7 @@ from daskdist.client.datasets import (
 from daskdist.client.group import CollectiveGroup
 from daskdist.client.notices import NoticeListener
 from daskdist.client.report import Report
-from daskdist.core import protocol
+from daskdist.core import checks
 from daskdist.core.protocol import PLUGIN_NAME, DatasetDef, Outcome, ResourceSpec
 from daskdist.errors import CollectiveError
 from daskdist.plugins import SCHEDULER_PLUGIN, instantiate
@@ -98,17 +98,17 @@ class Coordinator(ClosureClient):
     ):
         self._init_closures(max_queued)
         if max_worker_failures is None:
-            max_worker_failures = protocol.max_worker_failures(
+            max_worker_failures = checks.max_worker_failures(
                 config.integer("coordinator.max-worker-failures"),
                 "daskdist.coordinator.max-worker-failures")
-        max_worker_failures = protocol.max_worker_failures(max_worker_failures)
-        lease_timeout = protocol.optional(protocol.lease_timeout, lease_timeout)
-        resources = protocol.optional(protocol.resources, resources)
-        members = protocol.optional(protocol.members, members)
+        max_worker_failures = checks.max_worker_failures(max_worker_failures)
+        lease_timeout = checks.optional(checks.lease_timeout, lease_timeout)
+        resources = checks.optional(checks.resources, resources)
+        members = checks.optional(checks.members, members)
         self.client = client if client is not None else get_client()
         if self.client.asynchronous:
             raise TypeError("Coordinator needs a synchronous Client (asynchronous=False)")
-        self.name = protocol.text(name, "name")
+        self.name = checks.text(name, "name")
         self._rpc = self.client.scheduler
         # With `--preload daskdist.plugins.scheduler` the plugin is there and we register
         # nothing (such clusters may refuse client plugins); else register it once.

@@ -27,7 +27,7 @@ from collections import deque
 from typing import Any, Protocol
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
 from daskdist.core.protocol import OWNER, SESSION, Route
 from daskdist.observe.hangs import HangWatch, odd_ranks
 from daskdist.observe.steptimes import WindowSum
@@ -54,9 +54,9 @@ def _secs(x: float) -> str:
 
 def rule_from_config() -> Rule:
     """The straggler rule of ``daskdist.observe`` (a bad setting names its key)."""
-    ratio = protocol.number(float(config.get("observe.straggler-ratio")),
+    ratio = checks.number(float(config.get("observe.straggler-ratio")),
                             "daskdist.observe.straggler-ratio", 1.0, 1e6)
-    windows = protocol.integer(config.integer("observe.straggler-windows"),
+    windows = checks.integer(config.integer("observe.straggler-windows"),
                                "daskdist.observe.straggler-windows", 1, 10_000)
     return Rule(ratio=ratio, windows=windows,
                 min_excess=config.seconds("observe.straggler-min-excess"))
@@ -93,7 +93,7 @@ class RankBook:
         op = "daskdist-rank-window"
         try:
             w = protocol.rank_window(window, op)
-            protocol.text(worker, f"{op}: worker")
+            checks.text(worker, f"{op}: worker")
         except (TypeError, ValueError) as e:
             logger.warning("daskdist[%s]: %s from %s dropped: %s", self.co.name, op,
                            worker, e)
@@ -199,7 +199,7 @@ class RankBook:
         over the current generation, in rank order, and the window length. ``limit``: the
         stragglers and the slowest ranks only, at most that many (the dashboard)."""
         if limit is not None:
-            limit = protocol.integer(limit, "daskdist_rank_report: limit", 1, 1 << 30)
+            limit = checks.integer(limit, "daskdist_rank_report: limit", 1, 1 << 30)
         table, window = self.table, self.window
         sessions = self.co.gangs.group.sessions
         ranked = [(r, t) for r, s in enumerate(sessions) if (t := table.tracks.get(s))]
@@ -239,8 +239,8 @@ class RankBook:
         number the next one will have), waiting up to ``timeout`` seconds (default
         ``daskdist.scheduler.poll-interval``) while there are none."""
         op = "daskdist_rank_notices"
-        since = protocol.optional(protocol.integer, since, f"{op}: since", 0, 2**62)
-        timeout = protocol.optional(protocol.number, timeout, f"{op}: timeout", 0.0, 3600.0)
+        since = checks.optional(checks.integer, since, f"{op}: since", 0, 2**62)
+        timeout = checks.optional(checks.number, timeout, f"{op}: timeout", 0.0, 3600.0)
         if since is None:
             return {"seq": self.seq, "items": []}
         if since >= self.seq and not self.co.closed:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
 from daskdist.core.protocol import (
     CANCELLED,
     FAILED,
@@ -402,28 +402,28 @@ class ClosureBook:
         Checked as a whole before anything is queued: each closure id must be the
         owner's (``owner-...``), so no client can queue under another's ids."""
         op = "daskdist_put"
-        if protocol.text(owner, f"{op}: owner") not in self.outboxes:
+        if checks.text(owner, f"{op}: owner") not in self.outboxes:
             # sent just before its owner closed (and its closures were cancelled)
             logger.debug("daskdist[%s]: closures of closed owner %s dropped", self.co.name,
                          owner)
             return
-        self.owner_box(owner, protocol.text(token, f"{op}: token"))
+        self.owner_box(owner, checks.text(token, f"{op}: token"))
         prefix = f"{owner}-"
         subs = []
-        for i, item in enumerate(protocol.items(closures, f"{op}: closures")):
+        for i, item in enumerate(checks.items(closures, f"{op}: closures")):
             if protocol.submission_ok(item, prefix):
                 subs.append(Submission(*item))  # without its dataset: ""
                 continue
             if isinstance(item, (list, tuple)) and len(item) == 3:
                 item = (*item, "")
-            sub = Submission._make(protocol.record(item, f"{op}: closures[{i}]",
+            sub = Submission._make(checks.record(item, f"{op}: closures[{i}]",
                                                  len(Submission._fields)))
-            if not protocol.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
+            if not checks.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
                 raise PermissionError(f"{op}: closure id {sub.cid!r} is not one of owner "
                                       f"{owner!r}'s")
             protocol.payload(sub.payload, f"{op}: closures[{i}].payload")
-            protocol.integer(sub.retries, f"{op}: closures[{i}].retries", 0, protocol.MAX_RETRIES)
-            protocol.text(sub.dataset, f"{op}: closures[{i}].dataset", empty=True)
+            checks.integer(sub.retries, f"{op}: closures[{i}].retries", 0, checks.MAX_RETRIES)
+            checks.text(sub.dataset, f"{op}: closures[{i}].dataset", empty=True)
             subs.append(sub)
         q = self.queue
         n = 0
@@ -437,11 +437,11 @@ class ClosureBook:
         there are none, even with an error of the owner's unread (it arrived as an
         outcome): an idle client costs the scheduler nothing."""
         op = "daskdist_results"
-        if protocol.text(owner, f"{op}: owner") not in self.outboxes:
+        if checks.text(owner, f"{op}: owner") not in self.outboxes:
             return {"detached": True}
-        box = self.owner_box(owner, protocol.text(token, f"{op}: token"))
-        box.ack(protocol.integer(ack, f"{op}: ack", 0, 2**62))
-        timeout = protocol.optional(protocol.number, timeout, f"{op}: timeout", 0.0, 3600.0)
+        box = self.owner_box(owner, checks.text(token, f"{op}: token"))
+        box.ack(checks.integer(ack, f"{op}: ack", 0, 2**62))
+        timeout = checks.optional(checks.number, timeout, f"{op}: timeout", 0.0, 3600.0)
         if not box.items:
             if timeout is None:
                 timeout = self.co.members.poll_base  # scheduler.poll-interval
@@ -459,13 +459,13 @@ class ClosureBook:
                                 timeout: float | None = None) -> dict:
         """Raise ``owner``'s first unraised error: wait for its in-flight closures, cancel
         its queue (:meth:`raise_error`)."""
-        timeout = protocol.optional(protocol.number, timeout, "daskdist_raise: timeout", 0.0,
+        timeout = checks.optional(checks.number, timeout, "daskdist_raise: timeout", 0.0,
                                   float(2**31))
         return await self.raise_error(owner, timeout)
 
     def closure_state(self, cid: str) -> str | None:
         """PENDING or RUNNING for a closure not yet final; ``None`` once final or unknown."""
-        c = self.queue.closures.get(protocol.text(cid, "daskdist_closure_state: cid"))
+        c = self.queue.closures.get(checks.text(cid, "daskdist_closure_state: cid"))
         return None if c is None else c.state
 
     # -- worker handlers ---------------------------------------------------------------
@@ -516,8 +516,8 @@ class ClosureBook:
         op = "daskdist_exchange"
         outcomes = protocol.outcomes(op, results)
         held, started = protocol.observed(op, held, started)
-        want = protocol.integer(want, f"{op}: want", 0, protocol.MAX_ITEMS)
-        block = protocol.flag(block, f"{op}: block")
+        want = checks.integer(want, f"{op}: want", 0, checks.MAX_ITEMS)
+        block = checks.flag(block, f"{op}: block")
         co = self.co
         if co.closed:
             return {"closed": True}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
 from daskdist.core.gang import INTERRUPTING, GangBook, relay_children, tell_targets
 from daskdist.core.leases.commits import CommitBook, unpack_parts
 from daskdist.core.leases.table import group_tokens
@@ -118,12 +118,12 @@ class GroupBook:
         keep a commit open longer), expires: refused, for good."""
         op = "daskdist_gang_commit_part"
         key = CommitKey.parse(key)
-        rank = protocol.integer(rank, f"{op}: rank", 0, protocol.MAX_ITEMS)
-        world = protocol.integer(world, f"{op}: world", 1, protocol.MAX_ITEMS)
+        rank = checks.integer(rank, f"{op}: rank", 0, checks.MAX_ITEMS)
+        world = checks.integer(world, f"{op}: world", 1, checks.MAX_ITEMS)
         group = self.gangs.group
-        timeout = min(protocol.number(timeout, f"{op}: timeout", 0.0, 86400.0),
+        timeout = min(checks.number(timeout, f"{op}: timeout", 0.0, 86400.0),
                       group.timeout)
-        tokens = list(protocol.items(tokens, f"{op}: tokens"))
+        tokens = list(checks.items(tokens, f"{op}: tokens"))
         co = self.co
         sessions = group.sessions if key.generation == group.generation else None
         if sessions is not None and group.ranks.get(session) != rank:
@@ -163,7 +163,7 @@ class GroupBook:
         tables: dict = {}
         if sessions is not None and key not in self.commits.recorded:
             try:
-                tables = unpack_parts(protocol.items(parts, "daskdist_gang_commit: parts"),
+                tables = unpack_parts(checks.items(parts, "daskdist_gang_commit: parts"),
                                       sessions, co.leases.dataset_of)
             except (TypeError, ValueError):
                 sessions = None  # malformed: refused
@@ -189,7 +189,7 @@ class GroupBook:
         """How many commits of State ``state`` happened (``committed``: one more, a plain
         commit its rank reports once), so ``sync()`` can tell a lost state from a fresh
         start."""
-        state = protocol.text(state, "daskdist_state_commits: state", 1024)
+        state = checks.text(state, "daskdist_state_commits: state", 1024)
         if committed:
             self.commits.note_committed(state)
         return self.commits.committed(state)
@@ -209,8 +209,8 @@ class GroupBook:
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"{op}: backend must be 'auto', 'gloo' or 'nccl', got "
                              f"{backend!r}")
-        timeout = protocol.number(timeout, f"{op}: timeout", 0.0, 86400.0, lo_open=True)
-        rejoin_grace = protocol.optional(protocol.number, rejoin_grace, f"{op}: rejoin_grace",
+        timeout = checks.number(timeout, f"{op}: timeout", 0.0, 86400.0, lo_open=True)
+        rejoin_grace = checks.optional(checks.number, rejoin_grace, f"{op}: rejoin_grace",
                                        0.0, 86400.0)
         self.gangs.configure(backend, timeout)
         driver = self.driver
@@ -227,7 +227,7 @@ class GroupBook:
     async def schedule_gang(self, owner: str, token: str, cid: str, payload: list) -> dict:
         """Queue a gang closure; forms the group first if there is none yet."""
         op = "daskdist_schedule_gang"
-        if not protocol.text(cid, f"{op}: cid").startswith(f"{owner}-"):
+        if not checks.text(cid, f"{op}: cid").startswith(f"{owner}-"):
             raise PermissionError(f"{op}: gang id {cid!r} is not one of owner {owner!r}'s")
         protocol.payload(payload, f"{op}: payload")
         driver = self.driver

@@ -27,7 +27,7 @@ from typing import Any
 from distributed.protocol.pickle import dumps
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins import WORKER_PLUGIN, PluginRef
 from daskdist.plugins.scheduler.closures import wait_event
@@ -64,7 +64,7 @@ class Coordinators:
 
     def get(self, name: Any) -> CoordinatorState:
         """The coordinator ``name`` (``KeyError`` naming it if there is none)."""
-        protocol.text(name, "name")
+        checks.text(name, "name")
         try:
             return self.states[name]
         except KeyError:
@@ -107,11 +107,11 @@ class Coordinators:
                     f"another name")
             if co is None:
                 if max_worker_failures is None:
-                    max_worker_failures = protocol.max_worker_failures(
+                    max_worker_failures = checks.max_worker_failures(
                         config.integer("coordinator.max-worker-failures"),
                         "daskdist.coordinator.max-worker-failures")
                 if lease_timeout is None:
-                    lease_timeout = protocol.lease_timeout(
+                    lease_timeout = checks.lease_timeout(
                         config.seconds("liveness.lease-timeout"),
                         "daskdist.liveness.lease-timeout")
                 co = CoordinatorState(name, max_worker_failures, send=self._send,

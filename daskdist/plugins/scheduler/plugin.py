@@ -14,7 +14,7 @@ Load it with ``dask scheduler --preload daskdist.plugins.scheduler`` or let
 ``Coordinator`` register it from the client.
 
 The scheduler checks who calls (SPEC §2.5b): each handler, here and in the books,
-checks its arguments' types and sizes (:mod:`daskdist.core.protocol`) before it touches
+checks its arguments' types and sizes (:mod:`daskdist.core.checks`) before it touches
 any state; a client acts only as an owner it created (each owner has a secret token,
 given only in the reply to the ``daskdist_create`` call that attached it); a worker acts
 only with its own session (``daskdist_register`` asks the worker at the address it
@@ -33,7 +33,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
 from daskdist.core.protocol import PLUGIN_NAME, RETIRING
 from daskdist.observe.book import RANK_ROUTES, RANK_STREAM_ROUTES
 from daskdist.plugins.scheduler.closures import CLOSURE_ROUTES
@@ -167,8 +167,8 @@ class CoordinatorPlugin(SchedulerPlugin):
     def _owned(self, op: str, name: Any, owner: Any, token: Any) -> CoordinatorState:
         """The coordinator ``name`` if the caller is its owner ``owner`` (holds its token)."""
         co = self._get(name)
-        co.closure_book.owner_box(protocol.text(owner, f"{op}: owner"),
-                                  protocol.text(token, f"{op}: token"))
+        co.closure_book.owner_box(checks.text(owner, f"{op}: owner"),
+                                  checks.text(token, f"{op}: token"))
         return co
 
     def _next_generation(self) -> int:
@@ -205,16 +205,16 @@ class CoordinatorPlugin(SchedulerPlugin):
         declaring those Dask resources are members; ``members="gpu"``: only workers with
         a GPU by the Dask convention (a later caller asking for others is refused)."""
         op = "daskdist_create"
-        protocol.text(name, f"{op}: name")
-        client = protocol.optional(protocol.text, client, f"{op}: client")
-        max_worker_failures = protocol.optional(protocol.max_worker_failures, max_worker_failures,
+        checks.text(name, f"{op}: name")
+        client = checks.optional(checks.text, client, f"{op}: client")
+        max_worker_failures = checks.optional(checks.max_worker_failures, max_worker_failures,
                                               f"{op}: max_worker_failures")
-        torch_threads = protocol.optional(protocol.integer, torch_threads, f"{op}: torch_threads",
+        torch_threads = checks.optional(checks.integer, torch_threads, f"{op}: torch_threads",
                                         -(2**31), 2**31)
-        lease_timeout = protocol.optional(protocol.lease_timeout, lease_timeout,
+        lease_timeout = checks.optional(checks.lease_timeout, lease_timeout,
                                         f"{op}: lease_timeout")
-        resources = protocol.optional(protocol.resources, resources, f"{op}: resources")
-        members = protocol.optional(protocol.members, members, f"{op}: members")
+        resources = checks.optional(checks.resources, resources, f"{op}: resources")
+        members = checks.optional(checks.members, members, f"{op}: members")
         return await self.names.create(name, client, max_worker_failures, torch_threads,
                                        lease_timeout, resources=resources, members=members)
 
@@ -223,7 +223,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         released on every worker; ``{"items": outcomes it had not read}``. The last
         owner's detach closes the coordinator, and returns once its worker plugin is
         gone from the workers (or after 5 s, the teardown going on)."""
-        co = self.coordinators.get(protocol.text(name, "daskdist_detach: name"))
+        co = self.coordinators.get(checks.text(name, "daskdist_detach: name"))
         if co is None:
             return {"items": []}
         co = self._owned("daskdist_detach", name, owner, token)
@@ -265,15 +265,15 @@ class CoordinatorPlugin(SchedulerPlugin):
         scheduler that has since restarted): later generations are numbered above it.
         """
         op = "daskdist_register"
-        co = self.coordinators.get(protocol.text(name, f"{op}: name"))
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
         if co is None or co.closed:  # closed: its plugin is being removed from workers
             return {"closed": True}
-        protocol.text(session, f"{op}: session")
-        protocol.text(address, f"{op}: address")
-        slots = protocol.integer(slots, f"{op}: slots", 1, 1_000_000)
-        protocol.text(device, f"{op}: device")
-        protocol.text(gpu, f"{op}: gpu", empty=True)
-        generation = protocol.integer(generation, f"{op}: generation", 0, 2**53)
+        checks.text(session, f"{op}: session")
+        checks.text(address, f"{op}: address")
+        slots = checks.integer(slots, f"{op}: slots", 1, 1_000_000)
+        checks.text(device, f"{op}: device")
+        checks.text(gpu, f"{op}: gpu", empty=True)
+        generation = checks.integer(generation, f"{op}: generation", 0, 2**53)
         if address not in self.scheduler.workers:
             raise PermissionError(f"{op}: {address!r} is not a worker of this scheduler")
         member = co.members.members.get(session)
@@ -299,8 +299,8 @@ class CoordinatorPlugin(SchedulerPlugin):
         """A worker session stops (its plugin is torn down): its last results, and which
         of its closures started (exactly: nothing more starts); then its end."""
         op = "daskdist_unregister"
-        co = self.coordinators.get(protocol.text(name, f"{op}: name"))
-        protocol.text(session, f"{op}: session")
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        checks.text(session, f"{op}: session")
         outcomes = protocol.outcomes(op, results or [])
         _, started = protocol.observed(op, None, started)
         if co is not None and session in co.members:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks
 from daskdist.core.membership import LivenessTable, Membership
 from daskdist.core.protocol import OWNER, RETIRING, SESSION, Route
 from daskdist.observe.book import RankBook
@@ -57,7 +57,7 @@ class CoordinatorState:
                                   renew_base=config.seconds("liveness.renew-interval"))
         self.stats = CoordinatorStats()  # dashboard counters and history (stats.py)
         self.closure_book = ClosureBook(self, max_worker_failures)
-        self.group_book = GroupBook(self, max_worker_failures, relay_fanout=protocol.integer(
+        self.group_book = GroupBook(self, max_worker_failures, relay_fanout=checks.integer(
             config.integer("collective.relay-fanout"), "daskdist.collective.relay-fanout",
             1, 2**16))
         self.lease_book = LeaseBook(self, max_worker_failures)
@@ -86,6 +86,11 @@ class CoordinatorState:
         self.helpers: set[str] = set()
 
     # -- owners (client-side Coordinators) ---------------------------------------------
+    def check_owner(self, owner: str, token: str) -> None:
+        """``PermissionError`` unless ``token`` is the secret of ``owner`` (a client acts
+        only as the owner it attached as)."""
+        self.closure_book.owner_box(owner, token)
+
     def drop_owner(self, owner: str) -> list:
         """An owner closed (or its client is gone): cancel its queued closures and pending
         gangs, release its per-worker resources on every worker and forget its error.
@@ -320,7 +325,7 @@ class CoordinatorState:
     def resource_add(self, owner: str, token: str, rid: str, payload: bytes) -> None:
         """Register a per-worker resource's spec (one-way)."""
         op = "daskdist_add_resource"
-        protocol.text(rid, f"{op}: rid")
+        checks.text(rid, f"{op}: rid")
         if not isinstance(payload, bytes):
             raise TypeError(f"{op}: payload must be bytes, got {type(payload).__name__}")
         if self.resource_owners.get(rid, owner) != owner:
@@ -329,12 +334,12 @@ class CoordinatorState:
 
     def resource_get(self, session: str, rid: str) -> bytes | None:
         """A worker session's per-worker resource spec (``None``: released or unknown)."""
-        return self.resources.get(protocol.text(rid, "daskdist_get_resource: rid"))
+        return self.resources.get(checks.text(rid, "daskdist_get_resource: rid"))
 
     def resource_release(self, owner: str, token: str, rids: list) -> None:
         """The client dropped these per-worker resources: forget them here and on every
         worker (one-way; the client sends it once no closure can still use them)."""
-        rids = protocol.texts(rids, "daskdist_release_resources: rids")
+        rids = checks.texts(rids, "daskdist_release_resources: rids")
         self.release_resources([rid for rid in rids if self.resource_owners.get(rid) == owner])
 
     def status(self) -> dict[str, Any]:
