@@ -281,6 +281,30 @@ def submission_ok(item: Any, prefix: str) -> bool:
                  or (type(item[3]) is str and len(item[3]) <= checks.MAX_TEXT)))
 
 
+def submissions(op: str, owner: str, closures: Any) -> list[Submission]:
+    """A client's closures (each a :class:`Submission`, its dataset optional), checked as
+    a whole: each id must be ``owner``'s (``owner-...``), so no client can queue under
+    another's ids (``PermissionError``)."""
+    prefix = f"{owner}-"
+    subs = []
+    for i, item in enumerate(checks.items(closures, f"{op}: closures")):
+        if submission_ok(item, prefix):
+            subs.append(Submission(*item))  # without its dataset: ""
+            continue
+        if isinstance(item, (list, tuple)) and len(item) == 3:
+            item = (*item, "")
+        sub = Submission._make(checks.record(item, f"{op}: closures[{i}]",
+                                             len(Submission._fields)))
+        if not checks.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
+            raise PermissionError(f"{op}: closure id {sub.cid!r} is not one of owner "
+                                  f"{owner!r}'s")
+        payload(sub.payload, f"{op}: closures[{i}].payload")
+        checks.integer(sub.retries, f"{op}: closures[{i}].retries", 0, checks.MAX_RETRIES)
+        checks.text(sub.dataset, f"{op}: closures[{i}].dataset", empty=True)
+        subs.append(sub)
+    return subs
+
+
 def payload(value: Any, what: str) -> list | tuple:
     """A closure's payload: ``[function bytes, argument bytes or None]``."""
     if (not isinstance(value, (list, tuple)) or len(value) != 2

@@ -7,20 +7,24 @@ Dask collection alike: :class:`~daskdist.core.protocol.DatasetDef`), lease, rele
 report rows and learned unit lengths, start an epoch from a ledger, and export or
 restore a State's ledgers (:data:`LEASE_ROUTES`; their names are the wire protocol).
 Where persisted partitions lie is the plugin's
-:class:`~daskdist.plugins.scheduler.locality.Locality` (``co.locality``).
+:class:`~daskdist.plugins.scheduler.locality.Locality` (``locality``).
 Acknowledgements ride closures' results (the closure book) and commits (the group
-book). Runs on the scheduler's event loop; imports nothing from Dask.
+book), which reach the table through their coordinator; what this book needs of the
+coordinator is :class:`LeaseCoordinator`. Runs on the scheduler's event loop; imports
+nothing from Dask.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from daskdist.core import checks
 from daskdist.core.leases import resume
 from daskdist.core.leases.ledgers import Ledgers
 from daskdist.core.leases.partitions import MAX_UNITS
 from daskdist.core.leases.table import EpochFailed, LeaseTable, SessionExpired
+from daskdist.core.membership import Membership
 from daskdist.core.protocol import (
     ANY,
     OWNER,
@@ -31,20 +35,34 @@ from daskdist.core.protocol import (
     EpochLedger,
     Route,
 )
+from daskdist.plugins.scheduler.locality import Locality
 
-if TYPE_CHECKING:
-    from daskdist.plugins.scheduler.state import CoordinatorState
+
+class LeaseCoordinator(Protocol):
+    """What the lease book asks its coordinator (the scheduler's ``CoordinatorState``)."""
+
+    name: str
+    members: Membership  # the shared membership: a session's worker, the member count
+    helpers: set[str]  # workers that are not members (they compute partitions for them)
+
+    def note_checkpoint(self, state: str, url: str, commits: int, seconds: float,
+                        nbytes: int) -> None:
+        """A State's writer completed a checkpoint (the dashboard's)."""
 
 
 class LeaseBook:
     """Dynamic datasets: their lease tables and the ledgers checkpoints keep."""
 
-    def __init__(self, co: CoordinatorState, max_worker_failures: int) -> None:
+    def __init__(self, co: LeaseCoordinator, max_worker_failures: int,
+                 on_ack: Callable[[str, list[tuple[str, int]]], None] | None = None,
+                 locality: Locality | None = None) -> None:
         self.co = co
-        self.leases = LeaseTable(  # every acknowledgement is counted for the dashboard
-            on_ack=co.stats.on_rows,
-            max_failures=max_worker_failures)
+        # ``on_ack``: every acknowledgement, counted for the dashboard
+        self.leases = LeaseTable(on_ack=on_ack, max_failures=max_worker_failures)
         self.ledgers = Ledgers()  # the datasets each State trained (checkpoint ledgers)
+        # where persisted partitions lie (the plugin's; None when the state is driven
+        # without a scheduler)
+        self.locality = locality
 
     # Arguments are checked first: a bad one is a TypeError / ValueError naming it,
     # raised to the caller, and changes nothing. The caller (a worker session, a client's
@@ -77,8 +95,8 @@ class LeaseBook:
             return {}
         self.leases.define(dataset_id, runs, label, owner or "", seed, units, shuffle, whole)
         self.ledgers.defined(dataset_id, self.leases)
-        if holders is not None and self.co.locality is not None:
-            self.co.locality.define(self.co.name, dataset_id, holders, seed, shuffle)
+        if holders is not None and self.locality is not None:
+            self.locality.define(self.co.name, dataset_id, holders, seed, shuffle)
         return {}
 
     def lease_acquire(self, session: str, dataset_id: str, epoch: int, rows: int = 1,
@@ -93,7 +111,7 @@ class LeaseBook:
         least = checks.integer(least, "least", 1, checks.MAX_ROWS)
         co, table = self.co, self.leases
         parts = max(1, len(co.members))
-        locality = co.locality
+        locality = self.locality
         try:
             if locality is not None and locality.indexed(co.name, dataset_id):
                 # the tail rule comes before locality: the last partitions go to the
@@ -203,20 +221,29 @@ class LeaseBook:
     def checkpoint_written(self, session: str, state: str, url: str, commits: int,
                            seconds: float, nbytes: int) -> dict | None:
         """A State's writer reports a complete checkpoint (dashboard and metrics)."""
-        self.co.stats.on_checkpoint(checks.text(state, "state", 1024),
-                                    checks.text(url, "url", 4096),
-                                    checks.integer(commits, "commits", 0, checks.MAX_ROWS),
-                                    float(seconds),
-                                    checks.integer(nbytes, "nbytes", 0, checks.MAX_ROWS))
+        self.co.note_checkpoint(checks.text(state, "state", 1024),
+                                checks.text(url, "url", 4096),
+                                checks.integer(commits, "commits", 0, checks.MAX_ROWS),
+                                float(seconds),
+                                checks.integer(nbytes, "nbytes", 0, checks.MAX_ROWS))
         return None
 
-    def forget_datasets(self, dataset_ids: list[str]) -> None:
+    def forget_datasets(self, dataset_ids: list[str]) -> list[str]:
         """Their handles were dropped: their lease tables, completed epochs and
-        locality indexes go."""
+        locality indexes go. The ids gone (those of their further loaders too)."""
         gone = [d for dataset_id in dataset_ids for d in self.leases.forget(dataset_id)]
-        self.co.stats.forget_datasets(gone)
-        if self.co.locality is not None:
-            self.co.locality.forget(self.co.name, gone)
+        if self.locality is not None:
+            self.locality.forget(self.co.name, gone)
+        return gone
+
+    def settle_tokens(self, session: str, tokens: list, ack: bool) -> bool:
+        """A finished closure's lease tokens: acknowledged (``ack``: it completed) or
+        released. ``False`` when the table refused the acknowledgement (rows the session
+        does not hold): what it does hold is released rather than kept leased."""
+        if ack and self.leases.ack_tokens(session, tokens):
+            return True
+        self.leases.release_tokens(session, tokens)
+        return not ack
 
 
 # The lease book's routes (the plugin registers each on the named coordinator's book,

@@ -42,6 +42,7 @@ from daskdist.plugins.scheduler.gangs import GROUP_ROUTES
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.locality import Locality
 from daskdist.plugins.scheduler.names import Coordinators
+from daskdist.plugins.scheduler.resources import RESOURCE_ROUTES
 from daskdist.plugins.scheduler.state import STATE_ROUTES, CoordinatorState
 from daskdist.plugins.scheduler.web import pages
 
@@ -52,6 +53,7 @@ BOOK_ROUTES = {
     "closure_book": CLOSURE_ROUTES,
     "group_book": GROUP_ROUTES,
     "lease_book": LEASE_ROUTES,
+    "resource_book": RESOURCE_ROUTES,
     "rank_book": RANK_ROUTES,
 }
 # ... and those of messages on a worker's own stream (one-way; Dask adds worker=)
@@ -167,8 +169,7 @@ class CoordinatorPlugin(SchedulerPlugin):
     def _owned(self, op: str, name: Any, owner: Any, token: Any) -> CoordinatorState:
         """The coordinator ``name`` if the caller is its owner ``owner`` (holds its token)."""
         co = self._get(name)
-        co.closure_book.owner_box(checks.text(owner, f"{op}: owner"),
-                                  checks.text(token, f"{op}: token"))
+        co.check_owner(checks.text(owner, f"{op}: owner"), checks.text(token, f"{op}: token"))
         return co
 
     def _next_generation(self) -> int:
@@ -253,8 +254,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         if co is None or co.closed or worker not in self.scheduler.workers:
             return
         if co.members.session_of(worker) is None:
-            co.helpers.add(worker)
-            co.closure_book.changed.set()  # a create waiting for the workers counts it
+            co.add_helper(worker)
     async def register(self, name: str, session: str, address: str, slots: int = 1,
                        device: str = "cpu", gpu: str = "", generation: int = 0) -> dict:
         """A worker plugin session joins: it gets the lowest free worker index.
@@ -304,8 +304,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         outcomes = protocol.outcomes(op, results or [])
         _, started = protocol.observed(op, None, started)
         if co is not None and session in co.members:
-            co.queue.observe(session, (), started, final=True)
-            co.stop_session(session, outcomes)
+            co.stop_session(session, outcomes, started)
 
 
 
