@@ -652,12 +652,11 @@ def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
 def test_a_closure_reading_a_per_worker_iterator_names_its_dataset():
     """The client tags a closure whose argument is a dataset's per-worker iterator with
     the dataset's id (Submission.dataset), whichever argument it is; else ''."""
-    from daskdist.client.closures import _dataset_read
-    from daskdist.client.datasets import _ResourceHandle
+    from daskdist.client.closures import ResourceHandle, _dataset_read
 
-    ds = _ResourceHandle("ds-1", "dataset")
-    it = _ResourceHandle("it-1", "iterator", parent=ds)
-    other = _ResourceHandle("r-1", "resource")
+    ds = ResourceHandle("ds-1", "dataset")
+    it = ResourceHandle("it-1", "iterator", parent=ds)
+    other = ResourceHandle("r-1", "resource")
     assert _dataset_read((1, it), {}) == "ds-1"
     assert _dataset_read((), {"batches": it, "x": other}) == "ds-1"
     assert _dataset_read((other, ds), None) == ""
