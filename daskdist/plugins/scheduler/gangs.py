@@ -15,25 +15,24 @@ nothing from Dask.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from daskdist import config
 from daskdist.core import checks, protocol
 from daskdist.core.gang import INTERRUPTING, GangBook, relay_children, tell_targets
-from daskdist.core.leases.commits import CommitBook, unpack_parts
+from daskdist.core.leases.commits import Acknowledger, CommitBook, unpack_parts
 from daskdist.core.leases.table import group_tokens
 from daskdist.core.protocol import CANCELLED, OWNER, READY, SESSION, CommitKey, Outcome, Route
 from daskdist.plugins.scheduler.groups import DriverCoordinator, GroupDriver
 from daskdist.plugins.scheduler.polls import wait_event
 
 
-class GroupCoordinator(DriverCoordinator, Protocol):
+class GroupCoordinator(DriverCoordinator, Acknowledger, Protocol):
     """What the group book (and its driver) asks its coordinator (the scheduler's
     ``CoordinatorState``): the coordinator's own state, and what the other books hold.
-    It also stands for the lease table a commit acknowledges its rows in
-    (:class:`~daskdist.core.leases.commits.CommitBook`'s ``ack_sessions`` and
-    ``ack_tables``)."""
+    It is also the lease table a commit acknowledges its rows in (an
+    :class:`~daskdist.core.leases.commits.Acknowledger`)."""
 
     closed: bool
 
@@ -45,13 +44,6 @@ class GroupCoordinator(DriverCoordinator, Protocol):
 
     def dataset_of(self, key: int) -> str | None:
         """The dataset a packed part's dataset key names."""
-
-    def ack_sessions(self, per_session: Mapping[str, Iterable[object]]) -> bool:
-        """Acknowledge every session's lease tokens, all or none."""
-
-    def ack_tables(self, tables: Mapping[tuple[str, int],
-                                         Sequence[tuple[str, Sequence]]]) -> bool:
-        """Acknowledge a commit's rows, per epoch table, all or none."""
 
 
 class GroupBook:
