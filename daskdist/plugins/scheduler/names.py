@@ -1,13 +1,13 @@
 """Coordinators: the named coordinators on a scheduler, and each one's life.
 
 A name lives while it has owners (client-side Coordinators, SPEC §2.5b): the first
-``create`` of a name makes its :class:`CoordinatorState` and :class:`GroupDriver` and
-registers its worker plugin; each ``create`` attaches a new owner with a secret token;
-when the last owner leaves (``close()``, or its client gone for
-``daskdist.coordinator.client-grace``) the state and driver go and the worker plugin is
-removed from every worker (its threads and timers with it). Creation and teardown of a
-name are serialized (a lock per name), so a worker plugin's registration and removal
-never cross on a worker.
+``create`` of a name makes its :class:`CoordinatorState` (attached to the scheduler, which
+makes its :class:`GroupDriver`) and registers its worker plugin; each ``create``
+attaches a new owner with a secret token; when the last owner leaves (``close()``, or
+its client gone for ``daskdist.coordinator.client-grace``) the state and driver go and
+the worker plugin is removed from every worker (its threads and timers with it).
+Creation and teardown of a name are serialized (a lock per name), so a worker plugin's
+registration and removal never cross on a worker.
 
 Runs on the scheduler's event loop; the :class:`CoordinatorPlugin` (plugin.py) holds one
 and its handlers call it.

@@ -1,7 +1,8 @@
 """CoordinatorPlugin: the scheduler side of daskdist.
 
 A ``SchedulerPlugin`` that holds one :class:`CoordinatorState` per coordinator name
-(its sessions, and its books: closures, gangs and commits, dynamic datasets), registers
+(its sessions, and its books: closures, gangs and commits, dynamic datasets, per-worker
+resources, per-rank observation), registers
 their RPC handlers on the scheduler (the pattern of
 ``distributed/semaphore.py``), and reacts to Dask's own ``remove_worker`` and
 worker-status events, so preemption is handled the moment Dask notices it.
