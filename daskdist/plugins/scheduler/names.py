@@ -1,13 +1,13 @@
 """Coordinators: the named coordinators on a scheduler, and each one's life.
 
 A name lives while it has owners (client-side Coordinators, SPEC §2.5b): the first
-``create`` of a name makes its :class:`CoordinatorState` and :class:`GroupDriver` and
-registers its worker plugin; each ``create`` attaches a new owner with a secret token;
-when the last owner leaves (``close()``, or its client gone for
-``daskdist.coordinator.client-grace``) the state and driver go and the worker plugin is
-removed from every worker (its threads and timers with it). Creation and teardown of a
-name are serialized (a lock per name), so a worker plugin's registration and removal
-never cross on a worker.
+``create`` of a name makes its :class:`CoordinatorState` (attached to the scheduler, which
+makes its :class:`GroupDriver`) and registers its worker plugin; each ``create``
+attaches a new owner with a secret token; when the last owner leaves (``close()``, or
+its client gone for ``daskdist.coordinator.client-grace``) the state and driver go and
+the worker plugin is removed from every worker (its threads and timers with it).
+Creation and teardown of a name are serialized (a lock per name), so a worker plugin's
+registration and removal never cross on a worker.
 
 Runs on the scheduler's event loop; the :class:`CoordinatorPlugin` (plugin.py) holds one
 and its handlers call it.
@@ -27,10 +27,9 @@ from typing import Any
 from distributed.protocol.pickle import dumps
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins import WORKER_PLUGIN, PluginRef
-from daskdist.plugins.scheduler.closures import wait_event
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.state import CoordinatorState
 
@@ -64,7 +63,7 @@ class Coordinators:
 
     def get(self, name: Any) -> CoordinatorState:
         """The coordinator ``name`` (``KeyError`` naming it if there is none)."""
-        protocol.text(name, "name")
+        checks.text(name, "name")
         try:
             return self.states[name]
         except KeyError:
@@ -107,11 +106,11 @@ class Coordinators:
                     f"another name")
             if co is None:
                 if max_worker_failures is None:
-                    max_worker_failures = protocol.max_worker_failures(
+                    max_worker_failures = checks.max_worker_failures(
                         config.integer("coordinator.max-worker-failures"),
                         "daskdist.coordinator.max-worker-failures")
                 if lease_timeout is None:
-                    lease_timeout = protocol.lease_timeout(
+                    lease_timeout = checks.lease_timeout(
                         config.seconds("liveness.lease-timeout"),
                         "daskdist.liveness.lease-timeout")
                 co = CoordinatorState(name, max_worker_failures, send=self._send,
@@ -119,25 +118,24 @@ class Coordinators:
                 co.member_resources = resources  # only these workers are members
                 co.member_kind = members
                 self.states[name] = co
-                driver = GroupDriver(co, self.scheduler.rpc, self._next_generation)
-                self.drivers[name] = co.group_book.driver = driver
-                co.rank_book.scheduler = self.scheduler  # rpc to members, NVML metrics
+                # rpc to members (formations, stacks), NVML metrics
+                self.drivers[name] = co.attach_scheduler(self.scheduler,
+                                                         self._next_generation)
             try:
                 started = await self._register_worker_plugin(
                     name, torch_threads, co.member_resources, co.member_kind)
             except BaseException:
-                if not co.outboxes:  # nobody uses it: the next attempt starts afresh
+                if not co.has_owners():  # nobody uses it: the next attempt starts afresh
                     self._forget(name)
                 raise
             owner, token = uuid.uuid4().hex[:12], secrets.token_hex(16)
-            co.closure_book.add_owner(owner, client, token)
+            co.add_owner(owner, client, token)
         # workers register their sessions once their plugin is set up (the others say
         # they are not members): wait a little for them, so the reply's worker count is
         # the cluster's (its end: 5 poll intervals)
         deadline = time.monotonic() + 5 * config.seconds("scheduler.poll-interval")
         while len(co.members) + len(co.helpers) < started and not co.closed:
-            co.closure_book.changed.clear()
-            if not await wait_event(co.closure_book.changed, deadline - time.monotonic()):
+            if not await co.wait_changed(deadline - time.monotonic()):
                 break
         return {"workers": len(co.members), "owner": owner, "token": token}
 
@@ -174,7 +172,7 @@ class Coordinators:
         """Drop ``owner`` (closed, or its client is gone); the coordinator goes with its
         last owner. The outcomes the owner had not read."""
         items = co.drop_owner(owner)
-        if not co.outboxes:
+        if not co.has_owners():
             name = co.name
             task = asyncio.ensure_future(self._teardown(name))
             self._teardowns[name] = task
@@ -213,7 +211,7 @@ class Coordinators:
         worker is waited for at most ``scheduler.teardown-timeout``)."""
         async with self._lock(name):
             co = self.states.get(name)
-            if co is None or co.outboxes:  # someone attached again meanwhile
+            if co is None or co.has_owners():  # someone attached again meanwhile
                 return
             self._forget(name)
             plugin_name = worker_plugin_name(name)
@@ -230,8 +228,7 @@ class Coordinators:
     def client_left(self, client: str) -> None:
         """A client's connection closed: drop its owners after ``coordinator.client-grace``
         unless it reconnects first (Dask's client reconnects with the same id)."""
-        if not any(box.client == client for co in self.states.values()
-                   for box in co.outboxes.values()):
+        if not any(co.owners_of(client) for co in self.states.values()):
             return
         old = self._orphaned.pop(client, None)
         if old is not None:
@@ -250,11 +247,10 @@ class Coordinators:
         had closed (their per-worker resources are released)."""
         self._orphaned.pop(client, None)
         for co in list(self.states.values()):
-            for owner, box in list(co.outboxes.items()):
-                if box.client == client:
-                    logger.info("daskdist[%s]: client %s gone for client-grace: owner %s "
-                                "dropped", co.name, client, owner)
-                    self.drop_owner(co, owner)
+            for owner in co.owners_of(client):
+                logger.info("daskdist[%s]: client %s gone for client-grace: owner %s "
+                            "dropped", co.name, client, owner)
+                self.drop_owner(co, owner)
 
     def close(self) -> None:
         """The scheduler closes: stop teardowns, drivers and client timers."""
