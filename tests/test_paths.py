@@ -10,12 +10,15 @@ scheduler and every worker) and holds each to exactly those files:
 - a synced step of a gang with a commit (``State``, ``synced``, ``allreduce_gradients``);
 - a re-formation: a member of a gang of three SIGKILLed, to the survivors' first step in
   the new group.
+
+The walks' ``Files`` lines in docs/architecture.md are held to the same sets.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from pathlib import Path
 
@@ -377,3 +380,34 @@ def test_a_reformation_after_a_member_dies(tmp_path):
         assert sorted(coord.fetch(gang)) == [4, 4]
     print("a re-formation:", len(files), sorted(files))
     assert files == REFORM_PATH, (sorted(files - REFORM_PATH), sorted(REFORM_PATH - files))
+
+
+# -- the walks in docs/architecture.md -----------------------------------------------------
+WALKS = {"closure": CLOSURE_PATH, "batch": CLOSURE_PATH | BATCH_PATH,
+         "batch crossing a block": CLOSURE_PATH | BATCH_PATH | BLOCK_PATH,
+         "synced step": STEP_PATH, "re-formation": REFORM_PATH}
+
+
+def walk_files() -> dict[str, tuple[int, set[str]]]:
+    """``{path: (count said, files named)}`` of docs/architecture.md's ``Files, <path>
+    (<count>): ...`` paragraphs; ``the <path>'s <count> and`` names an earlier one's."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    out: dict[str, tuple[int, set[str]]] = {}
+    for m in re.finditer(r"^Files, ([^(]+) \((\d+)\): (.*?)(?:\n\n|\Z)", text, re.M | re.S):
+        name, count, body = m.group(1), int(m.group(2)), m.group(3)
+        files = set(re.findall(r"`([^`]+\.py)`", body))
+        for ref in re.findall(r"the ([\w -]+)'s \d+ and", body):
+            files |= out[ref][1]
+        out[name] = (count, files)
+    return out
+
+
+def test_the_walks_name_the_traced_files():
+    """Each walk's files in docs/architecture.md are the set its test asserts, counted
+    as its test counts them."""
+    walks = walk_files()
+    assert set(walks) == set(WALKS), sorted(walks)
+    for name, (count, files) in walks.items():
+        expected = WALKS[name]
+        assert files == expected, (name, sorted(files - expected), sorted(expected - files))
+        assert count == len(expected), (name, count, len(expected))
