@@ -289,7 +289,7 @@ def cells(fig: Figure) -> list[str]:
 
 
 def _line(row: list[str]) -> str:
-    return "| " + " | ".join(row) + " |"
+    return "| " + " | ".join(c.strip() for c in row) + " |"
 
 
 def _split(line: str) -> list[str]:
