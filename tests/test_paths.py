@@ -87,19 +87,21 @@ def trace(client: Client, event) -> set[str]:
 def test_the_periodic_roots_are_the_processes_timers():
     """The hook pauses beneath the package's timer loops, read from the tree: the
     scheduler's liveness sweep, a session's renewal, the preemption handler's upkeep and
-    a rank's window reports are among them; no path's own function is."""
+    a rank's window reports; never beneath the loops an event runs through (a worker's
+    pull loop, the group driver's pump, the client's results loop)."""
     roots = {f"{file}:{name}" for file, name in path_trace.periodic_roots()}
     assert {"plugins/scheduler/plugin.py:CoordinatorPlugin._expire_loop",
             "plugins/worker/preemption.py:PreemptionNotice._keep",
             "observe/recorder.py:WindowReporter._loop"} <= roots, roots
     assert any(r.endswith("._renew_loop") for r in roots), roots
-    assert not [r for r in roots if r.split(":")[1].split(".")[-1] in
-                ("_pump", "_loop", "_results_loop", "_flush")
-                and not r.startswith("observe/recorder.py")], roots
+    assert not roots & {"plugins/worker/runner.py:ClosureRunner._loop",
+                        "plugins/scheduler/groups.py:GroupDriver._pump",
+                        "client/closures.py:ClosureClient._results_loop"}, roots
 
 
 @pytest.mark.timeout(60)
 def test_a_closure_path():
+    """Two workers of two threads, warm: one closure, ``schedule`` to ``fetch``."""
     with traced_cluster(2, 2) as (_, client), dd.Coordinator(client, name="paths") as coord:
         coord.fetch([coord.schedule(_noop, args=(i,)) for i in range(20)])  # warm
         files = trace(client, lambda: coord.fetch(coord.schedule(_noop, args=(1,))))
@@ -230,20 +232,32 @@ def _at(gates: Path, step: int) -> dict[tuple[int, int], int]:
     return out
 
 
-def _gang_dataset(coord, tmp_path: Path, ranks: int):
-    """A dynamic dataset of 32-row batches a rank (:func:`_write`'s files), read in the
-    closure's thread, its first leases (and those asked ahead) out once each rank took
-    one batch: the traced steps read from the first block of each rank's lease."""
-    ds = coord.distribute_dataset(str(tmp_path / "data" / "*.parquet"),
-                                  global_batch_size=BATCH * ranks, policy="dynamic",
-                                  prefetch=0)
-    return ds, iter(ds)
-
-
-def _leases_out(ds, ranks: int) -> None:
-    """Every rank's first lease and the one it asked ahead are out (no reply is due)."""
-    wait_until(lambda: ds.progress()["free"] == FILES * FILE_ROWS - 2 * ranks * LEASE, 30,
-               "the leases asked ahead")
+@contextlib.contextmanager
+def gang_held_at_step_2(tmp_path: Path, members: int, threads: int, name: str, last: int):
+    """A traced cluster of ``members`` workers running :func:`_train` as a gang over a
+    dynamic dataset of 32-row batches a rank (:func:`_write`'s files, read in the
+    closure's thread), every rank held after step 2's commit (and at step 3's), every
+    rank's first lease and the one it asked ahead out (no reply is due): the traced
+    steps read from the first block of each rank's lease. Yields ``(cluster, client,
+    coord, gang, gates, held)``, ``held`` the ranks at step 2 (:func:`_at`)."""
+    (tmp_path / "data").mkdir()
+    _write(tmp_path / "data")
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    for step in (2, 3):
+        (gates / f"hold-{step}").touch()
+    with traced_cluster(members, threads, **{"daskdist.data.lease-rows": LEASE}) as \
+            (cluster, client), dd.Coordinator(client, name=name) as coord:
+        ds = coord.distribute_dataset(str(tmp_path / "data" / "*.parquet"),
+                                      global_batch_size=BATCH * members, policy="dynamic",
+                                      prefetch=0)
+        state = coord.create_per_worker_resource(_make_state)
+        gang = coord.schedule_on_all(_train, args=(state, iter(ds), str(gates), last))
+        held = wait_until(lambda: len(_at(gates, 2)) == members and _at(gates, 2), 60,
+                          "every rank at step 2")
+        wait_until(lambda: ds.progress()["free"] == FILES * FILE_ROWS - 2 * members * LEASE,
+                   30, "the leases asked ahead")
+        yield cluster, client, coord, gang, gates, held
 
 
 # a step inside the gang closure, which already runs (none of a closure's files but the
@@ -272,20 +286,8 @@ def test_a_synced_step_with_a_commit(tmp_path):
     """Two members of two threads: step 3 of a synced loop (its batch from a block read,
     the gradients allreduced, a commit), traced from the end of step 2's commit to the
     end of step 3's."""
-    (tmp_path / "data").mkdir()
-    _write(tmp_path / "data")
-    gates = tmp_path / "gates"
-    gates.mkdir()
-    for step in (2, 3):
-        (gates / f"hold-{step}").touch()
-    with traced_cluster(2, 2, **{"daskdist.data.lease-rows": LEASE}) as (_, client), \
-            dd.Coordinator(client, name="step-path") as coord:
-        ds, it = _gang_dataset(coord, tmp_path, 2)
-        state = coord.create_per_worker_resource(_make_state)
-        gang = coord.schedule_on_all(_train, args=(state, it, str(gates), 3))
-        wait_until(lambda: len(_at(gates, 2)) == 2, 60, "both ranks at step 2")
-        _leases_out(ds, 2)
-
+    with gang_held_at_step_2(tmp_path, 2, 2, "step-path", 3) as (_, client, coord, gang,
+                                                                  gates, _):
         def step() -> None:
             (gates / "go-2").touch()
             wait_until(lambda: len(_at(gates, 3)) == 2, 60, "both ranks past step 3")
@@ -344,26 +346,14 @@ def test_a_reformation_after_a_member_dies(tmp_path):
     step 3's gradient allreduce and wait there for rank 2, which is SIGKILLed (its Nanny
     starts no replacement). Traced from the kill to the survivors' first commit in the
     new group (step 3 again, from step 2's commit)."""
-    (tmp_path / "data").mkdir()
-    _write(tmp_path / "data")
-    gates = tmp_path / "gates"
-    gates.mkdir()
-    for step in (2, 3):
-        (gates / f"hold-{step}").touch()
-    with traced_cluster(3, 1, **{"daskdist.data.lease-rows": LEASE}) as (cluster, client), \
-            dd.Coordinator(client, name="reform-path") as coord:
-        ds, it = _gang_dataset(coord, tmp_path, 3)
-        state = coord.create_per_worker_resource(_make_state)
-        gang = coord.schedule_on_all(_train, args=(state, it, str(gates), 4))
-        held = wait_until(lambda: len(_at(gates, 2)) == 3 and _at(gates, 2), 60,
-                          "the three ranks at step 2")
+    with gang_held_at_step_2(tmp_path, 3, 1, "reform-path", 4) as (cluster, client, coord,
+                                                                    gang, gates, held):
         (generation,) = {g for g, _ in held}
         victim = held[generation, 2]
         pids = {pid: addr for addr, pid in client.run(os.getpid).items()}
         for nanny in cluster.workers.values():
             if nanny.worker_address == pids[victim]:
                 nanny.auto_restart = False  # the group re-forms on the survivors alone
-        _leases_out(ds, 3)
         for rank in (0, 1):
             (gates / f"go-2-{rank}").touch()
         survivors = [addr for pid, addr in pids.items() if pid != victim]
