@@ -10,8 +10,8 @@ recorded, so every file seen is the event's and the sets are exact.
 
 - Periodic work runs with the trace paused: the hook records nothing beneath a
   periodic root on the call stack (:func:`periodic_roots`, read from the package: every
-  timer loop, an ``async def`` whose ``while`` loop sleeps and then works each round, such
-  as the scheduler's liveness sweep, a session's lease renewal, the preemption
+  timer loop, an ``async def`` that ends in a ``while`` loop which sleeps, then works,
+  each round, such as the scheduler's liveness sweep, a session's lease renewal, the preemption
   handler's upkeep and a rank's window reports; and tornado's ``PeriodicCallback``, which
   runs the dashboard's sampler and Dask's own periodic work).
 - What a timer sets off in another process, and the empty reply a long-poll gets when
@@ -34,9 +34,10 @@ import daskdist
 
 ROOT = os.path.dirname(daskdist.__file__) + os.sep
 
-# The traced cluster's configuration: a session's lease renewal (the scheduler's side),
-# a rank's window report (the scheduler's side) and an idle long-poll's empty reply come
-# after an hour, not within a test; the dashboard samples once an hour.
+# The traced cluster's configuration: a session's lease renewal (the scheduler's side of
+# it; renewals come at most every lease-timeout / 4), a rank's window report (likewise)
+# and an idle long-poll's empty reply come after an hour, never within a test; the
+# dashboard samples once an hour.
 QUIET = {
     "daskdist.scheduler.poll-interval": "1h",
     "daskdist.liveness.lease-timeout": "4h",

@@ -99,7 +99,7 @@ def test_the_periodic_roots_are_the_processes_timers():
                         "client/closures.py:ClosureClient._results_loop"}, roots
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_closure_path():
     """Two workers of two threads, warm: one closure, ``schedule`` to ``fetch``."""
     with traced_cluster(2, 2) as (_, client), dd.Coordinator(client, name="paths") as coord:
@@ -143,7 +143,7 @@ def _write(tmp_path: Path) -> None:
         pq.write_table(pa.table({"x": x}), tmp_path / f"p{f}.parquet", row_group_size=BLOCK)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_a_dynamic_batch_path(tmp_path):
     """One worker of two threads (so the batch positions are known) reading row groups of
     8 batches, leased 4 at a time, with the loader's reads in the closure's thread
@@ -281,7 +281,7 @@ STEP_PATH = {"collective/bootstrap.py", "collective/group.py", "collective/repli
              "session/tokens.py"}
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_a_synced_step_with_a_commit(tmp_path):
     """Two members of two threads: step 3 of a synced loop (its batch from a block read,
     the gradients allreduced, a commit), traced from the end of step 2's commit to the
