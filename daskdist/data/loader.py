@@ -40,8 +40,10 @@ prefetch thread without holding the lock (it returns once its current read or le
 RPC does), take the lock, give back rows leased and not delivered. A caller arriving
 after the end of the pass gets ``StopIteration``; under ``"dynamic"`` it first polls the
 lease service again (a new pass), so rows that came back to the pool are still served,
-with any number of threads. The loader's ``close()`` also releases its source reader's
-resources (a collection's local partition pool).
+with any number of threads. A pass that fails raises its error to the caller it
+reaches, and what it still holds (that caller's unfinished batch) goes back to the pool
+then. The loader's ``close()`` also releases its source reader's resources (a
+collection's local partition pool).
 
 Memory is bounded by ``prefetch`` batches, the shuffle buffer and the staging ring,
 never the dataset. State for resuming is ``(epoch, seed, position)``.
@@ -392,7 +394,13 @@ class _LoaderIterator:
     # -- under the lock ------------------------------------------------------------------
     def _cut(self) -> tuple[list[Any], list[tuple[int, int]] | None, list[ChunkItem]]:
         """The next batch's parts (views), its row ids as intervals (dynamic policy)
-        and the blocks they come from."""
+        and the blocks they come from.
+
+        A pass that fails ends the cut with its error. Every block before the failure
+        was taken (the feed is in order) and every batch cut from them delivered, so
+        what the pass still holds is the rows of this unfinished cut and any its reads
+        had not given back: all of it goes back to the pool then (the source's
+        ``close``), never left leased to a worker whose closures go on."""
         if self._closed:
             raise StopIteration
         bs = self._bs
@@ -444,6 +452,7 @@ class _LoaderIterator:
             self._done = True
             feed.stop()  # the producer has finished: the join is immediate
             if item is not END:
+                self._source.close()  # what the failed pass holds goes back (_cut's doc)
                 raise item.exc
             return None
         if self._stage is not None:  # a pending block: wait for its staging (its doc)
@@ -452,6 +461,7 @@ class _LoaderIterator:
             except BaseException:
                 self._done = True
                 feed.stop()  # the join ends once the producer returns from its read
+                self._source.close()  # blocks read ahead were dropped: their rows go back
                 raise
             if item is None or self._closed:
                 return None

@@ -20,8 +20,10 @@ touch the loader. A new kind is one file that subclasses :class:`Source` and
 
 A pass over an epoch is a :class:`ChunkSource`: a generator of :class:`ChunkItem` run by
 the loader's prefetch thread (which owns it), ``delivered`` called under the iterator's
-lock in the caller's thread, ``close`` after the prefetch thread was joined, and
-``interrupt`` from any thread (it only sets events).
+lock in the caller's thread, ``close`` after the prefetch thread was joined (when the
+iterator closes, and when a failure of the pass reached it: rows held and not delivered
+go back; ``chunks()`` may run again after), and ``interrupt`` from any thread (it only
+sets events).
 """
 
 from __future__ import annotations
