@@ -172,10 +172,10 @@ class ArrowLoader:
         if missing:
             raise ValueError(f"column(s) {missing} not in the columns of "
                              f"{self.source.what}: {names}")
-        unfilled = unknown_fill_columns(self.fill_null, self.columns)
+        unfilled = unknown_fill_columns(self.fill_null, names)
         if unfilled:
-            raise ValueError(f"fill_null names column(s) {unfilled} not among the columns "
-                             f"read: {self.columns}")
+            raise ValueError(f"fill_null names column(s) {unfilled} not in the columns of "
+                             f"{self.source.what}: {names}")
         self.name = name or ""
         self.dataset_id = (self.ctx.next_dataset_id()
                            or f"{name or 'arrow'}-{uuid.uuid4().hex[:12]}")
