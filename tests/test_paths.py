@@ -30,10 +30,10 @@ from distributed import Client
 
 import daskdist as dd
 
-CLOSURE_PATH = {"client/closures.py", "core/membership.py", "core/nest.py",
+CLOSURE_PATH = {"client/closures.py", "core/checks.py", "core/membership.py", "core/nest.py",
                 "core/protocol.py", "core/queue.py", "plugins/scheduler/closures.py",
-                "plugins/worker/runner.py", "session/counters.py", "session/resources.py",
-                "session/scope.py"}
+                "plugins/scheduler/polls.py", "plugins/worker/runner.py",
+                "session/counters.py", "session/resources.py", "session/scope.py"}
 
 
 def _noop(x=None):
@@ -122,7 +122,8 @@ FILES, FILE_ROWS = 4, 16 * BLOCK
 BATCH_PATH = {"core/intervals.py", "core/leases/datasets.py", "core/leases/epochs.py",
               "core/leases/table.py", "data/batching.py", "data/convert.py",
               "data/leased/held.py", "data/leased/passes.py", "data/loader.py",
-              "observe/phases.py", "plugins/scheduler/stats.py", "session/tokens.py"}
+              "observe/phases.py", "plugins/scheduler/datasets.py",
+              "plugins/scheduler/state.py", "plugins/scheduler/stats.py", "session/tokens.py"}
 # and crossing into the next block of the lease: the feed runs the pass, which reads it
 # (the source's unit reads, the Arrow file)
 BLOCK_PATH = {"data/files/arrow.py", "data/files/source.py", "data/prefetch.py"}

@@ -252,6 +252,7 @@ class Coordinator(ClosureClient):
         (``DistributedDataset.state_dict`` / ``load_state_dict``).
         """
         from daskdist.context import InputContext
+        from daskdist.data.options import check_options
         from daskdist.data.sources import as_source
 
         if "batch_size" in loader_options:
@@ -261,6 +262,9 @@ class Coordinator(ClosureClient):
             raise ValueError(f"global_batch_size must be a positive int, got "
                              f"{global_batch_size!r}")
         global_batch_size = gbs()
+        # ArrowLoader's options, checked here, before anything is registered (the loader
+        # checks them again on each worker: one table, data/options.py)
+        loader_options = check_options(loader_options, "distribute_dataset")
         # files, a dask DataFrame, a dict of dask Arrays: described (and checked) here
         source = as_source(shards, loader_options.get("columns"))
         workers = max(1, self._workers)  # the batch size is fixed now

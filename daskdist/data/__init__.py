@@ -30,7 +30,11 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'daskdist.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
+    try:
+        module = importlib.import_module(_LAZY[name])
+    except AttributeError as e:  # raised inside the import: not "no such name here"
+        raise ImportError(f"importing {_LAZY[name]} failed: {e!r}") from e
+    value = getattr(module, name)
     globals()[name] = value
     return value
 

@@ -17,12 +17,12 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from daskdist.core import protocol
+from daskdist.core import checks
 from daskdist.data.sharding import POLICIES
 
 __all__ = ["CHECKS", "check_options", "unknown_fill_columns"]
 
-_MAX = protocol.MAX_ROWS
+_MAX = checks.MAX_ROWS
 _SEED = 1 << 63  # a seed travels in the dataset's definition as an int64
 _DEVICE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(:[0-9]+)?")  # "cpu", "cuda:1", "mps"
 
@@ -45,14 +45,14 @@ def _int(lo: int, hi: int = _MAX) -> Callable[[Any, str], int]:
                 value = operator.index(value)
             except TypeError:
                 pass  # not an integer: named below
-        return protocol.integer(value, what, lo, hi)
+        return checks.integer(value, what, lo, hi)
     return check
 
 
 def _flag(value: Any, what: str) -> bool:
     if _is_bool(value):
         return bool(value)
-    return protocol.flag(value, what)
+    return checks.flag(value, what)
 
 
 def _optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
@@ -124,7 +124,7 @@ def _device(value: Any, what: str) -> Any:
 
 
 def _name(value: Any, what: str) -> str:
-    return protocol.text(value, what, empty=True)
+    return checks.text(value, what, empty=True)
 
 
 # option -> its check (value, name) -> the value normalised; ArrowLoader's keyword options
