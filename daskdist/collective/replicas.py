@@ -59,7 +59,7 @@ def allreduce_gradients(
         buckets.insert(0, [])  # nothing to ride on: a float32 call of their own
     for i, bucket in enumerate(buckets):
         flat = (_on_wire(_flatten_dense_tensors(bucket), g) if bucket
-                else torch.zeros(0, device=g._wire_device()))
+                else torch.zeros(0, device=g.wire_device))
         n = flat.numel()
         ride = riding if i == 0 else None  # the first bucket carries the riders
         if ride is not None:

@@ -210,7 +210,7 @@ class SharedShards:
                 del m
             except (OSError, ValueError):
                 ok = 0
-        flags = g.allgather(torch.tensor([ok], dtype=torch.int64, device=g._wire_device()))
+        flags = g.allgather(torch.tensor([ok], dtype=torch.int64, device=g.wire_device))
         return frozenset(pred[r] for r, f in enumerate(flags) if int(f.item()))
 
 

@@ -231,7 +231,7 @@ class ShardedState(State):
         prev = _outcome(self._ledger.reply, g.timeout / 2)
         rows = [t.tolist() for t in g.allgather(torch.tensor(
             [prev] + self._announce(g, live), dtype=torch.int64,
-            device=g._wire_device()))]
+            device=g.wire_device))]
         self._confirm(rows[0][0], min(r[0] for r in rows), [])
         self._told = (g.generation, [r[1:] for r in rows])
 
@@ -435,7 +435,7 @@ class ShardedState(State):
         head = torch.tensor(_held(self._saved, self._commits) + [
             self._seq, membership_version(), membership_joins(), known, newest, host]
             + _held(self._tentative, self._commits + 1) + SHARED.offer(g),
-            dtype=torch.int64, device=g._wire_device())
+            dtype=torch.int64, device=g.wire_device)
         heads = [h.tolist() for h in g.allgather(head)]
         reports = [Report(*h[:5]) for h in heads]
         staged = {r: Report(*h[11:16]) for r, h in enumerate(heads) if h[11] > 0}

@@ -247,7 +247,7 @@ class State:
             tokens = take_consumed()
             head = torch.tensor(self._head(g, tokens), dtype=torch.int64)
             try:  # one small call: commit() runs every step
-                table = torch.stack(g.allgather(head.to(g._wire_device()))).cpu().tolist()
+                table = torch.stack(g.allgather(head.to(g.wire_device))).cpu().tolist()
             except BaseException:
                 _give_back(tokens)
                 raise
@@ -435,7 +435,7 @@ class State:
         if self._commits == 0:
             services = _services()
             known = services.state_commits(self._id) if services is not None else 0
-        dev = g._wire_device()
+        dev = g.wire_device
         # rank 0 looks for the newest complete checkpoint (it writes them too)
         newest = self._durable.newest() if self._durable is not None and g.rank == 0 else 0
         # skip_sync: this rank's last interrupt said members only left, and it holds a commit

@@ -137,7 +137,7 @@ def _give_back(g: Any, tokens: list) -> None:
 def _agree(g: Any, have: bool) -> tuple[bool, bool]:
     """Whether every rank, and whether any rank, got a batch (one small allreduce)."""
     n = int(have)
-    flags = torch.tensor([n, -n], dtype=torch.int64, device=g._wire_device())
+    flags = torch.tensor([n, -n], dtype=torch.int64, device=g.wire_device)
     g.allreduce(flags, op="min")
     return int(flags[0]) == 1, int(flags[1]) == -1
 
@@ -242,12 +242,12 @@ class _Tail:
             b - a for t in held_tokens() if (lease := LeaseToken.parse(t))
             and (lease.dataset_id, lease.epoch) == (ld.dataset_id, ld.epoch)
             for a, b in lease.ranges)
-        held = torch.tensor([mine], dtype=torch.int64, device=g._wire_device())
+        held = torch.tensor([mine], dtype=torch.int64, device=g.wire_device)
         g.allreduce(held, op="sum")
         now = time.monotonic()
         if self.deadline is None:
             self.deadline = now + config.seconds("collective.tail-wait")
-        decision = torch.zeros(1, dtype=torch.int64, device=g._wire_device())
+        decision = torch.zeros(1, dtype=torch.int64, device=g.wire_device)
         if g.rank == 0 and ld is not None:
             p = ld.progress()
             out = p["leased"] - int(held[0])  # rows leased to others than the gang's
