@@ -28,7 +28,7 @@ from daskdist.session.tokens import consumed_mark, drop_aside, set_aside, take_b
 
 logger = logging.getLogger(__name__)
 
-_STATE_ATTR = "_daskdist_state"  # where a module keeps its State (collected with it)
+STATE_ATTR = "_daskdist_state"  # where a module keeps its State (collected with it)
 
 
 def state_for(owner: Any, label: str, make: Callable[[], State]) -> State:
@@ -41,7 +41,7 @@ def state_for(owner: Any, label: str, make: Callable[[], State]) -> State:
     is not a per-worker resource (built inside the gang closure) gets a State that lives
     for one run of the gang, as a ``State`` made there does.
     """
-    state = owner.__dict__.get(_STATE_ATTR)
+    state = owner.__dict__.get(STATE_ATTR)
     if state is not None:
         return state
     rid = resource_id(owner)
@@ -54,7 +54,7 @@ def state_for(owner: Any, label: str, make: Callable[[], State]) -> State:
     else:
         with minting(f"{rid}/{label}"):
             state = make()
-    owner.__dict__[_STATE_ATTR] = state  # plain attribute: no nn.Module registration
+    owner.__dict__[STATE_ATTR] = state  # plain attribute: no nn.Module registration
     return state
 
 

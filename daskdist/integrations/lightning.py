@@ -351,7 +351,7 @@ class _ElasticFit:
         assert state is not None
         state.loops = self.loops
         state.global_step = step
-        if "schedulers" in state._objects:  # a ShardedState: their state rides as objects
+        if hasattr(state, "schedulers"):  # a ShardedState: their state rides as objects
             state.schedulers = [c.scheduler.state_dict()
                                 for c in self.trainer.lr_scheduler_configs]
         self.committed_step = step
