@@ -124,7 +124,7 @@ class ShardKeeper:
         commit does not hold (non-persistent ones: only its build makes them)."""
         forget_meshes()
         mesh = mesh_for(g, self.dims)
-        model = self._built_model(meta=not fresh)
+        model = self.built_model(meta=not fresh)
         if fresh and g.world_size > 1:
             # no commit yet: every rank starts from rank 0's weights, as a State does
             broadcast_parameters(model, src=0, group=g)
@@ -143,7 +143,7 @@ class ShardKeeper:
         self.cut = None
         self.plan = Capture()  # the old model's plan must not outlive it
 
-    def _built_model(self, meta: bool) -> torch.nn.Module:
+    def built_model(self, meta: bool) -> torch.nn.Module:
         """``build()``, on the meta device when ``meta`` and nothing but the commit's
         state is in it."""
         if meta:

@@ -1,10 +1,10 @@
 """A commit's copy to a ring neighbour on the same host, as a shared mapping of the shard.
 
 A ``ShardedState`` commit keeps each rank's shard twice: on the rank, and a copy on its
-ring successor (``shardcopy``), so a lost rank's shard is still held. When the successor
-runs on the same host, the copy needs no bytes on the wire: the rank packs its shard into
-host memory of its own (a ``memfd``, :meth:`SharedShards.empty`) and sends only a
-:class:`Handle` to it (a few bytes); the successor maps that memory read-only
+ring successor (``ring.py``, ``copies.py``), so a lost rank's shard is still held. When
+the successor runs on the same host, the copy needs no bytes on the wire: the rank packs
+its shard into host memory of its own (a ``memfd``, :meth:`SharedShards.empty`) and sends
+only a :class:`Handle` to it (a few bytes); the successor maps that memory read-only
 (:meth:`SharedShards.view`, through ``/proc/<pid>/fd``) and keeps the mapping as its
 copy. A mapping holds the pages as long as it lives: when the rank dies, its shard
 stays readable to the successor, and it is freed with the last mapping, never left
@@ -12,7 +12,7 @@ behind (no file names: nothing to clean up after a crash).
 
 It is safe because both sides let go of a commit's buffer at the same agreed point:
 the rank packs a new commit only into a buffer whose commit every rank has replaced
-(the commit after it was promoted everywhere: ``ShardedState._confirm_early`` or the
+(the commit after it was promoted everywhere: the State's early confirmation or the
 commit's own allgather), which is also when the successor drops its view of it.
 
 Whether a pair of ranks can map each other's memory (same host, same PID namespace,
@@ -20,7 +20,7 @@ Whether a pair of ranks can map each other's memory (same host, same PID namespa
 generation: :meth:`SharedShards.offer` goes into ``sync()``'s allgather, the successor
 maps its predecessor's probe (a page holding a random number) and checks the number,
 and :meth:`SharedShards.agree` gathers who could. Pairs that cannot use the wire
-(``shardwire``). CUDA groups use the wire (their copies are pinned buffers).
+(``wire.py``). CUDA groups use the wire (their copies are pinned buffers).
 Owned by the thread that trains (the State's).
 """
 
