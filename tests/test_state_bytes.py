@@ -8,30 +8,20 @@ row once."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from distributed import Client
 
 import daskdist as dd
 from tests.conftest import THREADS, make_cluster, wait_for_workers
+from tests.framework_rows import write_rows
 from tests.row_ledger import assert_every_row_once, final_grad_counts, make_grad_counts
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")]
 
 N_ROWS = 900
-
-
-def _write_rows(root: Path) -> dd.data.ArrowShards:
-    for f in range(3):
-        ids = np.arange(f * N_ROWS // 3, (f + 1) * N_ROWS // 3, dtype=np.int64)
-        pq.write_table(pa.table({"id": ids}), root / f"p{f}.parquet", row_group_size=50)
-    return dd.data.ArrowShards(str(root / "*.parquet"))
 
 
 def held_bytes(state, it) -> tuple[int, list[int], int, int]:
@@ -56,7 +46,7 @@ def held_bytes(state, it) -> tuple[int, list[int], int, int]:
 
 @pytest.mark.parametrize("threads", THREADS)
 def test_one_host_copy_and_a_second_only_while_a_commit_is_in_flight(threads, tmp_path):
-    shards = _write_rows(tmp_path)
+    shards = write_rows(tmp_path, N_ROWS, files=3)
     with make_cluster(3, threads=threads) as cluster, Client(cluster) as client:
         coord = dd.Coordinator(client, name="bytes")
         wait_for_workers(client, coord, 3)
