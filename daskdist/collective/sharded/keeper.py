@@ -43,7 +43,7 @@ from daskdist.collective.sharded.layout import (
     targets,
     views,
 )
-from daskdist.collective.sharded.maps import OFFER_LEN, SHARED
+from daskdist.collective.sharded.maps import SHARED, Handle, Offer
 from daskdist.collective.sharded.ring import RingCopy
 from daskdist.collective.sharded.wire import (
     copy_run,
@@ -69,16 +69,19 @@ class ShardHead(NamedTuple):
     held: Report
     tentative: Report
     host: int
-    offer: tuple[int, ...]
-
-    LEN = 5 + 5 + 1 + OFFER_LEN
+    offer: Offer
 
     def encode(self) -> list[int]:
-        return [*_ints(self.held), *_ints(self.tentative), self.host, *self.offer]
+        return [*_ints(self.held), *_ints(self.tentative), self.host, *self.offer.encode()]
 
     @classmethod
     def decode(cls, ints: list[int]) -> ShardHead:
-        return cls(Report(*ints[0:5]), Report(*ints[5:10]), ints[10], tuple(ints[11:cls.LEN]))
+        n = _REPORT
+        return cls(Report(*ints[:n]), Report(*ints[n:2 * n]), ints[2 * n],
+                   Offer.decode(ints[2 * n + 1:]))
+
+
+_REPORT = 5  # a Report's ints
 
 
 def _ints(r: Report) -> list[int]:
@@ -202,8 +205,10 @@ class ShardKeeper:
         return self.ring.announce(g, self._cut_for(g, self.live), self.saved)
 
     def stage(self, g: Group, told: list[list[int]] | None) -> None:
+        """The ring copy (``told``: every rank's announced handle)."""
         live, self.live = self.live, None
-        self.ring.stage(g, live, self._cut_for(g, live), told, self.spare)
+        handles = [Handle(*t) for t in told] if told is not None else None
+        self.ring.stage(g, live, self._cut_for(g, live), handles, self.spare)
 
     def abandon(self, g: Group) -> None:
         kept = self.ring.abandon(g, self.subject.objects)
@@ -285,7 +290,7 @@ class ShardKeeper:
     def report(self, g: Group, commits: int) -> list[int]:
         host = zlib.crc32(socket.gethostname().encode())
         return ShardHead(_held(self.saved, commits), _held(self.tentative, commits + 1),
-                         host, tuple(SHARED.offer(g))).encode()
+                         host, SHARED.offer(g)).encode()
 
     def choose(self, g: Group, heads: list[SyncHead], parts: list[list[int]]) -> Origin:
         self.heads = mine = [ShardHead.decode(p) for p in parts]
@@ -308,7 +313,7 @@ class ShardKeeper:
         commit resharded: from the ranks' copies, or a checkpoint (its record)."""
         hosts = [h.host for h in self.heads]
         self.order = tuple(ring(hosts))
-        self.ring.agree(g, self.order, [list(h.offer) for h in self.heads], hosts)
+        self.ring.agree(g, self.order, [h.offer for h in self.heads], hosts)
         s = self.subject
         if self.built != g.generation or s.model is None:
             self.build_for(g, fresh=origin.kind == FRESH)

@@ -32,6 +32,7 @@ import secrets
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,8 +40,28 @@ from daskdist import config
 from daskdist.collective.group import Group
 from daskdist.core.resharding import predecessors
 
-OFFER_LEN = 5  # [can, pid, fd, inode, nonce]: what sync()'s allgather carries
-_NONE = [0, 0, 0, 0, 0]
+
+class Offer(NamedTuple):
+    """What a rank tells the others at ``sync()``: whether it can share its memory, and
+    its probe (its pid, the probe's descriptor and inode, the random number in it)."""
+
+    can: int
+    pid: int
+    fd: int
+    inode: int
+    nonce: int
+
+    LEN = 5
+
+    def encode(self) -> list[int]:
+        return [int(v) for v in self]
+
+    @classmethod
+    def decode(cls, ints: list[int]) -> Offer:
+        return cls(*(int(v) for v in ints[:cls.LEN]))
+
+
+_NONE = Offer(0, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -55,10 +76,13 @@ class Handle:
 
     LEN = 4
 
+    def ints(self) -> list[int]:
+        """As ``LEN`` ints (``Handle(*ints)`` is it again)."""
+        return [self.fd, self.inode, self.offset, self.nbytes]
+
     def encode(self) -> torch.Tensor:
         """As bytes on the wire (a uint8 tensor)."""
-        return torch.tensor([self.fd, self.inode, self.offset, self.nbytes],
-                            dtype=torch.int64).view(torch.uint8)
+        return torch.tensor(self.ints(), dtype=torch.int64).view(torch.uint8)
 
     @classmethod
     def decode(cls, raw: torch.Tensor) -> Handle:
@@ -176,37 +200,38 @@ class SharedShards:
         return m
 
     # -- agreeing per generation -----------------------------------------------------
-    def offer(self, g: Group) -> list[int]:
-        """What this rank tells the others at ``sync()`` (``OFFER_LEN`` ints): whether
-        it can share, and its probe (pid, fd, inode, random number)."""
+    def offer(self, g: Group) -> Offer:
+        """What this rank tells the others at ``sync()``: whether it can share, and its
+        probe."""
         if not (config.get("collective.shard-shared-memory", True)
                 and g.device.type == "cpu" and hasattr(os, "memfd_create")):
-            return list(_NONE)
+            return _NONE
         pid = os.getpid()
         if self._probe is None or self._probe[0] != pid:  # a forked process makes its own
             mem, nonce = _Memory(8), secrets.randbits(62)
             mem.map[:8] = nonce.to_bytes(8, "little")
             self._probe = (pid, mem, nonce)
         _, mem, nonce = self._probe
-        return [1, pid, mem.fd, mem.inode, nonce]
+        return Offer(1, pid, mem.fd, mem.inode, nonce)
 
-    def agree(self, g: Group, order: tuple[int, ...], offers: list[list[int]],
+    def agree(self, g: Group, order: tuple[int, ...], offers: list[Offer],
               hosts: list[int]) -> frozenset[int]:
         """The ranks whose copy goes to their successor in ``order`` as a mapping (the
         successor mapped the rank's probe and read its number); every rank gets the
         same set. ``offers[r]``: rank r's :meth:`offer`; ``hosts[r]``: its host key."""
         pred = predecessors(order)
         candidates = {r for r in range(g.world_size) if pred[r] != r
-                      and offers[r][0] and offers[pred[r]][0] and hosts[r] == hosts[pred[r]]}
+                      and offers[r].can and offers[pred[r]].can
+                      and hosts[r] == hosts[pred[r]]}
         if not candidates:
             return frozenset()
         me = g.rank
         ok = 0
         if me in candidates:
-            _, pid, fd, inode, nonce = offers[pred[me]]
+            probe = offers[pred[me]]
             try:
-                m = self._map(pid, fd, inode)
-                ok = int(int.from_bytes(m[:8], "little") == nonce)
+                m = self._map(probe.pid, probe.fd, probe.inode)
+                ok = int(int.from_bytes(m[:8], "little") == probe.nonce)
                 del m
             except (OSError, ValueError):
                 ok = 0

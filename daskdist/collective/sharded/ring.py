@@ -20,7 +20,7 @@ from daskdist import config
 from daskdist.collective.group import Group
 from daskdist.collective.sharded.copies import Cut, ShardCopy
 from daskdist.collective.sharded.layout import Live, pack, segments
-from daskdist.collective.sharded.maps import SHARED, Handle
+from daskdist.collective.sharded.maps import SHARED, Handle, Offer
 from daskdist.collective.sharded.wire import Run, pair_rounds, transfer
 from daskdist.errors import CollectiveError
 
@@ -44,11 +44,11 @@ class RingCopy:
         gen, ranks, _ = self.local
         return ranks if gen == g.generation else frozenset()
 
-    def agree(self, g: Group, order: tuple[int, ...], offers: list[list[int]],
+    def agree(self, g: Group, order: tuple[int, ...], offers: list[Offer],
               hosts: list[int]) -> None:
         """Which ranks' copies are mappings in generation ``g`` (a collective)."""
         self.local = (g.generation, SHARED.agree(g, order, offers, hosts),
-                      [o[1] for o in offers])
+                      [o.pid for o in offers])
 
     def announce(self, g: Group, cut: Cut, saved: ShardCopy) -> list[int]:
         """The handle of the buffer this commit packs into, when it is known before the
@@ -60,10 +60,9 @@ class RingCopy:
         own = saved.own
         if not SHARED.owns(own) or own.numel() != cut.nbytes(g.rank):
             return [0] * Handle.LEN
-        h = SHARED.handle(own)
-        return [h.fd, h.inode, h.offset, h.nbytes]
+        return SHARED.handle(own).ints()
 
-    def stage(self, g: Group, live: Live, cut: Cut, told: list[list[int]] | None,
+    def stage(self, g: Group, live: Live, cut: Cut, told: list[Handle] | None,
               spare: ShardCopy | None) -> None:
         """This rank's shard to its successor and the predecessor's into
         :attr:`incoming`: bytes on the wire, or, between ranks of one host, a handle to
@@ -75,14 +74,14 @@ class RingCopy:
             cuda = any(t.is_cuda for t in live.locals)
             mapped = self.mapped(g) if not cuda else frozenset()
             # every mapping's handle went with the confirmation: none travels now
-            told = told if told and mapped and all(told[r][0] for r in mapped) else None
+            told = told if told and mapped and all(told[r].fd for r in mapped) else None
             self._reuse(spare, cuda)
             handle = 0 if told else Handle.wire_bytes()
             if g.rank in mapped:  # packed into shared memory: the successor maps it
                 packed = self.wire.get("in")  # taken once the handle went out
                 if not SHARED.owns(packed) or packed.numel() != cut.nbytes(g.rank):
                     packed = self.wire["in"] = SHARED.resized(packed, cut.nbytes(g.rank))
-                if told and Handle(*told[g.rank]) != SHARED.handle(packed):
+                if told and told[g.rank] != SHARED.handle(packed):
                     raise CollectiveError("ShardedState.commit(): the shard's buffer is not "
                                           "the one announced to the ring successor")
                 pack(live.locals, cut.entries, cut.world, g.rank, packed)
@@ -105,7 +104,7 @@ class RingCopy:
             event = transfer(g, {succ: own}, {pred: Run.of([inc])}, rounds, chunk,
                              self.handles if g.rank in mapped else self.wire)
             if pred in mapped:
-                h = Handle(*told[pred]) if told else Handle.decode(inc)
+                h = told[pred] if told else Handle.decode(inc)
                 inc = SHARED.view(self.local[2][pred], h)
             self.incoming = inc
             if g.rank in mapped:

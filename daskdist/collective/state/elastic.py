@@ -67,7 +67,14 @@ import torch
 
 from daskdist.collective.group import Group, get_group
 from daskdist.collective.state import heads as H
-from daskdist.collective.state.heads import CommitHead, SyncHead, Told, outcome, slots_for
+from daskdist.collective.state.heads import (
+    CommitHead,
+    ConfirmHead,
+    SyncHead,
+    Told,
+    outcome,
+    slots_for,
+)
 from daskdist.collective.state.keeper import CHECKPOINT, LOST, Keeper, Origin, Subject
 from daskdist.collective.state.replica import ReplicaKeeper
 from daskdist.collective.step.step import Late, Step, this_step
@@ -313,11 +320,11 @@ class State:
         small allgather of each rank's view of it, as the commit's own head carries,
         and the keeper's ``announce`` ints): once promoted, the commit before it is free
         and its buffers take this one's copy. Every rank's announced ints."""
-        prev = outcome(self._ledger.reply, g.timeout / 2)
-        rows = [t.tolist() for t in g.allgather(torch.tensor(
-            [prev] + announce, dtype=torch.int64, device=g.wire_device))]
-        self._confirm(rows[0][0], min(r[0] for r in rows), [])
-        return [r[1:] for r in rows]
+        mine = ConfirmHead(outcome(self._ledger.reply, g.timeout / 2), tuple(announce))
+        heads = [ConfirmHead.decode(t.tolist()) for t in g.allgather(torch.tensor(
+            mine.encode(), dtype=torch.int64, device=g.wire_device))]
+        self._confirm(heads[0].outcome, min(h.outcome for h in heads), [])
+        return [list(h.announced) for h in heads]
 
     def _confirm(self, first: int, least: int, tokens: list) -> None:
         """The commit in flight's outcome as every rank saw it in an allgather (``first``:

@@ -67,6 +67,22 @@ class SyncHead(NamedTuple):
         return cls(*(int(v) for v in row[:cls.LEN]))
 
 
+class ConfirmHead(NamedTuple):
+    """One rank's part of the small allgather that confirms a commit in flight before the
+    next commit's copy travels (a keeper that announces): its view of the outcome, and
+    its keeper's announced ints."""
+
+    outcome: int
+    announced: tuple[int, ...]
+
+    def encode(self) -> list[int]:
+        return [int(self.outcome), *self.announced]
+
+    @classmethod
+    def decode(cls, row: Sequence[int]) -> ConfirmHead:
+        return cls(int(row[0]), tuple(int(v) for v in row[1:]))
+
+
 def slots_for(need: int) -> int:
     """The packed-token slots of the next commit, from the most a rank needed now (a
     power of two; the least when even the most would not fit: those go part by part)."""
