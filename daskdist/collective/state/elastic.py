@@ -384,16 +384,15 @@ class State:
         """A commit in flight: promote it if the scheduler applied it, else give its
         rows back to the pool; then nothing is in flight."""
         ledger = self._ledger
-        if not ledger.in_flight:
-            return
-        result = outcome(ledger.reply, 60.0)
-        if result != H.OK:
-            result = H.OK if session_services().commit_outcome(ledger.key) else H.REFUSED
-        copy, back = ledger.settle(result == H.OK)
-        if copy is not None:
-            self._promote(copy)
-        elif back:
-            session_services().release_tokens(back)
+        if ledger.in_flight:
+            result = outcome(ledger.reply, 60.0)
+            if result != H.OK:
+                result = H.OK if session_services().commit_outcome(ledger.key) else H.REFUSED
+            copy, back = ledger.settle(result == H.OK)
+            if copy is not None:
+                self._promote(copy)
+            elif back:
+                session_services().release_tokens(back)
         self._keeper.idle()
 
     @phases.timed(phases.COMMIT)  # the commit phase of a gang member (SPEC §5.1)
@@ -480,21 +479,8 @@ class State:
         holds one. The one place ``sync()`` decides what then happens (on every rank
         alike): the state is gone, so the gang fails rather than start afresh; its rows
         acknowledged by those commits would never be trained again."""
-        name = f"{type(self).__name__} {self._id!r}"
-        if origin.missing:
-            msg = (f"no member holds shards {list(origin.missing)} of commit "
-                   f"{origin.commits} of {name}: every member that held them (the shard's "
-                   f"own rank and the one keeping its copy) was lost, and no checkpoint "
-                   f"holds an earlier commit (going on from a fresh state would silently "
-                   f"drop what was trained); checkpoint_to(url, every=N) keeps one")
-        else:
-            msg = (f"no member holds the committed state of {name}: the scheduler "
-                   f"recorded {known} commit(s) of it, but every member that held them was "
-                   f"lost or retired, and the {g.world_size} members of generation "
-                   f"{g.generation} hold none (going on from a fresh state would silently "
-                   f"drop what they trained, rows acknowledged included); keep a member "
-                   f"alive or checkpoint")
-        err = CollectiveError(msg)
+        err = CollectiveError(_lost_text(f"{type(self).__name__} {self._id!r}", g, origin,
+                                         known))
         err.transient = False  # a re-run on a re-formed group would meet it again
         raise err
 
@@ -528,6 +514,21 @@ def begin(state: State, keeper: Keeper) -> None:
     for name, value in own.items():
         object.__setattr__(state, name, value)
     state.save()
+
+
+def _lost_text(name: str, g: Group, origin: Origin, known: int) -> str:
+    """Why ``sync()`` cannot go on: what nobody holds any more, and what keeps it."""
+    if origin.missing:
+        return (f"no member holds shards {list(origin.missing)} of commit {origin.commits} "
+                f"of {name}: every member that held them (the shard's own rank and the one "
+                f"keeping its copy) was lost, and no checkpoint holds an earlier commit "
+                f"(going on from a fresh state would silently drop what was trained); "
+                f"checkpoint_to(url, every=N) keeps one")
+    return (f"no member holds the committed state of {name}: the scheduler recorded "
+            f"{known} commit(s) of it, but every member that held them was lost or "
+            f"retired, and the {g.world_size} members of generation {g.generation} hold "
+            f"none (going on from a fresh state would silently drop what they trained, "
+            f"rows acknowledged included); keep a member alive or checkpoint")
 
 
 def _send_commit(step: Step | None, key: CommitKey, world: int, parts: list) -> Late:
