@@ -3,7 +3,7 @@
 
 Before Lightning calls ``configure_model`` (:func:`prepare`, from the strategy's
 ``setup_environment``), the module gets ``self.device_mesh``: the generation's mesh over
-daskdist's group (``collective.fsdp.mesh_for``: 1-D ``("data_parallel",)``, or 2-D with
+daskdist's group (``collective.sharded.fsdp.mesh_for``: 1-D ``("data_parallel",)``, or 2-D with
 a ``"data_parallel"`` dimension of every rank and a second of one). FSDP2 shards a
 module in place and cannot be undone, and Lightning's rule is that ``configure_model``
 is idempotent: so the strategy keeps an unsharded copy of the module, taken before its
@@ -46,7 +46,7 @@ def prepare(module: Any, g: Group, dims: tuple[str, ...]) -> None:
     its ``device_mesh``."""
     forget_meshes()
     state = kept_state(module)
-    built = state._built if isinstance(state, ShardedState) else None
+    built = state.built_generation if isinstance(state, ShardedState) else None
     template = module.__dict__.get(_UNSHARDED)
     if template is None:
         if sharded(module):
