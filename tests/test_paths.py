@@ -270,16 +270,16 @@ def gang_held_at_step_2(tmp_path: Path, members: int, threads: int, name: str, l
 # services, the scheduler's gangs book, the commits in flight, the lease table's acks,
 # the ledgers, the dashboard's row count); the phase timer and its step times
 STEP_PATH = {"collective/bootstrap.py", "collective/group.py", "collective/replicas.py",
-             "collective/state/elastic.py", "collective/state/snapshot.py",
-             "collective/step/later.py", "collective/step/riders.py",
-             "collective/step/synced.py", "core/intervals.py", "core/leases/commits.py",
+             "collective/state/elastic.py", "collective/state/heads.py",
+             "collective/state/replica.py", "collective/state/snapshot.py",
+             "collective/step/riders.py", "collective/step/step.py", "collective/step/synced.py",
+             "core/checks.py", "core/intervals.py", "core/leases/commits.py",
              "core/leases/datasets.py", "core/leases/ledgers.py", "core/leases/table.py",
-             "core/membership.py", "core/protocol.py", "data/batching.py",
-             "data/convert.py", "data/leased/held.py", "data/leased/passes.py",
-             "data/loader.py", "observe/phases.py", "observe/steptimes.py",
-             "plugins/scheduler/gangs.py", "plugins/scheduler/stats.py",
-             "plugins/worker/services.py", "session/counters.py", "session/scope.py",
-             "session/tokens.py"}
+             "core/membership.py", "core/protocol.py", "data/batching.py", "data/convert.py",
+             "data/leased/held.py", "data/leased/passes.py", "data/loader.py", "observe/phases.py",
+             "observe/steptimes.py", "plugins/scheduler/gangs.py", "plugins/scheduler/state.py",
+             "plugins/scheduler/stats.py", "plugins/worker/services.py", "session/counters.py",
+             "session/scope.py", "session/tokens.py"}
 
 
 @pytest.mark.timeout(120)
@@ -324,21 +324,22 @@ def _in_allreduce() -> bool:
 # resources), where State.sync() takes the newest commit and the step runs as above
 REFORM_PATH = {"collective/bootstrap.py", "collective/device.py", "collective/group.py",
                "collective/replicas.py", "collective/state/elastic.py",
-               "collective/state/snapshot.py", "collective/step/later.py",
-               "collective/step/riders.py", "collective/step/synced.py", "config.py",
-               "core/backends.py", "core/gang.py", "core/gpus.py", "core/intervals.py",
-               "core/leases/commits.py", "core/leases/epochs.py", "core/leases/table.py",
-               "core/membership.py", "core/nest.py", "core/protocol.py", "core/queue.py",
-               "data/batching.py", "data/convert.py", "data/leased/held.py",
+               "collective/state/heads.py", "collective/state/keeper.py",
+               "collective/state/replica.py", "collective/state/snapshot.py",
+               "collective/step/riders.py", "collective/step/step.py", "collective/step/synced.py",
+               "config.py", "core/backends.py", "core/checks.py", "core/gang.py", "core/gpus.py",
+               "core/intervals.py", "core/leases/commits.py", "core/leases/epochs.py",
+               "core/leases/table.py", "core/membership.py", "core/nest.py", "core/protocol.py",
+               "core/queue.py", "data/batching.py", "data/convert.py", "data/leased/held.py",
                "data/leased/passes.py", "data/loader.py", "errors.py", "observe/book.py",
                "observe/hangs.py", "observe/phases.py", "observe/recorder.py",
-               "observe/steptimes.py", "observe/stragglers.py",
-               "plugins/scheduler/closures.py", "plugins/scheduler/gangs.py",
+               "observe/steptimes.py", "observe/stragglers.py", "plugins/scheduler/closures.py",
+               "plugins/scheduler/datasets.py", "plugins/scheduler/gangs.py",
                "plugins/scheduler/groups.py", "plugins/scheduler/plugin.py",
-               "plugins/scheduler/state.py", "plugins/scheduler/stats.py",
-               "plugins/worker/plugin.py", "plugins/worker/runner.py",
-               "plugins/worker/services.py", "session/counters.py", "session/resources.py",
-               "session/scope.py", "session/tokens.py"}
+               "plugins/scheduler/polls.py", "plugins/scheduler/state.py",
+               "plugins/scheduler/stats.py", "plugins/worker/plugin.py",
+               "plugins/worker/runner.py", "plugins/worker/services.py", "session/counters.py",
+               "session/resources.py", "session/scope.py", "session/tokens.py"}
 
 
 @pytest.mark.timeout(120)
