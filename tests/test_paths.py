@@ -355,7 +355,7 @@ def test_a_reformation_after_a_member_dies(tmp_path):
         pids = {pid: addr for addr, pid in client.run(os.getpid).items()}
         for nanny in cluster.workers.values():
             if nanny.worker_address == pids[victim]:
-                nanny.auto_restart = False  # the group re-forms on the survivors alone
+                nanny.close_gracefully()  # no replacement: the group re-forms on the survivors
         for rank in (0, 1):
             (gates / f"go-2-{rank}").touch()
         survivors = [addr for pid, addr in pids.items() if pid != victim]
