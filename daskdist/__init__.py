@@ -5,6 +5,7 @@ The public API, imported on first use: ``import daskdist`` loads neither Dask's
 package, and the pure state machines in ``daskdist.core`` are used without Dask).
 ``Coordinator`` and the values come from ``daskdist.client``; ``daskdist.data`` and
 ``daskdist.collective`` (which import torch) are imported when first named.
+``SPEC §N`` in the package's docstrings is section N of ``docs/spec.md``.
 """
 
 from __future__ import annotations

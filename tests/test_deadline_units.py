@@ -1,7 +1,7 @@
 """Preemption deadlines, pure: what a worker with one judges closures by
-(``core.deadlines.DurationBook``), the cloud notices' bodies, the signals setting, and
-the just-in-time commit's decisions (``collective.state.deadline``) as every rank takes
-them from a commit's flags."""
+(``core.lifetime.deadlines.DurationBook``), the cloud notices' bodies, the signals
+setting, and the just-in-time commit's decisions (``collective.state.deadline``) as
+every rank takes them from a commit's flags."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from daskdist.collective.state import deadline as jit
 from daskdist.context import WorkerContext
-from daskdist.core import deadlines
-from daskdist.core.deadlines import DurationBook, acting, earliest
+from daskdist.core.lifetime import deadlines
+from daskdist.core.lifetime.deadlines import DurationBook, acting, earliest
 from daskdist.core.protocol import Preemption
 from daskdist.plugins.worker.deadlines import signal_leads
 from daskdist.plugins.worker.pollers import make_poller

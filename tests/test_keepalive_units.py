@@ -1,4 +1,4 @@
-"""What the scheduler keeps for a keep-alive owner (``core.keepalive``), and its keep
+"""What the scheduler keeps for a keep-alive owner (``core.lifetime.keepalive``), and its keep
 book on a CoordinatorState driven without Dask: outcomes kept until read, their bytes
 against ``keep-results`` (the owner's queue held past it), attaching to the owner."""
 
@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daskdist.core.keepalive import OVERHEAD, KeptResults, gang_of, next_seq, seq_of, size_of
+from daskdist.core.lifetime.keepalive import (
+    OVERHEAD,
+    KeptResults,
+    gang_of,
+    next_seq,
+    seq_of,
+    size_of,
+)
 from daskdist.core.protocol import CANCELLED, READY, Outcome
 from daskdist.plugins.scheduler.state import CoordinatorState
 from tests.conftest import route
@@ -85,8 +92,7 @@ def make() -> tuple[CoordinatorState, list]:
 def test_a_keep_alive_owners_values_stay_until_read_and_attach_hands_them_over():
     co, sent = make()
     with dask.config.set({"daskdist.coordinator.keep-results": "1KiB"}):
-        co.closure_book.add_owner("old", "client-a", "secret")
-        co.keep_book.keep("old")
+        co.add_owner("old", "client-a", "secret", keep_alive=True)
     co.closure_book.add_owner("plain", "client-a", "other")
     box = co.outboxes["old"]
     co.queue.put("old-0", "old", [b"f", None])

@@ -30,7 +30,7 @@ from distributed.worker import dumps_function
 
 from daskdist import config
 from daskdist.client import reprs
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
 from daskdist.core.nest import map_structure
 from daskdist.core.protocol import (
     CANCELLED,
@@ -224,12 +224,24 @@ class PerWorkerValues:
         return f"PerWorkerValues({self.kind} {self.rid})"
 
 
+class ResourceHandle(PerWorkerValues):
+    """The client's reference to a registered per-worker resource: when it is garbage
+    collected, the resource is released on the scheduler and the workers (once every
+    closure scheduled before has finished). Travels as a plain ``PerWorkerValues``."""
+
+    __slots__ = ("__weakref__", "parent")
+
+    def __init__(self, rid: str, kind: str, parent: PerWorkerValues | None = None):
+        super().__init__(rid=rid, kind=kind)
+        self.parent = parent  # an iterator keeps its dataset alive
+
+
 def _dataset_read(args: Any, kwargs: Any) -> str:
     """The dataset whose per-worker iterator is one of a closure's arguments (its
     ``Submission.dataset``: at the epoch's tail the scheduler sends the closure to a
     worker still holding that dataset's rows); ``""`` for none."""
     for value in (*args, *(kwargs or {}).values()):
-        parent = getattr(value, "parent", None) if isinstance(value, PerWorkerValues) else None
+        parent = value.parent if isinstance(value, ResourceHandle) else None
         if parent is not None and value.kind == "iterator":
             return parent.rid
     return ""
@@ -274,7 +286,7 @@ class ClosureClient:
         """The closure state, and the bound on unfinished closures: ``max_queued``, or
         the ``daskdist.coordinator`` settings read once here (not per ``schedule``)."""
         if max_queued is not None:
-            protocol.integer(max_queued, "max_queued", 1, 2**62)
+            checks.integer(max_queued, "max_queued", 1, 2**62)
             self._per_worker_queued = self._min_queued = 0
         else:
             self._per_worker_queued = int(config.get("coordinator.max-queued-per-worker"))
@@ -379,8 +391,8 @@ class ClosureClient:
         Raises ``dd.CoordinatorClosedError`` once closed (also when ``close()`` ends it
         while it waits)."""
         self._check_open()
-        if progress:
-            return reprs.join_with_bar(self, timeout)
+        if progress:  # the bar until none is left (or an error, or the time is up)
+            return self.join(reprs.join_with_bar(self.name, self._unfinished, timeout))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._check_open()
@@ -434,7 +446,7 @@ class ClosureClient:
                 if not self._outgoing:
                     self._flushing = False
                     return
-                n = min(len(self._outgoing), protocol.MAX_ITEMS)
+                n = min(len(self._outgoing), checks.MAX_ITEMS)
                 batch = [self._outgoing.popleft() for _ in range(n)]
             try:
                 # one-way: no reply to wait for, so the scheduler dispatches sooner
@@ -550,6 +562,14 @@ class ClosureClient:
                     rv._cancel(CoordinatorClosedError(
                         f"gang {gid} did not finish: coordinator {self.name!r} closed ({why})"))
             self._cv.notify_all()
+
+    def _unfinished(self, wait: float) -> tuple[int, bool]:
+        """How many closures are unfinished and whether an error is pending, after
+        waiting up to ``wait`` seconds for the next batch of results while some are."""
+        with self._cv:
+            if self._pending and not self._error_pending and wait > 0:
+                self._cv.wait(wait)  # woken by every batch of results
+            return len(self._pending), self._error_pending
 
     def _resource_dropped(self, rid: str) -> None:
         """A resource handle was garbage collected (any thread; must not block)."""

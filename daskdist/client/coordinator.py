@@ -24,19 +24,20 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskdist import config
 from daskdist.client import reprs
-from daskdist.client.closures import ClosureClient, GangValues, PerWorkerValues, RemoteValue
-from daskdist.client.datasets import (
-    DistributedDataset,
-    PerWorkerDataset,
-    _LoaderFactory,
-    _ResourceHandle,
+from daskdist.client.closures import (
+    ClosureClient,
+    GangValues,
+    PerWorkerValues,
+    RemoteValue,
+    ResourceHandle,
 )
+from daskdist.client.datasets import DistributedDataset, LoaderFactory, PerWorkerDataset
 from daskdist.client.group import CollectiveGroup
 from daskdist.client.lifetime import JobLife
 from daskdist.client.notices import NoticeListener
 from daskdist.client.report import Report
-from daskdist.core import protocol
-from daskdist.core.protocol import PLUGIN_NAME, DatasetDef, Outcome, ResourceSpec
+from daskdist.core import checks
+from daskdist.core.protocol import PLUGIN_NAME, DatasetDef, EpochLedger, Outcome, ResourceSpec
 from daskdist.errors import CollectiveError
 from daskdist.plugins import SCHEDULER_PLUGIN, instantiate
 
@@ -113,17 +114,17 @@ class Coordinator(ClosureClient, JobLife):
         self._init_closures(max_queued)
         self._init_life(keep_alive)
         if max_worker_failures is None:
-            max_worker_failures = protocol.max_worker_failures(
+            max_worker_failures = checks.max_worker_failures(
                 config.integer("coordinator.max-worker-failures"),
                 "daskdist.coordinator.max-worker-failures")
-        max_worker_failures = protocol.max_worker_failures(max_worker_failures)
-        lease_timeout = protocol.optional(protocol.lease_timeout, lease_timeout)
-        resources = protocol.optional(protocol.resources, resources)
-        members = protocol.optional(protocol.members, members)
+        max_worker_failures = checks.max_worker_failures(max_worker_failures)
+        lease_timeout = checks.optional(checks.lease_timeout, lease_timeout)
+        resources = checks.optional(checks.resources, resources)
+        members = checks.optional(checks.members, members)
         self.client = client if client is not None else get_client()
         if self.client.asynchronous:
             raise TypeError("Coordinator needs a synchronous Client (asynchronous=False)")
-        self.name = protocol.text(name, "name")
+        self.name = checks.text(name, "name")
         self._rpc = self.client.scheduler
         # With `--preload daskdist.plugins.scheduler` the plugin is there and we register
         # nothing (such clusters may refuse client plugins); else register it once.
@@ -152,7 +153,9 @@ class Coordinator(ClosureClient, JobLife):
         self._token: str = info["token"]
         self.client.loop.add_callback(self._results_loop)
         # stragglers and hangs of its gangs, logged as they happen (from the first gang)
-        self._notices = NoticeListener(self)
+        self._notices = NoticeListener(self.client, self.name, self._rpc,
+                                       lambda: not self._closed)
+        self._datasets = DatasetLink(self)  # what its dataset handles ask of it
 
     # -- plumbing ------------------------------------------------------------------------
     def _plugin_loaded(self) -> bool:
@@ -254,7 +257,7 @@ class Coordinator(ClosureClient, JobLife):
         """
         values = self._register_resource("dataset", fn)
         self._define_dataset(DatasetDef(values.rid, name or "", None, 0))
-        return PerWorkerDataset(self, values, name or "")
+        return PerWorkerDataset(self._datasets, values, name or "")
 
     def distribute_dataset(self, shards: Any, global_batch_size: int,
                            **loader_options: Any) -> DistributedDataset:
@@ -271,6 +274,7 @@ class Coordinator(ClosureClient, JobLife):
         (``DistributedDataset.state_dict`` / ``load_state_dict``).
         """
         from daskdist.context import InputContext
+        from daskdist.data.options import check_options
         from daskdist.data.sources import as_source
 
         if "batch_size" in loader_options:
@@ -280,18 +284,21 @@ class Coordinator(ClosureClient, JobLife):
             raise ValueError(f"global_batch_size must be a positive int, got "
                              f"{global_batch_size!r}")
         global_batch_size = gbs()
+        # ArrowLoader's options, checked here, before anything is registered (the loader
+        # checks them again on each worker: one table, data/options.py)
+        loader_options = check_options(loader_options, "distribute_dataset")
         # files, a dask DataFrame, a dict of dask Arrays: described (and checked) here
         source = as_source(shards, loader_options.get("columns"))
         workers = max(1, self._workers)  # the batch size is fixed now
         InputContext(num_replicas_in_sync=workers).get_per_replica_batch_size(global_batch_size)
         values = self._register_resource(
-            "dataset", _LoaderFactory(source, global_batch_size, loader_options, workers))
+            "dataset", LoaderFactory(source, global_batch_size, loader_options, workers))
         name = loader_options.get("name") or ""
         seed = int(loader_options.get("seed", 0))
         # a new dataset, whatever its source or name: its units defined once, here
         self._define_dataset(source.definition(values.rid, name, seed,
                                                bool(loader_options.get("shuffle", False))))
-        return DistributedDataset(self, values, source, name, seed)
+        return DistributedDataset(self._datasets, values, source, name, seed)
 
     def _define_dataset(self, dataset: DatasetDef) -> None:
         self._owned("daskdist_dataset_define", dataset=tuple(dataset))
@@ -308,7 +315,7 @@ class Coordinator(ClosureClient, JobLife):
             raise TypeError(f"the per-worker {kind} factory cannot be pickled: {e}") from e
         rid = f"{kind}-{uuid.uuid4().hex[:12]}"
         self._owned("daskdist_add_resource", rid=rid, payload=payload)
-        handle = _ResourceHandle(rid, kind, parent)
+        handle = ResourceHandle(rid, kind, parent)
         weakref.finalize(handle, _dropped, weakref.ref(self), rid)
         return handle
 
@@ -416,6 +423,34 @@ class Coordinator(ClosureClient, JobLife):
 
     def _repr_html_(self) -> str:
         return reprs.coordinator_html(self)
+
+
+class DatasetLink:
+    """What a ``Coordinator``'s dataset handles ask of it
+    (:class:`~daskdist.client.datasets.DatasetCoordinator`), by name: the calls to the
+    scheduler they need, acting as its owner where one must."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def workers(self, ask: bool = False) -> int:
+        co = self.coordinator
+        return co.num_workers if ask else co._workers
+
+    def register_iterator(self, factory: Callable | None,
+                          dataset: PerWorkerValues) -> PerWorkerValues:
+        return self.coordinator._register_resource("iterator", factory, parent=dataset)
+
+    def progress(self, dataset_id: str, epoch: int) -> dict:
+        return self.coordinator._call("daskdist_lease_progress", dataset_id=dataset_id,
+                                      epoch=epoch)
+
+    def ledger(self, dataset_id: str, epoch: int) -> EpochLedger:
+        return EpochLedger._make(self.coordinator._call(
+            "daskdist_dataset_state", dataset_id=dataset_id, epoch=epoch))
+
+    def start_epoch(self, ledger: EpochLedger) -> None:
+        self.coordinator._owned("daskdist_dataset_start", ledger=tuple(ledger))
 
 
 def _dropped(coordinator: weakref.ref, rid: str) -> None:

@@ -11,20 +11,19 @@ an owner the scheduler handed out.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from distributed import Client, get_client
 
 from daskdist.client import reprs
 from daskdist.client.closures import GangValues, PerWorkerValues, RemoteValue
-from daskdist.client.datasets import PerWorkerDataset
-from daskdist.core import protocol
-from daskdist.core.keepalive import gang_of, is_gang, seq_of
+from daskdist.client.datasets import DatasetCoordinator, PerWorkerDataset
+from daskdist.core import checks
+from daskdist.core.lifetime.keepalive import gang_of, is_gang, seq_of
 from daskdist.core.protocol import Outcome
 from daskdist.errors import CoordinatorClosedError
 
-if TYPE_CHECKING:
-    from daskdist.client.coordinator import Coordinator
+Life = TypeVar("Life", bound="JobLife")
 
 
 class AttachedDataset(PerWorkerDataset):
@@ -33,17 +32,18 @@ class AttachedDataset(PerWorkerDataset):
     its per-worker components (the handle that made it owns it: dropping this one
     releases nothing)."""
 
-    def __init__(self, coordinator: Coordinator, dataset_id: str, name: str,
+    def __init__(self, coordinator: DatasetCoordinator, dataset_id: str, name: str,
                  epoch: int) -> None:
         super().__init__(coordinator, PerWorkerValues(rid=dataset_id, kind="dataset"), name)
         self.epoch = int(epoch)
+        self._bar: tuple[int, Any] | None = None  # (epoch, its progress bar), once shown
 
     def progress(self, epoch: int | None = None, bar: bool = False) -> dict:
         """The ``"dynamic"`` policy's counts of ``epoch`` (default: its newest): total,
         acknowledged, leased, free, complete; ``bar=True`` shows them on a bar."""
         p = super().progress(self.epoch if epoch is None else int(epoch))
         if bar:
-            reprs.update_epoch_bar(self, p)
+            self._bar = reprs.update_epoch_bar(self._bar, p)
         return p
 
     def __repr__(self) -> str:
@@ -58,9 +58,10 @@ class JobLife:
     _owner: str
     _token: str
     _rpc: Any
+    _datasets: DatasetCoordinator  # what its dataset handles ask of it
 
     @classmethod
-    def attach(cls, client: Client | None, name: str) -> Coordinator:
+    def attach(cls: type[Life], client: Client | None, name: str) -> Life:
         """The keep-alive coordinator ``name`` (``Coordinator(client, name=name,
         keep_alive=True)``, made by any client of this scheduler, now gone or not), with
         this client as its owner: its closures, gangs and datasets went on meanwhile;
@@ -72,16 +73,21 @@ class JobLife:
         self.client = client if client is not None else get_client()
         if self.client.asynchronous:
             raise TypeError("Coordinator needs a synchronous Client (asynchronous=False)")
-        self.name = protocol.text(name, "name")
+        self.name = checks.text(name, "name")
         self._rpc = self.client.scheduler
         try:
             info = self._call("daskdist_attach", client=self.client.id)
-        except LookupError as e:  # KeyError: closed or unknown; LookupError: not kept alive
+        except LookupError as e:  # the name has no keep-alive owner
             raise CoordinatorClosedError(f"cannot attach: {e.args[0] if e.args else e}"
                                          ) from None
         if info is None:
             raise CoordinatorClosedError(f"cannot attach to coordinator {name!r}: the "
                                          f"daskdist scheduler plugin did not answer")
+        if info.get("closed"):
+            raise CoordinatorClosedError(
+                f"cannot attach: coordinator {name!r} is not on this scheduler: it closed "
+                f"(close(), or its keep_alive owner stayed unattached for "
+                f"daskdist.coordinator.keep-alive-timeout), or never was")
         self._seq = itertools.count(int(info["seq"]))
         self._init_life(keep_alive=True)
         self._adopt(info)
@@ -139,7 +145,7 @@ class JobLife:
         with ``progress()`` (its newest epoch)."""
         self._check_open()
         found = self._owned("daskdist_datasets")
-        return {label or dataset_id: AttachedDataset(self, dataset_id, label, epoch)
+        return {label or dataset_id: AttachedDataset(self._datasets, dataset_id, label, epoch)
                 for dataset_id, label, epoch in found}
 
     def notify_preemption(self, worker: str, deadline: float,

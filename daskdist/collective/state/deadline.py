@@ -19,8 +19,8 @@ decision from the same table (:func:`at_commit`):
   the group re-forms without them.
 
 When every member leaves (a whole job preempted, or retired) the State's last-holder
-checkpoint applies as before. The values of :func:`flag` keep the head's meaning for
-retiring members (``RETIRING``). What else must act before a worker's deadline (an
+checkpoint is written instead. :func:`flag`'s values are the head's ``leaving`` field,
+retiring members' (``RETIRING``) among them. What else must act before a worker's deadline (an
 asynchronous model's holder handing the global model over first) registers with
 :func:`daskdist.session.preemption.on_preemption`, or reads :func:`preemption_now`.
 """
@@ -29,16 +29,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from daskdist import config
-from daskdist.core.deadlines import acting
+from daskdist.core.lifetime.deadlines import acting
 from daskdist.session.preemption import preemption_now
 from daskdist.session.scope import session_services
 
 logger = logging.getLogger(__name__)
 
-# a rank's "leaving?" in a commit's head
+# how a rank leaves: its ``CommitHead.leaving`` in a commit's head
 STAY, RETIRING, LEAVING, LEAVING_UNWRITTEN = 0, 1, 2, 3
 
 
@@ -76,6 +77,18 @@ def at_commit(flags: list[int], rank: int, writes: bool) -> AtCommit:
     write = any(leaving) and LEAVING_UNWRITTEN not in flags and not last
     mine = leaving[rank]
     return AtCommit(last, write, write and writes and mine, mine, any(leaving))
+
+
+def write_now(durable: Any, commits: int, wait: bool, write: Callable[[], None]) -> None:
+    """A just-in-time durable write of the committed copy (``write()``, in the
+    background), unless the periodic write of commit ``commits`` runs already (an older
+    one still running is waited for first, up to the deadline); ``wait``: this rank
+    leaves, so its write first, up to its deadline (:func:`wait_written`)."""
+    if not durable.due(commits):
+        wait_written(durable.store)
+        write()
+    if wait:
+        wait_written(durable.store)
 
 
 def wait_written(store: Any) -> None:

@@ -16,8 +16,8 @@ The notice is set where closures read it (``ctx.preemption``,
 :mod:`daskdist.session.preemption`) and sent to every coordinator's scheduler side from
 the runner's session (:func:`tell`), again from each session registered later. What
 the worker does with it: its runners start only closures that end before it
-(``core.deadlines.DurationBook``), and a gang member's State leaves at its next commit
-with a just-in-time checkpoint (``collective/state/deadline.py``).
+(``core.lifetime.deadlines.DurationBook``), and a gang member's State leaves at its next
+commit with a just-in-time checkpoint (``collective/state/deadline.py``).
 
 Threads: signal handlers (main thread) only hand the notice to the event loop, which
 owns the watch; pollers fetch in a thread and hand back the same way.
@@ -37,7 +37,7 @@ import psutil
 from dask.utils import parse_timedelta
 
 from daskdist import config
-from daskdist.core.deadlines import DurationBook, acting, earliest
+from daskdist.core.lifetime.deadlines import DurationBook, acting, earliest
 from daskdist.core.protocol import Preemption
 from daskdist.plugins.worker import pollers
 from daskdist.session.preemption import forget_preemption, preemption_of, set_preemption
@@ -146,7 +146,7 @@ class DeadlineWatch:
 class Admission:
     """Which closures a runner whose worker has a deadline (``runner.deadline``) starts
     (any thread): those expected to end ``daskdist.preemption.margin`` before it, by the
-    durations of the same function here (:class:`~daskdist.core.deadlines.DurationBook`:
+    durations of the same function here (:class:`~daskdist.core.lifetime.deadlines.DurationBook`:
     the longest of its last runs; ``daskdist.preemption.unknown-duration`` for one never
     run here). The runner appends every closure's ``(function key, seconds)`` to
     ``runner.ran``; they are read here when judging. A function is known by its pickled

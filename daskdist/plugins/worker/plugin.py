@@ -26,7 +26,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from daskdist.core import protocol
+from daskdist.core import checks
 from daskdist.core.protocol import Preemption, worker_plugin_name
 from daskdist.observe.recorder import gang_stack
 from daskdist.plugins import devices
@@ -239,7 +239,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
         ``CUDA_VISIBLE_DEVICES``, else a declared ``GPU`` resource or the host's GPUs,
         counted in a thread: that may ask ``nvidia-smi``)."""
         have = dict(worker.state.total_resources)
-        if not protocol.satisfies(have, self.resources):
+        if not checks.satisfies(have, self.resources):
             return False
         return self.members != "gpu" or await asyncio.to_thread(devices.has_gpu, have)
 

@@ -7,7 +7,7 @@ every ``daskdist.preemption.poll-interval``, against the URL of
 at a local fake). A name holding ``:`` is imported (``"module:attribute"``, a
 :class:`Poller` or a function making one), so a site adds its own without changing
 daskdist; :func:`register_poller` adds one by name (call it in a worker preload).
-What a body means is pure (``core.deadlines``); this module only fetches it.
+What a body means is pure (``core.lifetime.deadlines``); this module only fetches it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from daskdist import config
-from daskdist.core import deadlines
+from daskdist.core.lifetime import deadlines
 
 logger = logging.getLogger(__name__)
 

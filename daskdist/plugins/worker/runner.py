@@ -595,7 +595,6 @@ class ClosureRunner(SessionLifecycle):
                 state, payload, kind = READY, dump_result(value, self.results_host), None
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
                 state, payload, kind = FAILED, dump_error(e), _error_kind(e)
-        scope.send_queued()  # messages a loop left queued (collective.later) go now
         # sealed: a thread the closure started takes no more rows for it (they would
         # never be acknowledged), so the tokens sent now are all it consumed; merged
         # only when there are any (a closure that read no rows needs no merging)

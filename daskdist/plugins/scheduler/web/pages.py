@@ -211,7 +211,7 @@ class MetricsCollector:
                                       "1 while a gang rank is a straggler, else 0",
                                       labels=labels)
         for name, co in sorted(self.plugin.coordinators.items()):
-            for rank, worker, totals, median, slow in co.rank_book.totals():
+            for rank, worker, totals, median, slow in co.rank_totals():
                 values = [name, str(rank), worker]
                 step.add_metric(values, median)
                 for i, p in enumerate(PHASES):

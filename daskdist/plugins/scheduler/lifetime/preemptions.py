@@ -8,8 +8,9 @@ see ``plugins/worker/deadlines.py``); ``coord.notify_preemption(worker, deadline
 back the same way. Deadlines are shown by ``coord.status()`` and the dashboard. A
 worker whose deadline is within ``daskdist.preemption.horizon`` is *leaving*: no group
 formation takes it any more (its gang member leaves its group at its next commit, a
-just-in-time checkpoint first: ``collective/state/deadline.py``). Runs on the
-scheduler's event loop; imports nothing from Dask.
+just-in-time checkpoint first: ``collective/state/deadline.py``). What it needs of its
+coordinator is :class:`PreemptCoordinator`. Runs on the scheduler's event loop; imports
+nothing from Dask.
 """
 
 from __future__ import annotations
@@ -17,23 +18,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from daskdist import config
-from daskdist.core import protocol
-from daskdist.core.deadlines import acting, earliest
+from daskdist.core import checks, protocol
+from daskdist.core.lifetime.deadlines import acting, earliest
+from daskdist.core.membership import Membership
 from daskdist.core.protocol import OWNER, SESSION, Preemption, Route
 
-if TYPE_CHECKING:
-    from daskdist.plugins.scheduler.state import CoordinatorState
-
 logger = logging.getLogger(__name__)
+
+
+class PreemptCoordinator(Protocol):
+    """What the preemption book asks its coordinator (the scheduler's
+    ``CoordinatorState``)."""
+
+    name: str
+    members: Membership  # the shared membership: sessions and their workers
+    send: Callable[[str, dict], None]  # a message on a worker's stream
+
+    def membership_changed(self) -> None:
+        """The group's members are told of a change (its next formation)."""
 
 
 class PreemptBook:
     """The deadlines of a coordinator's worker sessions."""
 
-    def __init__(self, co: CoordinatorState) -> None:
+    def __init__(self, co: PreemptCoordinator) -> None:
         self.co = co
         self.deadlines: dict[str, Preemption] = {}  # session -> its notice
         self.horizon = config.seconds("preemption.horizon")
@@ -107,7 +119,7 @@ class PreemptBook:
         (``ValueError`` naming it when it is not a member of this coordinator)."""
         op = "daskdist_notify_preemption"
         notice = protocol.preemption(deadline, reason, op)
-        address = protocol.text(worker, f"{op}: worker")
+        address = checks.text(worker, f"{op}: worker")
         if self.co.members.session_of(address) is None:
             raise ValueError(f"{op}: {address!r} is not a worker of coordinator "
                              f"{self.co.name!r} (coord.members() lists them)")
