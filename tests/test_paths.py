@@ -268,9 +268,11 @@ def gang_held_at_step_2(tmp_path: Path, members: int, threads: int, name: str, l
 # the process's membership); the commit (State, its host copy; the membership counters;
 # its message queued, sent as the next batch is asked for: the worker's session
 # services, the scheduler's gangs book, the commits in flight, the lease table's acks,
-# the ledgers, the dashboard's row count); the phase timer and its step times
+# the ledgers, the dashboard's row count; how each rank leaves, read from its worker's
+# preemption deadline); the phase timer and its step times
 STEP_PATH = {"collective/bootstrap.py", "collective/group.py", "collective/replicas.py",
-             "collective/state/elastic.py", "collective/state/heads.py",
+             "collective/state/deadline.py", "collective/state/elastic.py",
+             "collective/state/heads.py",
              "collective/state/replica.py", "collective/state/snapshot.py",
              "collective/step/riders.py", "collective/step/step.py", "collective/step/synced.py",
              "core/checks.py", "core/intervals.py", "core/leases/commits.py",
@@ -279,7 +281,7 @@ STEP_PATH = {"collective/bootstrap.py", "collective/group.py", "collective/repli
              "data/leased/held.py", "data/leased/passes.py", "data/loader.py", "observe/phases.py",
              "observe/steptimes.py", "plugins/scheduler/gangs.py", "plugins/scheduler/state.py",
              "plugins/scheduler/stats.py", "plugins/worker/services.py", "session/counters.py",
-             "session/scope.py", "session/tokens.py"}
+             "session/preemption.py", "session/scope.py", "session/tokens.py"}
 
 
 @pytest.mark.timeout(120)
@@ -317,14 +319,16 @@ def _in_allreduce() -> bool:
 # member leave (its plugin, the coordinator state: the session ended, its closures and
 # leases given back, its commits aborted, the rank book's and the dashboard's counts),
 # tells the members (the gangs book, the gang's record), and forms the next generation
-# (the group driver: the backend for its members, the store and the joins); on the
-# survivors the broken group ends the step (the worker plugin's routes, the process's
-# membership, the group's calls), the gang closure fails (its batch taken ahead given
-# back, its last window sent) and runs again (the runner, the closure's scope and
-# resources), where State.sync() takes the newest commit and the step runs as above
+# (the group driver: the members with no preemption deadline near, the backend for
+# them, the store and the joins); on the survivors the broken group ends the step (the
+# worker plugin's routes, the process's membership, the group's calls), the gang
+# closure fails (its batch taken ahead given back, its last window sent) and runs again
+# (the runner, the closure's scope and resources), where State.sync() takes the newest
+# commit and the step runs as above
 REFORM_PATH = {"collective/bootstrap.py", "collective/device.py", "collective/group.py",
-               "collective/replicas.py", "collective/state/elastic.py",
-               "collective/state/heads.py", "collective/state/keeper.py",
+               "collective/replicas.py", "collective/state/deadline.py",
+               "collective/state/elastic.py", "collective/state/heads.py",
+               "collective/state/keeper.py",
                "collective/state/replica.py", "collective/state/snapshot.py",
                "collective/step/riders.py", "collective/step/step.py", "collective/step/synced.py",
                "config.py", "core/backends.py", "core/checks.py", "core/gang.py", "core/gpus.py",
@@ -335,11 +339,13 @@ REFORM_PATH = {"collective/bootstrap.py", "collective/device.py", "collective/gr
                "observe/hangs.py", "observe/phases.py", "observe/recorder.py",
                "observe/steptimes.py", "observe/stragglers.py", "plugins/scheduler/closures.py",
                "plugins/scheduler/datasets.py", "plugins/scheduler/gangs.py",
-               "plugins/scheduler/groups.py", "plugins/scheduler/plugin.py",
-               "plugins/scheduler/polls.py", "plugins/scheduler/state.py",
+               "plugins/scheduler/groups.py", "plugins/scheduler/lifetime/preemptions.py",
+               "plugins/scheduler/plugin.py", "plugins/scheduler/polls.py",
+               "plugins/scheduler/state.py",
                "plugins/scheduler/stats.py", "plugins/worker/plugin.py",
                "plugins/worker/runner.py", "plugins/worker/services.py", "session/counters.py",
-               "session/resources.py", "session/scope.py", "session/tokens.py"}
+               "session/preemption.py", "session/resources.py", "session/scope.py",
+               "session/tokens.py"}
 
 
 @pytest.mark.timeout(120)
