@@ -5,7 +5,8 @@ The public API, imported on first use: ``import daskdist`` loads neither Dask's
 package, and the pure state machines in ``daskdist.core`` are used without Dask).
 ``Coordinator`` and the values come from ``daskdist.client``; ``daskdist.data``,
 ``daskdist.collective`` (which import torch) and ``daskdist.asynchronous`` are imported
-when first named.
+when first named. ``SPEC §N`` in the package's docstrings is section N of
+``docs/spec.md``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from daskdist import config  # noqa: F401 - loads daskdist.yaml into dask.config
 from daskdist.context import InputContext, WorkerContext, get_worker_context
+from daskdist.core.protocol import Preemption
 from daskdist.errors import (
     CancelledError,
     CollectiveError,
@@ -64,6 +66,7 @@ __all__ = [
     "InputError",
     "PerWorkerDataset",
     "PerWorkerValues",
+    "Preemption",
     "RemoteValue",
     "RemoteValueStatus",
     "Report",

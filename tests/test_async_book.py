@@ -2,15 +2,20 @@
 table, no cluster: the roles it gives, the rows a staged push takes from its worker's
 session (a loss of that worker no longer frees them), acknowledged once a standby's
 copy holds the push (on the pusher's worker's count), given back when refused, and an
-abandoned push released from its worker's session in one step and fenced."""
+abandoned push released from its worker's session in one step and fenced; a holder
+with a preemption deadline hands the model to its standby losing nothing, and no
+worker with a deadline takes a role; a keep-alive owner's model outlives its client
+and goes with the owner."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
+import dask.config
 import pytest
 
-from daskdist.core.async_protocol import HOLDER, STANDBY, AsyncRole, Copied, Decision, Ready
+from daskdist.core.asynchronous.protocol import HOLDER, STANDBY, AsyncRole, Copied, Decision, Ready
 from daskdist.core.protocol import LeaseToken
 from daskdist.plugins.scheduler.state import CoordinatorState
 from tests.conftest import route
@@ -148,4 +153,60 @@ def test_a_coordinator_closed_while_a_model_is_made_is_an_answer_not_an_error():
 
     reply = asyncio.run(create_then_close())
     assert "its coordinator closed" in reply["closed"]
+    assert [r.role for _, r in roles(sent)] == ["holder", "none"]
+
+
+def test_a_holder_with_a_deadline_hands_the_model_to_its_standby_losing_nothing(book):
+    co, sent, _ = book
+    tokens = lease(co, "s2")
+    assert stage(co, "s0", "p1", "s2", tokens)["staged"]
+    co.preempt_book.notice("s0", time.time() + 60, "a test")  # its worker told the book
+    hand_over = route(co, "daskdist_async_hand_over")
+    # a copy taken by another worker than the book's standby, or a caller that is not
+    # the holder, moves nothing: the holder serves on
+    assert "kept" in hand_over(session="s0", model="m", incarnation=0, version=1,
+                               standby="w2")
+    assert "kept" in hand_over(session="s1", model="m", incarnation=0, version=1,
+                               standby="w1")
+    # the holder applied p1 (its decision still on its way), its standby took version 1
+    assert hand_over(session="s0", model="m", incarnation=0, version=1,
+                     standby="w1") == {"moved": "w1"}
+    address, role = roles(sent)[-1]
+    assert (address, role.role, role.source, role.incarnation) == ("w1", HOLDER, "copy", 1)
+    co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p1", True, 1, 0, "", 3,
+                                                  0.1, 80)))  # late: counted, not settled
+    co.async_book.on_copied("s1", tuple(Copied("m", "s1", 0, 1, [["p1", 1]])))
+    co.async_book.on_ready("s1", tuple(Ready("m", "s1", 1, 2, 1, "copy", 40, {}, [])))
+    assert co.leases.progress("ds", 0)["acknowledged"] == 10  # p1 is in the new holder
+    report = co.async_book.report("m")
+    assert (report["handovers"], report["holder_losses"], report["rows_lost"]) == (1, 0, 0)
+    assert report["applied"] == 1 and report["phase"] == "ready" and report["version"] == 2
+    # its new standby is the worker without a deadline
+    address, role = roles(sent)[-1]
+    assert (address, role.role, role.standby) == ("w1", HOLDER, "w2")
+    check_leases(co.leases)
+
+
+def test_a_keep_alive_owners_model_outlives_its_client_and_goes_with_the_owner():
+    sent: list = []
+    co = CoordinatorState("t", send=lambda address, msg: sent.append((address, msg)))
+    co.add_owner("me", "client-a", "tok", keep_alive=True)
+    co.start_session("s0", "w0", 1, "cpu", "", lambda a: False, 0.0)
+
+    async def create_then_leave():
+        task = asyncio.ensure_future(route(co, "daskdist_async_create")(
+            owner="me", token="tok", model="m", spec=b"spec", max_staleness=1))
+        await asyncio.sleep(0.01)
+        co.async_book.on_ready("s0", tuple(Ready("m", "s0", 0, 0, 0, "fresh", 40, {}, [])))
+        await task
+        with dask.config.set({"daskdist.coordinator.keep-alive-timeout": "200ms"}):
+            co.client_away("client-a", True)  # its kernel restarted
+        assert co.owners_of("client-a", kept=False) == []  # nothing is dropped now
+        assert co.status()["async_models"]["m"]["phase"] == "ready"
+        deadline = time.monotonic() + 10
+        while "m" in co.status()["async_models"]:  # nobody attached in time
+            assert time.monotonic() < deadline, co.status()
+            await asyncio.sleep(0.02)
+
+    asyncio.run(create_then_leave())
     assert [r.role for _, r in roles(sent)] == ["holder", "none"]

@@ -1,11 +1,12 @@
 """The scheduler's ledger of an asynchronously trained model (pure), driven against a
 simulated holder, standby and checkpoint store by hypothesis: pushes staged, applied or
 refused; decisions delivered late (the holder's stream) while copies report at once
-(the standby's); copies, checkpoints, holder and standby losses and recoveries in any
-order. Invariants: a push's rows are settled once (acknowledged or given back, never
-both, never twice); while the model serves, every acknowledged push is in the holder's
-model; once everything is decided and copied, the acknowledged pushes are exactly the
-pushes in the global model; versions never go back."""
+(the standby's); copies, checkpoints, holder and standby losses and recoveries, and
+hand-overs before a holder's deadline, in any order. Invariants: a push's rows are
+settled once (acknowledged or given back, never both, never twice); while the model
+serves, every acknowledged push is in the holder's model; once everything is decided
+and copied, the acknowledged pushes are exactly the pushes in the global model; a
+hand-over loses no applied push; versions never go back."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from daskdist.core.async_ledger import FAILED, READY, ModelLedger, PushRecord
-from daskdist.core.async_protocol import CHECKPOINT, COPY, FRESH
+from daskdist.core.asynchronous.ledger import FAILED, READY, ModelLedger, PushRecord
+from daskdist.core.asynchronous.protocol import CHECKPOINT, COPY, FRESH
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,6 +170,29 @@ class Sim(RuleBasedStateMachine):
         self.content, self.version = set(content), version
         self.standby_copy, self.log = None, []
         assert self.led.standby is None  # the new incarnation's standby is assigned anew
+        self.seen_versions.append(self.led.version)
+
+    @precondition(lambda self: self.serving and self.led.standby is not None)
+    @rule()
+    def hand_over(self) -> None:
+        """The holder's worker got a deadline: it decides what it took, copies its state
+        to its standby and the model moves there; the holder's decisions arrive late and
+        the standby's copy report after the move."""
+        while self.staged:
+            self.decide(True)
+        holder, inc, standby = self.led.holder, self.led.incarnation, self.led.standby
+        lost = self.led.lost_rows
+        plan = self.led.hand_over(holder, inc, self.version)
+        assert (plan.source, plan.target) == (COPY, standby), plan
+        listed, self.log = self.log, []
+        self._apply(self.led.copied(standby, inc, self.version, listed))
+        self.alive.discard(holder)  # it leaves
+        self.led.aim(standby)
+        version = max(plan.version, self.version)
+        self._apply(self.led.recovered(standby, plan.incarnation, version, self.version,
+                                       COPY, {}, ""))
+        assert self.led.phase == READY and self.led.lost_rows == lost
+        self.version, self.standby_copy = version, None
         self.seen_versions.append(self.led.version)
 
     @rule()

@@ -4,7 +4,8 @@ dataset: the model reaches its target loss and learns every row exactly once (it
 ``counts`` parameter, tests/async_rounds.py); a staleness bound refuses deltas and
 their rows go back; SIGKILLs of a non-holder and of the holder mid-epoch lose nothing,
 and the replacement that joins contributes; every holder lost without a checkpoint is a
-clear error, never a fresh start."""
+clear error, never a fresh start; a holder given a preemption deadline hands the model
+to its standby first, losing no delta."""
 
 from __future__ import annotations
 
@@ -228,3 +229,28 @@ def test_a_model_factory_that_differs_between_workers_names_the_parameter(cl, tm
     with pytest.raises(ValueError):
         coord.join(timeout=60)
     assert np.all(am.state_dict()["counts"].numpy() == 0)  # nothing was applied
+
+
+def test_a_holder_with_a_deadline_hands_the_model_over_first(cl, rows_dir):
+    """``notify_preemption`` to the holder's worker mid-epoch: its standby takes the
+    model from the holder's last copy (no holder lost, no applied delta lost) and the
+    worker with the deadline keeps no role. Last in the module: the deadline stays."""
+    cluster, client, coord, threads = cl
+    am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average(),
+                           max_staleness=50)
+    ds = coord.distribute_dataset(str(rows_dir), global_batch_size=60, policy="dynamic")
+    moved: dict = {}
+
+    def during(p):
+        if not moved and p["acknowledged"] > ROWS // 4:
+            holder, standby = am.holders()
+            coord.notify_preemption(holder, time.time() + 120)
+            wait_until(lambda: am.info()["holder"] == standby, 20, "the hand-over")
+            moved.update(holder=holder, standby=standby)
+
+    drain(coord, ds, am, steps=2, during=during, pause=0.005)
+    assert moved
+    assert_every_row_once(am)
+    report = am.report()
+    assert (report["handovers"], report["holder_losses"], report["rows_lost"]) == (1, 0, 0)
+    assert am.holders()[0] == moved["standby"] and moved["holder"] not in am.holders()

@@ -13,7 +13,7 @@ from daskdist.asynchronous import flat
 from daskdist.asynchronous.model import GlobalModel
 from daskdist.asynchronous.replica import ReplicaPool
 from daskdist.asynchronous.spec import AsyncSpec
-from daskdist.core.async_protocol import Push
+from daskdist.core.asynchronous.protocol import Push
 
 pytestmark = pytest.mark.timeout(60)
 

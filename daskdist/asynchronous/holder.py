@@ -12,7 +12,11 @@ standby every ``daskdist.asynchronous.standby-every`` versions, or
 for ``standby-idle`` (an epoch's tail waits on that copy for its last rows); the
 standby tells the scheduler, which acknowledges the rows of the pushes the copy holds.
 With ``checkpoint_to``, the holder writes a checkpoint every ``every`` versions, with
-the datasets' ledger at that version.
+the datasets' ledger at that version. When its worker gets a preemption deadline
+(:func:`daskdist.session.preemption.on_preemption`) within
+``daskdist.preemption.horizon``, the holder hands the model over first: it takes no
+new push, decides those in flight, copies its state to its standby and asks the book to
+move the model there (``daskdist_async_hand_over``): no applied delta is lost.
 
 Everything runs on the worker's event loop except the apply thread (and checkpoint
 writes); messages to the scheduler go on the worker's own stream, in order.
@@ -33,7 +37,7 @@ from distributed.utils import sync
 from daskdist import config
 from daskdist.asynchronous.model import GlobalModel
 from daskdist.collective.state.checkpoint import CheckpointStore
-from daskdist.core.async_protocol import (
+from daskdist.core.asynchronous.protocol import (
     CHECKPOINT,
     COPY,
     FRESH,
@@ -49,7 +53,8 @@ from daskdist.core.async_protocol import (
     Ready,
     Stage,
 )
-from daskdist.core.protocol import is_session_ended
+from daskdist.core.protocol import Preemption, is_session_ended
+from daskdist.session.preemption import on_preemption, preemption_of
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +106,15 @@ class Held:
         self.last_checkpoint = gm.version
         self.configure(role.checkpoint)
         self.copier = asyncio.ensure_future(self._copy_loop())
+        # a preemption deadline: ``due`` once within the horizon, then ``leaving`` (no
+        # push taken) while the model is handed over
+        self.due = self.leaving = False
+        self._due_timer: asyncio.TimerHandle | None = None
+        self._handing: asyncio.Task | None = None
+        self._unlisten = on_preemption(self._deadline)
+        notice = preemption_of(svc.worker.address)
+        if notice is not None:
+            self._deadline(svc.worker.address, notice)
 
     def configure(self, checkpoint: list) -> None:
         if checkpoint:
@@ -114,9 +128,15 @@ class Held:
             self.standby = address
             self.copied = -1  # a new standby takes a whole copy at once
         self.changed.set()
+        self._leave()  # a deadline came before a standby did
 
     def close(self) -> None:
+        if self.closed:
+            return
         self.closed = True
+        self._unlisten()
+        if self._due_timer is not None:
+            self._due_timer.cancel()
         self.copier.cancel()
         self.changed.set()
         self.executor.shutdown(wait=False)
@@ -132,6 +152,8 @@ class Held:
         done = self.decided.get(p.pid)
         if done is not None:
             return done
+        if self.leaving:  # handed over: its pusher asks the book where the model went
+            return {"moved": True}
         running = self.inflight.get(p.pid)
         if running is not None:
             return await asyncio.shield(running)
@@ -272,6 +294,57 @@ class Held:
             self.log = [(pid, v) for pid, v in self.log if v > version]
             if self.log:
                 self.first_uncopied = time.monotonic()
+
+    # -- a preemption deadline: hand the model over first ---------------------------------
+    def _deadline(self, address: str, notice: Preemption) -> None:
+        """Worker ``address`` will be taken away (an :func:`on_preemption` listener):
+        this holder's worker hands the model over once the deadline is within
+        ``daskdist.preemption.horizon``."""
+        if address == self.svc.worker.address and not self.closed:
+            self.svc.worker.loop.add_callback(self._arm, notice.deadline)
+
+    def _arm(self, deadline: float) -> None:
+        if self._due_timer is not None:
+            self._due_timer.cancel()
+        wait = deadline - config.seconds("preemption.horizon") - time.time()
+        self._due_timer = asyncio.get_running_loop().call_later(max(0.0, wait), self._due)
+
+    def _due(self) -> None:
+        self._due_timer = None
+        self.due = True
+        self._leave()
+
+    def _leave(self) -> None:
+        """Start the hand-over, once due and with a standby to take the model."""
+        if self.due and self.standby and not (self.leaving or self.closed):
+            self.leaving = True  # no new push from now on
+            self._handing = asyncio.ensure_future(self._hand_over())
+
+    async def _hand_over(self) -> None:
+        """The pushes that came first are decided, the standby takes the state at the
+        newest version, then the book moves the model there (this holder drops it); if
+        it cannot, this holder serves on (and tries again with its next standby)."""
+        standby, reply = self.standby, None
+        try:
+            async with self.order:
+                await self._copy()
+                if self.copied == self.gm.version and standby == self.standby:
+                    reply = await self.svc.worker.scheduler.daskdist_async_hand_over(
+                        name=self.svc.name, session=self.session, model=self.model,
+                        incarnation=self.gm.incarnation, version=self.copied,
+                        standby=standby)
+        except Exception as e:  # noqa: BLE001 - the standby or the scheduler is gone
+            reply = {"kept": repr(e)}
+        if isinstance(reply, dict) and "moved" in reply:
+            logger.info("daskdist: model %s handed over to %s before this worker's "
+                        "preemption deadline", self.model, reply["moved"])
+            if self.svc.held.get(self.model) is self:
+                self.svc.drop(self.model)
+            return
+        logger.warning("daskdist: model %s could not be handed over before this worker's "
+                       "preemption deadline (%s): it serves on", self.model,
+                       (reply or {}).get("kept", "its standby changed"))
+        self.leaving = False
 
     # -- checkpoints ----------------------------------------------------------------------
     def _checkpoint(self) -> None:

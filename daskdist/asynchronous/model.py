@@ -14,7 +14,7 @@ import torch
 
 from daskdist.asynchronous import flat
 from daskdist.asynchronous.spec import AsyncSpec
-from daskdist.core.async_protocol import Push
+from daskdist.core.asynchronous.protocol import Push
 
 
 class GlobalModel:

@@ -37,8 +37,8 @@ from distributed.utils import sync
 from daskdist import config
 from daskdist.asynchronous import flat, routes
 from daskdist.asynchronous.spec import AsyncSpec
-from daskdist.core import protocol
-from daskdist.core.async_protocol import Pulled, Push
+from daskdist.core import checks
+from daskdist.core.asynchronous.protocol import Pulled, Push
 from daskdist.core.leases.table import group_tokens, merge_tokens
 from daskdist.session.scope import closure_scope_now
 from daskdist.session.tokens import take_consumed
@@ -140,7 +140,7 @@ class ModelClient:
             reply = self.call(services, "daskdist_async_pull", model=self.model_id,
                               incarnation=have.incarnation if have else -1,
                               version=have.version if have else -1)
-            p = protocol.named(reply, "daskdist_async_pull reply", Pulled)
+            p = checks.named(reply, "daskdist_async_pull reply", Pulled)
             if p.current and have is not None:
                 return have, 0
             n = int(p.nparams)

@@ -10,40 +10,40 @@ from __future__ import annotations
 
 from typing import Any
 
-from daskdist.core import protocol
-from daskdist.core.async_protocol import AsyncRole, Push
+from daskdist.core import checks
+from daskdist.core.asynchronous.protocol import AsyncRole, Push
 
 
 def _service(worker: Any, name: str) -> Any:
     from daskdist.asynchronous import holder
 
-    return holder.service(worker, protocol.text(name, "name"))
+    return holder.service(worker, checks.text(name, "name"))
 
 
 def role(worker: Any, name: str, role: Any) -> None:
     """The scheduler gives this worker a role for one model (holder, standby, none)."""
-    _service(worker, name).on_role(protocol.named(role, "daskdist-async-role", AsyncRole))
+    _service(worker, name).on_role(checks.named(role, "daskdist-async-role", AsyncRole))
 
 
 async def push(worker: Any, name: str, push: Any) -> dict:
     """A worker's delta for the model this worker holds."""
     return await _service(worker, name).push(
-        protocol.named(push, "daskdist_async_push", Push))
+        checks.named(push, "daskdist_async_push", Push))
 
 
 async def pull(worker: Any, name: str, model: str, incarnation: int,
                version: int) -> Any:
     """The global model this worker holds, unless the caller has ``(incarnation,
     version)`` already."""
-    return await _service(worker, name).pull(protocol.text(model, "model"), incarnation,
+    return await _service(worker, name).pull(checks.text(model, "model"), incarnation,
                                              version)
 
 
 def copy(worker: Any, name: str, model: str, incarnation: int, version: int, blob: bytes,
          applied: list) -> Any:
     """The holder's state for this worker's standby copy."""
-    return _service(worker, name).copy(protocol.text(model, "model"), incarnation, version,
-                                       blob, protocol.items(applied, "applied"))
+    return _service(worker, name).copy(checks.text(model, "model"), incarnation, version,
+                                       blob, checks.items(applied, "applied"))
 
 
 ASYNC_STREAM_ROUTES = {"daskdist-async-role": role}

@@ -22,7 +22,8 @@ import cloudpickle
 from daskdist.asynchronous.outer import Nesterov, OuterOptimizer
 from daskdist.asynchronous.spec import AsyncSpec, ReplicaFactory
 from daskdist.client.reprs import STYLE
-from daskdist.core import async_protocol, protocol
+from daskdist.core import checks
+from daskdist.core.asynchronous import protocol as async_protocol
 from daskdist.errors import CoordinatorClosedError
 
 
@@ -104,7 +105,7 @@ class AsyncModel:
         if isinstance(reply, dict):
             raise RuntimeError(f"asynchronous model {self.model_id}: its holder moved; "
                                "ask again")
-        p = protocol.named(reply, "daskdist_async_pull reply", async_protocol.Pulled)
+        p = checks.named(reply, "daskdist_async_pull reply", async_protocol.Pulled)
         layout = [tuple(x) for x in p.layout]
         n = int(p.nparams)
         tensors = flat.unpack(p.params, layout[:n]) + flat.unpack(p.buffers, layout[n:])
@@ -115,7 +116,7 @@ class AsyncModel:
         URL), with the ledger of its ``"dynamic"`` datasets at that version. Before
         anything was applied, the newest checkpoint there is loaded first (a job resumed
         on a new cluster, with datasets of the same names). Returns the model."""
-        url = protocol.text(url, "checkpoint_to: url", 4096)
+        url = checks.text(url, "checkpoint_to: url", 4096)
         if "://" not in url:
             url = os.path.abspath(url)
         every = async_protocol.every(every, "checkpoint_to: every")

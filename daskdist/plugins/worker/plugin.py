@@ -9,7 +9,9 @@ process's collective group; an asynchronous model's roles, pulls, pushes and sta
 copies (:mod:`daskdist.asynchronous.routes`). A broken group's word (peer-lost) also
 comes from a peer, which passes it down the tree the group's init drew
 (:func:`_pass_on`). torch is imported only by those actions. The first one in a
-worker process turns SIGTERM into a graceful leave (:mod:`.preemption`).
+worker process turns SIGTERM into a graceful leave (:mod:`.preemption`) and starts the
+worker's deadline watch (:mod:`.deadlines`: what tells closures, the scheduler and an
+asynchronous model's holder when it will be taken away).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from distributed.comm.core import CommClosedError
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from daskdist.asynchronous.routes import ASYNC_RPC_ROUTES, ASYNC_STREAM_ROUTES
-from daskdist.core import protocol
-from daskdist.core.protocol import worker_plugin_name
+from daskdist.core import checks
+from daskdist.core.protocol import Preemption, worker_plugin_name
 from daskdist.observe.recorder import gang_stack
 from daskdist.plugins import devices
-from daskdist.plugins.worker import preemption
+from daskdist.plugins.worker import deadlines, preemption
 from daskdist.plugins.worker.runner import ClosureRunner
 from daskdist.session.counters import set_formation_version, set_membership
 
@@ -131,6 +133,11 @@ def leaving(worker, name: str) -> None:
         runner.leaving = True
 
 
+def preempt(worker, name: str, deadline: float, reason: str) -> None:
+    """``coord.notify_preemption``: this worker will be taken away at ``deadline``."""
+    deadlines.noticed(worker, Preemption(float(deadline), str(reason)))
+
+
 def steal(worker, name: str, n: int) -> None:
     """An idle worker waits: give back up to ``n`` unstarted closures."""
     runner = _runner(worker, name)
@@ -191,6 +198,7 @@ STREAM_ROUTES = {
     "daskdist-steal": steal,
     "daskdist-leaving": leaving,
     "daskdist-release": release,
+    "daskdist-preemption": preempt,
     **ASYNC_STREAM_ROUTES,  # an asynchronous model's roles (daskdist/asynchronous/routes.py)
 }
 RPC_ROUTES = {
@@ -236,7 +244,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
         ``CUDA_VISIBLE_DEVICES``, else a declared ``GPU`` resource or the host's GPUs,
         counted in a thread: that may ask ``nvidia-smi``)."""
         have = dict(worker.state.total_resources)
-        if not protocol.satisfies(have, self.resources):
+        if not checks.satisfies(have, self.resources):
             return False
         return self.members != "gpu" or await asyncio.to_thread(devices.has_gpu, have)
 
@@ -251,6 +259,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
             return
         install_handlers(worker)
         preemption.install(worker, lambda: _runners(worker))
+        deadlines.install(worker, lambda: _runners(worker))
         self.runner = ClosureRunner(worker, self.name, self.prefetch)
         await self.runner.start(self.torch_threads)
 
@@ -260,6 +269,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
             self.runner = None
         if not _runners(worker):  # the last coordinator here: SIGTERM is Python's again
             preemption.uninstall(worker)
+            deadlines.uninstall(worker)
 
     def __getstate__(self):
         return {"name": self.name, "prefetch": self.prefetch,

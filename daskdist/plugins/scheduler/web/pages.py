@@ -54,7 +54,7 @@ class StatusPage(RequestHandler):
                  "<a href='daskdist/status.json'>status.json</a></p>"]
         for name, snap in snapshots(self.plugin).items():
             status = [{"counter": k, "value": v} for k, v in snap["status"].items()
-                      if not isinstance(v, dict)]
+                      if not isinstance(v, (list, dict))]
             group = [{"field": k, "value": v} for k, v in snap["group"].items()]
             parts += [f"<h3>{html.escape(name)}</h3>",
                       _table(status, ["counter", "value"]),
@@ -65,6 +65,9 @@ class StatusPage(RequestHandler):
                       _table(snap["datasets"], ["name", "dataset_id", "epoch",
                                                 "acknowledged", "leased", "free", "total",
                                                 "complete", "failed"]),
+                      "<h4>preemption deadlines</h4>",
+                      _table(snap["status"].get("preemptions") or [],
+                             ["worker", "index", "reason", "seconds_left"]),
                       "<h4>collective group</h4>", _table(group, ["field", "value"]),
                       "<h4>group events</h4>",
                       _table(snap["events"], ["kind", "generation", "members", "seconds",
@@ -230,7 +233,7 @@ class MetricsCollector:
                                       "1 while a gang rank is a straggler, else 0",
                                       labels=labels)
         for name, co in sorted(self.plugin.coordinators.items()):
-            for rank, worker, totals, median, slow in co.rank_book.totals():
+            for rank, worker, totals, median, slow in co.rank_totals():
                 values = [name, str(rank), worker]
                 step.add_metric(values, median)
                 for i, p in enumerate(PHASES):
@@ -239,11 +242,11 @@ class MetricsCollector:
                 straggler.add_metric(values, float(slow))
         return step, phase, rows, straggler
 
-
     def _async_models(self):
         """Per asynchronous model (SPEC §2.8): its version, versions applied per second,
-        staleness, deltas applied and refused, holder losses, bytes per round; per
-        worker, its rounds and rows. Labelled by coordinator and model (and worker)."""
+        staleness, deltas applied and refused, holder losses and hand-overs, bytes per
+        round; per worker, its rounds and rows. Labelled by coordinator and model (and
+        worker)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         labels = ["coordinator", "model"]
@@ -261,6 +264,9 @@ class MetricsCollector:
                                       labels=labels)
         losses = CounterMetricFamily("daskdist_async_holder_losses",
                                      "Holders of the global model lost", labels=labels)
+        handovers = CounterMetricFamily("daskdist_async_handovers",
+                                        "Moves to the standby before a holder's preemption "
+                                        "deadline", labels=labels)
         per_round = GaugeMetricFamily("daskdist_async_bytes_per_round",
                                       "Bytes a round moves (its pull and its push)",
                                       labels=labels)
@@ -271,8 +277,8 @@ class MetricsCollector:
                                      "Rows of applied deltas, per worker",
                                      labels=[*labels, "worker"])
         for name, co in sorted(self.plugin.coordinators.items()):
-            for model, r in co.async_book.metrics():
-                values = [name, model]
+            for r in co.async_reports():
+                values = [name, r["model"]]
                 version.add_metric(values, r["version"])
                 rate.add_metric(values, r["versions_per_second"])
                 for q in ("median", "p90", "max"):
@@ -280,11 +286,13 @@ class MetricsCollector:
                 applied.add_metric(values, r["applied"])
                 refused.add_metric(values, r["refused"])
                 losses.add_metric(values, r["holder_losses"])
+                handovers.add_metric(values, r["handovers"])
                 per_round.add_metric(values, r["bytes_per_round"])
                 for w in r["workers"]:
                     w_rounds.add_metric([*values, w["address"]], w["rounds"])
                     w_rows.add_metric([*values, w["address"]], w["rows"])
-        return version, rate, stale, applied, refused, losses, per_round, w_rounds, w_rows
+        return (version, rate, stale, applied, refused, losses, handovers, per_round,
+                w_rounds, w_rows)
 
 
 class Sampler:

@@ -2,27 +2,31 @@
 and its routes.
 
 The scheduler holds no tensor of them: each model's pure
-:class:`~daskdist.core.async_ledger.ModelLedger` (holder, standby, versions, the pushes
-waiting for durability, figures). This book picks the holder and the standby among the
-members, gives them their roles (``daskdist-async-role`` on their streams), moves a
-push's rows to the model when its holder stages it (``LeaseTable.transfer_tokens``),
-acknowledges them once the push is durable, gives them back when it is refused or lost,
-and plans a lost holder's recovery. Its routes: :data:`ASYNC_ROUTES` and
-:data:`ASYNC_STREAM_ROUTES`. It asks its coordinator only what :class:`AsyncHost`
-declares. Runs on the scheduler's event loop; imports nothing from Dask or torch.
+:class:`~daskdist.core.asynchronous.ledger.ModelLedger` (holder, standby, versions, the
+pushes waiting for durability, figures). This book picks the holder and the standby
+among the members (none with a preemption deadline near), gives them their roles
+(``daskdist-async-role`` on their streams), moves a push's rows to the model when its
+holder stages it, acknowledges them once the push is durable, gives them back when it
+is refused or lost (``rows.py``), plans a lost holder's recovery, and moves the model
+to its standby when its holder's worker gets a deadline (the holder hands over first,
+:meth:`AsyncBook.hand_over`). A model goes with its owner: closed, or a keep-alive
+owner nobody attached to in time. Its routes: :data:`ASYNC_ROUTES` and
+:data:`ASYNC_STREAM_ROUTES`. It asks its coordinator only what
+:class:`AsyncCoordinator` declares. Runs on the scheduler's event loop; imports
+nothing from Dask or torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
-import msgpack
-
 from daskdist import config
-from daskdist.core import async_protocol, protocol
-from daskdist.core.async_ledger import (
+from daskdist.core import checks
+from daskdist.core.asynchronous import protocol as async_protocol
+from daskdist.core.asynchronous.ledger import (
     APPLIED,
     DURABLE,
     FAILED,
@@ -32,91 +36,39 @@ from daskdist.core.async_ledger import (
     ModelLedger,
     PushRecord,
     Recovery,
-    Settle,
 )
-from daskdist.core.async_protocol import COPY, FRESH, HOLDER, NONE, SAME, STANDBY, AsyncRole
-from daskdist.core.intervals import normalize, union
-from daskdist.core.leases.ledgers import Ledgers
-from daskdist.core.leases.table import LeaseTable, group_tokens
-from daskdist.core.membership import Membership
+from daskdist.core.asynchronous.protocol import COPY, FRESH, HOLDER, NONE, SAME, STANDBY, AsyncRole
 from daskdist.core.protocol import ANY, OWNER, SESSION, SESSION_ENDED, Route
-from daskdist.plugins.scheduler.closures import wait_event
+from daskdist.plugins.scheduler.asynchronous.rows import (
+    ModelRows,
+    checkpoint_ledger,
+    pseudo,
+    settle_rows,
+    token_rows,
+    wire_size,
+)
+from daskdist.plugins.scheduler.polls import wait_event
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncHost(Protocol):
-    """What the book asks of its coordinator (``CoordinatorState``)."""
+class AsyncCoordinator(ModelRows, Protocol):
+    """What the asynchronous book asks its coordinator (the scheduler's
+    ``CoordinatorState``): the coordinator's own state, the rows of the lease book
+    (:class:`~daskdist.plugins.scheduler.asynchronous.rows.ModelRows`), and which
+    workers have a deadline (the preemption book)."""
 
-    name: str
-    members: Membership  # its worker sessions
-    leases: LeaseTable  # the dynamic datasets' rows
-    ledgers: Ledgers  # the datasets each State (or model) trained, for checkpoints
+    send: Callable[[str, dict], None]  # a message on a worker's stream
 
-    def send(self, address: str, msg: dict) -> None:
-        """A message on a worker's stream."""
-
-
-def _size(obj: Any) -> int:
-    """Bytes of ``obj`` as msgpack puts it on the wire (what the scheduler moved)."""
-    try:
-        return len(msgpack.packb(obj, use_bin_type=True, default=str))
-    except (TypeError, ValueError):
-        return 0
-
-
-def _rows(tokens: list) -> int:
-    return sum(b - a for ranges in group_tokens(tokens).values() for a, b in ranges)
-
-
-def pseudo(model: str) -> str:
-    """The lease-table session that holds a model's staged rows."""
-    return f"async:{model}"
-
-
-def settle_rows(co: AsyncHost, model: str, settle: Settle) -> None:
-    """Do what a transition of ``model``'s ledger asks of the rows: acknowledge (on the
-    pusher's worker's count when its session lives), give back, restore a ledger."""
-    if not settle:
-        return
-    leases, holder = co.leases, pseudo(model)
-    for rec in settle.ack:
-        if not rec.tokens:
-            continue
-        if not (rec.pusher in co.members
-                and leases.transfer_tokens(holder, rec.pusher, rec.tokens)
-                and leases.ack_tokens(rec.pusher, rec.tokens)):
-            if not leases.ack_tokens(holder, rec.tokens):
-                logger.warning("daskdist[%s]: the rows of push %s of model %s could not be "
-                               "acknowledged", co.name, rec.pid, model)
-    for rec in settle.release:
-        if rec.tokens:
-            leases.release_tokens(holder, rec.tokens)
-    if settle.restore:
-        try:
-            co.ledgers.restore(model, settle.restore, leases)
-        except (TypeError, ValueError) as e:
-            logger.warning("daskdist[%s]: the datasets' ledger of model %s's checkpoint "
-                           "was not restored: %s", co.name, model, e)
-
-
-def checkpoint_ledger(co: AsyncHost, led: ModelLedger, version: int) -> dict:
-    """The datasets' ledger of a checkpoint of ``led``'s model at ``version``: the rows
-    acknowledged now and those of its pushes applied up to ``version``, not yet durable."""
-    out = co.ledgers.export(led.model, co.leases)
-    extra = group_tokens([t for r in led.pending_rows(version) for t in r.tokens])
-    for entry in out.values():
-        more = extra.get((entry["dataset_id"], entry["epoch"]))
-        if more:
-            entry["acknowledged"] = [list(iv) for iv in union(
-                normalize(entry["acknowledged"]), normalize(more))]
-    return out
+    def leaving(self, session: str) -> bool:
+        """Whether ``session``'s worker has a preemption deadline near (it takes no
+        model role)."""
 
 
 class AsyncBook:
     """A coordinator's asynchronous models (see the module doc)."""
 
-    def __init__(self, co: AsyncHost) -> None:
+    def __init__(self, co: AsyncCoordinator) -> None:
         self.co = co
         self.models: dict[str, ModelLedger] = {}
         self.specs: dict[str, bytes] = {}
@@ -133,7 +85,8 @@ class AsyncBook:
         return session in self.co.members
 
     def _pick(self, exclude: tuple) -> str | None:
-        """The member with the fewest model roles (then the lowest index), not leaving."""
+        """The member with the fewest model roles (then the lowest index), neither
+        retiring nor with a preemption deadline near."""
         roles: dict[str, int] = {}
         for led in self.models.values():
             for s in (led.holder, led.standby, led.target):
@@ -141,7 +94,7 @@ class AsyncBook:
                     roles[s] = roles.get(s, 0) + 1
         best = None
         for m in self.co.members.members.values():
-            if m.draining or m.session in exclude:
+            if m.draining or m.session in exclude or self.co.leaving(m.session):
                 continue
             key = (roles.get(m.session, 0), m.index)
             if best is None or key < best[0]:
@@ -221,7 +174,7 @@ class AsyncBook:
         return None
 
     def _model(self, model: Any, op: str) -> ModelLedger:
-        led = self.models.get(protocol.text(model, f"{op}: model"))
+        led = self.models.get(checks.text(model, f"{op}: model"))
         if led is None:
             raise KeyError(f"{op}: no asynchronous model {model!r} on coordinator "
                            f"{self.co.name!r} (dropped, or its coordinator closed)")
@@ -233,7 +186,7 @@ class AsyncBook:
         """A new model: a member builds the global model from ``spec``; waits until it
         serves (its first members may still be joining)."""
         op = "daskdist_async_create"
-        protocol.text(model, f"{op}: model")
+        checks.text(model, f"{op}: model")
         if not isinstance(spec, bytes):
             raise TypeError(f"{op}: spec must be bytes, got {type(spec).__name__}")
         max_staleness = async_protocol.max_staleness(max_staleness)
@@ -272,7 +225,7 @@ class AsyncBook:
         under ``url`` (a job resumed on a new cluster). Waits for that load."""
         op = "daskdist_async_checkpoint"
         led = self._model(model, op)
-        protocol.text(url, f"{op}: url", 4096)
+        checks.text(url, f"{op}: url", 4096)
         every = async_protocol.every(every, f"{op}: every")
         if led.owner != owner:
             raise PermissionError(f"{op}: model {model!r} is another owner's")
@@ -291,7 +244,7 @@ class AsyncBook:
 
     def drop(self, owner: str, token: str, model: str) -> None:
         """The owner drops a model: its holders forget it, its open rows go back."""
-        led = self.models.get(protocol.text(model, "daskdist_async_drop: model"))
+        led = self.models.get(checks.text(model, "daskdist_async_drop: model"))
         if led is not None and led.owner == owner:
             self._forget(led, "dropped by its owner")
 
@@ -308,13 +261,13 @@ class AsyncBook:
         return self._model(model, "daskdist_async_report").report(self._address)
 
     def reports(self) -> list[dict]:
-        """Every model's report (the dashboard)."""
+        """Every model's report (the dashboard and the ``daskdist_async_*`` metrics)."""
         return [led.report(self._address) for led in self.models.values()]
 
     # -- the workers' routes --------------------------------------------------------------
     def where(self, session: str, model: str) -> dict:
         """Where a model's holder is, for a worker about to pull or push."""
-        led = self.models.get(protocol.text(model, "daskdist_async_where: model"))
+        led = self.models.get(checks.text(model, "daskdist_async_where: model"))
         if led is None:
             return {"failed": f"no asynchronous model {model!r} on coordinator "
                               f"{self.co.name!r} (dropped, or its coordinator closed)"}
@@ -325,7 +278,7 @@ class AsyncBook:
         reply = {"holder": self._address(led.holder), "phase": led.phase,
                  "incarnation": led.incarnation, "version": led.version,
                  "failed": led.failed}
-        led.scheduler_bytes += _size(reply) + 64
+        led.scheduler_bytes += wire_size(reply) + 64
         return reply
 
     def stage(self, session: str, stage: Any) -> dict:
@@ -336,7 +289,7 @@ class AsyncBook:
         led = self.models.get(s.model)
         if led is None:
             return {"refused": f"no asynchronous model {s.model!r}"}
-        led.scheduler_bytes += _size(stage) + 64
+        led.scheduler_bytes += wire_size(stage) + 64
         why, rec = led.may_stage(session, s.incarnation, s.pid)
         if why == "duplicate" and rec is not None:
             applied = rec.state in (APPLIED, DURABLE)
@@ -344,12 +297,11 @@ class AsyncBook:
                                   "reason": "" if applied else f"it was {rec.state}"}}
         if why:
             return {"refused": why}
-        if s.tokens and not self.co.leases.transfer_tokens(s.pusher, pseudo(s.model),
-                                                          s.tokens):
+        if s.tokens and not self.co.hand_rows(s.pusher, pseudo(s.model), s.tokens):
             return {"refused": "its rows are no longer leased to the pushing worker's "
                                "session (the worker was lost): they went back"}
-        self.co.ledgers.note(s.model, s.tokens)
-        led.stage(PushRecord(s.pid, s.pusher, s.address, list(s.tokens), _rows(s.tokens),
+        self.co.note_trained(s.model, s.tokens)
+        led.stage(PushRecord(s.pid, s.pusher, s.address, list(s.tokens), token_rows(s.tokens),
                              s.base))
         return {"staged": True, "speed": led.rate_share(s.address)}
 
@@ -360,15 +312,15 @@ class AsyncBook:
         stage of it is refused. Atomic here: the pusher never gives back rows the book
         may have handed on (they may be leased to its session again)."""
         op = "daskdist_async_abandon"
-        protocol.text(pid, f"{op}: pid")
-        protocol.items(tokens, f"{op}: tokens")
-        led = self.models.get(protocol.text(model, f"{op}: model"))
+        checks.text(pid, f"{op}: pid")
+        checks.items(tokens, f"{op}: tokens")
+        led = self.models.get(checks.text(model, f"{op}: model"))
         if led is not None:
-            led.scheduler_bytes += _size(tokens) + 64
+            led.scheduler_bytes += wire_size(tokens) + 64
             if pid in led.pushes:
                 return {"staged": True}
             led.abandon(PushRecord(pid, session, self._address(session), [], 0, 0))
-        return {"staged": False, "released": self.co.leases.release_tokens(session, tokens)}
+        return {"staged": False, "released": self.co.release_rows(session, tokens)}
 
     def ledger(self, session: str, model: str, version: int, applied: list) -> dict:
         """``{"ledger": ...}``: the datasets' ledger a checkpoint at ``version`` keeps:
@@ -377,23 +329,51 @@ class AsyncBook:
         last copy, whose decisions may still be on their way). The holder asks before it
         applies anything later, so no push after ``version`` is among them."""
         op = "daskdist_async_ledger"
-        led = self.models.get(protocol.text(model, f"{op}: model"))
+        led = self.models.get(checks.text(model, f"{op}: model"))
         if led is None:
             return {"failed": f"no asynchronous model {model!r} (dropped)"}
-        version = protocol.integer(version, f"{op}: version", 0, 1 << 62)
+        version = checks.integer(version, f"{op}: version", 0, 1 << 62)
         if session != led.holder:
             raise PermissionError(f"{op}: the caller is not the holder of model {model!r}")
         led.note_applied(async_protocol.copied(
             (model, session, 0, version, applied), op).applied)
         return {"ledger": checkpoint_ledger(self.co, led, version)}
 
+    def hand_over(self, session: str, model: str, incarnation: int, version: int,
+                  standby: str) -> dict:
+        """The holder's worker got a preemption deadline: it takes no more pushes and its
+        standby (at ``standby``) took its state at ``version`` (every push it applied).
+        The model moves to the standby from that copy, as a lost holder's does but
+        losing nothing: ``{"moved": the new holder's address}``; ``{"kept": why}`` when
+        it cannot (the holder serves on until its worker goes)."""
+        op = "daskdist_async_hand_over"
+        led = self.models.get(checks.text(model, f"{op}: model"))
+        if led is None:
+            return {"kept": f"no asynchronous model {model!r} (dropped)"}
+        incarnation = checks.integer(incarnation, f"{op}: incarnation", 0, 1 << 62)
+        version = checks.integer(version, f"{op}: version", 0, 1 << 62)
+        if checks.text(standby, f"{op}: standby") != self._address(led.standby):
+            return {"kept": f"its standby is {self._address(led.standby) or 'none'} now"}
+        plan = led.hand_over(session, incarnation, version)
+        if isinstance(plan, str):
+            return {"kept": plan}
+        self._recover(led, plan)
+        return {"moved": self._address(led.target)}
+
     # -- the workers' stream messages ---------------------------------------------------
+    def _arrived(self, value: Any, check: Any, op: str) -> tuple[Any, ModelLedger | None]:
+        """A worker's message, checked, and its model's ledger (``None``: dropped), its
+        bytes counted."""
+        msg = check(value, op)
+        led = self.models.get(msg.model)
+        if led is not None:
+            led.scheduler_bytes += wire_size(value)
+        return msg, led
+
     def on_ready(self, session: str, ready: Any, worker: str | None = None) -> None:
-        r = async_protocol.ready(ready, "daskdist-async-ready")
-        led = self.models.get(r.model)
+        r, led = self._arrived(ready, async_protocol.ready, "daskdist-async-ready")
         if led is None:
             return
-        led.scheduler_bytes += _size(ready)
         if r.nbytes:
             led.nbytes = r.nbytes
         settle = led.recovered(session, r.incarnation, r.version, r.origin, r.source,
@@ -405,32 +385,28 @@ class AsyncBook:
         self._ensure_standby(led)
 
     def on_decided(self, session: str, decision: Any, worker: str | None = None) -> None:
-        d = async_protocol.decision(decision, "daskdist-async-decided")
-        led = self.models.get(d.model)
+        d, led = self._arrived(decision, async_protocol.decision, "daskdist-async-decided")
         if led is None:
             return
-        led.scheduler_bytes += _size(decision)
         settle = led.decided(session, d.incarnation, d.pid, d.applied, d.version, d.staleness,
                              self._alone(led), d.steps, d.seconds, d.round_bytes)
         settle_rows(self.co, led.model, settle)
         self._ensure_standby(led)
 
     def on_copied(self, session: str, copy: Any, worker: str | None = None) -> None:
-        c = async_protocol.copied(copy, "daskdist-async-copied")
-        led = self.models.get(c.model)
-        if led is None:
-            return
-        led.scheduler_bytes += _size(copy)
-        settle_rows(self.co, led.model, led.copied(session, c.incarnation, c.version, c.applied))
+        c, led = self._arrived(copy, async_protocol.copied, "daskdist-async-copied")
+        if led is not None:
+            settle_rows(self.co, led.model,
+                        led.copied(session, c.incarnation, c.version, c.applied))
 
     def on_checkpointed(self, session: str, checkpointed: Any,
                         worker: str | None = None) -> None:
-        c = protocol.named(checkpointed, "daskdist-async-checkpointed",
-                           async_protocol.Checkpointed)
+        c = checks.named(checkpointed, "daskdist-async-checkpointed",
+                         async_protocol.Checkpointed)
         led = self.models.get(c.model)
         if led is None or session != led.holder:
             return
-        settle_rows(self.co, led.model, led.checkpointed_at(protocol.integer(
+        settle_rows(self.co, led.model, led.checkpointed_at(checks.integer(
             c.version, "daskdist-async-checkpointed: version", 0, 1 << 62)))
 
     # -- the coordinator's events -----------------------------------------------------------
@@ -472,7 +448,10 @@ class AsyncBook:
         self.plans.pop(led.model, None)
 
     def drop_owner(self, owner: str) -> None:
-        """An owner closed: its models go (their open rows back to the pool)."""
+        """An owner was dropped (closed, its client gone past ``client-grace``, or kept
+        alive and attached to by nobody within ``keep-alive-timeout``): its models go,
+        their open rows back to the pool. A keep-alive owner's client leaving drops
+        nothing: its models train on for whoever attaches."""
         for led in [led for led in self.models.values() if led.owner == owner]:
             self._forget(led, "its coordinator closed")
 
@@ -483,10 +462,6 @@ class AsyncBook:
     def status(self) -> dict:
         """Each model's few counts (``coord.status()``)."""
         return {m: led.summary() for m, led in self.models.items()}
-
-    def metrics(self) -> list[tuple[str, dict]]:
-        """``(model, report)`` of every model (the ``daskdist_async_*`` metrics)."""
-        return [(m, led.report(self._address)) for m, led in self.models.items()]
 
 
 # The book's routes (the plugin registers each on the named coordinator's book,
@@ -502,6 +477,7 @@ ASYNC_ROUTES = {
     "daskdist_async_stage": Route(AsyncBook.stage, SESSION_ENDED, SESSION),
     "daskdist_async_ledger": Route(AsyncBook.ledger, SESSION_ENDED, SESSION),
     "daskdist_async_abandon": Route(AsyncBook.abandon, SESSION_ENDED, SESSION),
+    "daskdist_async_hand_over": Route(AsyncBook.hand_over, SESSION_ENDED, SESSION),
 }
 ASYNC_STREAM_ROUTES = {
     "daskdist-async-ready": Route(AsyncBook.on_ready, None, SESSION, None),

@@ -3,16 +3,16 @@ between the scheduler's book, the worker holding the global model, its standby a
 workers pushing deltas, and the checks of what arrives.
 
 Each message is a ``NamedTuple``, a plain list on the wire (msgpack), rebuilt with
-``Type._make`` by :func:`daskdist.core.protocol.named` (which names the type and its
+``Type._make`` by :func:`daskdist.core.checks.named` (which names the type and its
 fields when one does not fit). Imports nothing from Dask, torch or the rest of the
-package but :mod:`daskdist.core.protocol`.
+package but :mod:`daskdist.core.checks`.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from daskdist.core import protocol
+from daskdist.core import checks
 
 # -- a worker's role for one model ------------------------------------------------------
 HOLDER = "holder"  # serves pulls and applies pushes
@@ -160,62 +160,62 @@ def max_staleness(value: Any, what: str = "max_staleness") -> int:
     if value < 0:
         raise ValueError(f"{what} must be >= 0 (versions applied since a delta's pull), "
                          f"got {value}")
-    return protocol.integer(value, what, 0, MAX_STALENESS)
+    return checks.integer(value, what, 0, MAX_STALENESS)
 
 
 def every(value: Any, what: str = "every") -> int:
     """A checkpoint's ``every``: a positive int (versions between checkpoints)."""
-    return protocol.integer(value, what, 1, 1 << 40)
+    return checks.integer(value, what, 1, 1 << 40)
 
 
 def decision(value: Any, op: str) -> Decision:
-    d = protocol.named(value, f"{op}: decision", Decision)
-    protocol.text(d.pid, f"{op}: pid")
-    protocol.flag(d.applied, f"{op}: applied")
-    protocol.integer(d.version, f"{op}: version", 0, 1 << 62)
-    protocol.integer(d.staleness, f"{op}: staleness", 0, 1 << 62)
-    protocol.text(d.reason, f"{op}: reason", 4096, empty=True)
-    protocol.integer(d.steps, f"{op}: steps", 0, 1 << 40)
-    protocol.number(d.seconds, f"{op}: seconds", 0.0, 1e9)
-    protocol.integer(d.round_bytes, f"{op}: round_bytes", 0, MAX_BYTES)
+    d = checks.named(value, f"{op}: decision", Decision)
+    checks.text(d.pid, f"{op}: pid")
+    checks.flag(d.applied, f"{op}: applied")
+    checks.integer(d.version, f"{op}: version", 0, 1 << 62)
+    checks.integer(d.staleness, f"{op}: staleness", 0, 1 << 62)
+    checks.text(d.reason, f"{op}: reason", 4096, empty=True)
+    checks.integer(d.steps, f"{op}: steps", 0, 1 << 40)
+    checks.number(d.seconds, f"{op}: seconds", 0.0, 1e9)
+    checks.integer(d.round_bytes, f"{op}: round_bytes", 0, MAX_BYTES)
     return d
 
 
 def copied(value: Any, op: str) -> Copied:
-    c = protocol.named(value, f"{op}: copy", Copied)
-    protocol.integer(c.version, f"{op}: version", 0, 1 << 62)
+    c = checks.named(value, f"{op}: copy", Copied)
+    checks.integer(c.version, f"{op}: version", 0, 1 << 62)
     applied = []
-    for i, item in enumerate(protocol.items(c.applied, f"{op}: applied")):
-        pair = protocol.record(item, f"{op}: applied[{i}]", 2)
-        applied.append((protocol.text(pair[0], f"{op}: applied[{i}].pid"),
-                        protocol.integer(pair[1], f"{op}: applied[{i}].version", 0, 1 << 62)))
+    for i, item in enumerate(checks.items(c.applied, f"{op}: applied")):
+        pair = checks.record(item, f"{op}: applied[{i}]", 2)
+        applied.append((checks.text(pair[0], f"{op}: applied[{i}].pid"),
+                        checks.integer(pair[1], f"{op}: applied[{i}].version", 0, 1 << 62)))
     return c._replace(applied=applied)
 
 
 def ready(value: Any, op: str) -> Ready:
-    r = protocol.named(value, f"{op}: ready", Ready)
-    protocol.integer(r.version, f"{op}: version", 0, 1 << 62)
-    protocol.integer(r.origin, f"{op}: origin", 0, 1 << 62)
+    r = checks.named(value, f"{op}: ready", Ready)
+    checks.integer(r.version, f"{op}: version", 0, 1 << 62)
+    checks.integer(r.origin, f"{op}: origin", 0, 1 << 62)
     if r.source not in SOURCES:
         raise ValueError(f"{op}: source must be one of {SOURCES}, got {r.source!r:.40}")
-    protocol.integer(r.nbytes, f"{op}: nbytes", 0, MAX_BYTES)
+    checks.integer(r.nbytes, f"{op}: nbytes", 0, MAX_BYTES)
     if not isinstance(r.ledger, dict):
         raise TypeError(f"{op}: ledger must be a dict, got {type(r.ledger).__name__}")
-    protocol.text(r.error, f"{op}: error", 16384, empty=True)
-    loaded = protocol.items(r.loaded, f"{op}: loaded", 2)
+    checks.text(r.error, f"{op}: error", 16384, empty=True)
+    loaded = checks.items(r.loaded, f"{op}: loaded", 2)
     if loaded:
-        protocol.record(loaded, f"{op}: loaded", 2)
-        loaded = [protocol.text(loaded[0], f"{op}: loaded model"),
-                  protocol.integer(loaded[1], f"{op}: loaded incarnation", 0, 1 << 62)]
+        checks.record(loaded, f"{op}: loaded", 2)
+        loaded = [checks.text(loaded[0], f"{op}: loaded model"),
+                  checks.integer(loaded[1], f"{op}: loaded incarnation", 0, 1 << 62)]
     return r._replace(loaded=list(loaded))
 
 
 def stage(value: Any, op: str) -> Stage:
-    s = protocol.named(value, f"{op}: stage", Stage)
-    protocol.text(s.pid, f"{op}: pid")
-    protocol.text(s.pusher, f"{op}: pusher")
-    protocol.text(s.address, f"{op}: address")
-    protocol.items(s.tokens, f"{op}: tokens")
-    protocol.integer(s.base, f"{op}: base", 0, 1 << 62)
-    protocol.integer(s.incarnation, f"{op}: incarnation", 0, 1 << 62)
+    s = checks.named(value, f"{op}: stage", Stage)
+    checks.text(s.pid, f"{op}: pid")
+    checks.text(s.pusher, f"{op}: pusher")
+    checks.text(s.address, f"{op}: address")
+    checks.items(s.tokens, f"{op}: tokens")
+    checks.integer(s.base, f"{op}: base", 0, 1 << 62)
+    checks.integer(s.incarnation, f"{op}: incarnation", 0, 1 << 62)
     return s

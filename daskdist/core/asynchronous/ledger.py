@@ -19,6 +19,9 @@ this ledger holds no tensor. It decides what happens to the rows each push consu
   its dataset ledger (rows acknowledged after it are free again). With neither, once
   a push was durable (rows acknowledged), the model *fails*: never a silent fresh
   start. Before that, nothing is lost by starting from the factory again.
+- The holder's worker got a preemption deadline: it *hands over* first
+  (:meth:`hand_over`): it applies nothing more, its standby takes its state with every
+  push it applied, and the model moves there as after a loss, losing nothing.
 
 So at every moment the rows acknowledged for a model are those of deltas that survive
 any single loss, and when everything is durable, exactly those of the deltas in the
@@ -38,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daskdist.core.async_protocol import CHECKPOINT, COPY, FRESH
+from daskdist.core.asynchronous.protocol import CHECKPOINT, COPY, FRESH
 
 # a push's states
 STAGED, APPLIED, DURABLE, REFUSED, RELEASED = "staged", "applied", "durable", "refused", "released"
@@ -142,6 +145,8 @@ class ModelLedger:
         self.released_rows = 0  # rows given back (refused, or lost with a holder)
         self.lost_rows = 0  # of them, rows of applied deltas lost with a holder
         self.holder_losses = 0
+        self.handovers = 0  # moves to the standby before a holder's deadline
+        self.handed: tuple[str, int] | None = None  # the last (holder, incarnation) that did
         self.workers: dict[str, WorkerTally] = {}
         self.staleness: deque[int] = deque(maxlen=4096)
         self.max_seen_staleness = 0
@@ -183,6 +188,9 @@ class ModelLedger:
         other worker can keep a copy, so an applied push is durable at once."""
         rec = self.pushes.get(pid)
         if rec is None or holder != self.holder or incarnation != self.incarnation:
+            if rec is not None and (holder, incarnation) == self.handed:
+                # decided before its holder handed over: the copy settles its rows
+                self._count(rec, applied, staleness, steps, seconds, round_bytes)
             return Settle()
         self._count(rec, applied, staleness, steps, seconds, round_bytes)
         if rec.state != STAGED:
@@ -271,10 +279,27 @@ class ModelLedger:
     def holder_lost(self, alive: Callable[[str], bool]) -> Recovery:
         """The holder's session ended: where the model goes on (``alive(session)``: a
         session is still a member). The model is *moving* until :meth:`recovered`."""
+        self.holder_losses += 1
+        return self._move(alive)
+
+    def hand_over(self, holder: str, incarnation: int, version: int) -> Recovery | str:
+        """The holder leaves before its worker's deadline: it applies nothing more, and
+        its standby took its state at ``version`` (every push it applied). The model
+        moves to the standby from that copy, losing nothing (*moving* until
+        :meth:`recovered`); or why it cannot (it serves on)."""
+        if self.phase != READY or holder != self.holder or incarnation != self.incarnation:
+            return f"the caller is not the serving holder of model {self.model}"
+        if self.standby is None or version < self.version:
+            return f"model {self.model} has no standby with a copy at version {self.version}"
+        self.standby_version = max(self.standby_version or 0, version)
+        self.handed = (holder, incarnation)
+        self.handovers += 1
+        return self._move(lambda s: s == self.standby)
+
+    def _move(self, alive: Callable[[str], bool]) -> Recovery:
         self.phase = MOVING
         self.holder = None
         self.incarnation += 1
-        self.holder_losses += 1
         version = self.version + 1
         copy = self.standby_version if (self.standby is not None and alive(self.standby)) \
             else None
@@ -462,6 +487,7 @@ class ModelLedger:
             "rows_released": self.released_rows,
             "rows_lost": self.lost_rows,  # of applied deltas lost with a holder
             "holder_losses": self.holder_losses,
+            "handovers": self.handovers,
             "open_pushes": len(self.open),
             "model_bytes": self.nbytes,
             "rounds": rounds,
