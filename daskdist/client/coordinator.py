@@ -271,6 +271,36 @@ class Coordinator(ClosureClient):
                                                bool(loader_options.get("shuffle", False))))
         return DistributedDataset(self, values, source, name, seed)
 
+    def map_batches(self, predict: Callable[[Any, dict], Any], source: Any, *, output: str,
+                    model: Callable[[Any], Any] | None = None, batch_size: int = 256,
+                    keep: list | None = None, name: str | None = None,
+                    **options: Any) -> Any:
+        """Run ``predict(model, batch)`` over every row of ``source`` on the members and
+        write its output to ``output`` exactly once (SPEC §7): a Parquet dataset on any
+        fsspec URL, committed unit by unit (staged per attempt, first committer wins),
+        with a manifest and ``_SUCCESS`` at the end. Returns the job
+        (``client.inference.InferenceJob``): ``progress(bar=True)``, ``result()`` (a
+        lazy dask DataFrame over the output), ``cancel()``.
+
+        ``source`` is what ``distribute_dataset`` takes (files, a dask DataFrame, a dict
+        of dask Arrays); ``batch`` is a dict of tensors as it yields them. ``model(ctx)``
+        is built once per worker, on its device. ``predict`` returns a dict of arrays or
+        tensors, or a DataFrame, with any number of rows; ``keep`` input columns are
+        copied beside it, row for row. The scheduler plugin drives the job: it outlives
+        this client. The same call (same ``name`` and ``output``) on any cluster resumes
+        it: committed units are neither read nor computed again; another source under
+        the same name raises ``dd.InputError`` (``overwrite=True`` starts over).
+        ``options``: ``columns`` (the input columns read), ``overwrite``, ``unit_rows``
+        (rows one unit of files covers at least: an output file each),
+        ``fill_null``, ``device``, ``storage_options`` (fsspec's).
+        """
+        from daskdist.client.inference import Channel, map_batches
+
+        self._check_open()
+        return map_batches(Channel(self._call, self._owned), predict, source, output=output,
+                           model=model, batch_size=batch_size, keep=keep, name=name,
+                           **options)
+
     def _define_dataset(self, dataset: DatasetDef) -> None:
         self._owned("daskdist_dataset_define", dataset=tuple(dataset))
 

@@ -34,6 +34,7 @@ from daskdist.core.protocol import (
     Submission,
 )
 from daskdist.core.queue import ClosureQueue
+from daskdist.plugins.scheduler.inference import JOB_OWNER
 
 if TYPE_CHECKING:
     from daskdist.plugins.scheduler.state import CoordinatorState
@@ -171,10 +172,14 @@ class ClosureBook:
                 self.hold_owner(owner, False)
 
     def deliver(self, outcomes: list[Outcome]) -> None:
-        """Route final outcomes: gang members to the group book, the rest to outboxes."""
+        """Route final outcomes: gang members to the group book, batch-inference jobs'
+        closures to the inference book, the rest to outboxes."""
         for o in outcomes:
             if o.owner == GANG_OWNER:
                 self.co.group_book.member_finished(o)
+                continue
+            if o.owner.startswith(JOB_OWNER):  # a batch-inference job's closure
+                self.co.infer_book.closure_finished(o)
                 continue
             box = self.outboxes.get(o.owner)
             if box is not None:

@@ -40,6 +40,7 @@ from daskdist.plugins.scheduler.closures import CLOSURE_ROUTES
 from daskdist.plugins.scheduler.datasets import LEASE_ROUTES
 from daskdist.plugins.scheduler.gangs import GROUP_ROUTES
 from daskdist.plugins.scheduler.groups import GroupDriver
+from daskdist.plugins.scheduler.inference import INFER_ROUTES
 from daskdist.plugins.scheduler.locality import Locality
 from daskdist.plugins.scheduler.names import Coordinators
 from daskdist.plugins.scheduler.state import STATE_ROUTES, CoordinatorState
@@ -53,6 +54,7 @@ BOOK_ROUTES = {
     "group_book": GROUP_ROUTES,
     "lease_book": LEASE_ROUTES,
     "rank_book": RANK_ROUTES,
+    "infer_book": INFER_ROUTES,
 }
 # ... and those of messages on a worker's own stream (one-way; Dask adds worker=)
 BOOK_STREAM_ROUTES = {"rank_book": RANK_STREAM_ROUTES}

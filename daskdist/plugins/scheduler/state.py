@@ -13,6 +13,8 @@ in its books, each with its own handlers (the pattern of Dask's
   and checkpoint ledgers;
 - :class:`~daskdist.observe.book.RankBook`: what gang members measure (per-rank
   phases, stragglers, hangs and stacks);
+- :class:`~daskdist.plugins.scheduler.inference.InferBook`: batch-inference jobs
+  (``map_batches``), which ask the coordinator through its named methods below;
 - :class:`~daskdist.plugins.scheduler.stats.CoordinatorStats`: the dashboard's counters.
 
 Talks to workers only through the ``send`` callable the plugin provides (a message on
@@ -29,11 +31,12 @@ from typing import Any
 from daskdist import config
 from daskdist.core import protocol
 from daskdist.core.membership import LivenessTable, Membership
-from daskdist.core.protocol import OWNER, RETIRING, SESSION, Route
+from daskdist.core.protocol import OWNER, RETIRING, SESSION, DatasetDef, Route
 from daskdist.observe.book import RankBook
 from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
+from daskdist.plugins.scheduler.inference import InferBook
 from daskdist.plugins.scheduler.stats import CoordinatorStats
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ class CoordinatorState:
             1, 2**16))
         self.lease_book = LeaseBook(self, max_worker_failures)
         self.rank_book = RankBook(self)  # per-rank phases, stragglers, hangs (SPEC §5.1)
+        self.infer_book = InferBook(self, max_worker_failures)  # batch inference (SPEC §7)
         # the books' pure state machines, by the names the rest of the package uses
         self.queue = self.closure_book.queue
         self.outboxes = self.closure_book.outboxes
@@ -128,6 +132,7 @@ class CoordinatorState:
         self.closure_book.close()
         self.group_book.close()
         self.rank_book.close()
+        self.infer_book.close()
 
     # -- workers ---------------------------------------------------------------------
     def broadcast(self, msg: dict, sessions: Iterable[str] | None = None,
@@ -287,6 +292,7 @@ class CoordinatorState:
             book.settle_dropped(set(book.dropped))
         book.wake_sessions((session,))  # its own long-poll returns
         book.wake(max(0, self.queue.backlog - backlog))  # its closures, back in the queue
+        self.infer_book.session_ended(session)  # its rows are free: jobs queue for them
 
     def expire_sessions(self, now: float) -> list[str]:
         """End every session silent for ``lease-timeout`` like a lost worker (fenced: its
@@ -367,7 +373,38 @@ class CoordinatorState:
             "group_generation": group.generation,
             "group_size": len(group.sessions),
             "gangs_pending": len(self.gangs.pending),
+            "inference": self.infer_book.summary(),  # batch-inference jobs, by name
         }
+
+    # -- what the books ask of their coordinator (their Protocols) ----------------------------
+    def define_dataset(self, dataset: DatasetDef, owner: str) -> None:
+        """Define a dynamic dataset's units for ``owner`` (as its client would)."""
+        self.lease_book.dataset_define(tuple(dataset), owner=owner)
+
+    def forget_datasets(self, dataset_ids: list[str]) -> None:
+        """Forget dynamic datasets (their lease tables, locality and counters)."""
+        self.lease_book.forget_datasets(dataset_ids)
+
+    def queue_closure(self, cid: str, owner: str, payload: Any, tag: str | None) -> None:
+        """Queue a closure of a book's own ``owner`` (``tag``: the dataset it reads) and
+        wake a worker waiting for work."""
+        if self.queue.put(cid, owner, payload, tag=tag):
+            self.closure_book.wake(1)
+
+    def cancel_closures(self, owner: str) -> None:
+        """Cancel ``owner``'s queued closures (a book's: nobody waits for their outcomes)."""
+        self.queue.cancel_pending(owner)
+
+    def take_error(self, owner: str) -> None:
+        """Forget ``owner``'s unraised error (a book's owner: the book keeps its own)."""
+        self.queue.take_error(owner)
+
+    def member_count(self) -> int:
+        return len(self.members)
+
+    def address_of(self, session: str) -> str:
+        member = self.members.members.get(session)
+        return member.address if member is not None else ""
 
 
 # The coordinator's own routes (per-worker resources), registered by the plugin with the

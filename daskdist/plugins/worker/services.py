@@ -129,6 +129,14 @@ class SessionServices:
         reply.add_done_callback(done)
         return out
 
+    def call(self, op: str, ended: Any = None, **kwargs: Any) -> Any:
+        """Call handler ``op`` of this coordinator as this session and wait (at most
+        ``timeout``): its reply, or ``ended`` once the session ended. The way in for a
+        feature whose routes are its own (batch inference's commits)."""
+        if self.ended:
+            return ended
+        return self._call(op, ended=ended, **kwargs)
+
     def ready(self) -> None:
         """This session built its per-worker resources: it may join the group."""
         if not self.ended:

@@ -1,0 +1,405 @@
+"""InferBook: batch-inference jobs on the scheduler (``Coordinator.map_batches``), and
+their routes.
+
+The book drives each job; its client only starts, watches and cancels it. A job is:
+
+- a per-worker *engine* (the model built once per worker, a reader of the source, a
+  writer), registered here as a per-worker resource of the job's own owner (so the
+  job outlives a client that goes away); its id is also the id of the lease table's
+  dataset over the source's units (row groups, partitions), leased as ``"dynamic"``;
+- its closures, which the book queues itself, as the group driver queues gang members
+  (:meth:`InferBook.pump`): each runs one unit on a member (the tag of the engine's
+  dataset routes it, at the tail, to a member still holding leased rows), up to
+  ``daskdist.inference.closures-per-worker`` per member while rows are free;
+- its commits (:class:`~daskdist.core.inference.JobState`, pure): a unit's attempt
+  reports its staged output (``daskdist_infer_unit``); the first committer wins, and its
+  rows are acknowledged in the lease table in the same step; a failed unit's rows went
+  back deferred, its failure counted, and the job fails with ``dd.InputError`` once the
+  lease table says the input cannot complete;
+- its end: once every row is committed and published, a closure writes the manifest
+  and ``_SUCCESS`` (publishing any unit whose attempt was lost after winning), then the
+  engines are released on every worker.
+
+The book asks its coordinator through :class:`InferenceHost`'s named methods. Runs on
+the scheduler's event loop; imports nothing from Dask, torch or pyarrow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from daskdist import config
+from daskdist.core import protocol
+from daskdist.core.inference import FINAL, FINALIZING, RUNNING, JobState
+from daskdist.core.intervals import Interval
+from daskdist.core.leases import resume
+from daskdist.core.leases.table import LeaseTable, group_tokens
+from daskdist.core.protocol import (
+    ANY,
+    OWNER,
+    READY,
+    SESSION,
+    DatasetDef,
+    InferenceJobDef,
+    Outcome,
+    Route,
+    UnitReport,
+)
+
+logger = logging.getLogger(__name__)
+
+JOB_OWNER = "__infer__/"  # + the job's name: the owner of a job's closures and engine
+KEPT_JOBS = 64  # ended jobs whose progress stays readable (the newest)
+
+
+def job_owner(name: str) -> str:
+    return JOB_OWNER + name
+
+
+class InferenceHost(Protocol):
+    """What the book asks of its coordinator (``CoordinatorState``)."""
+
+    name: str
+    leases: LeaseTable
+
+    def define_dataset(self, dataset: DatasetDef, owner: str) -> None: ...
+
+    def add_resource(self, owner: str, rid: str, payload: bytes) -> None: ...
+
+    def release_resources(self, rids: list[str]) -> None: ...
+
+    def forget_datasets(self, dataset_ids: list[str]) -> None: ...
+
+    def queue_closure(self, cid: str, owner: str, payload: Any, tag: str | None) -> None: ...
+
+    def cancel_closures(self, owner: str) -> None: ...
+
+    def take_error(self, owner: str) -> None: ...
+
+    def member_count(self) -> int: ...
+
+    def address_of(self, session: str) -> str: ...
+
+
+@dataclass
+class Job:
+    """One job: its definition, its engine's id (the lease table's dataset), its commits."""
+
+    spec: InferenceJobDef
+    dataset_id: str
+    state: JobState
+    seq: Any = field(default_factory=itertools.count)
+    finishing: set[str] = field(default_factory=set)  # its finalizing closures' ids
+    changed: asyncio.Event | None = None  # set at every change (progress long-polls)
+
+    @property
+    def owner(self) -> str:
+        return job_owner(self.spec.name)
+
+
+class InferBook:
+    """Batch-inference jobs, by name (module doc)."""
+
+    def __init__(self, co: InferenceHost, max_worker_failures: int) -> None:
+        self.co = co
+        self.max_failures = max_worker_failures
+        self.jobs: OrderedDict[str, Job] = OrderedDict()
+
+    # -- routes: the client's ----------------------------------------------------------------
+    def start(self, owner: str, token: str, job: Any) -> dict:
+        """Start job ``job`` (an :class:`InferenceJobDef`), or attach to the one of that
+        name running over the same output and source; its progress."""
+        d = _job_def(job)
+        old = self.jobs.get(d.name)
+        if old is not None and old.state.state not in FINAL:
+            if (old.spec.output, old.spec.fingerprint) != (d.output, d.fingerprint):
+                raise ValueError(f"a batch-inference job named {d.name!r} is running over "
+                                 f"another source or output ({old.spec.output}); wait for "
+                                 "it, cancel it, or name this one differently")
+            return {"attached": True, **self.progress_of(old)}
+        dataset = DatasetDef(*d.dataset)
+        ds = protocol.text(dataset.dataset_id, "daskdist_infer_start: dataset_id")
+        state = JobState(d.name, d.committed, d.units, d.out_rows, self.max_failures)
+        new = Job(d, ds, state, changed=_event())
+        co = self.co
+        gone = [self.jobs.pop(d.name)] if old is not None else []
+        self.jobs[d.name] = new
+        while len(self.jobs) > KEPT_JOBS and next(iter(self.jobs.values())).state.state in FINAL:
+            gone.append(self.jobs.pop(next(iter(self.jobs))))
+        # an ended job's lease table stays until the job is forgotten: a member's lease
+        # asked just as it ended finds it (and gives its rows back with its engine)
+        co.forget_datasets([g.dataset_id for g in gone])
+        co.add_resource(new.owner, d.resource, d.engine)
+        co.define_dataset(dataset, new.owner)
+        if d.lengths:
+            resume.learn_lengths(co.leases, ds, d.lengths)
+        if d.committed:
+            resume.start_epoch(co.leases, ds, 0, d.committed)
+        logger.info("daskdist[%s]: batch-inference job %r started (%d units committed "
+                    "before)", co.name, d.name, d.units)
+        self.pump(new)
+        return {"attached": False, **self.progress_of(new)}
+
+    async def progress(self, job: str, wait: float = 0.0, version: int = -1) -> dict:
+        """Job ``job``'s progress (``{"state": None}`` for a job not known here); with
+        ``wait``, once its state changed from ``version`` (or after ``wait`` seconds)."""
+        j = self.jobs.get(protocol.text(job, "daskdist_infer_progress: job"))
+        if j is None:
+            return {"state": None}
+        wait = protocol.number(wait, "daskdist_infer_progress: wait", 0.0, 3600.0)
+        if wait and j.state.version == int(version) and j.changed is not None:
+            j.changed.clear()
+            try:
+                await asyncio.wait_for(j.changed.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+        return self.progress_of(j)
+
+    def cancel(self, owner: str, token: str, job: str) -> dict:
+        """Cancel job ``job``: nothing more is committed, its queued closures are
+        cancelled and its engines released (running closures finish on their workers,
+        their commits refused; the output keeps what was committed, and a re-run
+        resumes)."""
+        j = self.jobs.get(protocol.text(job, "daskdist_infer_cancel: job"))
+        if j is None:
+            return {"state": None}
+        if j.state.state not in FINAL:
+            j.state.cancel()
+            self._ended(j)
+        return self.progress_of(j)
+
+    # -- routes: the job's closures' ------------------------------------------------------------
+    def unit(self, session: str, report: Any) -> dict:
+        """A unit an attempt ran: commit its staged output (``{"commit": True}``: its
+        rows acknowledged, the attempt publishes it), or refuse it (``"why"``); a failed
+        unit is counted for progress."""
+        r = _report(report)
+        j = self.jobs.get(r.job)
+        if j is None:
+            return {"commit": False, "why": f"no job {r.job!r}"}
+        st = j.state
+        address = self.co.address_of(session)
+        if r.error:
+            st.unit_failed(session, r.unit, r.error, address)
+            self._changed(j)
+            return {"commit": False, "why": "failed"}
+        rows = rows_of(r.tokens)
+        why = st.refusal(session, rows)
+        if why is None and not self.co.leases.ack_tokens(session, r.tokens):
+            why = "its rows are not leased to its session (fenced)"
+        if why is not None:
+            logger.info("daskdist[%s]: job %r refused %s of attempt %s: %s", self.co.name,
+                        r.job, r.unit, r.attempt, why)
+            return {"commit": False, "why": why}
+        unit = st.commit(session, r.attempt, rows, r.staged, r.out_rows, r.lengths, address)
+        self.pump(j, committed=True)
+        self._changed(j)
+        return {"commit": True, "file": unit.file, "record": unit.record()}
+
+    def plan(self, session: str, job: str) -> dict:
+        """What the finalizing closure publishes: the units decided whose attempt did not
+        publish them (their records)."""
+        j = self.jobs.get(protocol.text(job, "daskdist_infer_plan: job"))
+        if j is None or j.state.state != FINALIZING:
+            return {"finalize": False}
+        return {"finalize": True, "orphans": [u.record() for u in j.state.orphans()]}
+
+    def finalized(self, session: str, job: str, ok: bool, error: str = "") -> dict:
+        """The finalizing closure's word: the output is complete (manifest, ``_SUCCESS``),
+        or writing it failed (``error``; tried again up to ``max_worker_failures``)."""
+        j = self.jobs.get(protocol.text(job, "daskdist_infer_finalized: job"))
+        if j is None:
+            return {}
+        self._finalize_ended(j, protocol.flag(ok, "daskdist_infer_finalized: ok"),
+                             protocol.text(error, "daskdist_infer_finalized: error", 16384,
+                                           empty=True))
+        return {}
+
+    # -- from the coordinator -------------------------------------------------------------------
+    def closure_finished(self, o: Outcome) -> None:
+        """A job closure's final outcome (the closure book routes the job owners' here)."""
+        self.co.take_error(o.owner)  # a job closure's error is the job's, never an owner's
+        j = self.jobs.get(o.owner[len(JOB_OWNER):])
+        if j is None:
+            return
+        if o.cid in j.finishing:
+            j.finishing.discard(o.cid)
+            if j.state.state == FINALIZING:  # it ended without its word: a failure
+                self._finalize_ended(j, False, "the finalizing closure ended without "
+                                               f"writing the output ({o.state})")
+            return
+        st = j.state
+        st.outstanding = max(0, st.outstanding - 1)
+        st.attempt_ended(f"{o.cid}#{o.attempt}", o.state == READY)
+        self.pump(j)
+
+    def session_ended(self, session: str) -> None:
+        """A worker session ended: its commits are refused from now on, what it won and
+        had not published is the finalization's, and its leased rows are free again."""
+        for j in list(self.jobs.values()):
+            if j.state.state in FINAL:
+                continue
+            j.state.session_ended(session)
+            self.pump(j)
+
+    def close(self) -> None:
+        """The coordinator closes: every waiter returns."""
+        for j in self.jobs.values():
+            if j.changed is not None:
+                j.changed.set()
+
+    # -- driving a job -------------------------------------------------------------------------
+    def pump(self, j: Job, committed: bool = False) -> None:
+        """Queue what the job needs now: more unit closures while rows are free, the
+        finalizing closure once every row is committed; fail it when its input cannot
+        complete."""
+        st = j.state
+        if st.state != RUNNING:
+            return
+        leases = self.co.leases
+        p = leases.progress(j.dataset_id, 0)
+        if p.get("failed"):
+            st.fail(f"batch-inference job {j.spec.name!r}: {p['failed']}")
+            self._ended(j)
+            return
+        if p.get("complete") or (p.get("known") and p.get("total") == 0):
+            if st.ready_to_finalize(True):
+                st.begin_finalize()
+                self._queue_finalize(j)
+                self._changed(j)
+            return
+        # free (or deferred) rows, or none leased: a closure may lease; else only members
+        # holding leased rows can make progress, and the queue routes closures to them
+        leaseable = leases.takes(j.dataset_id, "")
+        per = int(config.get("inference.closures-per-worker", 2))
+        n = st.top_up(max(1, self.co.member_count()) * max(1, per), leaseable, committed)
+        for _ in range(n):
+            st.outstanding += 1
+            self.co.queue_closure(f"{j.owner}-{next(j.seq)}", j.owner, j.spec.run,
+                                  j.dataset_id)
+
+    def _queue_finalize(self, j: Job) -> None:
+        cid = f"{j.owner}-f{next(j.seq)}"
+        j.finishing.add(cid)
+        self.co.queue_closure(cid, j.owner, j.spec.finish, None)
+
+    def _finalize_ended(self, j: Job, ok: bool, error: str) -> None:
+        st = j.state
+        if st.finalized(ok, error):
+            logger.warning("daskdist[%s]: job %r: finalizing its output failed (%s); "
+                           "trying again", self.co.name, j.spec.name, error)
+            self._queue_finalize(j)
+        elif st.state in FINAL:
+            self._ended(j)
+        self._changed(j)
+
+    def _ended(self, j: Job) -> None:
+        """The job ended: its queued closures are cancelled and its engines released
+        on every worker (with its lease table)."""
+        if j.state.error:
+            logger.warning("daskdist[%s]: %s", self.co.name, j.state.error)
+        self.co.cancel_closures(j.owner)
+        self.co.release_resources([j.spec.resource])
+        self._changed(j)
+
+    def _changed(self, j: Job) -> None:
+        j.state.version += 1
+        if j.changed is not None:
+            j.changed.set()
+
+    # -- what is shown -------------------------------------------------------------------------
+    def progress_of(self, j: Job) -> dict:
+        st = j.state
+        p = self.co.leases.progress(j.dataset_id, 0) if st.state not in FINAL else {}
+        rps, ups = st.rates()
+        units0, rows0, _ = st.resumed
+        return {
+            "name": j.spec.name, "output": j.spec.output, "state": st.state,
+            "version": st.version, "error": st.error,
+            "units": st.units, "rows": st.rows.size, "out_rows": st.out_rows,
+            "total": p.get("total", st.rows.size), "known": p.get("known", True),
+            "leased": p.get("leased", 0), "resumed_units": units0, "resumed_rows": rows0,
+            "rows_per_second": rps, "units_per_second": ups,
+            "workers": st.per_worker(), "errors": [list(e) for e in st.errors],
+        }
+
+    def report(self) -> list[dict]:
+        """Every job's progress, newest last (the dashboard's and the metrics')."""
+        return [self.progress_of(j) for j in self.jobs.values()]
+
+    def summary(self) -> dict:
+        """Per job: its state, units and rows committed, rows a second (``status()``)."""
+        out = {}
+        for name, j in self.jobs.items():
+            rps, _ = j.state.rates()
+            out[name] = {"state": j.state.state, "units": j.state.units,
+                         "rows": j.state.rows.size, "rows_per_second": rps}
+        return out
+
+
+def _event() -> asyncio.Event | None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # driven without an event loop (the tests' direct calls)
+        return None
+    return asyncio.Event()
+
+
+def _job_def(value: Any) -> InferenceJobDef:
+    op = "daskdist_infer_start"
+    d = protocol.named(value, f"{op}: job", InferenceJobDef)
+    protocol.text(d.name, f"{op}: name")
+    protocol.text(d.output, f"{op}: output", 4096)
+    protocol.text(d.fingerprint, f"{op}: fingerprint", 4096)
+    protocol.record(d.dataset, f"{op}: dataset", len(DatasetDef._fields))
+    protocol.text(d.resource, f"{op}: resource")
+    if not isinstance(d.engine, bytes):
+        raise TypeError(f"{op}: engine must be bytes, got {type(d.engine).__name__}")
+    protocol.payload(d.run, f"{op}: run")
+    protocol.payload(d.finish, f"{op}: finish")
+    committed = protocol.pairs(d.committed, f"{op}: committed", protocol.MAX_RANGES)
+    lengths = protocol.optional(protocol.pairs, d.lengths, f"{op}: lengths",
+                                protocol.MAX_RUNS, -1)
+    return d._replace(committed=committed, lengths=lengths,
+                      units=protocol.integer(d.units, f"{op}: units", 0, protocol.MAX_ROWS),
+                      out_rows=protocol.integer(d.out_rows, f"{op}: out_rows", 0,
+                                                protocol.MAX_ROWS))
+
+
+def _report(value: Any) -> UnitReport:
+    op = "daskdist_infer_unit"
+    r = protocol.named(value, f"{op}: report", UnitReport)
+    lengths = protocol.pairs(r.lengths, f"{op}: lengths", protocol.MAX_RANGES)
+    return r._replace(
+        job=protocol.text(r.job, f"{op}: job"),
+        attempt=protocol.text(r.attempt, f"{op}: attempt"),
+        tokens=list(protocol.items(r.tokens, f"{op}: tokens")),
+        staged=protocol.text(r.staged, f"{op}: staged", 4096, empty=True),
+        out_rows=protocol.integer(r.out_rows, f"{op}: out_rows", 0, protocol.MAX_ROWS),
+        lengths=[(int(p), int(n)) for p, n in lengths],
+        unit=protocol.text(r.unit, f"{op}: unit", 4096, empty=True),
+        error=protocol.text(r.error, f"{op}: error", 16384, empty=True))
+
+
+def rows_of(tokens: list) -> list[Interval]:
+    """The rows of a unit's lease tokens."""
+    return [iv for ranges in group_tokens(tokens).values() for iv in ranges]
+
+
+# The book's routes (the plugin registers each on the named coordinator's book,
+# protocol.book_handler): a message's name leads here, beside its method.
+INFER_ROUTES = {
+    "daskdist_infer_start": Route(InferBook.start, caller=OWNER),
+    "daskdist_infer_progress": Route(InferBook.progress, caller=ANY),
+    "daskdist_infer_cancel": Route(InferBook.cancel, caller=OWNER),
+    "daskdist_infer_unit": Route(InferBook.unit, {"commit": False, "why": "closed"}, SESSION,
+                                 {"commit": False, "why": "session ended"}),
+    "daskdist_infer_plan": Route(InferBook.plan, {"finalize": False}, SESSION,
+                                 {"finalize": False}),
+    "daskdist_infer_finalized": Route(InferBook.finalized, {}, SESSION, {}),
+}
