@@ -284,6 +284,8 @@ def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
         "history": stats.series(),
         # the gang's per-rank phases and stragglers (SPEC §5.1)
         "ranks": co.rank_book.report(limit=TOP_RANKS),
+        # batch-inference jobs: units, rows, rows/s, per worker (SPEC §7)
+        "inference": co.infer_book.report(),
     }
 
 

@@ -53,7 +53,8 @@ class StatusPage(RequestHandler):
                  "<p><a href='daskdist-dashboard'>plots</a> · "
                  "<a href='daskdist/status.json'>status.json</a></p>"]
         for name, snap in snapshots(self.plugin).items():
-            status = [{"counter": k, "value": v} for k, v in snap["status"].items()]
+            status = [{"counter": k, "value": v} for k, v in snap["status"].items()
+                      if not isinstance(v, dict)]
             group = [{"field": k, "value": v} for k, v in snap["group"].items()]
             parts += [f"<h3>{html.escape(name)}</h3>",
                       _table(status, ["counter", "value"]),
@@ -70,7 +71,15 @@ class StatusPage(RequestHandler):
                                               "worker"]),
                       "<h4>gang ranks (mean seconds a step)</h4>",
                       _table(_rank_rows(snap["ranks"]), ["rank", "worker", "steps",
-                                                         "median", *PHASES, "straggler"])]
+                                                         "median", *PHASES, "straggler"]),
+                      "<h4>batch-inference jobs</h4>",
+                      _table(snap["inference"], ["name", "state", "units", "rows", "total",
+                                                 "out_rows", "rows_per_second",
+                                                 "units_per_second", "output", "error"]),
+                      "<h4>batch inference per worker</h4>",
+                      _table(_infer_rows(snap["inference"]), ["job", "address", "units",
+                                                              "rows", "rows_per_second",
+                                                              "failures"])]
         if not self.plugin.coordinators:
             parts.append("<p>No coordinator yet.</p>")
         parts.append("</body></html>")
@@ -84,6 +93,11 @@ def _rank_rows(report: dict) -> list[dict]:
     return [{"rank": r["rank"], "worker": r["worker"], "steps": r["steps"],
              "median": r["step_seconds"]["median"], **r["phases"],
              "straggler": slow.get(r["rank"], "")} for r in report.get("ranks") or []]
+
+
+def _infer_rows(jobs: list[dict]) -> list[dict]:
+    """Each batch-inference job's workers as rows of the plain page."""
+    return [{"job": j["name"], **w} for j in jobs for w in j["workers"]]
 
 
 class StatusJSON(RequestHandler):
@@ -182,6 +196,7 @@ class MetricsCollector:
                 ck_secs.add_metric([name], ck["seconds"])
                 ck_bytes.add_metric([name], ck["nbytes"])
         yield from self._ranks()
+        yield from self._inference()
         yield from fams.values()
         yield from (recoveries, reformations, losses, formation, expiries, lost,
                     w_closures, w_rows, d_rows, d_epoch, ck_total, ck_step, ck_age, ck_secs,
@@ -215,6 +230,47 @@ class MetricsCollector:
                 rows.add_metric(values, totals[-1])
                 straggler.add_metric(values, float(slow))
         return step, phase, rows, straggler
+
+
+    def _inference(self):
+        """Per batch-inference job (SPEC §7): units and rows committed, rows a second,
+        whether it runs, unit failures; per worker its units and rows."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["coordinator", "job"]
+        units = CounterMetricFamily("daskdist_infer_units",
+                                    "Units a batch-inference job committed", labels=labels)
+        rows = CounterMetricFamily("daskdist_infer_rows",
+                                   "Input rows a batch-inference job committed", labels=labels)
+        out_rows = CounterMetricFamily("daskdist_infer_output_rows",
+                                       "Output rows a batch-inference job committed",
+                                       labels=labels)
+        rate = GaugeMetricFamily("daskdist_infer_rows_per_second",
+                                 "Rows a second a batch-inference job commits", labels=labels)
+        running = GaugeMetricFamily("daskdist_infer_running",
+                                    "1 while a batch-inference job runs, else 0", labels=labels)
+        failures = CounterMetricFamily("daskdist_infer_unit_failures",
+                                       "Units whose read or predict raised, per worker",
+                                       labels=[*labels, "worker"])
+        w_units = CounterMetricFamily("daskdist_infer_worker_units",
+                                      "Units committed, per worker", labels=[*labels, "worker"])
+        w_rows = CounterMetricFamily("daskdist_infer_worker_rows",
+                                     "Input rows committed, per worker",
+                                     labels=[*labels, "worker"])
+        for name, co in sorted(self.plugin.coordinators.items()):
+            for j in co.infer_book.report():
+                values = [name, j["name"]]
+                units.add_metric(values, j["units"])
+                rows.add_metric(values, j["rows"])
+                out_rows.add_metric(values, j["out_rows"])
+                rate.add_metric(values, j["rows_per_second"])
+                running.add_metric(values, float(j["state"] in ("running", "finalizing")))
+                for w in j["workers"]:
+                    worker = [*values, w["address"]]
+                    w_units.add_metric(worker, w["units"])
+                    w_rows.add_metric(worker, w["rows"])
+                    failures.add_metric(worker, w["failures"])
+        return units, rows, out_rows, rate, running, failures, w_units, w_rows
 
 
 class Sampler:
