@@ -16,7 +16,7 @@ import pytest
 
 import daskdist as dd
 from tests import inference_jobs as jobs
-from tests.conftest import THREADS, wait_for_workers
+from tests.conftest import THREADS, wait_for_workers, wait_until
 
 pytest.importorskip("pandas")
 ddf = pytest.importorskip("dask.dataframe")
@@ -127,6 +127,20 @@ def test_bad_arguments_and_another_source_under_the_same_name_are_refused(coord,
                               keep=["id"], overwrite=True)
     jobs.exactly_once(fresh.result(timeout=120), 300)
 
+    # cancelled: nothing more is committed, what was stays, the same call resumes it
+    slow = functools.partial(jobs.predict, pause=0.1)
+    kw = {"output": str(tmp_path / "slow"), "model": model, "name": "slow", "keep": ["id"],
+          "unit_rows": 200, "batch_size": 50}
+    job = coord.map_batches(slow, glob, **kw)
+    wait_until(lambda: job.progress()["units"] >= 1, 60, "a unit committed")
+    job.cancel()
+    assert job.state == "cancelled"
+    with pytest.raises(dd.CancelledError):
+        job.result(timeout=30)
+    resumed = coord.map_batches(slow, glob, **kw)
+    jobs.exactly_once(resumed.result(timeout=120), 800)
+    assert resumed.progress()["resumed_units"] >= 1
+
 
 @pytest.mark.timeout(240)
 def test_a_bad_unit_is_named_and_a_fixed_rerun_resumes(coord, tmp_path, threads):
@@ -178,3 +192,4 @@ def test_an_object_store_output_is_committed_by_its_manifest(tmp_path):
         assert all(f.startswith("memory://") for f in job.files()) and len(job.files()) == 5
         jobs.exactly_once(ddf.read_parquet(url), 1000)  # no staged file read
         coord.close()
+

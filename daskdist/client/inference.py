@@ -106,8 +106,9 @@ def map_batches(channel: Channel, predict: Callable, source: Any, *, output: str
     except Exception as e:
         raise TypeError(f"map_batches: predict, model or the source cannot be pickled: "
                         f"{e}") from e
-    arg = cloudpickle.dumps(((ResourceRef(rid, "dataset"),), {}))
-    payloads = ([dumps_function(run_unit), arg], [dumps_function(finalize), arg])
+    payloads = ([dumps_function(run_unit),
+                 cloudpickle.dumps(((ResourceRef(rid, "dataset"),), {}))],
+                [dumps_function(finalize), cloudpickle.dumps(((out, name), {}))])
     job = _definition(name, out, fingerprint, src, rid, engine, payloads, done, lengths)
     info = channel.owned("daskdist_infer_start", job=tuple(job))
     return InferenceJob(channel, name, out, info)
@@ -259,7 +260,12 @@ class InferenceJob:
             raise InputError(p["error"] or f"batch-inference job {self.name!r} failed")
         if p["state"] == "cancelled":
             raise CancelledError(f"batch-inference job {self.name!r} was cancelled")
-        return ddf.read_parquet(self.files(), storage_options=self._out.storage_options or None)
+        files = self.files()
+        if not files:  # an empty input: an empty frame
+            import pandas as pd
+
+            return ddf.from_pandas(pd.DataFrame(), npartitions=1)
+        return ddf.read_parquet(files, storage_options=self._out.storage_options or None)
 
     def files(self) -> list[str]:
         """The committed units' files, in row order: the manifest's once the job

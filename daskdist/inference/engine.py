@@ -11,7 +11,6 @@ its rows are acknowledged there and the closure publishes the unit
 (:meth:`~.storage.Output.publish`); a refused attempt's staging is removed. A unit
 whose ``predict`` raises gives its rows back, deferred, its failure counted (the job
 fails, naming the unit and the error, after ``max_worker_failures``).
-:meth:`Engine.finalize` is the job's finalizing closure: its manifest and ``_SUCCESS``.
 """
 
 from __future__ import annotations
@@ -153,23 +152,6 @@ class Engine:
         report = UnitReport(self.spec.name, attempt, [], "", 0, [], name, message)
         with contextlib.suppress(Exception):  # progress only: the lease table counted it
             self.services.call("daskdist_infer_unit", report=tuple(report))
-
-    # -- the job's end ----------------------------------------------------------------------
-    def finalize(self) -> dict:
-        """The finalizing closure: publish the units whose attempts were lost after
-        winning, then the manifest and ``_SUCCESS``; the scheduler hears how it went."""
-        plan = self.services.call("daskdist_infer_plan", ended={"finalize": False},
-                                  job=self.spec.name)
-        if not plan.get("finalize"):
-            return {"finalized": False}
-        try:
-            manifest = self.spec.output.finalize(plan["orphans"])
-        except Exception as e:  # noqa: BLE001 - the scheduler tries again, then fails the job
-            self.services.call("daskdist_infer_finalized", ended={}, job=self.spec.name,
-                               ok=False, error=f"{type(e).__name__}: {e}")
-            return {"finalized": False}
-        self.services.call("daskdist_infer_finalized", ended={}, job=self.spec.name, ok=True)
-        return {"finalized": True, "files": len(manifest["files"])}
 
     def close(self) -> None:
         """Released (the job ended) or the session ended: stop reading, give leased rows

@@ -1,6 +1,7 @@
 """A batch-inference job as it travels to the workers: :class:`JobSpec` (the per-worker
 engine's factory, pickled once by the client and registered by the scheduler) and the
-job's two closures, which the scheduler queues with the engine as their argument."""
+job's two closures, which the scheduler queues: :func:`run_unit`, with the engine as its
+argument, and :func:`finalize`, with the output (no model is built to finalize)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,21 @@ def run_unit(engine: Any) -> dict:
     return engine.run_unit()
 
 
-def finalize(engine: Any) -> dict:
-    """The job's finalizing closure: its manifest and ``_SUCCESS``."""
-    return engine.finalize()
+def finalize(output: Any, name: str) -> dict:
+    """The job's finalizing closure (Hadoop's job commit): publish the units whose
+    attempts were lost after winning, then the manifest and ``_SUCCESS`` of ``output``;
+    the scheduler hears how it went (and tries again, then fails the job)."""
+    from daskdist.session.scope import session_services
+
+    services = session_services()
+    plan = services.call("daskdist_infer_plan", ended={"finalize": False}, job=name)
+    if not plan.get("finalize"):
+        return {"finalized": False}
+    try:
+        manifest = output.finalize(plan["orphans"])
+    except Exception as e:  # noqa: BLE001 - the scheduler's to judge: again, or the job fails
+        services.call("daskdist_infer_finalized", ended={}, job=name, ok=False,
+                      error=f"{type(e).__name__}: {e}")
+        return {"finalized": False}
+    services.call("daskdist_infer_finalized", ended={}, job=name, ok=True)
+    return {"finalized": True, "files": len(manifest["files"])}
