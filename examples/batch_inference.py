@@ -128,29 +128,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpus", action="store_true",
                         help="embed only on workers with a GPU; the others compute the frame")
     args = parser.parse_args(argv)
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
-    cluster = None
-    if args.scheduler:
-        client = Client(args.scheduler)
-    else:
-        cluster = LocalCluster(n_workers=args.workers, threads_per_worker=2)
-        client = Client(cluster)
-    coord = dd.Coordinator(client, members="gpu" if args.gpus else None)
     output = args.output or tempfile.mkdtemp(prefix="embeddings-")
-    try:
+    # a local cluster of --workers workers unless --scheduler names one (the client owns it)
+    client = (Client(args.scheduler) if args.scheduler
+              else Client(n_workers=args.workers, threads_per_worker=2))
+    with client, dd.Coordinator(client, members="gpu" if args.gpus else None) as coord:
         r = run(coord, output, args.partitions, args.rows, args.batch_size, args.kill,
                 bar=True)
         print(f"{r['rows']} embeddings ({r['distinct']} distinct ids) in {r['files']} files "
               f"at {output}, {r['units']} units ({r['resumed_units']} from an earlier run)"
               + (f", worker pid {r['killed']} killed mid-job" if r["killed"] else "")
               + f", {r['seconds']:.1f} s")
-    finally:
-        coord.close()
-        client.close()
-        if cluster is not None:
-            cluster.close()
-
 
 if __name__ == "__main__":
     main()

@@ -27,14 +27,6 @@ def threads(request) -> int:
     return request.param
 
 
-@pytest.fixture
-def coord(client, request):
-    co = dd.Coordinator(client, name=request.node.name)
-    wait_for_workers(client, co, 2)
-    yield co
-    co.close()
-
-
 def output_ids(path: str) -> list[int]:
     """What a directory reader sees now."""
     return sorted(pads.dataset(path, format="parquet").to_table()["id"].to_pylist())

@@ -19,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from daskdist.data.convert import arrow_column
+
 __all__ = ["UnitWriter", "to_table"]
 
 
@@ -32,12 +34,7 @@ def _column(name: str, value: Any) -> pa.Array:
     if isinstance(value, np.ndarray):
         if value.ndim == 0:
             raise ValueError(f"predict's column {name!r} is a scalar; give one value per row")
-        if value.ndim == 1:
-            return pa.array(value)
-        flat = pa.array(np.ascontiguousarray(value).reshape(-1))
-        for size in reversed(value.shape[1:]):
-            flat = pa.FixedSizeListArray.from_arrays(flat, size)
-        return flat
+        return arrow_column(value)
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):
         return pa.array(list(value))
     raise TypeError(f"predict's column {name!r} is a {type(value).__name__}; give an "

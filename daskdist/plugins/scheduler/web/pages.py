@@ -234,43 +234,41 @@ class MetricsCollector:
 
     def _inference(self):
         """Per batch-inference job (SPEC §7): units and rows committed, rows a second,
-        whether it runs, unit failures; per worker its units and rows."""
+        whether it runs; per worker its units, rows and unit failures."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         labels = ["coordinator", "job"]
-        units = CounterMetricFamily("daskdist_infer_units",
-                                    "Units a batch-inference job committed", labels=labels)
-        rows = CounterMetricFamily("daskdist_infer_rows",
-                                   "Input rows a batch-inference job committed", labels=labels)
-        out_rows = CounterMetricFamily("daskdist_infer_output_rows",
-                                       "Output rows a batch-inference job committed",
-                                       labels=labels)
-        rate = GaugeMetricFamily("daskdist_infer_rows_per_second",
-                                 "Rows a second a batch-inference job commits", labels=labels)
-        running = GaugeMetricFamily("daskdist_infer_running",
-                                    "1 while a batch-inference job runs, else 0", labels=labels)
-        failures = CounterMetricFamily("daskdist_infer_unit_failures",
-                                       "Units whose read or predict raised, per worker",
-                                       labels=[*labels, "worker"])
-        w_units = CounterMetricFamily("daskdist_infer_worker_units",
-                                      "Units committed, per worker", labels=[*labels, "worker"])
-        w_rows = CounterMetricFamily("daskdist_infer_worker_rows",
-                                     "Input rows committed, per worker",
-                                     labels=[*labels, "worker"])
+        fams = {}
+        for key, name, text, counter, per_worker in INFER_METRICS:
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            fams[key] = family(f"daskdist_infer_{name}", text,
+                               labels=labels + ["worker"] * per_worker)
         for name, co in sorted(self.plugin.coordinators.items()):
             for j in co.infer_book.report():
                 values = [name, j["name"]]
-                units.add_metric(values, j["units"])
-                rows.add_metric(values, j["rows"])
-                out_rows.add_metric(values, j["out_rows"])
-                rate.add_metric(values, j["rows_per_second"])
-                running.add_metric(values, float(j["state"] in ("running", "finalizing")))
+                running = float(j["state"] in ("running", "finalizing"))
+                for key in ("units", "rows", "out_rows", "rows_per_second"):
+                    fams[key].add_metric(values, j[key])
+                fams["running"].add_metric(values, running)
                 for w in j["workers"]:
-                    worker = [*values, w["address"]]
-                    w_units.add_metric(worker, w["units"])
-                    w_rows.add_metric(worker, w["rows"])
-                    failures.add_metric(worker, w["failures"])
-        return units, rows, out_rows, rate, running, failures, w_units, w_rows
+                    for key in ("units", "rows", "failures"):
+                        fams[f"worker_{key}"].add_metric([*values, w["address"]], w[key])
+        return tuple(fams.values())
+
+
+# daskdist_infer_* metrics: (key, name, help, a counter (else a gauge), per worker)
+INFER_METRICS = (
+    ("units", "units", "Units a batch-inference job committed", True, False),
+    ("rows", "rows", "Input rows a batch-inference job committed", True, False),
+    ("out_rows", "output_rows", "Output rows a batch-inference job committed", True, False),
+    ("rows_per_second", "rows_per_second", "Rows a second a batch-inference job commits",
+     False, False),
+    ("running", "running", "1 while a batch-inference job runs, else 0", False, False),
+    ("worker_units", "worker_units", "Units committed, per worker", True, True),
+    ("worker_rows", "worker_rows", "Input rows committed, per worker", True, True),
+    ("worker_failures", "unit_failures", "Units whose read or predict raised, per worker",
+     True, True),
+)
 
 
 class Sampler:
