@@ -696,6 +696,9 @@ def test_every_session_route_answers_an_ended_session_with_one_reply():
         "daskdist_report": dict(results=[]),
         "daskdist_renew": {},
         "daskdist_session_ready": {},
+        "daskdist_infer_unit": dict(report=["none", "c#1", [], "", 0, [], "u", ""]),
+        "daskdist_infer_plan": dict(job="none"),
+        "daskdist_infer_finalized": dict(job="none", ok=True),
     }
     sessions = {op for table in BOOK_ROUTES.values() for op, r in table.items()
                 if r.caller in (SESSION, OWNER_OR_SESSION)}

@@ -392,14 +392,14 @@ def rows_of(tokens: list) -> list[Interval]:
 
 
 # The book's routes (the plugin registers each on the named coordinator's book,
-# protocol.book_handler): a message's name leads here, beside its method.
+# protocol.book_handler): a message's name leads here, beside its method. A job
+# closure's call from an ended session gets SESSION_ENDED (its services give the call's
+# "nothing": a commit refused).
 INFER_ROUTES = {
     "daskdist_infer_start": Route(InferBook.start, caller=OWNER),
     "daskdist_infer_progress": Route(InferBook.progress, caller=ANY),
     "daskdist_infer_cancel": Route(InferBook.cancel, caller=OWNER),
-    "daskdist_infer_unit": Route(InferBook.unit, {"commit": False, "why": "closed"}, SESSION,
-                                 {"commit": False, "why": "session ended"}),
-    "daskdist_infer_plan": Route(InferBook.plan, {"finalize": False}, SESSION,
-                                 {"finalize": False}),
-    "daskdist_infer_finalized": Route(InferBook.finalized, {}, SESSION, {}),
+    "daskdist_infer_unit": Route(InferBook.unit, caller=SESSION),
+    "daskdist_infer_plan": Route(InferBook.plan, caller=SESSION),
+    "daskdist_infer_finalized": Route(InferBook.finalized, caller=SESSION),
 }
