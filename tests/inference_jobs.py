@@ -26,31 +26,35 @@ def write_files(directory: str, files: int = 4, rows: int = 1000, group: int = 2
     return f"{directory}/*.parquet"
 
 
-def part(i: int, rows: int, log: str | None = None):
-    """Partition ``i`` of a lazy frame; computing it on a worker logs ``i``."""
+def part(i: int, rows: int, log: str | None = None, pause: float = 0.0):
+    """Partition ``i`` of a lazy frame (``pause`` seconds to prepare); computing it on a
+    worker logs ``i`` and the worker's address."""
     import pandas as pd
 
+    if pause:
+        time.sleep(pause)
     if log is not None:
         try:
             from distributed import get_worker
 
-            get_worker()
+            where = get_worker().address
             with open(log, "a") as f:
-                f.write(f"{i}\n")
+                f.write(f"{i} {where}\n")
         except ValueError:  # Dask's meta, on the client
             pass
     ids = np.arange(i * rows, (i + 1) * rows, dtype=np.int64)
     return pd.DataFrame({"id": ids, "x": (ids / 2).astype(np.float32)})
 
 
-def frame(parts: int = 6, rows: int = 300, log: str | None = None):
+def frame(parts: int = 6, rows: int = 300, log: str | None = None, pause: float = 0.0):
     """A lazy frame of ``parts`` partitions (its meta given: Dask computes no partition
     for it, on the client or, materializing the graph, on a worker)."""
     import dask.dataframe as ddf
     import pandas as pd
 
     meta = pd.DataFrame({"id": np.array([], dtype=np.int64), "x": np.array([], np.float32)})
-    return ddf.from_map(functools.partial(part, rows=rows, log=log), range(parts), meta=meta)
+    return ddf.from_map(functools.partial(part, rows=rows, log=log, pause=pause),
+                        range(parts), meta=meta)
 
 
 def model(ctx, log: str | None = None):
@@ -94,10 +98,15 @@ def predicted(log: str) -> list[tuple[int, int]]:
 
 def computed(log: str) -> list[int]:
     """The partitions computed on workers so far (with repeats)."""
+    return [i for i, _ in computed_where(log)]
+
+
+def computed_where(log: str) -> list[tuple[int, str]]:
+    """(partition, the worker that computed it), so far (with repeats)."""
     if not os.path.exists(log):
         return []
     with open(log) as f:
-        return [int(line) for line in f if line.strip()]
+        return [(int(i), where) for i, where in (line.split() for line in f if line.strip())]
 
 
 def exactly_once(df, n: int) -> None:

@@ -1,8 +1,9 @@
-"""Batch inference through real faults (worker processes, SIGKILL): two members killed
-mid-job leave the output exactly once, and a reader of the output directory sees no
-row twice (and no staged file) at any moment while the job runs; a whole cluster killed
-mid-job, the same call on a new cluster resumes it without reading or computing again
-the partitions committed before."""
+"""Batch inference through real faults and splits (worker processes): two members
+SIGKILLed mid-job leave the output exactly once, and a reader of the output directory
+sees no row twice (and no staged file) at any moment while the job runs; a whole cluster
+killed mid-job, the same call on a new cluster resumes it without reading or computing
+again the partitions committed before; GPU members (``resources=``) predict while a
+plain worker computes the frame's partitions for them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ import pytest
 import daskdist as dd
 from daskdist.inference.storage import Output
 from tests import inference_jobs as jobs
-from tests.conftest import make_cluster, sigkill, wait_for_workers, wait_until, worker_pids
+from tests.conftest import (
+    gpu_and_plain_cluster,
+    make_cluster,
+    sigkill,
+    wait_for_workers,
+    wait_until,
+    worker_pids,
+)
 
 pytest.importorskip("pandas")
 ddf = pytest.importorskip("dask.dataframe")
@@ -128,4 +136,24 @@ def test_a_whole_cluster_killed_mid_job_resumes_without_recomputing_what_was_com
         again = set(jobs.computed(log)[mark:])
         assert not again & before, f"partitions {sorted(again & before)} computed again"
         assert again | before == set(range(12))
+        coord.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_members_predict_while_a_helper_computes_the_partitions(tmp_path):
+    log = str(tmp_path / "computed")
+    with gpu_and_plain_cluster(threads=1) as (cluster, client, members, cpu):
+        coord = dd.Coordinator(client, name="helpers", resources={"GPU": 1})
+        wait_until(lambda: coord.status()["workers"] == 2, 60, "the two GPU workers")
+        job = coord.map_batches(jobs.predict, jobs.frame(10, 200, log=log, pause=0.02),
+                                output=str(tmp_path / "out"), model=jobs.model,
+                                keep=["id"], batch_size=64)
+        jobs.exactly_once(job.result(timeout=120), 2000)
+        p = job.progress()
+        assert {w["address"] for w in p["workers"]} <= members  # units only on members
+        assert sum(w["units"] for w in p["workers"]) == p["units"] == 10
+        made = [where for _, where in jobs.computed_where(log)]
+        # preferred, a loose restriction: on a loaded machine Dask may move a few
+        assert set(made) <= members | {cpu} and made.count(cpu) >= 0.75 * len(made), made
         coord.close()
