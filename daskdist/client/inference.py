@@ -89,6 +89,9 @@ def map_batches(channel: Channel, predict: Callable, source: Any, *, output: str
         if running["output"] != out.url:
             raise ValueError(f"a batch-inference job named {name!r} is running over output "
                              f"{running['output']!r}; name this one differently")
+        if overwrite:
+            raise ValueError(f"batch-inference job {name!r} is running: cancel it before "
+                             "starting it over (overwrite=True)")
         info = channel.owned("daskdist_infer_start", job=tuple(_definition(
             name, out, fingerprint, src, None, None, None, None)))
         return InferenceJob(channel, name, out, info)

@@ -96,6 +96,7 @@ class Job:
     seq: Any = field(default_factory=itertools.count)
     finishing: set[str] = field(default_factory=set)  # its finalizing closures' ids
     changed: asyncio.Event | None = None  # set at every change (progress long-polls)
+    counts: dict = field(default_factory=dict)  # its lease table's, as last read
 
     @property
     def owner(self) -> str:
@@ -315,7 +316,9 @@ class InferBook:
     # -- what is shown -------------------------------------------------------------------------
     def progress_of(self, j: Job) -> dict:
         st = j.state
-        p = self.co.leases.progress(j.dataset_id, 0) if st.state not in FINAL else {}
+        if st.state not in FINAL:  # an ended job's table may be gone: its last counts
+            j.counts = self.co.leases.progress(j.dataset_id, 0)
+        p = j.counts
         rps, ups = st.rates()
         units0, rows0, _ = st.resumed
         return {
