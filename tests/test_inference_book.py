@@ -164,3 +164,20 @@ def test_a_unit_failing_max_worker_failures_times_fails_the_job_naming_it():
     assert p["state"] == "failed" and "a.parquet row group 0, rows [0, 10)" in p["error"]
     assert "ZeroDivisionError: boom" in p["error"] and "3 times" in p["error"]
     assert p["workers"][0]["failures"] == 3 and "r" not in co.resources
+
+
+def test_a_unit_read_ahead_always_meets_a_closure():
+    """Every free row leased (s1 read them ahead) and the closures spent idle elsewhere:
+    the last one out is replaced, and the queue routes it to s1, which holds the rows."""
+    co = make()
+    route(co, "daskdist_infer_start")(**OWNER, job=job_def())
+    assert co.leases.acquire("s1", DS, 0, 60, least=60) == [(0, 60)]
+    idle = co.queue.dispatch("s2", 100)
+    assert len(idle) == 4
+    end(co, "s2", idle[:3])
+    assert not co.queue.closures.keys() - {c.cid for c in idle}  # one still out: no more
+    end(co, "s2", idle[3:])
+    assert len(co.queue.closures) == 1  # the last one out, replaced
+    assert co.queue.dispatch("s2", 1) == []  # set aside: s2 holds none of the rows
+    (c,) = co.queue.dispatch("s1", 1)
+    assert c.tag == DS

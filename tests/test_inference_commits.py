@@ -103,6 +103,8 @@ def test_closures_are_queued_while_rows_are_free_and_one_replaces_a_commit():
     assert job.top_up(4, leaseable=False, committed=True) == 1
     job.outstanding = 4
     assert job.top_up(4, leaseable=False, committed=True) == 0
+    job.outstanding = 0  # the last one out: one goes on (a unit read ahead meets it)
+    assert job.top_up(4, leaseable=False) == 1
 
 
 def test_per_worker_counts():
@@ -189,4 +191,6 @@ def test_top_up_never_exceeds_its_target(target, outstanding, leaseable, committ
     if leaseable:
         assert outstanding + n == max(outstanding, target)
     else:
-        assert n <= 1 and (n == 0 or (committed and outstanding < target))
+        assert n <= 1 and (n == 0 or ((committed or outstanding == 0)
+                                      and outstanding < target))
+        assert n == 1 or outstanding > 0  # never none left while rows are leased

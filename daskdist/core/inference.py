@@ -238,14 +238,16 @@ class JobState:
     # -- closures ---------------------------------------------------------------------------
     def top_up(self, target: int, leaseable: bool, committed: bool = False) -> int:
         """How many closures to queue now: up to ``target`` outstanding while rows are
-        free to lease (``leaseable``); after a commit (``committed``) one replaces the
-        closure that made it even without free rows (the next unit may be one a member
-        read ahead: the queue routes the closure to it). None once not running."""
+        free to lease (``leaseable``). Without free rows, the rows left are leased to
+        members (in progress, or read ahead): the queue routes the job's closures to
+        them, and one replaces a closure that committed (``committed``: the next unit
+        may be one its member read ahead), or the last one out, so that a unit read
+        ahead always meets a closure. None once not running."""
         if self.state != RUNNING:
             return 0
         if leaseable:
             return max(0, int(target) - self.outstanding)
-        return int(committed and self.outstanding < max(1, int(target)))
+        return int((committed or self.outstanding == 0) and self.outstanding < max(1, int(target)))
 
     # -- progress ---------------------------------------------------------------------------
     def rates(self) -> tuple[float, float]:

@@ -16,6 +16,7 @@ fails, naming the unit and the error, after ``max_worker_failures``).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from daskdist.session.tokens import take_consumed
 __all__ = ["Engine", "batches"]
 
 WRITERS = 2  # threads converting and writing a member's outputs
+IDLE_WAIT = 10.0  # longest a closure that found no unit waits for this worker's others
 
 
 def batches(items: list[ChunkItem], size: int) -> Iterator[tuple[Any, int]]:
@@ -86,15 +88,39 @@ class Engine:
                              on_failure=self._read_failed)
         self.pool = ThreadPoolExecutor(WRITERS, "daskdist-infer-write")
         self.row_group_rows = int(config.get("inference.row-group-rows", 65536))
+        self._running = 0  # units this engine's closures are predicting now
+        self._ended = threading.Condition()
 
     # -- one unit: a job closure's work ----------------------------------------------------
     def run_unit(self) -> dict:
         """Take the next unit, predict it, stage its output, commit and publish it (module
         doc): what happened, for the closure's result."""
         attempt = _attempt()
-        unit = self.feed.take()
+        unit = self.feed.take() or self._after_others()
         if unit is None:
             return {"unit": None}
+        with self._ended:
+            self._running += 1
+        try:
+            return self._run(attempt, unit)
+        finally:
+            with self._ended:
+                self._running -= 1
+                self._ended.notify_all()
+
+    def _after_others(self) -> ReadUnit | None:
+        """No unit is free now, but this worker's other closures are predicting: wait
+        until one of them ends (at most ``IDLE_WAIT``), then look again. At the job's
+        tail the scheduler routes its closures to the members still holding rows, and
+        one that returned at once would come straight back while those units run."""
+        with self._ended:
+            running = self._running
+            if not running:
+                return None
+            self._ended.wait_for(lambda: self._running < running, IDLE_WAIT)
+        return self.feed.take()
+
+    def _run(self, attempt: str, unit: ReadUnit) -> dict:
         name = describe(self.spec.source, unit.ranges)
         staged = self.spec.output.staged(attempt)
         writer = UnitWriter(self.spec.output, staged, self.pool, self.row_group_rows)
@@ -117,8 +143,9 @@ class Engine:
             reply = self.services.call("daskdist_infer_unit",
                                        ended={"commit": False, "why": "session ended"},
                                        report=tuple(report))
-            if not reply.get("commit"):
+            if not reply.get("commit"):  # its rows go back, if they are still its own
                 self.spec.output.discard(staged)
+                self.services.release_tokens(tokens)
                 return {"unit": name, "refused": reply.get("why", "")}
             self.spec.output.publish(reply["record"])
         except BaseException:
@@ -157,6 +184,9 @@ class Engine:
         """Released (the job ended) or the session ended: stop reading, give leased rows
         back, let the writes end."""
         self.feed.close()
+        with self._ended:
+            self._running = 0  # a closure waiting for the others returns now
+            self._ended.notify_all()
         self.pool.shutdown(wait=True)
 
 
