@@ -171,9 +171,9 @@ def test_a_unit_read_ahead_always_meets_a_closure():
     the last one out is replaced, and the queue routes it to s1, which holds the rows."""
     co = make()
     route(co, "daskdist_infer_start")(**OWNER, job=job_def())
-    assert co.leases.acquire("s1", DS, 0, 60, least=60) == [(0, 60)]
-    idle = co.queue.dispatch("s2", 100)
+    idle = co.queue.dispatch("s2", 100)  # prefetched by s2's worker, then s1 leases all
     assert len(idle) == 4
+    assert co.leases.acquire("s1", DS, 0, 60, least=60) == [(0, 60)]
     end(co, "s2", idle[:3])
     assert not co.queue.closures.keys() - {c.cid for c in idle}  # one still out: no more
     end(co, "s2", idle[3:])
