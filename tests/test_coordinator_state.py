@@ -696,7 +696,7 @@ def test_every_session_route_answers_an_ended_session_with_one_reply():
         "daskdist_report": dict(results=[]),
         "daskdist_renew": {},
         "daskdist_session_ready": {},
-        "daskdist_infer_unit": dict(report=["none", "c#1", [], "", 0, [], "u", ""]),
+        "daskdist_infer_unit": dict(report=["none", "c#1", [], "", 0, [], "u", "", b""]),
         "daskdist_infer_plan": dict(job="none"),
         "daskdist_infer_finalized": dict(job="none", ok=True),
     }

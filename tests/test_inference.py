@@ -72,6 +72,12 @@ def test_files_and_a_lazy_frame_every_row_once_the_model_built_once(coord, tmp_p
     assert fjob.progress()["units"] == 6
     pids = jobs.builds(built2)
     assert len(pids) == len(set(pids)) <= 2
+    # a small output returned in memory: each committed unit's rows once, no file
+    small = coord.map_batches(jobs.predict, jobs.frame(4, 100), output=None, model=jobs.model,
+                              keep=["id"], batch_size=32, name="scores")
+    jobs.exactly_once(small.result(timeout=120), 400)
+    assert small.files() == [] and small.progress()["units"] == 4
+
     # the job is seen: in the coordinator's status, on the dashboard (status.json's
     # rows, per worker) and in the metrics
     status = coord.status()["inference"]

@@ -271,7 +271,8 @@ class Coordinator(ClosureClient):
                                                bool(loader_options.get("shuffle", False))))
         return DistributedDataset(self, values, source, name, seed)
 
-    def map_batches(self, predict: Callable[[Any, dict], Any], source: Any, *, output: str,
+    def map_batches(self, predict: Callable[[Any, dict], Any], source: Any, *,
+                    output: str | None,
                     model: Callable[[Any], Any] | None = None, batch_size: int = 256,
                     keep: list | None = None, name: str | None = None,
                     **options: Any) -> Any:
@@ -290,6 +291,8 @@ class Coordinator(ClosureClient):
         this client. The same call (same ``name`` and ``output``) on any cluster resumes
         it: committed units are neither read nor computed again; another source under
         the same name raises ``dd.InputError`` (``overwrite=True`` starts over).
+        ``output=None`` returns a small output in memory instead (kept on the scheduler,
+        at most ``daskdist.inference.memory-bytes``; no resume).
         ``options``: ``columns`` (the input columns read), ``overwrite``, ``unit_rows``
         (rows one unit of files covers at least: an output file each),
         ``fill_null``, ``device``, ``storage_options`` (fsspec's).

@@ -46,7 +46,7 @@ def _positive(value: Any, what: str) -> int:
     return n()
 
 
-def map_batches(channel: Channel, predict: Callable, source: Any, *, output: str,
+def map_batches(channel: Channel, predict: Callable, source: Any, *, output: str | None,
                 model: Callable | None = None, batch_size: int = 256,
                 keep: Sequence[Any] | None = None, name: str | None = None,
                 columns: Sequence[Any] | None = None, overwrite: bool = False,
@@ -59,7 +59,7 @@ def map_batches(channel: Channel, predict: Callable, source: Any, *, output: str
     from daskdist.core.leases.units import unit_runs
     from daskdist.data.sources import as_source
     from daskdist.inference.job import JobSpec, finalize, run_unit
-    from daskdist.inference.storage import Output
+    from daskdist.inference.storage import Output, Resume
 
     if not callable(predict):
         raise TypeError(f"predict must be callable as predict(model, batch), got {predict!r}")
@@ -78,15 +78,19 @@ def map_batches(channel: Channel, predict: Callable, source: Any, *, output: str
     read = list(columns) + [k for k in keep if k not in columns] if columns else known
     if columns and getattr(src, "num_partitions", None) is not None:
         src = as_source(source, read)  # a frame's projection, pushed into its graph
-    out = Output(output, storage_options)
-    out.check_writable()  # ValueError naming the output
-    name = name if name is not None else f"infer-{uuid.uuid5(uuid.NAMESPACE_URL, out.url).hex[:12]}"
+    out = None if output is None else Output(output, storage_options)
+    url = out.url if out is not None else ""  # "": the output returned in memory
+    if out is not None:
+        out.check_writable()  # ValueError naming the output
+    if name is None:  # an output's job resumes by its URL; one in memory is new
+        key = uuid.uuid5(uuid.NAMESPACE_URL, url) if url else uuid.uuid4()
+        name = f"infer-{key.hex[:12]}"
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
     fingerprint = src.fingerprint()
     running = channel.call("daskdist_infer_progress", job=name)
     if running.get("state") in ("running", "finalizing"):
-        if running["output"] != out.url:
+        if running["output"] != url:
             raise ValueError(f"a batch-inference job named {name!r} is running over output "
                              f"{running['output']!r}; name this one differently")
         if overwrite:
@@ -95,7 +99,8 @@ def map_batches(channel: Channel, predict: Callable, source: Any, *, output: str
         info = channel.owned("daskdist_infer_start", job=tuple(_definition(
             name, out, fingerprint, src, None, None, None, None)))
         return InferenceJob(channel, name, out, info)
-    done = _prepare(out, name, fingerprint, src.what, overwrite)
+    done = _prepare(out, name, fingerprint, src.what, overwrite) if out is not None \
+        else Resume()
     if done.complete:
         return InferenceJob(channel, name, out, _completed(name, out, done))
     lengths = None
@@ -126,7 +131,8 @@ def _definition(name: str, out: Any, fingerprint: str, src: Any, rid: str | None
     dataset = src.definition(f"{rid}-input", name, 0, False)
     run, finish = payloads if payloads is not None else ([b"", None], [b"", None])
     return InferenceJobDef(
-        name, out.url, fingerprint, tuple(dataset), rid, engine or b"", run, finish,
+        name, out.url if out is not None else "", fingerprint, tuple(dataset), rid,
+        engine or b"", run, finish,
         [] if done is None else [list(r) for r in done.committed],
         None if not lengths else [list(r) for r in lengths],
         0 if done is None else done.units, 0 if done is None else done.out_rows)
@@ -181,7 +187,7 @@ class InferenceJob:
     def __init__(self, channel: Channel, name: str, output: Any, info: dict) -> None:
         self._channel = channel
         self.name = name
-        self.output = output.url
+        self.output = output.url if output is not None else None  # None: in memory
         self._out = output
         self._last = dict(info)
         self.attached = bool(info.get("attached"))
@@ -263,18 +269,38 @@ class InferenceJob:
             raise InputError(p["error"] or f"batch-inference job {self.name!r} failed")
         if p["state"] == "cancelled":
             raise CancelledError(f"batch-inference job {self.name!r} was cancelled")
+        import pandas as pd
+
+        if self._out is None:  # returned in memory: each committed unit's output once
+            return ddf.from_pandas(self._collect(), npartitions=1)
         files = self.files()
         if not files:  # an empty input: an empty frame
-            import pandas as pd
-
             return ddf.from_pandas(pd.DataFrame(), npartitions=1)
         return ddf.read_parquet(files, storage_options=self._out.storage_options or None)
+
+    def _collect(self) -> Any:
+        """A job's output returned in memory, as one pandas DataFrame (row order)."""
+        import pandas as pd
+        import pyarrow as pa
+
+        from daskdist.inference.outputs import from_ipc
+
+        reply = self._channel.call("daskdist_infer_outputs", job=self.name)
+        if reply.get("outputs") is None:
+            raise RuntimeError(f"batch-inference job {self.name!r}'s output is not on the "
+                               "scheduler any more (it restarted?): run it again")
+        tables = [from_ipc(data) for data in reply["outputs"]]
+        if not tables:
+            return pd.DataFrame()
+        return pa.concat_tables(tables, promote_options="permissive").to_pandas()
 
     def files(self) -> list[str]:
         """The committed units' files, in row order: the manifest's once the job
         completed, else those its ledger holds now."""
         from daskdist.inference.storage import manifest_files
 
+        if self._out is None:  # returned in memory: no file
+            return []
         if self._fetch()["state"] == "complete":
             return manifest_files(self._out.url, self._out.storage_options)
         return [self._out.url_of(r["file"]) for r in self._out.records()]

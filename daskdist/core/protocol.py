@@ -269,8 +269,9 @@ class InferenceJobDef(NamedTuple):
 
 
 class UnitReport(NamedTuple):
-    """A unit a job's closure ran (``daskdist_infer_unit``): its output staged, asking to
-    be committed, or its failure (``error``)."""
+    """A unit a job's closure ran (``daskdist_infer_unit``): its output staged (or, for a
+    job whose output is returned in memory, as Arrow IPC ``data``), asking to be
+    committed, or its failure (``error``)."""
 
     job: str
     attempt: str  # "<closure id>#<attempt>"
@@ -280,6 +281,7 @@ class UnitReport(NamedTuple):
     lengths: list  # [(partition, rows), ...] learned by reading it
     unit: str  # how the unit is named: its file (row groups) or partition, and rows
     error: str = ""  # why it failed ("" when staged)
+    data: bytes = b""  # the output itself, when the job returns it in memory
 
 
 class RankWindow(NamedTuple):

@@ -122,8 +122,9 @@ class Engine:
 
     def _run(self, attempt: str, unit: ReadUnit) -> dict:
         name = describe(self.spec.source, unit.ranges)
-        staged = self.spec.output.staged(attempt)
-        writer = UnitWriter(self.spec.output, staged, self.pool, self.row_group_rows)
+        output = self.spec.output  # None: the output is returned in memory
+        staged = output.staged(attempt) if output is not None else ""
+        writer = UnitWriter(output, staged or None, self.pool, self.row_group_rows)
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -134,20 +135,24 @@ class Engine:
             out_rows = writer.close()
         except Exception as e:  # noqa: BLE001 - the unit failed: its rows go back, counted
             writer.abort()
-            self.spec.output.discard(staged)
+            if output is not None:
+                output.discard(staged)
             return self._predict_failed(attempt, name, unit, e)
         tokens = take_consumed()
         try:
             report = UnitReport(self.spec.name, attempt, tokens, staged, out_rows,
-                                lengths_learned(self.spec.source, unit.ranges), name)
+                                lengths_learned(self.spec.source, unit.ranges), name, "",
+                                writer.data)
             reply = self.services.call("daskdist_infer_unit",
                                        ended={"commit": False, "why": "session ended"},
                                        report=tuple(report))
             if not reply.get("commit"):  # its rows go back, if they are still its own
-                self.spec.output.discard(staged)
+                if output is not None:
+                    output.discard(staged)
                 self.services.release_tokens(tokens)
                 return {"unit": name, "refused": reply.get("why", "")}
-            self.spec.output.publish(reply["record"])
+            if output is not None:
+                output.publish(reply["record"])
         except BaseException:
             # rows this session still holds go back (committed rows stay committed: a
             # unit won and not published is the finalization's)

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from daskdist.data.convert import arrow_column
 
-__all__ = ["UnitWriter", "to_table"]
+__all__ = ["UnitWriter", "from_ipc", "to_table"]
 
 
 def _column(name: str, value: Any) -> pa.Array:
@@ -75,11 +75,12 @@ def to_table(out: Any, batch: Mapping, keep: Sequence[Any], rows_in: int) -> pa.
 
 class UnitWriter:
     """One unit's output, converted and written to ``path`` (a staged file of
-    ``output``) in ``pool``'s threads, in order, while the caller predicts the next
-    batches. :meth:`close` waits for the last write and returns the rows written;
-    :meth:`abort` drops what is left (the caller discards the file)."""
+    ``output``; ``None``: kept, for :attr:`data`) in ``pool``'s threads, in order, while
+    the caller predicts the next batches. :meth:`close` waits for the last write and
+    returns the rows written; :meth:`abort` drops what is left (the caller discards the
+    file)."""
 
-    def __init__(self, output: Any, path: str, pool: ThreadPoolExecutor,
+    def __init__(self, output: Any, path: str | None, pool: ThreadPoolExecutor,
                  row_group_rows: int) -> None:
         self.output = output
         self.path = path
@@ -93,6 +94,8 @@ class UnitWriter:
         self._writer: pq.ParquetWriter | None = None
         self._file: Any = None
         self._aborted = False
+        self._kept: list[pa.Table] = []  # in memory (no path)
+        self.data = b""  # once closed, in memory: the unit's output as Arrow IPC
 
     def put(self, out: Any, batch: Mapping, keep: Sequence[Any], rows_in: int) -> None:
         """Queue one batch's output (converted and written in the pool, after the ones
@@ -120,6 +123,10 @@ class UnitWriter:
             return
         table = pa.concat_tables(self._pending, promote_options="permissive")
         self._pending, self._pending_rows = [], 0
+        if self.path is None:
+            self._kept.append(table)
+            self.rows += table.num_rows
+            return
         if self._writer is None:
             self._file = self.output.open(self.path, "wb")
             self._writer = pq.ParquetWriter(self._file, table.schema)
@@ -131,9 +138,10 @@ class UnitWriter:
         if self._last is not None:
             self._last.result()
         with self._lock:
-            if self._writer is None and not self._pending:
-                self._pending.append(pa.table({}))  # no batch: an empty file all the same
             self._flush()
+            if self.path is None:
+                self.data = _ipc(pa.concat_tables(self._kept, promote_options="permissive"))
+                return self.rows
             self._writer.close()
             self._file.close()
         return self.rows
@@ -150,3 +158,16 @@ class UnitWriter:
                     self._writer.close()
                 if self._file is not None:
                     self._file.close()
+
+
+def _ipc(table: pa.Table) -> bytes:
+    """``table`` as an Arrow IPC stream."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.Table:
+    """An Arrow IPC stream's table (a unit's output returned in memory)."""
+    return pa.ipc.open_stream(data).read_all()

@@ -18,7 +18,9 @@ The book drives each job; its client only starts, watches and cancels it. A job 
   lease table says the input cannot complete;
 - its end: once every row is committed and published, a closure writes the manifest
   and ``_SUCCESS`` (publishing any unit whose attempt was lost after winning), then the
-  engines are released on every worker.
+  engines are released on every worker. A job without an output (its outputs returned
+  in memory) keeps each committed unit's output, which came with its commit, until its
+  client reads it: at most ``daskdist.inference.memory-bytes``.
 
 The book asks its coordinator through :class:`InferenceHost`'s named methods. Runs on
 the scheduler's event loop; imports nothing from Dask, torch or pyarrow.
@@ -97,6 +99,13 @@ class Job:
     finishing: set[str] = field(default_factory=set)  # its finalizing closures' ids
     changed: asyncio.Event | None = None  # set at every change (progress long-polls)
     counts: dict = field(default_factory=dict)  # its lease table's, as last read
+    # a job without an output (``output=""``): its committed units' outputs, by first row
+    memory: dict[int, bytes] = field(default_factory=dict)
+    memory_bytes: int = 0
+
+    @property
+    def in_memory(self) -> bool:
+        return not self.spec.output
 
     @property
     def owner(self) -> str:
@@ -198,9 +207,26 @@ class InferBook:
                         r.job, r.unit, r.attempt, why)
             return {"commit": False, "why": why}
         unit = st.commit(session, r.attempt, rows, r.staged, r.out_rows, r.lengths, address)
+        if j.in_memory:  # the output came with the commit: kept until the client reads it
+            j.memory[unit.first] = r.data
+            j.memory_bytes += len(r.data)
+            limit = config.nbytes("inference.memory-bytes")
+            if j.memory_bytes > limit:
+                st.fail(f"batch-inference job {j.spec.name!r}: its output passed "
+                        f"daskdist.inference.memory-bytes ({limit} bytes) on the "
+                        "scheduler; give it an output= to write it to")
+                self._ended(j)
         self.pump(j, committed=True)
         self._changed(j)
         return {"commit": True, "file": unit.file, "record": unit.record()}
+
+    def outputs(self, job: str) -> dict:
+        """A job's output returned in memory: its committed units' Arrow IPC streams, in
+        row order (``{"outputs": None}`` for a job that writes its output)."""
+        j = self.jobs.get(protocol.text(job, "daskdist_infer_outputs: job"))
+        if j is None or not j.in_memory:
+            return {"outputs": None}
+        return {"outputs": [j.memory[first] for first in sorted(j.memory)]}
 
     def plan(self, session: str, job: str) -> dict:
         """What the finalizing closure publishes: the units decided whose attempt did not
@@ -271,7 +297,10 @@ class InferBook:
         if p.get("complete") or (p.get("known") and p.get("total") == 0):
             if st.ready_to_finalize(True):
                 st.begin_finalize()
-                self._queue_finalize(j)
+                if j.in_memory:  # nothing to write: every unit came with its commit
+                    self._finalize_ended(j, True, "")
+                else:
+                    self._queue_finalize(j)
                 self._changed(j)
             return
         # free (or deferred) rows, or none leased: a closure may lease; else only members
@@ -357,7 +386,7 @@ def _job_def(value: Any) -> InferenceJobDef:
     op = "daskdist_infer_start"
     d = protocol.named(value, f"{op}: job", InferenceJobDef)
     protocol.text(d.name, f"{op}: name")
-    protocol.text(d.output, f"{op}: output", 4096)
+    protocol.text(d.output, f"{op}: output", 4096, empty=True)  # "": returned in memory
     protocol.text(d.fingerprint, f"{op}: fingerprint", 4096)
     protocol.record(d.dataset, f"{op}: dataset", len(DatasetDef._fields))
     protocol.text(d.resource, f"{op}: resource")
@@ -386,7 +415,14 @@ def _report(value: Any) -> UnitReport:
         out_rows=protocol.integer(r.out_rows, f"{op}: out_rows", 0, protocol.MAX_ROWS),
         lengths=[(int(p), int(n)) for p, n in lengths],
         unit=protocol.text(r.unit, f"{op}: unit", 4096, empty=True),
-        error=protocol.text(r.error, f"{op}: error", 16384, empty=True))
+        error=protocol.text(r.error, f"{op}: error", 16384, empty=True),
+        data=_data(r.data, f"{op}: data"))
+
+
+def _data(value: Any, what: str) -> bytes:
+    if not isinstance(value, bytes):
+        raise TypeError(f"{what} must be bytes, got {type(value).__name__}")
+    return value
 
 
 def rows_of(tokens: list) -> list[Interval]:
@@ -402,6 +438,7 @@ INFER_ROUTES = {
     "daskdist_infer_start": Route(InferBook.start, caller=OWNER),
     "daskdist_infer_progress": Route(InferBook.progress, caller=ANY),
     "daskdist_infer_cancel": Route(InferBook.cancel, caller=OWNER),
+    "daskdist_infer_outputs": Route(InferBook.outputs, caller=ANY),
     "daskdist_infer_unit": Route(InferBook.unit, caller=SESSION),
     "daskdist_infer_plan": Route(InferBook.plan, caller=SESSION),
     "daskdist_infer_finalized": Route(InferBook.finalized, caller=SESSION),
