@@ -77,6 +77,7 @@ def test_files_and_a_lazy_frame_every_row_once_the_model_built_once(coord, tmp_p
                               keep=["id"], batch_size=32, name="scores")
     jobs.exactly_once(small.result(timeout=120), 400)
     assert small.files() == [] and small.progress()["units"] == 4
+    jobs.exactly_once(small.result(), 400)  # read once from the scheduler, then kept
 
     # the job is seen: in the coordinator's status, on the dashboard (status.json's
     # rows, per worker) and in the metrics

@@ -193,6 +193,7 @@ class InferenceJob:
         self.attached = bool(info.get("attached"))
         self.resumed = bool(info.get("resumed_units"))
         self._bar: Any = None
+        self._kept: Any = None  # an output returned in memory, once read (a pandas frame)
 
     # -- watching ------------------------------------------------------------------------
     def _fetch(self, wait: float = 0.0) -> dict:
@@ -285,14 +286,17 @@ class InferenceJob:
 
         from daskdist.inference.outputs import from_ipc
 
-        reply = self._channel.call("daskdist_infer_outputs", job=self.name)
+        if self._kept is not None:
+            return self._kept
+        reply = self._channel.owned("daskdist_infer_outputs", job=self.name, release=True)
         if reply.get("outputs") is None:
             raise RuntimeError(f"batch-inference job {self.name!r}'s output is not on the "
-                               "scheduler any more (it restarted?): run it again")
+                               "scheduler any more (read by another client, or the "
+                               "scheduler restarted): run the job again")
         tables = [from_ipc(data) for data in reply["outputs"]]
-        if not tables:
-            return pd.DataFrame()
-        return pa.concat_tables(tables, promote_options="permissive").to_pandas()
+        self._kept = (pa.concat_tables(tables, promote_options="permissive").to_pandas()
+                      if tables else pd.DataFrame())
+        return self._kept
 
     def files(self) -> list[str]:
         """The committed units' files, in row order: the manifest's once the job

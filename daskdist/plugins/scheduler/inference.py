@@ -99,8 +99,9 @@ class Job:
     finishing: set[str] = field(default_factory=set)  # its finalizing closures' ids
     changed: asyncio.Event | None = None  # set at every change (progress long-polls)
     counts: dict = field(default_factory=dict)  # its lease table's, as last read
-    # a job without an output (``output=""``): its committed units' outputs, by first row
-    memory: dict[int, bytes] = field(default_factory=dict)
+    # a job without an output (``output=""``): its committed units' outputs, by first
+    # row, until a client read them (then None)
+    memory: dict[int, bytes] | None = field(default_factory=dict)
     memory_bytes: int = 0
 
     @property
@@ -207,7 +208,7 @@ class InferBook:
                         r.job, r.unit, r.attempt, why)
             return {"commit": False, "why": why}
         unit = st.commit(session, r.attempt, rows, r.staged, r.out_rows, r.lengths, address)
-        if j.in_memory:  # the output came with the commit: kept until the client reads it
+        if j.in_memory and j.memory is not None:  # its output came with the commit
             j.memory[unit.first] = r.data
             j.memory_bytes += len(r.data)
             limit = config.nbytes("inference.memory-bytes")
@@ -220,13 +221,17 @@ class InferBook:
         self._changed(j)
         return {"commit": True, "file": unit.file, "record": unit.record()}
 
-    def outputs(self, job: str) -> dict:
+    def outputs(self, owner: str, token: str, job: str, release: bool = False) -> dict:
         """A job's output returned in memory: its committed units' Arrow IPC streams, in
-        row order (``{"outputs": None}`` for a job that writes its output)."""
+        row order (``{"outputs": None}`` for a job that writes its output, or whose
+        output a client read with ``release``: the scheduler keeps it no longer)."""
         j = self.jobs.get(protocol.text(job, "daskdist_infer_outputs: job"))
-        if j is None or not j.in_memory:
+        if j is None or not j.in_memory or j.memory is None:
             return {"outputs": None}
-        return {"outputs": [j.memory[first] for first in sorted(j.memory)]}
+        out = [j.memory[first] for first in sorted(j.memory)]
+        if protocol.flag(release, "daskdist_infer_outputs: release") and j.state.state in FINAL:
+            j.memory, j.memory_bytes = None, 0
+        return {"outputs": out}
 
     def plan(self, session: str, job: str) -> dict:
         """What the finalizing closure publishes: the units decided whose attempt did not
@@ -438,7 +443,7 @@ INFER_ROUTES = {
     "daskdist_infer_start": Route(InferBook.start, caller=OWNER),
     "daskdist_infer_progress": Route(InferBook.progress, caller=ANY),
     "daskdist_infer_cancel": Route(InferBook.cancel, caller=OWNER),
-    "daskdist_infer_outputs": Route(InferBook.outputs, caller=ANY),
+    "daskdist_infer_outputs": Route(InferBook.outputs, caller=OWNER),
     "daskdist_infer_unit": Route(InferBook.unit, caller=SESSION),
     "daskdist_infer_plan": Route(InferBook.plan, caller=SESSION),
     "daskdist_infer_finalized": Route(InferBook.finalized, caller=SESSION),
