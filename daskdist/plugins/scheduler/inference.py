@@ -135,9 +135,19 @@ class InferBook:
             return {"attached": True, **self.progress_of(old)}
         dataset = DatasetDef(*d.dataset)
         ds = protocol.text(dataset.dataset_id, "daskdist_infer_start: dataset_id")
+        co = self.co
+        owner_of_job = job_owner(d.name)
+        co.define_dataset(dataset, owner_of_job)  # its units; then what earlier runs did
+        try:
+            if d.lengths:
+                resume.learn_lengths(co.leases, ds, d.lengths)
+            if d.committed:
+                resume.start_epoch(co.leases, ds, 0, d.committed)
+        except Exception:  # a ledger that does not fit the source: nothing starts
+            co.forget_datasets([ds])
+            raise
         state = JobState(d.name, d.committed, d.units, d.out_rows, self.max_failures)
         new = Job(d, ds, state, changed=_event())
-        co = self.co
         gone = [self.jobs.pop(d.name)] if old is not None else []
         self.jobs[d.name] = new
         while len(self.jobs) > KEPT_JOBS and next(iter(self.jobs.values())).state.state in FINAL:
@@ -145,12 +155,7 @@ class InferBook:
         # an ended job's lease table stays until the job is forgotten: a member's lease
         # asked just as it ended finds it (and gives its rows back with its engine)
         co.forget_datasets([g.dataset_id for g in gone])
-        co.add_resource(new.owner, d.resource, d.engine)
-        co.define_dataset(dataset, new.owner)
-        if d.lengths:
-            resume.learn_lengths(co.leases, ds, d.lengths)
-        if d.committed:
-            resume.start_epoch(co.leases, ds, 0, d.committed)
+        co.add_resource(owner_of_job, d.resource, d.engine)
         logger.info("daskdist[%s]: batch-inference job %r started (%d units committed "
                     "before)", co.name, d.name, d.units)
         self.pump(new)
@@ -163,7 +168,8 @@ class InferBook:
         if j is None:
             return {"state": None}
         wait = protocol.number(wait, "daskdist_infer_progress: wait", 0.0, 3600.0)
-        if wait and j.state.version == int(version) and j.changed is not None:
+        version = protocol.integer(version, "daskdist_infer_progress: version", -1, 2**62)
+        if wait and j.state.version == version and j.changed is not None:
             j.changed.clear()
             try:
                 await asyncio.wait_for(j.changed.wait(), wait)
