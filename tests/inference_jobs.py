@@ -65,6 +65,11 @@ def model(ctx, log: str | None = None):
     return torch.tensor(2.0, device=ctx.device)
 
 
+def broken_model(ctx):
+    """A model whose weights are missing."""
+    raise OSError("no weights at /nowhere/model.pt")
+
+
 def predict(m, batch, log: str | None = None, bad: tuple[int, str] | None = None,
             pause: float = 0.0) -> dict:
     """``y = m * x``; logs ``pid first last+1`` of each batch; raises on row ``bad[0]``

@@ -126,6 +126,12 @@ def test_bad_arguments_and_another_source_under_the_same_name_are_refused(coord,
                               keep=["id"], overwrite=True)
     jobs.exactly_once(fresh.result(timeout=120), 300)
 
+    # a model that cannot be built fails the job (not a closure loop), naming why
+    broken = coord.map_batches(jobs.predict, glob, output=str(tmp_path / "broken"),
+                               model=jobs.broken_model, name="broken")
+    with pytest.raises(dd.InputError, match="no weights at /nowhere"):
+        broken.result(timeout=120)
+
     # cancelled: nothing more is committed, what was stays, the same call resumes it
     slow = functools.partial(jobs.predict, pause=0.1)
     kw = {"output": str(tmp_path / "slow"), "model": model, "name": "slow", "keep": ["id"],

@@ -181,3 +181,23 @@ def test_a_unit_read_ahead_always_meets_a_closure():
     assert co.queue.dispatch("s2", 1) == []  # set aside: s2 holds none of the rows
     (c,) = co.queue.dispatch("s1", 1)
     assert c.tag == DS
+
+
+def test_closures_failing_in_a_row_fail_the_job_naming_why():
+    """An engine that cannot be built (its model's factory raised) fails every closure
+    before it runs: after max_worker_failures in a row the job fails, saying why."""
+    from daskdist.core.protocol import INPUT_ERROR
+    from daskdist.errors import InputError, dump_error
+
+    co = make()
+    route(co, "daskdist_infer_start")(**OWNER, job=job_def())
+    payload = dump_error(InputError("per-worker dataset r could not be built: OSError: "
+                                    "no weights"))
+    for n in range(3):
+        (c,) = co.queue.dispatch("s1", 1)
+        co.closure_book.apply_results("s1", [Outcome(c.cid, "FAILED", payload, INPUT_ERROR,
+                                                     c.attempt)])
+        assert progress(co)["state"] == ("failed" if n == 2 else "running")
+    p = progress(co)
+    assert "failed 3 times in a row" in p["error"] and "no weights" in p["error"]
+    assert not co.queue.errors and "r" not in co.resources

@@ -97,8 +97,8 @@ class JobState:
     """One job's commits, its life and its closures (module doc).
 
     ``committed``: the rows its output's ledger holds (earlier runs), ``units`` and
-    ``out_rows`` of those; ``max_failures``: finalizations that may fail before the job
-    does; ``clock``: seconds, for rates."""
+    ``out_rows`` of those; ``max_failures``: finalizations (and closures in a row) that
+    may fail before the job does; ``clock``: seconds, for rates."""
 
     name: str
     committed: Iterable[Sequence[int]] = ()
@@ -113,6 +113,7 @@ class JobState:
     errors: deque = field(default_factory=lambda: deque(maxlen=MAX_ERRORS))
     outstanding: int = 0  # the job's unit closures queued or running
     finalize_failures: int = 0
+    failed_in_a_row: int = 0  # job closures that raised since the last commit
     version: int = 0  # bumped at every change a waiter may care about
 
     def __post_init__(self) -> None:
@@ -150,6 +151,7 @@ class JobState:
         unit = Unit(rows[0][0], rows, attempt, session, staged, int(out_rows),
                     [(int(p), int(n)) for p, n in lengths])
         self.decided[attempt] = unit
+        self.failed_in_a_row = 0
         self.units += 1
         self.out_rows += unit.out_rows
         counts = self._counts(session, address)
@@ -167,6 +169,18 @@ class JobState:
         self._counts(session, address).failures += 1
         self.errors.append((unit, message))
         self.version += 1
+
+    def closure_failed(self, why: str) -> bool:
+        """A job closure raised (not a unit's failure: those it catches): its engine
+        could not be built (the model's factory raised), or its output could not be
+        written. ``max_failures`` in a row with no commit between fail the job with
+        ``why``, rather than retrying forever. Whether it failed."""
+        self.failed_in_a_row += 1
+        if self.state == RUNNING and self.failed_in_a_row >= self.max_failures:
+            self.fail(f"its closures failed {self.failed_in_a_row} times in a row: {why}")
+            return True
+        self.version += 1
+        return False
 
     def attempt_ended(self, attempt: str, ok: bool) -> None:
         """The closure of ``attempt`` ended: a unit it won is published when it ended

@@ -52,6 +52,7 @@ from daskdist.core.protocol import (
     Route,
     UnitReport,
 )
+from daskdist.errors import load_error
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +275,11 @@ class InferBook:
         st = j.state
         st.outstanding = max(0, st.outstanding - 1)
         st.attempt_ended(f"{o.cid}#{o.attempt}", o.state == READY)
+        if o.state != READY and st.state == RUNNING:
+            err = load_error(o.value, o.kind)
+            if st.closure_failed(f"{type(err).__name__}: {err}"):
+                self._ended(j)
+                return
         self.pump(j)
 
     def session_ended(self, session: str) -> None:
