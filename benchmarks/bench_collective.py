@@ -394,7 +394,7 @@ def _membership_event(kind: str) -> tuple[float, float]:
             if kind == "no-replacement":
                 for nanny in cluster.workers.values():
                     if getattr(nanny, "worker_address", None) == victim_addr:
-                        nanny.auto_restart = False  # the Nanny stays, no replacement
+                        nanny.close_gracefully()  # no replacement after the kill
             t0 = time.time()
             if kind == "retire":
                 client.retire_workers([victim_addr])

@@ -548,10 +548,11 @@ async def row_stats(n: int, samples: int = 600) -> dict[str, dict]:
         await sim.exchange(s, results=[Outcome(c[0], READY, None, None, 1)
                                        for c in reply["closures"]], want=0)
     stats = co.stats
-    if hasattr(stats, "fold"):  # the workers' counts of those closures, as before a sample
-        stats.fold(co)
+
     def sample() -> None:
         stats.sample(co) if hasattr(stats, "fold") else stats.sample(co.status())
+
+    sample()  # the workers' counts of those closures folded in, as at a sample
 
     tracemalloc.start()  # the history a full window holds...
     before = tracemalloc.get_traced_memory()[0]

@@ -125,7 +125,7 @@ def loop(state, it, steps: int, batch: int, commit: bool, logdir: str) -> dict:
             commits.append(t2 - t1)
         if i + 1 >= steps or (logdir and (Path(logdir) / "stop").exists()):
             break
-    whole = sum(int(np.prod(e.shape)) * e.dtype.itemsize for e in state._saved.cut.entries)
+    whole = sum(int(np.prod(e.shape)) * e.dtype.itemsize for e in state._shards.saved.cut.entries)
     return {"work": statistics.median(work), "commit": statistics.median(commits),
             "held": state.commit_bytes, "whole": whole, "rank": g.rank}
 

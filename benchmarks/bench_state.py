@@ -12,11 +12,11 @@ two more tensors per parameter. Per commit, median of ``--commits``:
 - **ours**: ``HostCopy.fill``: the same tensors copied into host buffers made once and
   refilled in place (pinned and asynchronous on CUDA; on the CPU a plain copy).
 
-Printed: milliseconds a commit, bytes newly allocated a commit, ours / anchor. The
-before/after of the State itself: before, a commit in flight kept a second deep copy
-(and ``State`` 3-4 copies at worst: committed, in flight, the snapshot taken before the
-allgather); now one host copy, plus the spare buffers a dynamic dataset's commit in
-flight fills.
+Printed: milliseconds a commit, bytes newly allocated a commit, ours / anchor.
+
+**Host bytes per rank** (``State.commit_bytes``): a replicated State's keeper holds one
+host copy, the committed one; a dynamic dataset's commit in flight fills a second one,
+which goes once the commit settles and none is in flight.
 
 **Staging ring.** Blocks of image rows (3x64x64 float32, 48 KiB a row; 2,048-row blocks
 of 96 MiB) through the CUDA loader's device stage with a host stand-in for the copies:
@@ -35,6 +35,8 @@ import time
 import torch
 from figures import record
 
+from daskdist.collective.state.keeper import Subject
+from daskdist.collective.state.replica import ReplicaKeeper
 from daskdist.collective.state.snapshot import HostCopy
 from daskdist.data.convert import Chunk
 from daskdist.data.staging import DeviceStage
@@ -93,6 +95,23 @@ def main() -> None:
            "(nothing allocated a commit)", ours=o * 1e3, unit="ms",
            anchor=f"Horovod's `deepcopy` ({state_bytes / 2**20:.0f} MiB allocated a commit)",
            anchor_value=a * 1e3)
+    host_bytes(model, opt)
+
+
+def host_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A replicated State's host bytes per rank: the committed copy, a commit in flight
+    with it, and after that commit settled."""
+    keeper = ReplicaKeeper(Subject(model, opt, {}))
+    keeper.save()
+    idle = keeper.nbytes(None)
+    candidate = keeper.candidate()  # a dynamic dataset's commit, its outcome not known
+    flight = keeper.nbytes(candidate)
+    keeper.promote(candidate)  # confirmed at the next commit, none after it
+    keeper.idle()
+    settled = keeper.nbytes(None)
+    print(f"\nState host bytes per rank: {idle / 2**20:.0f} MiB with no commit in flight, "
+          f"{flight / 2**20:.0f} MiB with one in flight, {settled / 2**20:.0f} MiB once "
+          f"it settled")
 
 
 class _HostCopies:

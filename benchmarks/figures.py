@@ -4,7 +4,9 @@ Every benchmark reports each headline figure through :func:`record`: it prints t
 figure's line and, when the environment variable ``DASKDIST_BENCH_FIGURES`` names a file,
 appends the figure to it as one JSON line (a :class:`Figure`). ``benchmarks/table.py``
 renders such a file as ``docs/benchmarks.md``, and ``bash scripts/dev.sh bench`` does
-both for every benchmark, so the page always shows one run's figures.
+both for every benchmark. Each figure carries the commit it was measured at (and whether
+the tree had uncommitted changes), so the page can say which figures are older than the
+code they measure.
 
 A figure is ours beside an anchor in the same unit, and the ratio is always ours /
 anchor. The anchor is what the figure is judged against: the other system's figure
@@ -49,6 +51,8 @@ class Figure:
     machine: str  # e.g. "2-core VM, 24 GB, CPU"
     load: float | None  # the 1-minute load average when recorded (None: not known)
     date: str  # ISO date, e.g. "2026-11-27"
+    commit: str | None = None  # ``git rev-parse --short HEAD`` of the tree measured
+    dirty: bool = False  # the tree had uncommitted changes to tracked files
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
@@ -90,6 +94,25 @@ def _gpu() -> str | None:
     return names[0] if len(names) == 1 else f"{len(names)}x {names[0]}"
 
 
+@functools.cache
+def revision() -> tuple[str | None, bool]:
+    """The commit this checkout is at (short) and whether its tracked files have
+    uncommitted changes; ``(None, False)`` outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                  timeout=30, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return None, False
+    return commit, bool(git("status", "--porcelain", "--untracked-files=no"))
+
+
 def _load() -> float | None:
     try:
         return round(os.getloadavg()[0], 1)
@@ -104,7 +127,8 @@ def record(line: str | None, *, what: str, ours: float, unit: str, anchor: str,
     ``DASKDIST_BENCH_FIGURES`` is set, append the figure to that file as a JSON line.
 
     ``target`` and ``met`` go together: a figure with a target says whether it met it,
-    one without is shown for context. The benchmark is the running script's name."""
+    one without is shown for context. The benchmark is the running script's name; the
+    commit is this checkout's (:func:`revision`)."""
     if (target is None) != (met is None):
         raise ValueError("a target needs met=True/False, and met needs a target")
     if line is not None:
@@ -114,7 +138,8 @@ def record(line: str | None, *, what: str, ours: float, unit: str, anchor: str,
         anchor=anchor, anchor_value=float(anchor_value),
         ratio=float(ours) / float(anchor_value) if anchor_value else None,
         target=target, met=None if met is None else bool(met), machine=machine(),
-        load=_load(), date=datetime.date.today().isoformat())
+        load=_load(), date=datetime.date.today().isoformat(), commit=revision()[0],
+        dirty=revision()[1])
     path = os.environ.get(ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:

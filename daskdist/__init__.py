@@ -5,6 +5,7 @@ The public API, imported on first use: ``import daskdist`` loads neither Dask's
 package, and the pure state machines in ``daskdist.core`` are used without Dask).
 ``Coordinator`` and the values come from ``daskdist.client``; ``daskdist.data`` and
 ``daskdist.collective`` (which import torch) are imported when first named.
+``SPEC §N`` in the package's docstrings is section N of ``docs/spec.md``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from daskdist import config  # noqa: F401 - loads daskdist.yaml into dask.config
 from daskdist.context import InputContext, WorkerContext, get_worker_context
+from daskdist.core.protocol import Preemption
 from daskdist.errors import (
     CancelledError,
     CollectiveError,
@@ -62,6 +64,7 @@ __all__ = [
     "InputError",
     "PerWorkerDataset",
     "PerWorkerValues",
+    "Preemption",
     "RemoteValue",
     "RemoteValueStatus",
     "Report",

@@ -8,6 +8,8 @@ import warnings
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
+from daskdist.core.protocol import Preemption
+from daskdist.session.preemption import preemption_of
 from daskdist.session.scope import closure_scope_now
 
 
@@ -21,6 +23,14 @@ class WorkerContext:
     address: str
     attempt: int = 1
     name: str = "default"
+
+    @property
+    def preemption(self) -> Preemption | None:
+        """``None``, or ``Preemption(deadline, reason)`` once this worker has been told
+        it will be taken away (``deadline`` in epoch seconds): read it in a long
+        closure to stop in time. Read afresh each time (a notice may come while the
+        closure runs)."""
+        return preemption_of(self.address)
 
 
 @dataclass

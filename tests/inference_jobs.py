@@ -71,9 +71,14 @@ def broken_model(ctx):
 
 
 def predict(m, batch, log: str | None = None, bad: tuple[int, str] | None = None,
-            pause: float = 0.0) -> dict:
+            pause: float = 0.0, gate: str | None = None) -> dict:
     """``y = m * x``; logs ``pid first last+1`` of each batch; raises on row ``bad[0]``
-    while the file ``bad[1]`` exists; sleeps ``pause`` seconds a batch."""
+    while the file ``bad[1]`` exists; sleeps ``pause`` seconds a batch; waits (at most
+    120 s) until the file ``gate`` exists."""
+    if gate is not None:
+        deadline = time.monotonic() + 120.0
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
     ids = batch["id"]
     if log is not None:
         with open(log, "a") as f:

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 
 import daskdist as dd
+from daskdist.integrations.common import kept_state
 from daskdist.integrations.lightning import DaskdistStrategy
 from tests.framework_rows import log_event
 from tests.sharded_job import CountNet
@@ -73,6 +74,6 @@ def fit(module, it, dims=("data_parallel",)):
 
 def counts(module) -> tuple[int, list[float]]:
     """The committed global_step and per-row counts (every rank alike)."""
-    state = module.__dict__["_daskdist_state"]
+    state = kept_state(module)
     state.sync()
     return state.global_step, state.full_state_dict()["net.counts"].tolist()  # the module's keys

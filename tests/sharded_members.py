@@ -126,7 +126,7 @@ def member(pid: int, scenario: list[dict], addrs: dict, go: dict, out: Any,
                 return
             full = state.full_state_dict(optimizer=True)
             out.put((gen, pid, "synced", state.commits, state.step, reads[0] - before,
-                     {k: v.tolist() for k, v in full.items()}, sorted(state._local[1])))
+                     {k: v.tolist() for k, v in full.items()}, sorted(state._shards.ring.local[1])))
             if train(state, step.get("steps", 0), seed=gen, cut_short=step.get("cut") == pid):
                 out.put((gen, pid, "cut"))
             if step.get("steps"):

@@ -22,8 +22,9 @@ def check_queue(q: ClosureQueue) -> None:
             assert cid in q._pinned.get(c.pinned, ()), cid
         else:
             assert cid not in running and (cid in q._queue or any(
-                cid in routed for routed in q._routed.values())), cid
-    assert q._n_routed == sum(len(routed) for routed in q._routed.values()), "routed count"
+                cid in routed for routed in q._aside.by_tag.values())), cid
+    assert q._aside.count == sum(len(routed) for routed in q._aside.by_tag.values()), \
+        "routed count"
     for session, cids in q._running.items():
         for cid in cids:
             assert q.closures[cid].session == session

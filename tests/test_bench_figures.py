@@ -1,6 +1,7 @@
-"""The benchmarks' figures: ``benchmarks/figures.py`` records them, ``benchmarks/table.py``
-renders them as ``docs/benchmarks.md``, and the committed page is such a table (no
-cluster, nothing timed)."""
+"""The benchmarks' figures: ``benchmarks/figures.py`` records them with the commit they
+were measured at, ``benchmarks/table.py`` renders them as ``docs/benchmarks.md`` and marks
+a row stale when the code it measures changed after its commit, and the committed page is
+such a table (no cluster, nothing timed; the staleness on a git repository of its own)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import importlib
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 RATIO = re.compile(r"^[\d.,]+( [kM])?x$")
+HASH = re.compile(r"^[0-9a-f]{7,40}$")
 
 
 @pytest.fixture
@@ -52,6 +55,9 @@ def test_record_writes_every_field(bench, tmp_path, monkeypatch, capsys):
     assert first["ratio"] == pytest.approx(20.0)
     assert (first["target"], first["met"]) == ("≥ 10x", True)
     assert "core" in first["machine"] and DATE.match(first["date"])
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                          capture_output=True, check=True).stdout.strip()
+    assert first["commit"] == head and isinstance(first["dirty"], bool)
     assert (second["target"], second["met"], second["ratio"]) == (None, None, 1.5)
     assert figures.Figure.from_json(lines[0]) == figures.Figure(**first)
 
@@ -98,6 +104,10 @@ def test_table_renders_one_row_per_figure(bench, tmp_path, monkeypatch):
     assert [(r[5], r[6]) for r in got] == [("— (context)", "—"), ("≤ 5 ms", "yes"),
                                            ("≤ 5 ms", "**no**")]
     assert all(len(r) == len(table.COLUMNS) and r[0] == "`bench_fake`" for r in got)
+    commit, dirty = figures.revision()
+    # a benchmark that declares no code it measures is never stale
+    assert {r[9] for r in got} == {f"`{commit}`" + ("+" if dirty else "")}
+    assert text.endswith(f"Stale marks checked at `{table.head()}`.\n")
 
 
 def test_merge_remakes_one_benchmarks_rows_and_keeps_the_others(bench, tmp_path,
@@ -133,6 +143,74 @@ def test_table_leaves_the_page_when_nothing_was_recorded(bench, tmp_path):
     assert not page.exists()
 
 
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          cwd=repo, text=True, capture_output=True, check=True).stdout.strip()
+
+
+def _commit(repo: Path, message: str) -> str:
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", message)
+    return _git(repo, "rev-parse", "--short", "HEAD")
+
+
+def test_a_row_older_than_the_code_it_measures_is_marked_stale(bench, tmp_path,
+                                                                  monkeypatch):
+    """On a repository of its own: a change to the measured code after a row's commit
+    marks it stale, naming the change; a change elsewhere, a rename and a declared move
+    do not; a commit the repository does not have is said to be unknown."""
+    _, table = bench
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    (repo / "pkg" / "a.py").write_text("A = 1\n")
+    (repo / "other.py").write_text("B = 1\n")
+    measured = _commit(repo, "measured")
+    (repo / "pkg" / "a.py").write_text("A = 2\n")
+    changed = _commit(repo, "the measured code changes")
+    (repo / "other.py").write_text("B = 2\n")
+    _commit(repo, "other code changes")
+    (repo / "pkg" / "sub").mkdir()
+    _git(repo, "mv", "pkg/a.py", "pkg/sub/a.py")
+    _commit(repo, "a rename")
+    (repo / "pkg" / "sub" / "a.py").write_text("import os\nA = 2\n")
+    moved = _commit(repo, "a move that rewrites imports")
+    monkeypatch.setattr(table, "ROOT", repo)
+    monkeypatch.setattr(table, "MEASURES", {"bench_x": ("pkg/sub",)})
+    monkeypatch.setattr(table, "MOVES", frozenset({moved}))
+    table.forget()
+    try:
+        assert table.commit_cell("bench_x", measured, False) == \
+            f"`{measured}`, **stale**: `{changed}`"
+        assert table.commit_cell("bench_x", changed, True) == f"`{changed}`+"
+        assert table.commit_cell("bench_y", measured, False) == f"`{measured}`"
+        assert table.commit_cell("bench_x", "0123abc", False) == \
+            "`0123abc` (not in this repository)"
+        assert table.commit_cell("bench_x", None, False) == "—"
+        # a page's rows are checked again without being remade
+        page = tmp_path / "page.md"
+        line = "| `bench_x` | f | 1 ms | a: 1 ms | 1.00x | — (context) | — | m | 2026-01-01 |"
+        page.write_text(table.HEADER + f"{line} `{changed}` |\n{line} `{measured}` |\n")
+        assert table.main(["--flag", "--out", str(page)]) == 0
+        got = [r[-1] for r in rows(page.read_text())]
+        assert got == [f"`{changed}`", f"`{measured}`, **stale**: `{changed}`"]
+        # undeclared, the move is a change like any other
+        monkeypatch.setattr(table, "MOVES", frozenset())
+        table.forget()
+        assert table.commit_cell("bench_x", changed, False) == \
+            f"`{changed}`, **stale**: `{moved}`"
+    finally:
+        table.forget()
+
+
+def test_every_benchmark_declares_the_code_it_measures(bench):
+    _, table = bench
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("bench_*.py")}
+    assert set(table.MEASURES) == scripts
+    missing = [p for paths in table.MEASURES.values() for p in paths if not table.files_at(p)]
+    assert not missing, f"MEASURES names paths with no tracked file: {missing}"
+
+
 def test_the_committed_page_is_one_table_of_current_figures(bench):
     _, table = bench
     text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
@@ -140,8 +218,20 @@ def test_the_committed_page_is_one_table_of_current_figures(bench):
     assert text.count("| " + " | ".join(table.COLUMNS) + " |") == 1
     got = rows(text)
     assert len(got) >= 20
+    checked = re.search(r"^Stale marks checked at `([0-9a-f]+)`\.$", text, re.M)
+    assert checked and table.ancestors("HEAD") >= table.ancestors(checked.group(1))
     for row in got:
         cells = dict(zip(table.COLUMNS, row, strict=True))
         assert RATIO.match(cells["ratio"]), row
         assert "core" in cells["machine"], row
         assert DATE.match(cells["date"]), row
+        # the commit it was measured at, one of this history's; a stale mark names a
+        # later change to the code it measures, and the row is stale still
+        m = re.match(r"^`([0-9a-f]+)`\+?(?:, \*\*stale\*\*: `([0-9a-f]+)`)?$",
+                     cells["commit"])
+        assert m and HASH.match(m.group(1)), row
+        ancestors = table.ancestors(m.group(1))
+        assert ancestors is not None and ancestors <= table.ancestors("HEAD"), row
+        if m.group(2):
+            assert table.ancestors(m.group(2)) > ancestors, row
+            assert table.stale_since(cells["benchmark"].strip("`"), m.group(1)), row

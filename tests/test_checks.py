@@ -9,7 +9,7 @@ import pytest
 from distributed import Client
 
 import daskdist as dd
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
 from tests.conftest import live_session, wait_until
 
 
@@ -78,8 +78,8 @@ def test_bad_arguments_are_refused_naming_them_and_change_nothing(client, coord)
     owner = {"name": coord.name, "owner": coord._owner, "token": coord._token}
     with pytest.raises(TypeError, match="closures must be a list"):
         call(client, "daskdist_put", closures="x", **owner)
-    with pytest.raises(ValueError, match=f"at most {protocol.MAX_ITEMS} items"):
-        call(client, "daskdist_put", closures=[None] * (protocol.MAX_ITEMS + 1), **owner)
+    with pytest.raises(ValueError, match=f"at most {checks.MAX_ITEMS} items"):
+        call(client, "daskdist_put", closures=[None] * (checks.MAX_ITEMS + 1), **owner)
     good = (f"{coord._owner}-900000", [b"", None], 0)
     with pytest.raises(TypeError, match=r"closures\[1\].payload"):
         call(client, "daskdist_put", closures=[good, (f"{coord._owner}-900001", "x", 0)],
@@ -105,21 +105,21 @@ def test_bad_arguments_are_refused_naming_them_and_change_nothing(client, coord)
 
 
 def test_checks_name_the_argument_and_what_it_got():
-    """The one set of argument checks (core/protocol.py) every handler runs: the error
+    """The one set of argument checks (core/checks.py) every handler runs: the error
     names the argument and what it got (pure)."""
-    assert protocol.text("d", "dataset_id") == "d" and protocol.text("", "label", empty=True) == ""
+    assert checks.text("d", "dataset_id") == "d" and checks.text("", "label", empty=True) == ""
     for value, exc, match in [
             (3, TypeError, "dataset_id must be a str, got int 3"),
             ("", ValueError, "dataset_id must be a non-empty str .* got 0 characters"),
-            ("x" * 600, ValueError, f"at most {protocol.MAX_TEXT} characters, got 600")]:
+            ("x" * 600, ValueError, f"at most {checks.MAX_TEXT} characters, got 600")]:
         with pytest.raises(exc, match=match):
-            protocol.text(value, "dataset_id")
-    assert protocol.integer(3, "epoch", 0, 5) == 3
+            checks.text(value, "dataset_id")
+    assert checks.integer(3, "epoch", 0, 5) == 3
     for value, exc in [(True, TypeError), (3.0, TypeError), ("3", TypeError), (6, ValueError),
                        (-1, ValueError)]:
         with pytest.raises(exc, match="epoch"):
-            protocol.integer(value, "epoch", 0, 5)
-    assert protocol.pairs([[1, 2], (3, 4)], "ranges", 2) == [(1, 2), (3, 4)]
+            checks.integer(value, "epoch", 0, 5)
+    assert checks.pairs([[1, 2], (3, 4)], "ranges", 2) == [(1, 2), (3, 4)]
     for value, exc, match in [
             ({1: 2}, TypeError, "ranges must be a list, got dict"),
             ([[1, 2]] * 3, ValueError, "ranges must hold at most 2 items, got 3"),
@@ -129,15 +129,15 @@ def test_checks_name_the_argument_and_what_it_got():
             ([[-1, 2]], ValueError, r"ranges\[0\]\[0\] must be between 0 and"),
             ([[0, 1 << 60]], ValueError, r"ranges\[0\]\[1\] must be between 0 and")]:
         with pytest.raises(exc, match=match):
-            protocol.pairs(value, "ranges", 2)
+            checks.pairs(value, "ranges", 2)
     from daskdist.core.protocol import DatasetDef
 
     fields = len(DatasetDef._fields)
-    d = protocol.named(["d"] + [None] * (fields - 1), "dataset", DatasetDef)
+    d = checks.named(["d"] + [None] * (fields - 1), "dataset", DatasetDef)
     assert isinstance(d, DatasetDef) and d.dataset_id == "d"
     for value in (["d"] * (fields - 1), "d" * fields, None):
         with pytest.raises(TypeError, match=r"dataset must be a DatasetDef \('dataset_id'"):
-            protocol.named(value, "dataset", DatasetDef)
+            checks.named(value, "dataset", DatasetDef)
 
 
 def test_read_only_handlers_never_create_state(client, coord):
@@ -157,13 +157,13 @@ def test_read_only_handlers_never_create_state(client, coord):
 
 @pytest.mark.parametrize("kwargs, error", [
     ({"max_worker_failures": 0}, ValueError),
-    ({"max_worker_failures": protocol.MAX_WORKER_FAILURES + 1}, ValueError),
+    ({"max_worker_failures": checks.MAX_WORKER_FAILURES + 1}, ValueError),
     ({"max_worker_failures": 2.5}, TypeError),
     ({"max_worker_failures": True}, TypeError),
     ({"lease_timeout": 0}, ValueError),
     ({"lease_timeout": -1.0}, ValueError),
     ({"lease_timeout": float("inf")}, ValueError),
-    ({"lease_timeout": protocol.MAX_LEASE_TIMEOUT * 2}, ValueError),
+    ({"lease_timeout": checks.MAX_LEASE_TIMEOUT * 2}, ValueError),
     ({"lease_timeout": "30s"}, TypeError),
     ({"members": "gpus"}, ValueError),
     ({"members": 1}, TypeError),

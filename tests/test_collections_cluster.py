@@ -275,6 +275,49 @@ def test_an_error_in_the_users_graph_names_the_partition(coord):
             ds.progress()  # raises once the epoch failed
 
 
+def read_logged(i: int, log: str) -> pd.DataFrame:
+    """Partition ``i`` of a frame, each read leaving a file in ``log`` (any process)."""
+    import uuid
+
+    open(os.path.join(log, f"{i}-{uuid.uuid4().hex}"), "w").close()
+    return pd.DataFrame({"id": np.arange(ROWS, dtype=np.int64) + i * ROWS,
+                         "a": np.arange(ROWS, dtype=np.float64)})
+
+
+def reads(log) -> list[int]:
+    return sorted(int(name.split("-")[0]) for name in os.listdir(log))
+
+
+def test_work_partitions_share_is_done_again_unless_persisted(coord, cluster2, tmp_path):
+    """A centered column needs the frame's mean, which reads every partition: computed
+    partition by partition as members lease them, the epoch reads the frame more than
+    once (docs/data.md, "Work partitions share"); persisted first, the persist reads
+    each partition once and the epoch, every row once, reads none again."""
+    _, client = cluster2
+    parts = 8
+    log = tmp_path / "reads"
+    log.mkdir()
+    raw = ddf.from_map(functools.partial(read_logged, log=str(log)), range(parts))
+    centered = raw.assign(c=raw.a - raw.a.mean())
+    for name in os.listdir(log):  # Dask's meta on the client
+        os.remove(log / name)
+    ds = coord.distribute_dataset(centered, global_batch_size=40, name="centered",
+                                  partitions_ahead=1)
+    ids = Counter(i for r in drain(coord, ds, iter(ds)) for i in r["id"])
+    assert sorted(ids) == list(range(parts * ROWS)) and set(ids.values()) == {1}
+    lazy = reads(log)
+    print(f"the lazy frame's partitions were read {len(lazy)} times for {parts}")
+    assert set(lazy) == set(range(parts)) and len(lazy) > parts
+    for name in os.listdir(log):
+        os.remove(log / name)
+    persisted = client.persist(centered)
+    ds = coord.distribute_dataset(persisted, global_batch_size=40, name="persisted-mean")
+    ids = Counter(i for r in drain(coord, ds, iter(ds)) for i in r["id"])
+    assert sorted(ids) == list(range(parts * ROWS)) and set(ids.values()) == {1}
+    assert reads(log) == list(range(parts))  # the persist's reads, and no more
+    del persisted
+
+
 def test_sync_training_on_a_frame_every_row_once_in_the_committed_state(coord):
     n = PARTS * ROWS
     coord.collective_group(timeout=30)

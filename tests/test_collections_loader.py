@@ -404,3 +404,33 @@ def test_closing_a_loader_shuts_its_partition_pool_down():
     assert sorted(v for b in ld for v in b["id"].tolist()) == sorted(all_ids(4))
     ld.close()
     wait_until(lambda: not set(partition_threads()) - before, 10, "the pool's threads to end")
+
+
+READS: list[int] = []  # partitions read by read_counted, in this process
+
+
+def read_counted(i: int) -> pd.DataFrame:
+    READS.append(i)
+    return pd.DataFrame({"a": np.arange(10.0) + 10 * i})
+
+
+def test_work_partitions_share_is_done_for_each_unless_persisted():
+    """Each partition is computed by itself: a centered column needs the frame's mean,
+    which reads every partition, so an epoch of 6 partitions reads 6 x 6; persisted
+    first, the frame is read once (by the persist) and the epoch reads nothing again
+    (docs/data.md, "Work partitions share")."""
+    raw = ddf.from_map(read_counted, range(6))
+    centered = raw.assign(c=raw.a - raw.a.mean())
+    READS.clear()
+    ld = ArrowLoader(centered, batch_size=10)
+    rows = sorted(v for b in ld for v in b["a"].tolist())
+    assert rows == [float(v) for v in range(60)]
+    assert sorted(READS) == sorted(list(range(6)) * 6)
+    ld.close()
+    READS.clear()
+    persisted = centered.persist(scheduler="sync")
+    assert sorted(READS) == list(range(6))
+    READS.clear()
+    ld = ArrowLoader(persisted, batch_size=10)
+    assert sum(len(b["c"]) for b in ld) == 60 and READS == []
+    ld.close()

@@ -19,7 +19,8 @@ from daskdist.core.protocol import (
     CommitKey,
     Outcome,
 )
-from daskdist.plugins.scheduler.closures import GANG_OWNER, Outbox
+from daskdist.plugins.scheduler.closures import GANG_OWNER
+from daskdist.plugins.scheduler.polls import Outbox
 from daskdist.plugins.scheduler.state import CoordinatorState
 from tests.conftest import route
 from tests.tables import check_queue
@@ -281,8 +282,8 @@ def test_drop_owner_cancels_its_queue_and_releases_its_resources_only():
     co.closure_book.add_owner("a", None, "ta")
     co.closure_book.add_owner("b", None, "tb")
     start(co, "s", "w")
-    co.add_resource("a", "ra", b"spec")
-    co.add_resource("b", "rb", b"spec")
+    co.resource_book.add("a", "ra", b"spec")
+    co.resource_book.add("b", "rb", b"spec")
     co.queue.put("a-0", "a", b"")
     co.queue.put("a-1", "a", b"")
     co.queue.put("b-0", "b", b"")
@@ -467,12 +468,12 @@ def test_forgetting_a_dataset_forgets_its_counters():
     co.closure_book.add_owner("me", None, "t")
     start(co, "s1", "w1")
     for rid in ("dataset-a", "dataset-b"):
-        co.add_resource("me", rid, b"spec")
+        co.resource_book.add("me", rid, b"spec")
         co.leases.define(rid, [(10, 2)], owner="me")
         assert co.leases.ack("s1", rid, 0, co.leases.acquire("s1", rid, 0, 20))
         co.leases.define(rid + ".1", [(5, 1)])
     assert set(co.stats.dataset_rows) == {"dataset-a", "dataset-b"}
-    co.release_resources(["dataset-a"])
+    co.resource_book.release(["dataset-a"])
     assert set(co.stats.dataset_rows) == {"dataset-b"}
     assert set(co.leases.datasets) == {"dataset-b", "dataset-b.1"}
     co.drop_owner("me")
@@ -555,9 +556,9 @@ def test_a_put_wakes_one_long_poll_per_closure():
     async def run():
         polls = {f"s{i}": asyncio.ensure_future(book.exchange(_Comm(), f"s{i}", [], [], 1, True))
                  for i in range(6)}
-        await until(lambda: len(book.waiters) == 6)
+        await until(lambda: len(book.polls.waiters) == 6)
         co.worker_status_changed("w0", "paused")
-        await until(lambda: len(book.waiters) == 5 and len(book.idle_waiters) == 1)
+        await until(lambda: len(book.polls.waiters) == 5 and len(book.polls.idle_waiters) == 1)
         book.put("me", "t", [("me-0", (b"f", None), 0)])
         await until(lambda: sum(p.done() for p in polls.values()) == 1)
         for _ in range(20):
@@ -634,7 +635,7 @@ def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
         got = await book.exchange(_Comm(), "s1", [], [], 5, False)
         assert [d[0] for d in got["closures"]] == ["me-1"]
         got = await book.exchange(_Comm(), "s1", [], ["me-1"], 5, True)  # idle, blocks
-        assert got["closures"] == [] and book.steals == 0
+        assert got["closures"] == [] and book.polls.steals == 0
         got = await book.exchange(_Comm(), "s2", [], [], 5, False)  # a fair share: 1
         assert [d[0] for d in got["closures"]] == ["me-0"]
         got = await book.exchange(_Comm(), "s2", [], ["me-0"], 5, False)
@@ -651,12 +652,11 @@ def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
 def test_a_closure_reading_a_per_worker_iterator_names_its_dataset():
     """The client tags a closure whose argument is a dataset's per-worker iterator with
     the dataset's id (Submission.dataset), whichever argument it is; else ''."""
-    from daskdist.client.closures import _dataset_read
-    from daskdist.client.datasets import _ResourceHandle
+    from daskdist.client.closures import ResourceHandle, _dataset_read
 
-    ds = _ResourceHandle("ds-1", "dataset")
-    it = _ResourceHandle("it-1", "iterator", parent=ds)
-    other = _ResourceHandle("r-1", "resource")
+    ds = ResourceHandle("ds-1", "dataset")
+    it = ResourceHandle("it-1", "iterator", parent=ds)
+    other = ResourceHandle("r-1", "resource")
     assert _dataset_read((1, it), {}) == "ds-1"
     assert _dataset_read((), {"batches": it, "x": other}) == "ds-1"
     assert _dataset_read((other, ds), None) == ""
@@ -699,6 +699,7 @@ def test_every_session_route_answers_an_ended_session_with_one_reply():
         "daskdist_infer_unit": dict(report=["none", "c#1", [], "", 0, [], "u", "", b""]),
         "daskdist_infer_plan": dict(job="none"),
         "daskdist_infer_finalized": dict(job="none", ok=True),
+        "daskdist_preemption": dict(deadline=2e9, reason="a test"),
     }
     sessions = {op for table in BOOK_ROUTES.values() for op, r in table.items()
                 if r.caller in (SESSION, OWNER_OR_SESSION)}
@@ -752,8 +753,8 @@ def test_a_session_that_joins_with_resources_to_build_warms_out_of_the_group():
     co = make()
     co.closure_book.add_owner("me", None, "t")
     start(co, "s1", "w1")
-    co.add_resource("me", "resource-a", b"spec")
-    co.add_resource("me", "iterator-b", b"spec")
+    co.resource_book.add("me", "resource-a", b"spec")
+    co.resource_book.add("me", "iterator-b", b"spec")
     before = co.members.counters()
     reply = start(co, "s2", "w2")
     assert reply["warm"] == ["resource-a"]  # built ahead; an iterator is not

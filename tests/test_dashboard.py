@@ -201,8 +201,8 @@ def test_stats_counts_rows_rates_and_group_events():
     series = stats.series()
     assert series["time"] == [102.0] and series["done"] == [2.0] and series["queued"] == [1]
     assert stats.worker_rates() == {"tcp://w0": (0.5, 75.0)}
-    stats.on_session_end(co, "s0")
-    stats.on_session_end(co, "s9")  # not a group member: no event
+    stats.on_session_end(co.members, "s0", group)
+    stats.on_session_end(co.members, "s9", group)  # not a group member: no event
     stats.on_formation(4, True, 0.25, 1)
     assert [(e.kind, e.generation, e.worker) for e in stats.events] == [
         ("loss", 3, "tcp://w0"), ("formed", 4, "")]

@@ -348,3 +348,41 @@ def test_the_same_file_failing_max_failures_times_fails_the_epoch(tmp_path):
     assert not p["complete"] and "p1.parquet" in p["failed"]
     with pytest.raises(InputError):
         closure(it)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_batch_cut_across_a_failing_read_leaves_nothing_leased(tmp_path, prefetch, shuffle):
+    """Batches of 30 over row groups of 100: a batch straddles two blocks, and when the
+    second fails to convert (a null) the rows already cut from the first reached no
+    caller. They go back with the error, so no row stays leased to a worker whose
+    closures go on after errors, and each is trained later, once."""
+    ids = np.arange(400, dtype=np.int64)
+    x = pa.array([None if i == 150 else float(i) for i in ids], pa.float64())
+    pq.write_table(pa.table({"id": ids, "x": x}), tmp_path / "p.parquet", row_group_size=100)
+    svc = LocalLeaseService(LeaseTable(max_failures=1000))
+    ld = make(ArrowShards(tmp_path), svc, batch_size=30, lease_rows=100, prefetch=prefetch,
+              shuffle=shuffle, seed=3)
+    it = iter(ld)
+    rows, errors = [], 0
+    for _ in range(200):
+        try:
+            batch, tokens = closure(it)
+        except ValueError as e:
+            assert "p.parquet" in str(e) and "'x'" in str(e)
+            errors += 1
+            assert ld.progress()["leased"] == 0, "rows stayed leased after the error"
+            continue
+        if batch is None:
+            p = ld.progress()
+            assert p["leased"] == 0  # no closure runs: nothing held for it
+            if p["acknowledged"] + p["free"] == p["total"] and errors >= 3:
+                break
+            continue
+        assert svc.ack_tokens(tokens)
+        rows += batch["id"].tolist()
+    counts = Counter(rows)
+    assert set(counts.values()) == {1}, "a row trained twice"
+    assert 150 not in counts and set(range(100)) | set(range(200, 400)) <= set(counts)
+    check_leases(svc.table)
+    ld.close()

@@ -323,6 +323,48 @@ def test_a_file_failing_max_worker_failures_times_fails_the_epoch(client, tmp_pa
     co.close()
 
 
+def test_a_loop_going_on_after_a_null_leaves_no_row_leased_between_rounds(
+        client, tmp_path, request):
+    """A file with a null, ``max_worker_failures=1000`` and a loop that goes on after
+    errors, as a user writes it: batches of 20 over row groups of 50, so a batch is often
+    cut across a block and the failing one. Once every other row is trained, nothing
+    stays leased while no closure runs (rows cut for a batch that failed went back),
+    and every row but the failing ones was trained once."""
+    ids = np.arange(200, dtype=np.int64)
+    x = pa.array([None if i == 107 else float(i) for i in ids], pa.float32())
+    pq.write_table(pa.table({"rid": ids, "x": x}), tmp_path / "null.parquet",
+                   row_group_size=50)
+    co = dd.Coordinator(client, name=request.node.name, max_worker_failures=1000)
+    wait_for_workers(client, co, WORKERS)
+    ds = co.distribute_dataset(str(tmp_path / "null.parquet"),
+                               global_batch_size=WORKERS * 20, policy="dynamic")
+    it = iter(ds)
+    rows, errors, p = [], 0, {}
+    for _ in range(60):
+        try:
+            rvs = [co.schedule(take_rows, args=(it,)) for _ in range(2 * WORKERS)]
+        except ValueError:  # the last round's first error, raised again
+            errors += 1
+            continue
+        for rv in rvs:
+            try:
+                rows += rv.fetch(timeout=60)
+            except ValueError as e:
+                assert "null.parquet" in str(e) and "'x'" in str(e)
+                errors += 1
+        p = ds.progress()  # every closure of the round finished
+        if errors >= 3 and p["leased"] == 0 and p["free"] <= 50 \
+                and p["acknowledged"] + p["free"] == p["total"]:
+            break
+    else:
+        raise AssertionError(f"rows stayed leased between rounds: {p}")
+    counts = Counter(rows)
+    assert set(counts.values()) == {1} and 107 not in counts
+    assert set(range(100)) | set(range(150, 200)) <= set(counts)
+    assert p["acknowledged"] == len(counts)
+    co.close()
+
+
 # -- point 7 (the lease handlers): arguments checked, callers' sessions live ---------------
 
 

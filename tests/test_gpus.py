@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daskdist.core import gpus, protocol
+from daskdist.core import checks, gpus
 from daskdist.core.backends import BackendError, MemberDevice, choose_backend, shared_gpus
 from daskdist.plugins import gpu_pin
 
@@ -65,13 +65,13 @@ def test_has_gpu_every_case(visible, resources, count):
 
 
 def test_members_setting_is_checked_naming_it():
-    assert protocol.members("gpu") == "gpu"
+    assert checks.members("gpu") == "gpu"
     with pytest.raises(ValueError, match=r"members must be None \(every worker\) or 'gpu'"):
-        protocol.members("gpus")
+        checks.members("gpus")
     with pytest.raises(TypeError, match="members"):
-        protocol.members(["gpu"])
+        checks.members(["gpu"])
     with pytest.raises(ValueError, match="daskdist_create: members"):
-        protocol.members("GPU", "daskdist_create: members")
+        checks.members("GPU", "daskdist_create: members")
 
 
 # -- what a worker reports --------------------------------------------------------------

@@ -3,7 +3,8 @@ state (no Dask, no workers): a job registers its engine and defines its lease ta
 queues its closures (tagged with its dataset) while rows are free, commits the first
 attempt and refuses a duplicate or a fenced one, hands a lost attempt's unit to the
 finalization, finalizes once every row is committed, resumes from a ledger, attaches a
-second start, and fails naming the unit once the lease table says the input cannot
+second start (its owner holding the job too, which is cancelled once no owner holding
+it is left), and fails naming the unit once the lease table says the input cannot
 complete."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from daskdist.core.protocol import (
     Outcome,
     UnitReport,
 )
-from daskdist.plugins.scheduler.inference import JOB_OWNER
+from daskdist.plugins.scheduler.inference.jobs import JOB_OWNER
 from daskdist.plugins.scheduler.state import CoordinatorState
 from tests.conftest import route
 
@@ -201,3 +202,19 @@ def test_closures_failing_in_a_row_fail_the_job_naming_why():
     p = progress(co)
     assert "failed 3 times in a row" in p["error"] and "no weights" in p["error"]
     assert not co.queue.errors and "r" not in co.resources
+
+
+def test_a_job_runs_while_an_owner_holds_it_and_is_cancelled_with_the_last():
+    """The owners' rule: a second owner's same start attaches and holds the job too; the
+    job goes on when the owner that started it is dropped, and is cancelled (its queued
+    closures and engine with it) when the last one holding it is."""
+    co = make()
+    co.closure_book.add_owner("you", None, "u")
+    route(co, "daskdist_infer_start")(**OWNER, job=job_def())
+    assert route(co, "daskdist_infer_start")(owner="you", token="u", job=job_def())["attached"]
+    co.drop_owner("me")  # closed: "you" holds the job still
+    assert progress(co)["state"] == "running" and co.queue.closures and "r" in co.resources
+    co.drop_owner("you")
+    p = progress(co)
+    assert p["state"] == "cancelled" and "every owner holding it" in p["error"]
+    assert not co.queue.closures and "r" not in co.resources

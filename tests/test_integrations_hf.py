@@ -190,6 +190,38 @@ def test_use_cpu_on_an_nccl_group_is_refused_naming_both():
         _configure_accelerate(nccl, cpu=True)
 
 
+class _EnvironWatch(dict):
+    """``os.environ`` for a test: reads pass, any write fails at once, naming it."""
+
+    def _wrote(self, *args, **kwargs):
+        raise AssertionError(f"the process environment was written: {args} {kwargs}")
+
+    __setitem__ = __delitem__ = update = pop = popitem = setdefault = clear = _wrote
+
+
+def test_accelerate_takes_the_group_without_writing_the_environment(monkeypatch):
+    """Accelerate's process-wide state is set from the group (rank, size, backend, a
+    CPU DDP run), and the process's environment, read by every closure thread of the
+    worker, is never written, not even for a moment."""
+    from types import SimpleNamespace
+
+    from accelerate.state import AcceleratorState, PartialState
+
+    from daskdist.integrations.transformers import _configure_accelerate
+
+    gloo = SimpleNamespace(backend="gloo", device="cpu", rank=1, world_size=3, generation=4)
+    try:
+        with monkeypatch.context() as m:  # the call only (pytest writes it between tests)
+            m.setattr(os, "environ", _EnvironWatch(os.environ))
+            _configure_accelerate(gloo, cpu=False)
+            state = PartialState()
+        assert (state.num_processes, state.process_index, state.local_process_index) == (3, 1, 0)
+        assert state.distributed_type.value == "MULTI_CPU" and state.backend == "gloo"
+        assert state.device.type == "cpu" and state.use_distributed
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_the_callback_prepares_the_trainer_it_is_given_to_once(tmp_path):
     """At on_init_end the callback takes the Trainer being made (a subclass too) and
     prepares it as prepare_trainer does; one callback, one preparation, per Trainer."""

@@ -1,5 +1,5 @@
-"""collective.later: a commit's message queued until the synced loop hands out the next
-batch (no worker: a closure scope and futures made here)."""
+"""The closure's Step defers a commit's message until the synced loop hands out the next
+batch (``Step.defer``; no worker: a closure scope and futures made here)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from daskdist.collective.step.later import Late, Queue, send_later
+from daskdist.collective.step.step import Late, this_step
 from daskdist.session.scope import ClosureScope, closure_scope
 
 
@@ -23,7 +23,7 @@ def _sender(sent: list, value=True):
 
 def test_outside_a_loop_it_is_sent_at_once_and_its_error_raised_there():
     sent: list = []
-    late = send_later(_sender(sent))
+    late = Late.now(_sender(sent))  # outside a closure: no step to defer it
     assert sent and late.result(1) is True
     with closure_scope(ClosureScope()):  # a closure, no synced loop in it
 
@@ -31,27 +31,28 @@ def test_outside_a_loop_it_is_sent_at_once_and_its_error_raised_there():
             raise RuntimeError("session ended")
 
         with pytest.raises(RuntimeError, match="session ended"):
-            send_later(broken)
+            this_step().defer(broken)
 
 
 def test_inside_a_loop_it_waits_for_the_next_batch_or_for_its_answer():
     sent: list = []
     scope = ClosureScope()
     with closure_scope(scope):
-        queue = Queue()
-        first = send_later(_sender(sent))
+        step = this_step()
+        outer = step.open_loop()
+        first = step.defer(_sender(sent))
         assert sent == []  # queued
-        queue.send()  # the loop hands out a batch
+        step.flush()  # the loop hands out a batch
         assert len(sent) == 1 and first.result(1) is True
-        second = send_later(_sender(sent, value=False))
+        second = step.defer(_sender(sent, value=False))
         assert len(sent) == 1
         assert second.result(1) is False and len(sent) == 2  # asked for: sent first
-        queue.send()
+        step.flush()
         assert len(sent) == 2  # sent once only
-        third = send_later(_sender(sent))
-        queue.close()  # the loop ended: what is left goes
-        assert len(sent) == 3 and third.result(1) and scope.later is None
-        send_later(_sender(sent))  # no loop any more: at once
+        third = step.defer(_sender(sent))
+        step.close_loop(outer)  # the loop ended: what is left goes
+        assert len(sent) == 3 and third.result(1) and step.queued is None
+        step.defer(_sender(sent))  # no loop any more: at once
         assert len(sent) == 4
 
 
@@ -59,27 +60,28 @@ def test_nested_loops_and_a_late_finalizer_in_another_thread():
     sent: list = []
     scope = ClosureScope()
     with closure_scope(scope):
-        outer = Queue()
-        send_later(_sender(sent))
-        inner = Queue()
-        send_later(_sender(sent))
-        inner.close()  # the inner loop's message goes; the outer's waits for its loop
-        assert len(sent) == 1 and scope.later is not None and len(scope.later) == 1
+        step = this_step()
+        outer = step.open_loop()
+        step.defer(_sender(sent))
+        inner = step.open_loop()
+        step.defer(_sender(sent))
+        step.close_loop(inner)  # the inner loop's message goes; the outer's waits for its loop
+        assert len(sent) == 1 and step.queued is not None and len(step.queued) == 1
     # the outer loop's generator finalized late, from a thread outside the closure
-    t = threading.Thread(target=outer.close, name="finalizer")
+    t = threading.Thread(target=step.close_loop, args=(outer,), name="finalizer")
     t.start()
     t.join(10)
-    assert sent == ["MainThread", "finalizer"] and scope.later is None
+    assert sent == ["MainThread", "finalizer"] and step.queued is None
 
 
 def test_the_closure_end_sends_what_a_loop_left_queued():
     sent: list = []
     scope = ClosureScope()
     with closure_scope(scope):
-        Queue()  # a loop never closed (its generator kept)
-        late = send_later(_sender(sent))
+        this_step().open_loop()  # a loop never closed (its generator kept)
+        late = this_step().defer(_sender(sent))
     assert sent == []
-    scope.send_queued()  # what the runner does when the closure returns
+    scope.end()  # what the runner does when the closure returns
     assert len(sent) == 1 and late.result(1) is True
 
 
@@ -90,9 +92,10 @@ def test_a_send_that_fails_later_is_the_answers_error():
         raise ConnectionError("scheduler gone")
 
     with closure_scope(scope):
-        queue = Queue()
-        late = send_later(broken)
-        queue.send()
+        step = this_step()
+        step.open_loop()
+        late = step.defer(broken)
+        step.flush()
     assert isinstance(late, Late)
     with pytest.raises(ConnectionError, match="scheduler gone"):
         late.result(1)

@@ -467,7 +467,7 @@ def test_wait_event_reports_set_or_timeout():
     """The long-polls' wait: True as soon as the event is set, False after the timeout."""
     import asyncio
 
-    from daskdist.plugins.scheduler.closures import wait_event
+    from daskdist.plugins.scheduler.polls import wait_event
 
     async def scenario():
         ev = asyncio.Event()

@@ -1,7 +1,8 @@
-"""``collective.riders``: every rank's ints ride the gradient allreduce's first bucket,
-in its own slots, and come back exact whatever the bucket's float dtype (the sum of one
-rank's chunks and the others' zeros is the chunks). Pure: the allreduce is the sum of
-the segments the ranks encode."""
+"""``collective.step.riders``: every rank's ints ride the gradient allreduce's first
+bucket, in its own slots, and come back exact whatever the bucket's float dtype (the sum
+of one rank's chunks and the others' zeros is the chunks); the closure's ``Step`` hands
+them to one call in key order. Pure: the allreduce is the sum of the segments the ranks
+encode."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daskdist.collective.step.riders import Riding, ride, take
+from daskdist.collective.step.riders import Riding
+from daskdist.collective.step.step import this_step
 from daskdist.session.scope import ClosureScope, closure_scope
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,15 +66,24 @@ def test_every_ranks_ints_come_back_exact_in_every_dtype(dtype, world, widths, d
 
 def test_riders_ride_once_in_key_order_and_only_inside_a_closure():
     a, b = _Rider("b-state", [1, 2]), _Rider("a-synced", [3])
-    assert ride(a) is False and take(0) is None  # outside a closure: nothing rides
-    with closure_scope(ClosureScope()):
-        assert ride(a) and ride(b)
-        taken = take(3)
+    assert this_step() is None  # outside a closure: no step, nothing rides
+    scope = ClosureScope()
+    with closure_scope(scope):
+        assert this_step(create=False) is None  # made when first used
+        step = this_step()
+        assert step is scope.step and this_step() is step  # one per closure
+        step.ride(a)
+        step.ride(b)
+        taken = step.riding(3)
         assert [r.key for r in taken.riders] == ["a-synced", "b-state"]
-        assert take(3) is None  # taken: the next call carries nothing unless registered
-        ride(a)
-        ride(_Rider("b-state", [9]))  # the same key: the later one rides
-        assert [r.values for r in take(3).riders] == [[9]]
+        assert step.riding(3) is None  # taken: the next call carries nothing unless registered
+        step.ride(a)
+        step.ride(_Rider("b-state", [9]))  # the same key: the later one rides
+        assert [r.values for r in step.riding(3).riders] == [[9]]
+        step.ride(a)
+        step.unride(_Rider("b-state", [9]))  # not the one riding: it stays
+        step.unride(a)
+        assert step.riding(3) is None
 
 
 def test_a_rider_that_fails_to_give_its_ints_fails_them_all():

@@ -48,14 +48,14 @@ def _run(device: str, url: str) -> dict:
                 state.step += 1
                 state.commit()
             committed = state.full_state_dict(optimizer=True)
-            saved = state._saved
+            saved = state._shards.saved
             saved.wait()
             got["pinned"] = bool(saved.own.is_pinned())
             got["own_on_host"] = saved.own.device.type
             # the host copy holds what the device shards held at the commit
             from daskdist.collective.sharded.layout import views
 
-            live = state._capture(state.model, state.optimizer, 0, 1)
+            live = state._shards.plan(state.model, state.optimizer, 0, 1)
             host_views = views(saved.own, saved.cut.entries, 1, 0)
             got["copy_equal"] = all(torch.equal(h, t.cpu())
                                     for h, t in zip(host_views, live.locals, strict=True))

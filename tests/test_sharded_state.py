@@ -160,17 +160,21 @@ def test_bad_arguments_say_what_to_pass():
 
 def test_a_model_a_commit_is_loaded_into_is_built_on_the_meta_device_when_it_can_be():
     """Built on the meta device, unless the build makes buffers no commit holds."""
-    import daskdist as dd
+    from daskdist.collective.sharded.keeper import ShardKeeper
+    from daskdist.collective.state.keeper import Subject
 
     class Scaled(torch.nn.Linear):
         def __init__(self):
             super().__init__(3, 2)
             self.register_buffer("scale", torch.full((2,), 0.5), persistent=False)
 
-    plain = dd.collective.ShardedState(model=lambda: torch.nn.Linear(3, 2))
-    assert plain._built_model(meta=True).weight.is_meta
-    assert not plain._built_model(meta=False).weight.is_meta
-    scaled = dd.collective.ShardedState(model=Scaled)._built_model(meta=True)
+    def keeper(build):  # what a ShardedState keeps its model and copies with
+        return ShardKeeper(Subject(None, None, {}), build, None, None)
+
+    plain = keeper(lambda: torch.nn.Linear(3, 2))
+    assert plain.built_model(meta=True).weight.is_meta
+    assert not plain.built_model(meta=False).weight.is_meta
+    scaled = keeper(Scaled).built_model(meta=True)
     assert not scaled.weight.is_meta and scaled.scale.tolist() == [0.5, 0.5]
     with pytest.raises(TypeError, match="returned int"):
-        dd.collective.ShardedState(model=lambda: 3)._built_model(meta=True)
+        keeper(lambda: 3).built_model(meta=True)

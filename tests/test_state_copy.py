@@ -75,8 +75,11 @@ def test_restore_goes_back_to_the_commit_and_never_aliases_it(device):
         assert torch.equal(flat(model), committed) and state.step == 1
         assert torch.equal(state.seen.cpu(), torch.zeros(3)) and state.seen.device.type == device
     assert opt.state_dict()["state"], "the optimizer's state came back"
-    held = [t for t in state._saved.host] + [t for t in state._spare.host]
-    assert all(t.device.type == "cpu" for t in held)
+    # what it holds is one copy in host memory (nothing in flight: no second one)
+    one = HostCopy().fill((model.state_dict(), opt.state_dict(),
+                           {"step": 1, "seen": torch.zeros(3)}))
+    assert all(t.device.type == "cpu" for t in one.host)
+    assert state.commit_bytes == one.nbytes
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
@@ -95,10 +98,14 @@ def test_a_checkpoints_objects_go_back_to_the_device_they_were_on(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_resuming_a_checkpoint_keeps_cuda_objects_on_cuda(tmp_path):
-    state = dd.collective.State(counts=torch.arange(4.0, device="cuda")).checkpoint_to(
-        str(tmp_path), every=1)
-    state._durable.write(state._id, 1, state._saved.value(), None, wait=True)
-    again = dd.collective.State(counts=torch.zeros(4, device="cuda")).checkpoint_to(
-        str(tmp_path), every=1)
-    again._resume(1)
-    assert again.counts.is_cuda and again.counts.tolist() == [0.0, 1.0, 2.0, 3.0]
+    from daskdist.collective.state.checkpoint import Durable
+    from daskdist.collective.state.keeper import Subject
+    from daskdist.collective.state.replica import ReplicaKeeper
+
+    durable = Durable(str(tmp_path), every=1)
+    committed = HostCopy().fill((None, None, {"counts": torch.arange(4.0, device="cuda")}))
+    durable.write("state", 1, committed.value(), None, wait=True)
+    again = ReplicaKeeper(Subject(None, None, {"counts": torch.zeros(4, device="cuda")}))
+    again.resume(durable, 1)
+    counts = again.subject.objects["counts"]
+    assert counts.is_cuda and counts.tolist() == [0.0, 1.0, 2.0, 3.0]

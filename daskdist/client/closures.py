@@ -30,7 +30,7 @@ from distributed.worker import dumps_function
 
 from daskdist import config
 from daskdist.client import reprs
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
 from daskdist.core.nest import map_structure
 from daskdist.core.protocol import (
     CANCELLED,
@@ -54,14 +54,19 @@ class RemoteValueStatus(str, Enum):
 
 
 class RemoteValue:
-    """The future result of one scheduled closure (TensorFlow's ``RemoteValue``)."""
+    """The future result of one scheduled closure (TensorFlow's ``RemoteValue``).
+
+    ``reader(cid)`` is called once, when its value is first read (``fetch`` or
+    ``exception`` returns): a keep-alive coordinator's read receipt."""
 
     __slots__ = ("_cid", "_coordinator", "_event", "_status", "_payload", "_kind",
-                 "_value", "_loaded", "attempt", "__weakref__")
+                 "_value", "_loaded", "_reader", "attempt", "__weakref__")
 
-    def __init__(self, cid: str, coordinator: Any = None):
+    def __init__(self, cid: str, coordinator: Any = None,
+                 reader: Callable[[str], None] | None = None):
         self._cid = cid
         self._coordinator = coordinator
+        self._reader = reader
         self._event = threading.Event()
         self._status = RemoteValueStatus.PENDING
         self._payload: Any = None
@@ -102,11 +107,17 @@ class RemoteValue:
             self._loaded = True
         return self._value
 
+    def _read(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader(self._cid)
+
     def fetch(self, timeout: float | None = None) -> Any:
         """Wait for the closure; return its value or raise its error."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"closure {self._cid} did not finish within {timeout} s")
         value = self._load()
+        self._read()
         if self._status is not RemoteValueStatus.READY:
             raise value
         return value
@@ -119,6 +130,7 @@ class RemoteValue:
         """Wait for the closure; its error, or ``None`` if it succeeded."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"closure {self._cid} did not finish within {timeout} s")
+        self._read()
         if self._status is RemoteValueStatus.READY:
             return None
         return self._load()
@@ -212,12 +224,24 @@ class PerWorkerValues:
         return f"PerWorkerValues({self.kind} {self.rid})"
 
 
+class ResourceHandle(PerWorkerValues):
+    """The client's reference to a registered per-worker resource: when it is garbage
+    collected, the resource is released on the scheduler and the workers (once every
+    closure scheduled before has finished). Travels as a plain ``PerWorkerValues``."""
+
+    __slots__ = ("__weakref__", "parent")
+
+    def __init__(self, rid: str, kind: str, parent: PerWorkerValues | None = None):
+        super().__init__(rid=rid, kind=kind)
+        self.parent = parent  # an iterator keeps its dataset alive
+
+
 def _dataset_read(args: Any, kwargs: Any) -> str:
     """The dataset whose per-worker iterator is one of a closure's arguments (its
     ``Submission.dataset``: at the epoch's tail the scheduler sends the closure to a
     worker still holding that dataset's rows); ``""`` for none."""
     for value in (*args, *(kwargs or {}).values()):
-        parent = getattr(value, "parent", None) if isinstance(value, PerWorkerValues) else None
+        parent = value.parent if isinstance(value, ResourceHandle) else None
         if parent is not None and value.kind == "iterator":
             return parent.rid
     return ""
@@ -246,7 +270,8 @@ class ClosureClient:
     ``_init_closures`` sets its own state; the class using it sets ``client``, ``name``,
     ``_rpc`` (the scheduler's RPC), ``_owner``, ``_token`` and ``_workers`` (the member
     count, renewed by each batch of results), and ``_owned`` (a call acting as this
-    owner, used only once an error is pending), then starts ``_results_loop``.
+    owner, used only once an error is pending), then starts ``_results_loop``; and
+    ``_reader``, what each ``RemoteValue`` it makes calls when read (``None``: nothing).
     """
 
     client: Client
@@ -261,13 +286,14 @@ class ClosureClient:
         """The closure state, and the bound on unfinished closures: ``max_queued``, or
         the ``daskdist.coordinator`` settings read once here (not per ``schedule``)."""
         if max_queued is not None:
-            protocol.integer(max_queued, "max_queued", 1, 2**62)
+            checks.integer(max_queued, "max_queued", 1, 2**62)
             self._per_worker_queued = self._min_queued = 0
         else:
             self._per_worker_queued = int(config.get("coordinator.max-queued-per-worker"))
             self._min_queued = int(config.get("coordinator.min-max-queued"))
         self._max_queued = max_queued
         self._seq = itertools.count()
+        self._reader: Callable[[str], None] | None = None  # a keep-alive owner's receipts
         self._cv = threading.Condition()
         self._pending: dict[str, RemoteValue] = {}
         # gang cid -> its per-rank values; written by the caller and the result loop,
@@ -311,7 +337,7 @@ class ClosureClient:
             self._raise_pending()
         payload = self._pickle(fn, args, kwargs, retries)
         cid = f"{self._owner}-{next(self._seq)}"
-        rv = RemoteValue(cid, self)
+        rv = RemoteValue(cid, self, self._reader)
         while True:
             with self._cv:
                 while (len(self._pending) >= self._limit() and not self._error_pending
@@ -365,8 +391,8 @@ class ClosureClient:
         Raises ``dd.CoordinatorClosedError`` once closed (also when ``close()`` ends it
         while it waits)."""
         self._check_open()
-        if progress:
-            return reprs.join_with_bar(self, timeout)
+        if progress:  # the bar until none is left (or an error, or the time is up)
+            return self.join(reprs.join_with_bar(self.name, self._unfinished, timeout))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._check_open()
@@ -420,7 +446,7 @@ class ClosureClient:
                 if not self._outgoing:
                     self._flushing = False
                     return
-                n = min(len(self._outgoing), protocol.MAX_ITEMS)
+                n = min(len(self._outgoing), checks.MAX_ITEMS)
                 batch = [self._outgoing.popleft() for _ in range(n)]
             try:
                 # one-way: no reply to wait for, so the scheduler dispatches sooner
@@ -454,8 +480,8 @@ class ClosureClient:
                 reply = {"detached": True}  # the scheduler no longer knows this owner
             if reply is None or reply.get("detached"):
                 self._cancel_all("the scheduler dropped it (its client was cut off longer "
-                                 "than daskdist.coordinator.client-grace, or the "
-                                 "scheduler restarted)")
+                                 "than daskdist.coordinator.client-grace, another client "
+                                 "attached to it, or the scheduler restarted)")
                 return
             first = reply["first"]
             items = reply["items"]
@@ -497,7 +523,8 @@ class ClosureClient:
             view.final = True
             return
         members = old[: len(payload)]
-        members += [RemoteValue(f"{gid}#{r}", None) for r in range(len(members), len(payload))]
+        members += [RemoteValue(f"{gid}#{r}", None, view.whole._reader)
+                    for r in range(len(members), len(payload))]
         for rv, value in zip(members, payload, strict=True):
             rv._set(state, value, None, attempt)
         for rv in old[len(payload):]:  # ranks of a member that left: not an error
@@ -535,6 +562,14 @@ class ClosureClient:
                     rv._cancel(CoordinatorClosedError(
                         f"gang {gid} did not finish: coordinator {self.name!r} closed ({why})"))
             self._cv.notify_all()
+
+    def _unfinished(self, wait: float) -> tuple[int, bool]:
+        """How many closures are unfinished and whether an error is pending, after
+        waiting up to ``wait`` seconds for the next batch of results while some are."""
+        with self._cv:
+            if self._pending and not self._error_pending and wait > 0:
+                self._cv.wait(wait)  # woken by every batch of results
+            return len(self._pending), self._error_pending
 
     def _resource_dropped(self, rid: str) -> None:
         """A resource handle was garbage collected (any thread; must not block)."""

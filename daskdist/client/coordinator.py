@@ -5,7 +5,9 @@ everything but the single closure: registering the plugin and attaching as an ow
 the plumbing to the handlers, gang closures (``schedule_on_all``), the collective
 group, per-worker resources and datasets, status, and ``close()``, which ends every
 wait at once (SPEC §2.5b). ``schedule`` / ``join`` / ``done`` / ``fetch`` and the
-client loop that runs them are ``ClosureClient``'s (``client/closures.py``).
+client loop that runs them are ``ClosureClient``'s (``client/closures.py``);
+``attach``, ``pending``, ``datasets`` and ``notify_preemption`` are ``JobLife``'s
+(``client/lifetime.py``); ``map_batches`` is ``BatchInference``'s (``client/inference.py``).
 """
 
 from __future__ import annotations
@@ -22,18 +24,21 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskdist import config
 from daskdist.client import reprs
-from daskdist.client.closures import ClosureClient, GangValues, PerWorkerValues, RemoteValue
-from daskdist.client.datasets import (
-    DistributedDataset,
-    PerWorkerDataset,
-    _LoaderFactory,
-    _ResourceHandle,
+from daskdist.client.closures import (
+    ClosureClient,
+    GangValues,
+    PerWorkerValues,
+    RemoteValue,
+    ResourceHandle,
 )
+from daskdist.client.datasets import DistributedDataset, LoaderFactory, PerWorkerDataset
 from daskdist.client.group import CollectiveGroup
+from daskdist.client.inference import BatchInference
+from daskdist.client.lifetime import JobLife
 from daskdist.client.notices import NoticeListener
 from daskdist.client.report import Report
-from daskdist.core import protocol
-from daskdist.core.protocol import PLUGIN_NAME, DatasetDef, Outcome, ResourceSpec
+from daskdist.core import checks
+from daskdist.core.protocol import PLUGIN_NAME, DatasetDef, EpochLedger, Outcome, ResourceSpec
 from daskdist.errors import CollectiveError
 from daskdist.plugins import SCHEDULER_PLUGIN, instantiate
 
@@ -50,7 +55,7 @@ class _SchedulerPluginRef(SchedulerPlugin):
         return (instantiate, (SCHEDULER_PLUGIN, {}))
 
 
-class Coordinator(ClosureClient):
+class Coordinator(ClosureClient, JobLife, BatchInference):
     """Schedule closures on a Dask cluster's workers, at least once each, surviving worker loss.
 
     ``Coordinator(client, name="default")`` registers the scheduler plugin (which
@@ -82,6 +87,14 @@ class Coordinator(ClosureClient):
     than ``daskdist.coordinator.client-grace``) ends it: every pending ``RemoteValue``
     resolves at once, its resources are released on every worker, and when no
     Coordinator of the name is left its worker plugin goes too.
+
+    ``keep_alive=True``: its work outlives its client (SPEC §4.6). When the client
+    disconnects (a kernel restart), its closures, gangs and datasets go on and their
+    values wait on the scheduler, each until it is read (bounded by
+    ``daskdist.coordinator.keep-results``: beyond, with no client its queued closures
+    wait), for ``daskdist.coordinator.keep-alive-timeout`` (24 h);
+    ``Coordinator.attach(client, name)`` from any client of the scheduler takes it over,
+    and ``pending()`` gives what it had not read.
     """
 
     def __init__(
@@ -95,20 +108,24 @@ class Coordinator(ClosureClient):
         lease_timeout: float | None = None,
         resources: dict[str, float] | None = None,
         members: str | None = None,
+        keep_alive: bool = False,
     ):
+        if not isinstance(keep_alive, bool):
+            raise TypeError(f"keep_alive must be True or False, got {keep_alive!r}")
         self._init_closures(max_queued)
+        self._init_life(keep_alive)
         if max_worker_failures is None:
-            max_worker_failures = protocol.max_worker_failures(
+            max_worker_failures = checks.max_worker_failures(
                 config.integer("coordinator.max-worker-failures"),
                 "daskdist.coordinator.max-worker-failures")
-        max_worker_failures = protocol.max_worker_failures(max_worker_failures)
-        lease_timeout = protocol.optional(protocol.lease_timeout, lease_timeout)
-        resources = protocol.optional(protocol.resources, resources)
-        members = protocol.optional(protocol.members, members)
+        max_worker_failures = checks.max_worker_failures(max_worker_failures)
+        lease_timeout = checks.optional(checks.lease_timeout, lease_timeout)
+        resources = checks.optional(checks.resources, resources)
+        members = checks.optional(checks.members, members)
         self.client = client if client is not None else get_client()
         if self.client.asynchronous:
             raise TypeError("Coordinator needs a synchronous Client (asynchronous=False)")
-        self.name = protocol.text(name, "name")
+        self.name = checks.text(name, "name")
         self._rpc = self.client.scheduler
         # With `--preload daskdist.plugins.scheduler` the plugin is there and we register
         # nothing (such clusters may refuse client plugins); else register it once.
@@ -118,12 +135,18 @@ class Coordinator(ClosureClient):
                           max_worker_failures=max_worker_failures,
                           torch_threads=torch_threads, lease_timeout=lease_timeout,
                           **({"resources": resources} if resources else {}),
-                          **({"members": members} if members else {}))
+                          **({"members": members} if members else {}),
+                          **({"keep_alive": True} if keep_alive else {}))
         if info is None:
             raise RuntimeError(
                 "the daskdist scheduler plugin did not answer; is daskdist installed "
                 "on the scheduler?"
             )
+        self._begin(info)
+
+    def _begin(self, info: dict) -> None:
+        """Act as the owner the scheduler handed out (``info``: a create's or an
+        attach's reply): its results loop and notices start."""
         self._workers = info["workers"]
         # this Coordinator's owner id (its closure ids start with it) and the secret
         # only it holds: the scheduler lets only the holder act as this owner
@@ -131,7 +154,9 @@ class Coordinator(ClosureClient):
         self._token: str = info["token"]
         self.client.loop.add_callback(self._results_loop)
         # stragglers and hangs of its gangs, logged as they happen (from the first gang)
-        self._notices = NoticeListener(self)
+        self._notices = NoticeListener(self.client, self.name, self._rpc,
+                                       lambda: not self._closed)
+        self._datasets = DatasetLink(self)  # what its dataset handles ask of it
 
     # -- plumbing ------------------------------------------------------------------------
     def _plugin_loaded(self) -> bool:
@@ -169,7 +194,7 @@ class Coordinator(ClosureClient):
         payload = self._pickle(fn, args, kwargs, 0)
         self._notices.start()
         gid = f"{self._owner}-g{next(self._seq)}"
-        whole = RemoteValue(gid, None)
+        whole = RemoteValue(gid, None, self._reader)
         view = GangValues(whole)
         with self._cv:
             self._pending[gid] = whole
@@ -184,7 +209,8 @@ class Coordinator(ClosureClient):
         n = info["world_size"]  # 0: no group could form yet; the gang waits for one
         with self._cv:
             if n and not view.final:  # not finished before we got here
-                view.values = tuple(RemoteValue(f"{gid}#{r}", None) for r in range(n))
+                view.values = tuple(RemoteValue(f"{gid}#{r}", None, self._reader)
+                                    for r in range(n))
         return view
 
     def collective_group(self, backend: str = "auto", timeout: float = 60.0, *,
@@ -232,7 +258,7 @@ class Coordinator(ClosureClient):
         """
         values = self._register_resource("dataset", fn)
         self._define_dataset(DatasetDef(values.rid, name or "", None, 0))
-        return PerWorkerDataset(self, values, name or "")
+        return PerWorkerDataset(self._datasets, values, name or "")
 
     def distribute_dataset(self, shards: Any, global_batch_size: int,
                            **loader_options: Any) -> DistributedDataset:
@@ -249,6 +275,7 @@ class Coordinator(ClosureClient):
         (``DistributedDataset.state_dict`` / ``load_state_dict``).
         """
         from daskdist.context import InputContext
+        from daskdist.data.options import check_options
         from daskdist.data.sources import as_source
 
         if "batch_size" in loader_options:
@@ -258,51 +285,21 @@ class Coordinator(ClosureClient):
             raise ValueError(f"global_batch_size must be a positive int, got "
                              f"{global_batch_size!r}")
         global_batch_size = gbs()
+        # ArrowLoader's options, checked here, before anything is registered (the loader
+        # checks them again on each worker: one table, data/options.py)
+        loader_options = check_options(loader_options, "distribute_dataset")
         # files, a dask DataFrame, a dict of dask Arrays: described (and checked) here
         source = as_source(shards, loader_options.get("columns"))
         workers = max(1, self._workers)  # the batch size is fixed now
         InputContext(num_replicas_in_sync=workers).get_per_replica_batch_size(global_batch_size)
         values = self._register_resource(
-            "dataset", _LoaderFactory(source, global_batch_size, loader_options, workers))
+            "dataset", LoaderFactory(source, global_batch_size, loader_options, workers))
         name = loader_options.get("name") or ""
         seed = int(loader_options.get("seed", 0))
         # a new dataset, whatever its source or name: its units defined once, here
         self._define_dataset(source.definition(values.rid, name, seed,
                                                bool(loader_options.get("shuffle", False))))
-        return DistributedDataset(self, values, source, name, seed)
-
-    def map_batches(self, predict: Callable[[Any, dict], Any], source: Any, *,
-                    output: str | None,
-                    model: Callable[[Any], Any] | None = None, batch_size: int = 256,
-                    keep: list | None = None, name: str | None = None,
-                    **options: Any) -> Any:
-        """Run ``predict(model, batch)`` over every row of ``source`` on the members and
-        write its output to ``output`` exactly once (SPEC §7): a Parquet dataset on any
-        fsspec URL, committed unit by unit (staged per attempt, first committer wins),
-        with a manifest and ``_SUCCESS`` at the end. Returns the job
-        (``client.inference.InferenceJob``): ``progress(bar=True)``, ``result()`` (a
-        lazy dask DataFrame over the output), ``cancel()``.
-
-        ``source`` is what ``distribute_dataset`` takes (files, a dask DataFrame, a dict
-        of dask Arrays); ``batch`` is a dict of tensors as it yields them. ``model(ctx)``
-        is built once per worker, on its device. ``predict`` returns a dict of arrays or
-        tensors, or a DataFrame, with any number of rows; ``keep`` input columns are
-        copied beside it, row for row. The scheduler plugin drives the job: it outlives
-        this client. The same call (same ``name`` and ``output``) on any cluster resumes
-        it: committed units are neither read nor computed again; another source under
-        the same name raises ``dd.InputError`` (``overwrite=True`` starts over).
-        ``output=None`` returns a small output in memory instead (kept on the scheduler,
-        at most ``daskdist.inference.memory-bytes``; no resume).
-        ``options``: ``columns`` (the input columns read), ``overwrite``, ``unit_rows``
-        (rows one unit of files covers at least: an output file each),
-        ``fill_null``, ``device``, ``storage_options`` (fsspec's).
-        """
-        from daskdist.client.inference import Channel, map_batches
-
-        self._check_open()
-        return map_batches(Channel(self._call, self._owned), predict, source, output=output,
-                           model=model, batch_size=batch_size, keep=keep, name=name,
-                           **options)
+        return DistributedDataset(self._datasets, values, source, name, seed)
 
     def _define_dataset(self, dataset: DatasetDef) -> None:
         self._owned("daskdist_dataset_define", dataset=tuple(dataset))
@@ -319,7 +316,7 @@ class Coordinator(ClosureClient):
             raise TypeError(f"the per-worker {kind} factory cannot be pickled: {e}") from e
         rid = f"{kind}-{uuid.uuid4().hex[:12]}"
         self._owned("daskdist_add_resource", rid=rid, payload=payload)
-        handle = _ResourceHandle(rid, kind, parent)
+        handle = ResourceHandle(rid, kind, parent)
         weakref.finalize(handle, _dropped, weakref.ref(self), rid)
         return handle
 
@@ -343,10 +340,13 @@ class Coordinator(ClosureClient):
         return {int(rank): str(stack) for rank, stack in self._owned("daskdist_rank_stacks")}
 
     def status(self) -> dict[str, Any]:
-        """Queue and worker counts: queued, running, done, failed, retried, cancelled, ..."""
+        """Queue and worker counts: queued, running, done, failed, retried, cancelled,
+        ...; ``preemptions``: the workers' deadlines, soonest first (``{worker, index,
+        deadline, reason, seconds_left}`` each)."""
         self._check_open()
         s = self._call("daskdist_status")
         s["recoveries"] = s["recovered"]
+        s["preemptions"] = [dict(p) for p in s.get("preemptions") or ()]
         return s
 
     def members(self) -> dict[str, list]:
@@ -424,6 +424,34 @@ class Coordinator(ClosureClient):
 
     def _repr_html_(self) -> str:
         return reprs.coordinator_html(self)
+
+
+class DatasetLink:
+    """What a ``Coordinator``'s dataset handles ask of it
+    (:class:`~daskdist.client.datasets.DatasetCoordinator`), by name: the calls to the
+    scheduler they need, acting as its owner where one must."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def workers(self, ask: bool = False) -> int:
+        co = self.coordinator
+        return co.num_workers if ask else co._workers
+
+    def register_iterator(self, factory: Callable | None,
+                          dataset: PerWorkerValues) -> PerWorkerValues:
+        return self.coordinator._register_resource("iterator", factory, parent=dataset)
+
+    def progress(self, dataset_id: str, epoch: int) -> dict:
+        return self.coordinator._call("daskdist_lease_progress", dataset_id=dataset_id,
+                                      epoch=epoch)
+
+    def ledger(self, dataset_id: str, epoch: int) -> EpochLedger:
+        return EpochLedger._make(self.coordinator._call(
+            "daskdist_dataset_state", dataset_id=dataset_id, epoch=epoch))
+
+    def start_epoch(self, ledger: EpochLedger) -> None:
+        self.coordinator._owned("daskdist_dataset_start", ledger=tuple(ledger))
 
 
 def _dropped(coordinator: weakref.ref, rid: str) -> None:

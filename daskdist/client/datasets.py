@@ -5,36 +5,44 @@ A dataset is the call that made it: its identity is its per-worker resource's id
 per call (``name=`` is only a label), so a re-run notebook cell, a new coordinator, or
 a training and an evaluation dataset over one directory each read every row. A
 handle's per-worker resource, and the dataset's lease tables on the scheduler, are
-released once the handle is garbage collected (``_ResourceHandle``) or its coordinator
-closes. Resuming an epoch across coordinators is explicit: ``state_dict()`` /
-``load_state_dict()``. The factories are pickled to the workers, which import
-``daskdist.data`` (and torch) only there.
+released once the handle is garbage collected (a
+:class:`~daskdist.client.closures.ResourceHandle`) or its coordinator closes. Resuming
+an epoch across coordinators is explicit: ``state_dict()`` / ``load_state_dict()``.
+The factories are pickled to the workers, which import ``daskdist.data`` (and torch)
+only there. A handle asks its coordinator only what :class:`DatasetCoordinator` says.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from daskdist.client import reprs
 from daskdist.client.closures import PerWorkerValues
 from daskdist.core.protocol import EpochLedger
 from daskdist.errors import InputError
 
-if TYPE_CHECKING:
-    from daskdist.client.coordinator import Coordinator
 
+class DatasetCoordinator(Protocol):
+    """What a dataset handle asks its coordinator (a ``Coordinator``'s
+    :class:`~daskdist.client.coordinator.DatasetLink`)."""
 
-class _ResourceHandle(PerWorkerValues):
-    """The client's reference to a registered per-worker resource: when it is garbage
-    collected, the resource is released on the scheduler and the workers (once every
-    closure scheduled before has finished). Travels as a plain ``PerWorkerValues``."""
+    def workers(self, ask: bool = False) -> int:
+        """The coordinator's member count as it last heard it (``ask``: asked now)."""
 
-    __slots__ = ("__weakref__", "parent")
+    def register_iterator(self, factory: Callable | None,
+                          dataset: PerWorkerValues) -> PerWorkerValues:
+        """Per-worker iterators of ``dataset``: ``factory(component)`` on each worker
+        (``iter`` when ``None``), released when the handle returned is dropped."""
 
-    def __init__(self, rid: str, kind: str, parent: PerWorkerValues | None = None):
-        super().__init__(rid=rid, kind=kind)
-        self.parent = parent  # an iterator keeps its dataset alive
+    def progress(self, dataset_id: str, epoch: int) -> dict:
+        """A dynamic epoch's counts (``daskdist_lease_progress``)."""
+
+    def ledger(self, dataset_id: str, epoch: int) -> EpochLedger:
+        """An epoch's acknowledged rows (``daskdist_dataset_state``)."""
+
+    def start_epoch(self, ledger: EpochLedger) -> None:
+        """Start an epoch from a ledger (``daskdist_dataset_start``)."""
 
 
 class PerWorkerDataset:
@@ -45,7 +53,8 @@ class PerWorkerDataset:
     under (the worker hands it over in the factory's ``InputContext``).
     """
 
-    def __init__(self, coordinator: Coordinator, values: PerWorkerValues, name: str = ""):
+    def __init__(self, coordinator: DatasetCoordinator, values: PerWorkerValues,
+                 name: str = ""):
         self._coordinator = coordinator
         self.values = values
         self.name = name
@@ -55,15 +64,14 @@ class PerWorkerDataset:
         return self.values.rid
 
     def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
-        return self._coordinator._register_resource("iterator", None, parent=self.values)
+        return self._coordinator.register_iterator(None, self.values)
 
     def progress(self, epoch: int = 0) -> dict:
         """A ``"dynamic"`` epoch's counts: total, acknowledged, leased, free, complete
         (``known`` is False until a worker's loader defined the dataset). Raises
         ``dd.InputError`` once the epoch failed (a file's reads failed
         ``max_worker_failures`` times), so a loop until ``complete`` ends."""
-        p = self._coordinator._call("daskdist_lease_progress", dataset_id=self.dataset_id,
-                                    epoch=int(epoch))
+        p = self._coordinator.progress(self.dataset_id, int(epoch))
         if p.get("failed"):
             raise InputError(p["failed"])
         return p
@@ -72,7 +80,7 @@ class PerWorkerDataset:
         return f"PerWorkerDataset({self.values.rid})"
 
 
-class _LoaderFactory:
+class LoaderFactory:
     """Builds a worker's ArrowLoader with the per-replica share of the global batch, as
     it was when the dataset was made (``replicas``): a worker that joins later uses the
     same batch size (TensorFlow fixes it when the dataset is distributed), so a global
@@ -127,26 +135,26 @@ class DistributedDataset(PerWorkerDataset):
     ``load_state_dict()`` starts this dataset's epoch from one, on any coordinator.
     """
 
-    def __init__(self, coordinator: Coordinator, values: PerWorkerValues, source: Any,
-                 name: str = "", seed: int = 0):
+    def __init__(self, coordinator: DatasetCoordinator, values: PerWorkerValues,
+                 source: Any, name: str = "", seed: int = 0):
         super().__init__(coordinator, values, name)
         self.source = source  # what its loaders read (data.sources.Source)
         self.shards = source.shards
         self.seed = int(seed)
         self.epoch = 0
-        self._pipelines = max(1, coordinator._workers)  # static policies' split, per epoch
+        self._pipelines = max(1, coordinator.workers())  # static policies' split, per epoch
+        self._bar: tuple[int, Any] | None = None  # (epoch, its progress bar), once shown
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next ``iter()`` reads. Static policies split the files
         over the workers there now (a worker that joins later reads nothing until the
         next ``set_epoch``); ``"dynamic"`` needs no split."""
         self.epoch = int(epoch)
-        self._pipelines = max(1, self._coordinator.num_workers)
+        self._pipelines = max(1, self._coordinator.workers(ask=True))
 
     def __iter__(self) -> PerWorkerValues:  # type: ignore[override]
-        return self._coordinator._register_resource(
-            "iterator", _EpochIterator(self.epoch, self.seed, self._pipelines),
-            parent=self.values)
+        return self._coordinator.register_iterator(
+            _EpochIterator(self.epoch, self.seed, self._pipelines), self.values)
 
     def progress(self, epoch: int | None = None, bar: bool = False) -> dict:
         """The dynamic policy's counts for ``epoch``: total, acknowledged, leased, free,
@@ -154,7 +162,7 @@ class DistributedDataset(PerWorkerDataset):
         Raises ``dd.InputError`` once the epoch failed."""
         p = super().progress(self.epoch if epoch is None else int(epoch))
         if bar:
-            reprs.update_epoch_bar(self, p)
+            self._bar = reprs.update_epoch_bar(self._bar, p)
         return p
 
     def state_dict(self) -> dict:
@@ -164,8 +172,7 @@ class DistributedDataset(PerWorkerDataset):
         far, run-length encoded), so a resumed epoch computes none of the partitions it
         already trained. Small: it grows with the acknowledged rows' fragmentation and
         the lengths' runs, never with the rows."""
-        led = EpochLedger._make(self._coordinator._call(
-            "daskdist_dataset_state", dataset_id=self.dataset_id, epoch=self.epoch))
+        led = self._coordinator.ledger(self.dataset_id, self.epoch)
         out = {"name": self.name, "epoch": self.epoch, "seed": self.seed,
                "acknowledged": [[int(a), int(b)] for a, b in led.acknowledged],
                "total": int(led.total), "files": self.source.fingerprint()}
@@ -188,8 +195,7 @@ class DistributedDataset(PerWorkerDataset):
                              int(state["total"]),
                              None if lengths is None else [[int(n), int(k)]
                                                            for n, k in lengths])
-        self._coordinator._owned("daskdist_dataset_start",
-                                ledger=tuple(ledger))
+        self._coordinator.start_epoch(ledger)
         self.epoch = epoch
         self.seed = int(state.get("seed", self.seed))
 

@@ -6,9 +6,10 @@ columns, a writable ``output``), prepares the output (what earlier runs of the j
 committed, read from its ledger and made consistent; a different source under the same
 name refused with ``dd.InputError``; ``overwrite=True`` starts over), registers nothing
 itself and hands the job to the scheduler plugin, which drives it
-(``plugins/scheduler/inference.py``). The :class:`InferenceJob` handle only watches and
-cancels; its result is a lazy dask DataFrame over the committed output. Calls reach the
-scheduler through the :class:`Channel` the Coordinator hands over.
+(``plugins/scheduler/inference/``). The :class:`InferenceJob` handle only watches and
+cancels; its result is a lazy dask DataFrame over the committed output.
+:class:`BatchInference` is the Coordinator's half that starts a job; the job's calls
+reach the scheduler through a :class:`Channel` of the Coordinator's calls.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from daskdist import config
 from daskdist.core.protocol import InferenceJobDef, ResourceRef, ResourceSpec
 from daskdist.errors import CancelledError, InputError
 
-__all__ = ["Channel", "InferenceJob", "map_batches"]
+__all__ = ["BatchInference", "Channel", "InferenceJob", "map_batches"]
 
 POLL = 2.0  # longest one progress long-poll waits on the scheduler
 
@@ -175,6 +176,50 @@ def _completed(name: str, out: Any, done: Any) -> dict:
             "workers": [], "errors": [], "attached": False}
 
 
+class BatchInference:
+    """``Coordinator.map_batches``: a half of ``Coordinator`` (as ``JobLife`` is); the
+    class using it has the Coordinator's calls to the scheduler."""
+
+    _call: Callable[..., Any]
+    _owned: Callable[..., Any]
+    _check_open: Callable[[], None]
+
+    def map_batches(self, predict: Callable[[Any, dict], Any], source: Any, *,
+                    output: str | None,
+                    model: Callable[[Any], Any] | None = None, batch_size: int = 256,
+                    keep: list | None = None, name: str | None = None,
+                    **options: Any) -> InferenceJob:
+        """Run ``predict(model, batch)`` over every row of ``source`` on the members and
+        write its output to ``output`` exactly once (SPEC §7): a Parquet dataset on any
+        fsspec URL, committed unit by unit (staged per attempt, first committer wins),
+        with a manifest and ``_SUCCESS`` at the end. Returns the job
+        (:class:`InferenceJob`): ``progress(bar=True)``, ``result()`` (a lazy dask
+        DataFrame over the output), ``cancel()``.
+
+        ``source`` is what ``distribute_dataset`` takes (files, a dask DataFrame, a dict
+        of dask Arrays); ``batch`` is a dict of tensors as it yields them. ``model(ctx)``
+        is built once per worker, on its device. ``predict`` returns a dict of arrays or
+        tensors, or a DataFrame, with any number of rows; ``keep`` input columns are
+        copied beside it, row for row. The scheduler plugin drives the job, held by this
+        coordinator's owner as its closures are: it goes on while the client is away
+        (``client-grace``; a ``keep_alive=True`` coordinator's until
+        ``keep-alive-timeout`` with nobody attaching) and is cancelled once every owner
+        holding it closed. The same call (same ``name`` and ``output``) attaches to the
+        job while it runs (from an attached Coordinator too) and, on any cluster,
+        resumes it: committed units are neither read nor computed again; another source
+        under the same name raises ``dd.InputError`` (``overwrite=True`` starts over).
+        ``output=None`` returns a small output in memory instead (kept on the scheduler,
+        at most ``daskdist.inference.memory-bytes``; no resume).
+        ``options``: ``columns`` (the input columns read), ``overwrite``, ``unit_rows``
+        (rows one unit of files covers at least: an output file each),
+        ``fill_null``, ``device``, ``storage_options`` (fsspec's).
+        """
+        self._check_open()
+        return map_batches(Channel(self._call, self._owned), predict, source, output=output,
+                           model=model, batch_size=batch_size, keep=keep, name=name,
+                           **options)
+
+
 class InferenceJob:
     """A batch-inference job (``Coordinator.map_batches``): driven by the scheduler
     plugin; this handle watches it (:meth:`progress`, :meth:`wait`), reads its output
@@ -269,7 +314,8 @@ class InferenceJob:
         if p["state"] == "failed":
             raise InputError(p["error"] or f"batch-inference job {self.name!r} failed")
         if p["state"] == "cancelled":
-            raise CancelledError(f"batch-inference job {self.name!r} was cancelled")
+            raise CancelledError(p["error"] or f"batch-inference job {self.name!r} was "
+                                 "cancelled")
         import pandas as pd
 
         if self._out is None:  # returned in memory: each committed unit's output once

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from distributed.comm.core import CommClosedError
@@ -20,35 +21,39 @@ logger = logging.getLogger("daskdist.observe")
 
 
 class NoticeListener:
-    """Logs one coordinator's notices (see the module). ``start`` from any thread."""
+    """Logs the notices of coordinator ``name`` (see the module) through ``rpc`` (the
+    scheduler's, on ``client``'s event loop) while ``is_open()``. ``start`` from any
+    thread."""
 
-    def __init__(self, coord: Any) -> None:
-        self.coord = coord
+    def __init__(self, client: Any, name: str, rpc: Any, is_open: Callable[[], bool]) -> None:
+        self.client = client
+        self.name = name
+        self.rpc = rpc
+        self.is_open = is_open
         self.started = False
 
     def start(self) -> None:
         if not self.started:
             self.started = True
-            self.coord.client.loop.add_callback(self._loop)
+            self.client.loop.add_callback(self._loop)
 
     def _open(self) -> bool:
-        co = self.coord
-        return not co._closed and co.client.status not in ("closing", "closed")
+        return self.is_open() and self.client.status not in ("closing", "closed")
 
     async def _loop(self) -> None:
         """Until the coordinator closes: each notice once, as a WARNING."""
-        co, since = self.coord, None
+        name, since = self.name, None
         while self._open():
             try:
-                reply = await co._rpc.daskdist_rank_notices(name=co.name, since=since)
+                reply = await self.rpc.daskdist_rank_notices(name=name, since=since)
             except (OSError, CommClosedError):
                 await asyncio.sleep(0.5)  # the scheduler is away: ask again
                 continue
             except Exception as e:  # noqa: BLE001 - its coordinator closed: nothing more comes
-                logger.debug("daskdist[%s]: notices stopped: %r", co.name, e)
+                logger.debug("daskdist[%s]: notices stopped: %r", name, e)
                 return
             if not isinstance(reply, dict) or reply.get("closed") or not self._open():
                 return
             for notice in reply.get("items") or ():
-                logger.warning("daskdist[%s]: %s", co.name, notice.get("message", notice))
+                logger.warning("daskdist[%s]: %s", name, notice.get("message", notice))
             since = int(reply.get("seq", since or 0))

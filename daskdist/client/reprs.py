@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import time
+from collections.abc import Callable
 from typing import Any
 
 STYLE = "font-family:var(--jp-code-font-family,monospace);font-size:12px"
@@ -88,46 +89,47 @@ def group_html(group: Any) -> str:
             "</div>")
 
 
-def join_with_bar(coord: Any, timeout: float | None) -> None:
-    """``coord.join(timeout)`` with a ``tqdm.auto`` bar of the closures finishing meanwhile."""
+def join_with_bar(name: str, unfinished: Callable[[float], tuple[int, bool]],
+                  timeout: float | None) -> float | None:
+    """A ``tqdm.auto`` bar of coordinator ``name``'s closures finishing, until none is
+    left, an error is pending or ``timeout`` seconds passed; the seconds left of
+    ``timeout`` (``None``: no timeout) for the join that follows. ``unfinished(wait)``:
+    the closures left and whether an error is pending, after waiting up to ``wait``
+    seconds for news while some are left."""
     from tqdm.auto import tqdm
 
     deadline = None if timeout is None else time.monotonic() + timeout
-    with coord._cv:
-        total = len(coord._pending)
-    with tqdm(total=total, desc=f"{coord.name}: closures", unit="closure") as bar:
+    total, _ = unfinished(0.0)
+    with tqdm(total=total, desc=f"{name}: closures", unit="closure") as bar:
         while True:
-            with coord._cv:
-                left = len(coord._pending)
-                if left and not coord._error_pending and (
-                        deadline is None or time.monotonic() < deadline):
-                    coord._cv.wait(0.1)  # woken by every batch of results
+            expired = deadline is not None and time.monotonic() >= deadline
+            left, error = unfinished(0.0 if expired else 0.1)
             finished = bar.total - left
             if finished < bar.n:  # closures scheduled meanwhile: a longer bar
                 bar.total += bar.n - finished
                 finished = bar.n
             bar.update(finished - bar.n)
-            if not left or coord._error_pending or (
+            if not left or error or (
                     deadline is not None and time.monotonic() >= deadline):
                 break
-    coord.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def update_epoch_bar(ds: Any, p: dict) -> None:
-    """Show ``p`` (an epoch's progress) on the dataset's ``tqdm.auto`` bar; closes it when
-    the epoch completes. One bar per dataset, replaced when the epoch changes."""
+def update_epoch_bar(bar: tuple[int, Any] | None, p: dict) -> tuple[int, Any]:
+    """Show ``p`` (an epoch's progress) on a dataset's ``tqdm.auto`` bar (``bar``: its
+    ``(epoch, bar)`` so far, or ``None``); closes it when the epoch completes. One bar
+    per dataset, replaced when the epoch changes: the ``(epoch, bar)`` to keep."""
     from tqdm.auto import tqdm
 
-    bar = getattr(ds, "_daskdist_bar", None)
     if bar is not None and bar[0] != p["epoch"]:
         bar[1].close()
         bar = None
     if bar is None:
         bar = (p["epoch"], tqdm(total=p["total"], desc=f"epoch {p['epoch']}", unit="row",
                                 unit_scale=True))
-        ds._daskdist_bar = bar
     t = bar[1]
     t.update(p["acknowledged"] - t.n)
     t.set_postfix(leased=p["leased"], free=p["free"], refresh=False)
     if p["complete"]:
         t.close()
+    return bar

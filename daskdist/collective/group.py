@@ -85,6 +85,12 @@ class Group:
         return self._pg
 
     @property
+    def wire_device(self) -> torch.device:
+        """Where this group's backend takes tensors: the group's device under NCCL, else
+        the CPU (the small int tensors of heads and flags are made there)."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    @property
     def usable(self) -> bool:
         """Whether this generation can still make calls (no peer lost, not torn down)."""
         try:
@@ -154,7 +160,7 @@ class Group:
 
     def barrier(self) -> None:
         """Return once every rank reached this barrier."""
-        t = torch.zeros(1, device=self._wire_device())
+        t = torch.zeros(1, device=self.wire_device)
         self._run("barrier", lambda pg: dist.all_reduce(t, group=pg, async_op=True))
 
     # -- object collectives ------------------------------------------------------
@@ -167,7 +173,7 @@ class Group:
         waiting for bytes that never come.
         """
         self._check_rank(src)
-        dev = self._wire_device()
+        dev = self.wire_device
         failure: BaseException | None = None
         if self.rank == src:
             try:
@@ -193,7 +199,7 @@ class Group:
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (all ranks raise if one cannot pickle)."""
-        dev = self._wire_device()
+        dev = self.wire_device
         failure: BaseException | None = None
         try:
             payload = _to_bytes(obj, dev)
@@ -229,8 +235,6 @@ class Group:
 
     # -- machinery ---------------------------------------------------------------
 
-    def _wire_device(self) -> torch.device:
-        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def _check_rank(self, src: int) -> None:
         if not 0 <= src < self.world_size:

@@ -15,7 +15,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from daskdist.collective.group import Group, get_group
-from daskdist.collective.step import riders
+from daskdist.collective.step.step import this_step
 from daskdist.core.nest import map_instances
 
 _BUCKET_MB = 32.0
@@ -46,7 +46,8 @@ def allreduce_gradients(
     A parameter that requires grad but has none on this rank counts as a zero
     gradient (and gets one), so every rank issues the same calls. Inside a closure,
     what ``synced`` and ``State`` need of every rank before the next step rides in the
-    first bucket (:mod:`~daskdist.collective.step.riders`): the step makes one call.
+    first bucket (the closure's :class:`~daskdist.collective.step.step.Step`): the step
+    makes one call.
     """
     g = group or get_group()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -54,12 +55,13 @@ def allreduce_gradients(
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     buckets = list(_buckets([p.grad.data for p in params], bucket_mb))
-    riding = riders.take(g.generation) if _current(g) else None
+    step = this_step(create=False) if _current(g) else None
+    riding = step.riding(g.generation) if step is not None else None
     if riding is not None and (not buckets or not buckets[0][0].is_floating_point()):
         buckets.insert(0, [])  # nothing to ride on: a float32 call of their own
     for i, bucket in enumerate(buckets):
         flat = (_on_wire(_flatten_dense_tensors(bucket), g) if bucket
-                else torch.zeros(0, device=g._wire_device()))
+                else torch.zeros(0, device=g.wire_device))
         n = flat.numel()
         ride = riding if i == 0 else None  # the first bucket carries the riders
         if ride is not None:

@@ -19,7 +19,10 @@ under its *attempt* (the closure's id and attempt number) and asks to commit it.
   are never committed (nor leased) again;
 - **the end**: once every row is committed and no attempt is still publishing, the job
   finalizes (manifest and ``_SUCCESS``), then completes. It fails (the input's units
-  failed for good, a finalization that kept failing) or is cancelled instead.
+  failed for good, a finalization that kept failing) or is cancelled instead: by a
+  client, or once every owner that started it or attached to it is gone (the
+  coordinator's owners' rule: a closed one at once, one whose client left after the
+  client's grace, a keep-alive one after its keep-alive timeout with nobody attaching).
 
 It also counts how many of the job's closures to keep queued (:meth:`JobState.top_up`)
 and what progress reports: units, rows, rows per second, per worker.
@@ -115,6 +118,9 @@ class JobState:
     finalize_failures: int = 0
     failed_in_a_row: int = 0  # job closures that raised since the last commit
     version: int = 0  # bumped at every change a waiter may care about
+    # the coordinator's owners that started the job or attached to it: it runs while one
+    # of them is left
+    owners: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.rows = RowSet(normalize(self.committed))
@@ -240,9 +246,24 @@ class JobState:
             self.error = why
             self._end(FAILED)
 
-    def cancel(self) -> None:
+    def cancel(self, why: str | None = None) -> None:
         if self.state not in FINAL:
+            self.error = why
             self._end(CANCELLED)
+
+    def owner_gone(self, owner: str) -> bool:
+        """``owner`` of the coordinator was dropped (closed, or its client gone past
+        its grace or keep-alive timeout): once no owner holding the job is left, the
+        job is cancelled, saying so. Whether it was."""
+        if owner not in self.owners:
+            return False
+        self.owners.discard(owner)
+        if self.owners or self.state in FINAL:
+            return False
+        self.cancel(f"batch-inference job {self.name!r} cancelled: every owner holding it "
+                    "closed, or its client stayed away past client-grace (keep-alive-timeout "
+                    "for a keep_alive one); the same map_batches call resumes it")
+        return True
 
     def _end(self, state: str) -> None:
         self.state = state

@@ -1,24 +1,21 @@
 """What crosses the wire between client, scheduler plugin and workers (pure): the named
-messages, the checks of what arrives, and how a handler's message reaches its book.
+messages, the checks of whole messages as they arrive, and how a handler's message
+reaches its book.
 
 Each message is a ``NamedTuple``: on the wire (msgpack) it travels as a plain list, and
-pickled it stays itself; a receiver rebuilds it with ``Type._make(item)``. Closure states and error
-kinds are defined here once.
-
-Every scheduler handler runs its arguments through the checks below before it touches
-any state, and the client checks its settings with the same rules, so a bad call is
-refused with an error that names the handler (or setting), the argument and what it got
-(SPEC §2.5b). Limits on sizes are wire limits, shared by both sides:
-no message carries more than :data:`MAX_ITEMS` items in one list, nor an id longer than
-:data:`MAX_TEXT` characters.
+pickled it stays itself; a receiver rebuilds it with ``Type._make(item)``. Closure states
+and error kinds are defined here once. The checks of single arguments and settings, and
+the wire's size limits, are :mod:`daskdist.core.checks`; the checks here build on them
+(a worker's results, a member's window, a client's submissions), each with a fast path
+that builds no message for a good one.
 
 Each book of a coordinator declares its handlers in one table of :class:`Route` entries
-(``CLOSURE_ROUTES``, ``GROUP_ROUTES``, ``LEASE_ROUTES``); :func:`book_handler` is what
-the scheduler plugin registers for each: it finds the book of the coordinator the
+(``CLOSURE_ROUTES``, ``GROUP_ROUTES``, ``LEASE_ROUTES``, ...); :func:`book_handler` is
+what the scheduler plugin registers for each: it finds the book of the coordinator the
 message names, checks the caller (a worker session, a client's owner) and calls the
 route's method.
 
-Imports nothing from Dask, torch or the rest of the package.
+Imports nothing from Dask, torch or the rest of the package but the checks.
 """
 
 from __future__ import annotations
@@ -26,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import math
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from daskdist.core import checks
 
 # -- closure states (a RemoteValue's status on the client: closures.RemoteValueStatus) --
 PENDING = "PENDING"
@@ -284,6 +282,23 @@ class UnitReport(NamedTuple):
     data: bytes = b""  # the output itself, when the job returns it in memory
 
 
+class Preemption(NamedTuple):
+    """A worker will be taken away: ``deadline`` (epoch seconds, ``time.time()``) and
+    why (``"SIGTERM"``, ``"SIGUSR1"``, ``"aws-spot"``, ``"notify_preemption"``, ...).
+    What ``dd.get_worker_context().preemption`` gives, what a worker reports to the
+    scheduler (``daskdist_preemption``) and what ``coord.status()`` lists."""
+
+    deadline: float
+    reason: str
+
+
+def preemption(deadline: Any, reason: Any, what: str) -> Preemption:
+    """A :class:`Preemption` from the wire, checked (its deadline a finite number of
+    epoch seconds, its reason a short text); the error names ``what``."""
+    return Preemption(checks.number(deadline, f"{what}: deadline", 0.0, 1e12),
+                      checks.text(reason, f"{what}: reason"))
+
+
 class RankWindow(NamedTuple):
     """One gang member's window of steps (``daskdist-rank-window``, on the worker's
     stream to the scheduler): sent once a window while a gang closure runs, the last one
@@ -306,135 +321,41 @@ class RankWindow(NamedTuple):
     ended: bool = False
 
 
-# -- checks of what arrives -------------------------------------------------------------
-MAX_ITEMS = 100_000  # items in one list of one message (a batch of closures, of results)
-MAX_TEXT = 512  # characters of an id, a name or an address
-MAX_WORKER_FAILURES = 1_000  # max_worker_failures is 1 ... this
-MAX_LEASE_TIMEOUT = 7 * 24 * 3600.0  # lease_timeout is (0, a week] seconds
-MAX_RANGES = 1 << 18  # row intervals in one message (a release, an epoch's ledger):
-# about 0.3 s of the scheduler's event loop at most
-MAX_RUNS = 1 << 22  # runs of one dataset's unit definition
-MAX_ROWS = 1 << 50  # rows of a dataset (and rows asked for in one lease)
-MAX_EPOCH = (1 << 31) - 1
-
-
-def _name(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
-
-
-def text(value: Any, what: str, limit: int = MAX_TEXT, empty: bool = False) -> str:
-    """``value`` as an id, name or address: a ``str`` of at most ``limit`` characters
-    (and not empty unless ``empty``)."""
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str, got {type(value).__name__} {_name(value)}")
-    if len(value) > limit or (not value and not empty):
-        raise ValueError(f"{what} must be a non-empty str of at most {limit} characters, "
-                         f"got {len(value)} characters")
-    return value
-
-
-def integer(value: Any, what: str, lo: int, hi: int) -> int:
-    """``value`` as an ``int`` in ``[lo, hi]`` (a bool is not an int here)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {_name(value)}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{what} must be between {lo} and {hi}, got {value}")
-    return value
-
-
-def number(value: Any, what: str, lo: float, hi: float, lo_open: bool = False) -> float:
-    """``value`` as a finite ``float`` in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a number, got {type(value).__name__} "
-                        f"{_name(value)}")
-    value = float(value)
-    low_ok = value > lo if lo_open else value >= lo
-    if not (math.isfinite(value) and low_ok and value <= hi):
-        bracket = "(" if lo_open else "["
-        raise ValueError(f"{what} must be in {bracket}{lo:g}, {hi:g}], got {value!r}")
-    return value
-
-
-def optional(check: Callable[..., Any], value: Any, *args: Any, **kwargs: Any) -> Any:
-    """``None``, or ``value`` passed through ``check``."""
-    return None if value is None else check(value, *args, **kwargs)
-
-
-def flag(value: Any, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{what} must be a bool, got {type(value).__name__} {_name(value)}")
-    return value
-
-
-def items(value: Any, what: str, limit: int = MAX_ITEMS) -> list | tuple:
-    """``value`` as a list (or tuple) of at most ``limit`` items."""
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{what} must be a list, got {type(value).__name__} {_name(value)}")
-    if len(value) > limit:
-        raise ValueError(f"{what} must hold at most {limit} items, got {len(value)}")
-    return value
-
-
-def _is_text(v: Any) -> bool:
-    return type(v) is str and 0 < len(v) <= MAX_TEXT
-
-
-def texts(value: Any, what: str, limit: int = MAX_ITEMS) -> list[str]:
-    """A list of ids (each checked by :func:`text`; the error message is only built
-    for a bad one: lists of ids come with every worker exchange)."""
-    value = items(value, what, limit)
-    for i, v in enumerate(value):
-        if not _is_text(v):
-            text(v, f"{what}[{i}]")  # raises, naming the item
-    return list(value)
-
-
-def pairs(value: Any, what: str, limit: int = MAX_ITEMS, lo: int = 0, hi: int = MAX_ROWS
-          ) -> list[tuple[int, int]]:
-    """A list of at most ``limit`` int pairs ``[a, b]`` with both in ``[lo, hi]`` (row
-    intervals, a dataset's ``(rows, count)`` runs), as tuples."""
-    out = []
-    for i, item in enumerate(items(value, what, limit)):
-        if not isinstance(item, (list, tuple)) or len(item) != 2:
-            raise TypeError(f"{what}[{i}] must be a pair [a, b], got {_name(item)}")
-        a, b = item
-        if type(a) is not int or type(b) is not int or not (lo <= a <= hi and lo <= b <= hi):
-            # the slow path only for what the fast one refuses: the error names the field
-            a = integer(a, f"{what}[{i}][0]", lo, hi)
-            b = integer(b, f"{what}[{i}][1]", lo, hi)
-        out.append((a, b))
-    return out
-
-
-def record(value: Any, what: str, size: int, kind: str = "") -> list | tuple:
-    """One message record of ``size`` fields (a NamedTuple on the wire: a list)."""
-    if not isinstance(value, (list, tuple)) or len(value) != size:
-        raise TypeError(f"{what} must be {kind or f'a record of {size} fields'}, got "
-                        f"{type(value).__name__} {_name(value)}")
-    return value
-
-
-def named(value: Any, what: str, cls: Any) -> Any:
-    """A message record as its named type ``cls`` (a NamedTuple; a list on the wire),
-    its fields not yet checked; ``TypeError`` naming ``cls`` and its fields."""
-    n = len(cls._fields)
-    return cls._make(record(value, what, n, f"a {cls.__name__} {cls._fields}"))
-
-
 def submission_ok(item: Any, prefix: str) -> bool:
     """Whether ``item`` is a well-formed :class:`Submission` whose id starts with
     ``prefix`` (the fast path of ``daskdist_put``: its checks build messages only for
     a bad one)."""
     return (type(item) in (list, tuple) and 3 <= len(item) <= 4
-            and _is_text(item[0]) and item[0].startswith(prefix)
+            and checks.is_text(item[0]) and item[0].startswith(prefix)
             and type(item[1]) in (list, tuple) and len(item[1]) == 2
             and type(item[1][0]) is bytes and (item[1][1] is None or type(item[1][1]) is bytes)
-            and type(item[2]) is int and 0 <= item[2] <= MAX_RETRIES
-            and (len(item) == 3 or (type(item[3]) is str and len(item[3]) <= MAX_TEXT)))
+            and type(item[2]) is int and 0 <= item[2] <= checks.MAX_RETRIES
+            and (len(item) == 3
+                 or (type(item[3]) is str and len(item[3]) <= checks.MAX_TEXT)))
 
 
-MAX_RETRIES = 1_000_000  # a closure's retries
+def submissions(op: str, owner: str, closures: Any) -> list[Submission]:
+    """A client's closures (each a :class:`Submission`, its dataset optional), checked as
+    a whole: each id must be ``owner``'s (``owner-...``), so no client can queue under
+    another's ids (``PermissionError``)."""
+    prefix = f"{owner}-"
+    subs = []
+    for i, item in enumerate(checks.items(closures, f"{op}: closures")):
+        if submission_ok(item, prefix):
+            subs.append(Submission(*item))  # without its dataset: ""
+            continue
+        if isinstance(item, (list, tuple)) and len(item) == 3:
+            item = (*item, "")
+        sub = Submission._make(checks.record(item, f"{op}: closures[{i}]",
+                                             len(Submission._fields)))
+        if not checks.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
+            raise PermissionError(f"{op}: closure id {sub.cid!r} is not one of owner "
+                                  f"{owner!r}'s")
+        payload(sub.payload, f"{op}: closures[{i}].payload")
+        checks.integer(sub.retries, f"{op}: closures[{i}].retries", 0, checks.MAX_RETRIES)
+        checks.text(sub.dataset, f"{op}: closures[{i}].dataset", empty=True)
+        subs.append(sub)
+    return subs
 
 
 def payload(value: Any, what: str) -> list | tuple:
@@ -443,7 +364,7 @@ def payload(value: Any, what: str) -> list | tuple:
             or not isinstance(value[0], bytes)
             or not (value[1] is None or isinstance(value[1], bytes))):
         raise TypeError(f"{what} must be [function bytes, argument bytes or None], got "
-                        f"{_name(value)}")
+                        f"{checks.shown(value)}")
     return value
 
 
@@ -455,10 +376,10 @@ WORKER_STATES = frozenset({READY, FAILED, PENDING})  # what a worker may report
 def _is_outcome(item: Any) -> bool:
     """Whether ``item`` passes :func:`outcomes`' checks (the fast path, no messages)."""
     return (type(item) in (list, tuple) and len(item) == _OUTCOME_FIELDS
-            and _is_text(item[0]) and type(item[1]) is str and item[1] in WORKER_STATES
-            and (item[3] is None or _is_text(item[3]))
+            and checks.is_text(item[0]) and type(item[1]) is str and item[1] in WORKER_STATES
+            and (item[3] is None or checks.is_text(item[3]))
             and type(item[4]) is int and 0 <= item[4] <= 2**31
-            and type(item[6]) in (list, tuple) and len(item[6]) <= MAX_ITEMS)
+            and type(item[6]) in (list, tuple) and len(item[6]) <= checks.MAX_ITEMS)
 
 
 _OUTCOME_FIELDS = len(Outcome._fields)
@@ -467,26 +388,26 @@ _OUTCOME_FIELDS = len(Outcome._fields)
 def outcomes(op: str, results: Any) -> list[Outcome]:
     """A worker's results, checked as a whole (nothing is applied if one is malformed)."""
     out = []
-    for i, item in enumerate(items(results, f"{op}: results")):
+    for i, item in enumerate(checks.items(results, f"{op}: results")):
         if _is_outcome(item):
             out.append(Outcome._make(item))
             continue
-        o = Outcome._make(record(item, f"{op}: results[{i}]", len(Outcome._fields)))
-        text(o.cid, f"{op}: results[{i}].cid")
+        o = Outcome._make(checks.record(item, f"{op}: results[{i}]", len(Outcome._fields)))
+        checks.text(o.cid, f"{op}: results[{i}].cid")
         if o.state not in WORKER_STATES:
             raise ValueError(f"{op}: results[{i}].state must be one of "
                              f"{sorted(WORKER_STATES)}, got {o.state!r}")
-        optional(text, o.kind, f"{op}: results[{i}].kind")
-        integer(o.attempt, f"{op}: results[{i}].attempt", 0, 2**31)
-        items(o.tokens, f"{op}: results[{i}].tokens")
+        checks.optional(checks.text, o.kind, f"{op}: results[{i}].kind")
+        checks.integer(o.attempt, f"{op}: results[{i}].attempt", 0, 2**31)
+        checks.items(o.tokens, f"{op}: results[{i}].tokens")
         out.append(o)
     return out
 
 
 def observed(op: str, held: Any, started: Any) -> tuple[list[str] | None, list[str]]:
     """What a worker says it holds and which of those started."""
-    held = optional(texts, held, f"{op}: held")
-    return held, texts(started if started is not None else [], f"{op}: started")
+    held = checks.optional(checks.texts, held, f"{op}: held")
+    return held, checks.texts(started if started is not None else [], f"{op}: started")
 
 
 # -- what a gang member measures -------------------------------------------------------
@@ -505,8 +426,8 @@ def _seconds_ok(v: Any) -> bool:
 def _window_ok(w: Any) -> bool:
     """Whether ``w`` passes :func:`rank_window`'s checks (the fast path: a member's
     report every window; no message is built)."""
-    if not (type(w) in (list, tuple) and len(w) == _WINDOW_FIELDS and _is_text(w[0])
-            and _is_text(w[1]) and type(w[13]) is bool):
+    if not (type(w) in (list, tuple) and len(w) == _WINDOW_FIELDS and checks.is_text(w[0])
+            and checks.is_text(w[1]) and type(w[13]) is bool):
         return False
     if not all(type(w[i]) is int and 0 <= w[i] <= 2**62 for i in _WINDOW_INTS):
         return False
@@ -528,79 +449,28 @@ def rank_window(value: Any, op: str) -> RankWindow:
         w = RankWindow._make(value)
         return w._replace(phases=list(w.phases), partitions=list(w.partitions),
                           hist=[tuple(p) for p in w.hist])
-    w = named(value, f"{op}: window", RankWindow)
-    text(w.session, f"{op}: window.session")
-    text(w.gang, f"{op}: window.gang")
+    w = checks.named(value, f"{op}: window", RankWindow)
+    checks.text(w.session, f"{op}: window.session")
+    checks.text(w.gang, f"{op}: window.gang")
     for name in ("generation", "rank", "index", "steps", "rows", "total"):
-        integer(getattr(w, name), f"{op}: window.{name}", 0 if name != "index" else -2**62,
-                2**62)
+        checks.integer(getattr(w, name), f"{op}: window.{name}",
+                       0 if name != "index" else -2**62, 2**62)
     for name in ("seconds", "since_step"):
-        number(getattr(w, name), f"{op}: window.{name}", 0.0, MAX_SECONDS)
-    phases = items(w.phases, f"{op}: window.phases", 4)
-    parts = items(w.partitions, f"{op}: window.partitions", 2)
+        checks.number(getattr(w, name), f"{op}: window.{name}", 0.0, MAX_SECONDS)
+    phases = checks.items(w.phases, f"{op}: window.phases", 4)
+    parts = checks.items(w.partitions, f"{op}: window.partitions", 2)
     if len(phases) != 4 or len(parts) != 2:
         raise ValueError(f"{op}: window.phases must hold 4 numbers and window.partitions "
                          f"2, got {len(phases)} and {len(parts)}")
     for i, v in enumerate([*phases, *parts]):
-        number(v, f"{op}: window phase or partition time [{i}]", 0.0, MAX_SECONDS)
-    hist = pairs(w.hist, f"{op}: window.hist", MAX_WINDOW_BUCKETS, lo=-MAX_WINDOW_BUCKETS,
-                 hi=2**62)
+        checks.number(v, f"{op}: window phase or partition time [{i}]", 0.0, MAX_SECONDS)
+    hist = checks.pairs(w.hist, f"{op}: window.hist", MAX_WINDOW_BUCKETS,
+                        lo=-MAX_WINDOW_BUCKETS, hi=2**62)
     if any(n < 0 for _, n in hist):
         raise ValueError(f"{op}: window.hist counts must not be negative")
-    flag(w.ended, f"{op}: window.ended")
+    checks.flag(w.ended, f"{op}: window.ended")
     return w._replace(phases=[float(v) for v in phases],
                       partitions=[float(v) for v in parts], hist=hist)
-
-
-# -- settings (the client checks them too) -----------------------------------------------
-
-def max_worker_failures(value: Any, what: str = "max_worker_failures") -> int:
-    return integer(value, what, 1, MAX_WORKER_FAILURES)
-
-
-def lease_timeout(value: Any, what: str = "lease_timeout") -> float:
-    return number(value, what, 0.0, MAX_LEASE_TIMEOUT, lo_open=True)
-
-
-# -- members by Dask resources (Coordinator(resources=...)) ------------------------------
-
-def satisfies(worker_resources: dict | None, required: dict | None) -> bool:
-    """Whether a worker declaring ``worker_resources`` may be a member of a coordinator
-    that requires ``required`` (``None``: every worker)."""
-    if not required:
-        return True
-    have = worker_resources or {}
-    return all(float(have.get(k, 0)) >= float(v) for k, v in required.items())
-
-
-def resources(value: Any, what: str = "resources") -> dict[str, float]:
-    """``resources=`` as ``{name: positive amount}``."""
-    if not isinstance(value, dict) or not value or len(value) > 64:
-        raise TypeError(f"{what} must be a non-empty dict of Dask resources such as "
-                        f"{{'GPU': 1}}, got {value!r:.80}")
-    out = {}
-    for k, v in value.items():
-        text(k, f"{what} name")
-        out[k] = number(v, f"{what}[{k!r}]", 0.0, 1e12, lo_open=True)
-    return out
-
-
-# -- members by the Dask GPU convention (Coordinator(members="gpu")) -----------------------
-MEMBER_KINDS = ("gpu",)
-
-
-def members(value: Any, what: str = "members") -> str:
-    """``members=``: ``"gpu"``, the workers with a GPU by the Dask convention (their
-    ``CUDA_VISIBLE_DEVICES`` names a device, or they declare a ``GPU`` resource; see
-    :func:`daskdist.core.gpus.has_gpu`)."""
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be None (every worker) or 'gpu', got "
-                        f"{type(value).__name__} {value!r:.80}")
-    if value not in MEMBER_KINDS:
-        raise ValueError(f"{what} must be None (every worker) or 'gpu' (the workers with "
-                         f"a GPU by the Dask convention: CUDA_VISIBLE_DEVICES names a "
-                         f"device, or a declared GPU resource), got {value!r:.80}")
-    return value
 
 
 # -- handlers: a message to its coordinator's book ---------------------------------------
@@ -631,14 +501,14 @@ def book_handler(states: dict[str, Any], book: str, op: str, route: Route
     """Handler ``op`` (what the plugin registers): ``route.method`` called on the book
     ``book`` (``""``: the coordinator itself) of the coordinator (in ``states``, by
     name) the message names, once its caller passed ``route.caller``'s check (its
-    session renewed by the coordinator's membership, or its owner's token found in its
-    closure book). A method whose first parameter (after ``self``) is ``comm`` gets
+    session renewed by the coordinator's membership, or its owner's token checked by the
+    coordinator's ``check_owner``). A method whose first parameter (after ``self``) is ``comm`` gets
     Dask's comm."""
     method, closed, caller, ended = route
 
     def book_of(name: Any, kwargs: dict) -> tuple[Any, Any]:
         """(the book, None), or (None, the reply) when the call stops here."""
-        co = states.get(text(name, f"{op}: name"))
+        co = states.get(checks.text(name, f"{op}: name"))
         if co is None:
             if closed is not CLOSED:
                 return None, closed
@@ -648,12 +518,12 @@ def book_handler(states: dict[str, Any], book: str, op: str, route: Route
         if caller == SESSION or (caller == OWNER_OR_SESSION
                                  and kwargs.get("session") is not None):
             # a live member's message renews its lease
-            if not co.members.renew(text(kwargs.get("session"), f"{op}: session"),
+            if not co.members.renew(checks.text(kwargs.get("session"), f"{op}: session"),
                                     time.monotonic()):
                 return None, ended
         elif caller in (OWNER, OWNER_OR_SESSION):  # PermissionError unless it is
-            co.closure_book.owner_box(text(kwargs.get("owner"), f"{op}: owner"),
-                                      text(kwargs.get("token"), f"{op}: token"))
+            co.check_owner(checks.text(kwargs.get("owner"), f"{op}: owner"),
+                           checks.text(kwargs.get("token"), f"{op}: token"))
         return (getattr(co, book) if book else co), None
 
     if list(inspect.signature(method).parameters)[1:2] == ["comm"]:

@@ -22,6 +22,11 @@ its own first unraised error, and raising it holds and cancels only that owner's
 Only an unplanned loss of a closure that had started counts toward
 ``max_worker_failures`` (SPEC §2.4): workers report which of their closures started
 (:meth:`ClosureQueue.observe`).
+
+Two parts hold what the queue looks up apart from its closures: :class:`Victims`, the
+sessions holding prefetched closures (whom an idle session steals from), and
+:class:`SetAside`, the closures set aside for the sessions holding their dataset's rows
+at an epoch's tail.
 """
 
 from __future__ import annotations
@@ -76,6 +81,85 @@ class QueueCounters:
     refused: int = 0  # finishes refused by fencing (duplicates, expired sessions)
 
 
+class Victims:
+    """The sessions holding prefetched closures, most first: a heap of the sessions whose
+    prefetch grew, its stale entries (a session's count fell since) dropped or re-filed
+    as they surface, so the next steal's victim costs O(log n) amortized."""
+
+    def __init__(self, prefetched: Callable[[str], int]) -> None:
+        self.prefetched = prefetched  # a session's prefetched closures now
+        self.heap: list[tuple[int, str]] = []
+
+    def grew(self, session: str) -> None:
+        """``session``'s prefetch grew: it may be the next victim."""
+        n = self.prefetched(session)
+        if n > 0:
+            heapq.heappush(self.heap, (-n, session))
+
+    def victim(self, thief: str) -> tuple[str, int] | None:
+        """The session (other than ``thief``) holding the most prefetched closures and
+        how many to take back from it (half, rounded up); ``None`` if none has any."""
+        heap = self.heap
+        thief_entry = None
+        found = None
+        while heap:
+            neg, session = heap[0]
+            n = self.prefetched(session)
+            if n != -neg:  # stale: re-file at its current count (or drop it)
+                heapq.heappop(heap)
+                if n > 0:
+                    heapq.heappush(heap, (-n, session))
+                continue
+            if session == thief:
+                thief_entry = heapq.heappop(heap)
+                continue
+            found = (session, (n + 1) // 2)
+            break
+        if thief_entry is not None:
+            heapq.heappush(heap, thief_entry)
+        return found
+
+
+@dataclass
+class SetAside:
+    """Queued closures set aside for the sessions holding their dataset's rows (the
+    epoch's tail): their ids by dataset tag, oldest first, and how many (stale entries
+    included: they are skipped as they come up)."""
+
+    by_tag: dict[str, deque[str]] = field(default_factory=dict)
+    count: int = 0
+
+    def add(self, tag: str, cid: str) -> None:
+        self.by_tag.setdefault(tag, deque()).append(cid)
+        self.count += 1
+
+    def pop(self, tag: str) -> str | None:
+        """The oldest id set aside for ``tag``; ``None`` (and the tag dropped) if none."""
+        cids = self.by_tag.get(tag)
+        if not cids:
+            self.by_tag.pop(tag, None)
+            return None
+        self.count -= 1
+        return cids.popleft()
+
+    def put_back(self, tag: str, cids: list[str]) -> None:
+        """Ids popped and not taken go back to the head of ``tag``'s, in order; a tag
+        left with none is dropped."""
+        if cids:
+            self.by_tag.setdefault(tag, deque()).extendleft(reversed(cids))
+            self.count += len(cids)
+        elif not self.by_tag.get(tag, True):
+            del self.by_tag[tag]
+
+    def refile(self, keep: Callable[[deque[str]], deque[str]]) -> None:
+        """Each tag's ids become ``keep(ids)``; a tag left with none is dropped."""
+        for tag in list(self.by_tag):
+            kept = self.by_tag[tag] = keep(self.by_tag[tag])
+            if not kept:
+                del self.by_tag[tag]
+        self.count = sum(len(d) for d in self.by_tag.values())
+
+
 @dataclass
 class ClosureQueue:
     """Queued and running closures, the first unraised error, and fencing by session."""
@@ -96,14 +180,14 @@ class ClosureQueue:
     queued: int = 0  # PENDING closures in the queue (not pinned)
     _unfinished: dict[str, int] = field(default_factory=dict)  # owner -> closures not final
     _own: dict[str, int] = field(default_factory=dict)  # session -> leased, not pinned
-    # sessions holding prefetched closures, most first (stale entries skipped lazily)
-    _victims: list[tuple[int, str]] = field(default_factory=list)
     # ``router(tag, session)``: whether ``session`` should run a closure tagged ``tag``
     # now (False: the tag's dataset has no free rows left and other sessions hold its
     # leased rows); such closures are set aside for the sessions it says yes to
     router: Callable[[str, str], bool] | None = None
-    _routed: dict[str, deque[str]] = field(default_factory=dict)  # tag -> cids set aside
-    _n_routed: int = 0  # entries in _routed (stale ones included)
+    _aside: SetAside = field(default_factory=SetAside)  # the closures it set aside
+
+    def __post_init__(self) -> None:
+        self._victims = Victims(self.prefetched)  # the next steal's victim
 
     # -- sessions -------------------------------------------------------------------
     def add_session(self, session: str, slots: int = 1) -> None:
@@ -263,12 +347,10 @@ class ClosureQueue:
         if n <= 0 or session in self._draining:
             return out
         budget = n
-        if self._routed:  # O(tags with closures set aside): the datasets in their tail
-            for tag in list(self._routed):
+        if self._aside.by_tag:  # O(tags with closures set aside): datasets in their tail
+            for tag in list(self._aside.by_tag):
                 if budget and self.router(tag, session):  # type: ignore[misc]
-                    budget = self._take(self._routed[tag], session, running, budget, out)
-                    if not self._routed[tag]:
-                        del self._routed[tag]
+                    budget = self._take(tag, session, running, budget, out)
         q = self._queue
         router = self.router
         skipped: list[str] = []  # of held owners (only what came back while they raise)
@@ -281,8 +363,7 @@ class ClosureQueue:
                 skipped.append(cid)
                 continue
             if c.tag is not None and router is not None and not router(c.tag, session):
-                self._routed.setdefault(c.tag, deque()).append(cid)
-                self._n_routed += 1
+                self._aside.add(c.tag, cid)
                 continue
             out.append(self._lease(c, session, running))
             budget -= 1
@@ -291,17 +372,15 @@ class ClosureQueue:
         if taken:
             self.queued -= taken
             self._own[session] += taken
-            self._note_prefetch(session)
+            self._victims.grew(session)
         return out
 
-    def _take(self, routed: deque[str], session: str, running: dict[str, None],
-              budget: int, out: list[Closure]) -> int:
-        """Lease closures set aside for their tag to ``session``, oldest first; the
-        budget left."""
-        skipped: list[str] = []
-        while routed and budget:
-            cid = routed.popleft()
-            self._n_routed -= 1
+    def _take(self, tag: str, session: str, running: dict[str, None], budget: int,
+              out: list[Closure]) -> int:
+        """Lease closures set aside for ``tag`` to ``session``, oldest first; the budget
+        left."""
+        aside, skipped = self._aside, []
+        while budget and (cid := aside.pop(tag)) is not None:
             c = self.closures.get(cid)
             if c is None or c.state != PENDING:
                 continue
@@ -310,8 +389,7 @@ class ClosureQueue:
                 continue
             out.append(self._lease(c, session, running))
             budget -= 1
-        routed.extendleft(reversed(skipped))
-        self._n_routed += len(skipped)
+        aside.put_back(tag, skipped)
         return budget
 
     @staticmethod
@@ -328,38 +406,11 @@ class ClosureQueue:
         scheduler can tell: a worker runs its leases in order). O(1)."""
         return max(0, self._own.get(session, 0) - self._slots.get(session, 1))
 
-    def _note_prefetch(self, session: str) -> None:
-        """``session``'s prefetch grew: it may be the next steal's victim."""
-        n = self.prefetched(session)
-        if n > 0:
-            heapq.heappush(self._victims, (-n, session))
-
     def steal_victim(self, thief: str) -> tuple[str, int] | None:
         """The session (other than ``thief``) holding the most prefetched closures and
         how many to take back from it (half, rounded up); ``None`` if none has any.
-
-        O(log n) amortized: a heap of the sessions whose prefetch grew, whose stale
-        entries (a session's count fell since) are dropped or re-filed as they surface.
-        """
-        heap = self._victims
-        thief_entry = None
-        found = None
-        while heap:
-            neg, session = heap[0]
-            n = self.prefetched(session)
-            if n != -neg:  # stale: re-file at its current count (or drop it)
-                heapq.heappop(heap)
-                if n > 0:
-                    heapq.heappush(heap, (-n, session))
-                continue
-            if session == thief:
-                thief_entry = heapq.heappop(heap)
-                continue
-            found = (session, (n + 1) // 2)
-            break
-        if thief_entry is not None:
-            heapq.heappush(heap, thief_entry)
-        return found
+        O(log n) amortized (:class:`Victims`)."""
+        return self._victims.victim(thief)
 
     # -- results --------------------------------------------------------------------
     def finish(self, session: str, cid: str, ok: bool, value: Any = None,
@@ -449,17 +500,13 @@ class ClosureQueue:
     def backlog(self) -> int:
         """Queue entries, those set aside for their tag included (O(1); may count a few
         stale ones): for fair-share dispatch."""
-        return len(self._queue) + self._n_routed
+        return len(self._queue) + self._aside.count
 
     def cancel_pending(self, owner: str | None = None) -> list[Outcome]:
         """Cancel every queued closure (of ``owner``, or all)."""
         out: list[Outcome] = []
         self._queue = self._cancel_in(self._queue, owner, out)
-        for tag in list(self._routed):
-            kept = self._routed[tag] = self._cancel_in(self._routed[tag], owner, out)
-            if not kept:
-                del self._routed[tag]
-        self._n_routed = sum(len(d) for d in self._routed.values())
+        self._aside.refile(lambda cids: self._cancel_in(cids, owner, out))
         return out
 
     def _cancel_in(self, cids: deque[str], owner: str | None,

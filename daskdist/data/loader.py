@@ -40,8 +40,10 @@ prefetch thread without holding the lock (it returns once its current read or le
 RPC does), take the lock, give back rows leased and not delivered. A caller arriving
 after the end of the pass gets ``StopIteration``; under ``"dynamic"`` it first polls the
 lease service again (a new pass), so rows that came back to the pool are still served,
-with any number of threads. The loader's ``close()`` also releases its source reader's
-resources (a collection's local partition pool).
+with any number of threads. A pass that fails raises its error to the caller it
+reaches, and what it still holds (that caller's unfinished batch) goes back to the pool
+then. The loader's ``close()`` also releases its source reader's resources (a
+collection's local partition pool).
 
 Memory is bounded by ``prefetch`` batches, the shuffle buffer and the staging ring,
 never the dataset. State for resuming is ``(epoch, seed, position)``.
@@ -65,6 +67,7 @@ from daskdist.core.intervals import normalize
 from daskdist.data import batching
 from daskdist.data.convert import concat_cols, slice_cols, to_device
 from daskdist.data.files.arrow import ArrowShards
+from daskdist.data.options import CHECKS, check_options, unknown_fill_columns
 from daskdist.data.plans import make_plan
 from daskdist.data.prefetch import CLOSED, END, Failure, Feed
 from daskdist.data.sources import ChunkItem, ChunkSource, ReadSpec, as_source
@@ -73,6 +76,14 @@ from daskdist.errors import InputError
 from daskdist.observe import phases
 
 __all__ = ["ArrowLoader"]
+
+
+def _torch_device(device: Any) -> torch.device:
+    """The ``device`` option (checked in form by :mod:`.options`) as torch reads it."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"device must name a torch device, got {device!r}: {e}") from None
 
 
 def _check_device(device: torch.device, ctx: InputContext) -> None:
@@ -131,45 +142,53 @@ class ArrowLoader:
         lease_rows: int | None = None,
         partitions_ahead: int | None = None,
     ) -> None:
+        opts = check_options(dict(
+            batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+            columns=columns, policy=policy, prefetch=prefetch, fill_null=fill_null,
+            collate=collate, device=device, shuffle_buffer=shuffle_buffer, name=name,
+            lease_rows=lease_rows, partitions_ahead=partitions_ahead))  # before any read
+        if ctx is not None and not isinstance(ctx, InputContext):
+            raise TypeError(f"ctx must be an InputContext, got {type(ctx).__name__}")
         self.source = as_source(shards)  # reads footers: a bad file raises here
         self.shards = self.source.shards
         self.ctx = ctx if ctx is not None else InputContext()
+        policy = opts["policy"]
         if policy is None:
             policy = ("dynamic" if self.source.leases_by_default
                       and self.ctx.services is not None else "auto")
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if int(prefetch) < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        self.batch_size = int(batch_size)
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.drop_last = bool(drop_last)
-        self.prefetch = int(prefetch)
-        self.fill_null = fill_null
+        self.batch_size: int = opts["batch_size"]
+        self.shuffle: bool = opts["shuffle"]
+        self.seed: int = opts["seed"]
+        self.drop_last: bool = opts["drop_last"]
+        self.prefetch: int = opts["prefetch"]
+        self.fill_null = opts["fill_null"]
         self.collate = collate
-        self.shuffle_buffer = int(shuffle_buffer)
-        self.device = torch.device(device) if device is not None else self.ctx.device
+        self.shuffle_buffer: int = opts["shuffle_buffer"]
+        self.device = _torch_device(opts["device"]) if device is not None else self.ctx.device
         _check_device(self.device, self.ctx)
         names = self.source.columns
-        self.columns = list(columns) if columns is not None else list(names)
+        self.columns = list(opts["columns"]) if columns is not None else list(names)
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise ValueError(f"column(s) {missing} not in the columns of "
                              f"{self.source.what}: {names}")
+        unfilled = unknown_fill_columns(self.fill_null, names)
+        if unfilled:
+            raise ValueError(f"fill_null names column(s) {unfilled} not in the columns of "
+                             f"{self.source.what}: {names}")
         self.name = name or ""
         self.dataset_id = (self.ctx.next_dataset_id()
                            or f"{name or 'arrow'}-{uuid.uuid4().hex[:12]}")
+        lease_rows = opts["lease_rows"]
         if lease_rows is None:
-            lease_rows = int(config.get("data.lease-rows", 65536))
-        if int(lease_rows) < 1:
-            raise ValueError(f"lease_rows must be >= 1, got {lease_rows}")
-        self.lease_rows = max(int(lease_rows), 2 * self.batch_size)
-        if partitions_ahead is None:
-            partitions_ahead = int(config.get("data.partitions-ahead", 2))
-        if int(partitions_ahead) < 1:
-            raise ValueError(f"partitions_ahead must be >= 1, got {partitions_ahead}")
-        self.partitions_ahead = int(partitions_ahead)
+            lease_rows = CHECKS["lease_rows"](int(config.get("data.lease-rows", 65536)),
+                                              "daskdist.data.lease-rows")
+        self.lease_rows = max(lease_rows, 2 * self.batch_size)
+        ahead = opts["partitions_ahead"]
+        if ahead is None:
+            ahead = CHECKS["partitions_ahead"](int(config.get("data.partitions-ahead", 2)),
+                                               "daskdist.data.partitions-ahead")
+        self.partitions_ahead: int = ahead
         self._plan = make_plan(self.source, policy, self.ctx.services, self.drop_last,
                                (self.ctx.input_pipeline_id, self.ctx.num_input_pipelines))
         self._reader = self.source.open(self._spec())
@@ -392,7 +411,13 @@ class _LoaderIterator:
     # -- under the lock ------------------------------------------------------------------
     def _cut(self) -> tuple[list[Any], list[tuple[int, int]] | None, list[ChunkItem]]:
         """The next batch's parts (views), its row ids as intervals (dynamic policy)
-        and the blocks they come from."""
+        and the blocks they come from.
+
+        A pass that fails ends the cut with its error. Every block before the failure
+        was taken (the feed is in order) and every batch cut from them delivered, so
+        what the pass still holds is the rows of this unfinished cut and any its reads
+        had not given back: all of it goes back to the pool then (the source's
+        ``close``), never left leased to a worker whose closures go on."""
         if self._closed:
             raise StopIteration
         bs = self._bs
@@ -444,6 +469,7 @@ class _LoaderIterator:
             self._done = True
             feed.stop()  # the producer has finished: the join is immediate
             if item is not END:
+                self._source.close()  # what the failed pass holds goes back (_cut's doc)
                 raise item.exc
             return None
         if self._stage is not None:  # a pending block: wait for its staging (its doc)
@@ -452,6 +478,7 @@ class _LoaderIterator:
             except BaseException:
                 self._done = True
                 feed.stop()  # the join ends once the producer returns from its read
+                self._source.close()  # blocks read ahead were dropped: their rows go back
                 raise
             if item is None or self._closed:
                 return None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daskdist.data.leased.passes import LeasedPass
-from daskdist.data.sharding import POLICIES, Piece, assign
+from daskdist.data.sharding import Piece, assign
 from daskdist.data.sources import ChunkSource, Source, SourceReader
 
 __all__ = ["LeasedPlan", "StaticPlan", "make_plan"]
@@ -138,9 +138,7 @@ class LeasedPlan:
 
 def make_plan(source: Source, policy: str, services: Any, drop_last: bool,
               pipeline: tuple[int, int]) -> StaticPlan | LeasedPlan:
-    """The plan of ``policy`` (``ValueError`` for an unknown one)."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown sharding policy {policy!r}; one of {POLICIES}")
+    """The plan of ``policy``, one of ``POLICIES`` (:mod:`.options` checked it)."""
     if policy == "dynamic":
         return LeasedPlan(source, services, drop_last, pipeline)
     return StaticPlan(source, policy, pipeline)

@@ -16,16 +16,20 @@ travels to the workers with the loader's factory) that the loader asks to
 
 Everything a source needs of the loader comes in a :class:`ReadSpec`; sources never
 touch the loader. A new kind is one file that subclasses :class:`Source` and
-:class:`SourceReader` and calls :func:`register_source`.
+:class:`SourceReader` and calls :func:`register_source` (this package's own kinds are
+imported by the first :func:`as_source`).
 
 A pass over an epoch is a :class:`ChunkSource`: a generator of :class:`ChunkItem` run by
 the loader's prefetch thread (which owns it), ``delivered`` called under the iterator's
-lock in the caller's thread, ``close`` after the prefetch thread was joined, and
-``interrupt`` from any thread (it only sets events).
+lock in the caller's thread, ``close`` after the prefetch thread was joined (when the
+iterator closes, and when a failure of the pass reached it: rows held and not delivered
+go back; ``chunks()`` may run again after), and ``interrupt`` from any thread (it only
+sets events).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -222,6 +226,9 @@ class Source:
 
 # -- the kinds of source: each registers how to recognise what it reads ------------------
 _KINDS: list[tuple[Callable[[Any], bool], Callable[[Any, Sequence | None], Source]]] = []
+# the kinds this package ships, in the order they are asked: each module registers
+# itself when imported, which the first ``as_source`` does
+BUILTIN_KINDS = ("daskdist.data.collections.source", "daskdist.data.files.source")
 
 
 def register_source(accepts: Callable[[Any], bool],
@@ -242,6 +249,8 @@ def as_source(obj: Any, columns: Sequence | None = None) -> Source:
     was given. ``columns`` selects columns where the kind can push it down."""
     if isinstance(obj, Source):
         return obj
+    for module in BUILTIN_KINDS:  # imported once: later calls find them loaded
+        importlib.import_module(module)
     for accepts, make in _KINDS:
         if accepts(obj):
             return make(obj, columns)

@@ -9,7 +9,7 @@ the worker's side of a job and its output.
   the manifest and ``_SUCCESS``, resuming;
 - :mod:`.units`: how a unit names itself.
 
-The scheduler's half is ``plugins/scheduler/inference.py`` (it drives the job), the
+The scheduler's half is ``plugins/scheduler/inference/`` (it drives the job), the
 commit rules ``core/inference.py`` (pure), the client's job handle
 ``client/inference.py``. Imported on the workers and, for the output's layout, by the
 client; never by the scheduler.

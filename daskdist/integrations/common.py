@@ -28,7 +28,14 @@ from daskdist.session.tokens import consumed_mark, drop_aside, set_aside, take_b
 
 logger = logging.getLogger(__name__)
 
-_STATE_ATTR = "_daskdist_state"  # where a module keeps its State (collected with it)
+# the attribute a module keeps its State in (collected with it): an adapter that
+# rebuilds a module's ``__dict__`` keeps it (``lightning_sharded``)
+STATE_ATTR = "_daskdist_state"
+
+
+def kept_state(owner: Any) -> State | None:
+    """The ``State`` :func:`state_for` keeps for ``owner``, or ``None`` if none yet."""
+    return owner.__dict__.get(STATE_ATTR)
 
 
 def state_for(owner: Any, label: str, make: Callable[[], State]) -> State:
@@ -41,7 +48,7 @@ def state_for(owner: Any, label: str, make: Callable[[], State]) -> State:
     is not a per-worker resource (built inside the gang closure) gets a State that lives
     for one run of the gang, as a ``State`` made there does.
     """
-    state = owner.__dict__.get(_STATE_ATTR)
+    state = kept_state(owner)
     if state is not None:
         return state
     rid = resource_id(owner)
@@ -54,7 +61,7 @@ def state_for(owner: Any, label: str, make: Callable[[], State]) -> State:
     else:
         with minting(f"{rid}/{label}"):
             state = make()
-    owner.__dict__[_STATE_ATTR] = state  # plain attribute: no nn.Module registration
+    owner.__dict__[STATE_ATTR] = state  # plain attribute: no nn.Module registration
     return state
 
 

@@ -189,7 +189,7 @@ class DaskdistStrategy(DDPStrategy):
             return model  # FSDP2 reduces its own gradients (on the group's process group)
         device_ids = self.determine_ddp_device_ids()
         ddp = DistributedDataParallel(module=model, device_ids=device_ids,
-                                      process_group=g._pg, **self._ddp_kwargs)
+                                      process_group=g.process_group, **self._ddp_kwargs)
         if self._fit is not None:
             self._fit.hook = GroupHook(g)
             self._fit.hook.install(ddp)
@@ -236,7 +236,7 @@ class DaskdistStrategy(DDPStrategy):
         if sync_grads:  # autograd through the gather: torch's own (on the same group)
             return super().all_gather(tensor, group=group, sync_grads=True)
         g = get_group()
-        wire = g._wire_device()
+        wire = g.wire_device
         parts = g.allgather(tensor.detach().contiguous().to(wire))
         return torch.stack(parts).to(tensor.device)
 
@@ -250,7 +250,7 @@ def _reduce(g: Group, tensor: torch.Tensor, reduce_op: Any) -> torch.Tensor:
     if op is None:
         raise ValueError(f"DaskdistStrategy.reduce: unsupported reduce_op {reduce_op!r}; "
                          f"expected one of {sorted(_OPS)}")
-    t = tensor.detach().contiguous().to(g._wire_device())
+    t = tensor.detach().contiguous().to(g.wire_device)
     if not t.is_floating_point() and op == "mean":
         t = t.double()
     t = t.clone()
@@ -351,7 +351,7 @@ class _ElasticFit:
         assert state is not None
         state.loops = self.loops
         state.global_step = step
-        if "schedulers" in state._objects:  # a ShardedState: their state rides as objects
+        if hasattr(state, "schedulers"):  # a ShardedState: their state rides as objects
             state.schedulers = [c.scheduler.state_dict()
                                 for c in self.trainer.lr_scheduler_configs]
         self.committed_step = step

@@ -3,7 +3,7 @@
 
 Before Lightning calls ``configure_model`` (:func:`prepare`, from the strategy's
 ``setup_environment``), the module gets ``self.device_mesh``: the generation's mesh over
-daskdist's group (``collective.fsdp.mesh_for``: 1-D ``("data_parallel",)``, or 2-D with
+daskdist's group (``collective.sharded.fsdp.mesh_for``: 1-D ``("data_parallel",)``, or 2-D with
 a ``"data_parallel"`` dimension of every rank and a second of one). FSDP2 shards a
 module in place and cannot be undone, and Lightning's rule is that ``configure_model``
 is idempotent: so the strategy keeps an unsharded copy of the module, taken before its
@@ -28,11 +28,11 @@ from daskdist.collective.group import Group
 from daskdist.collective.replicas import broadcast_parameters
 from daskdist.collective.sharded.fsdp import forget_meshes, mesh_for
 from daskdist.collective.sharded.state import ShardedState
-from daskdist.integrations.common import _STATE_ATTR, state_for
+from daskdist.integrations.common import STATE_ATTR, kept_state, state_for
 
 _UNSHARDED = "_daskdist_unsharded"  # the module as it was before its first sharding
 # what a module put back to its unsharded copy keeps of its own
-_KEEP = ("_trainer", "_fabric", "_device_mesh", _STATE_ATTR, _UNSHARDED)
+_KEEP = ("_trainer", "_fabric", "_device_mesh", STATE_ATTR, _UNSHARDED)
 
 
 def sharded(module: torch.nn.Module) -> bool:
@@ -45,8 +45,8 @@ def prepare(module: Any, g: Group, dims: tuple[str, ...]) -> None:
     unless already sharded over ``g``'s mesh (a later fit of the same generation), and
     its ``device_mesh``."""
     forget_meshes()
-    state = module.__dict__.get(_STATE_ATTR)
-    built = state._built if isinstance(state, ShardedState) else None
+    state = kept_state(module)
+    built = state.built_generation if isinstance(state, ShardedState) else None
     template = module.__dict__.get(_UNSHARDED)
     if template is None:
         if sharded(module):

@@ -33,21 +33,20 @@ by ``prepare_trainer`` directly, or by the callback at the Trainer's ``on_init_e
 where it finds the Trainer being made on the call stack (:func:`_constructing_trainer`:
 transformers passes callbacks no Trainer, and the Trainer registers itself nowhere).
 
-Threads: everything runs in the gang closure's thread; the environment variables
-Accelerate reads (see :func:`_configure_accelerate`) are set only for the ``PartialState``
-construction and put back at once.
+Threads: everything runs in the gang closure's thread, and nothing writes the process's
+environment (other closures' threads read it): Accelerate's state is given the group's
+rank and size directly (:func:`_configure_accelerate`), not through torchrun's variables.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
 
 from daskdist.collective.group import Group, get_group
@@ -254,12 +253,13 @@ def _configure_accelerate(g: Group, cpu: bool = False) -> None:
     """Reset Accelerate's process-wide state and set it from the group (on the group's
     device, or the CPU where the user's ``TrainingArguments(use_cpu=True)`` says so).
 
-    Accelerate reads a distributed run from torchrun's variables (``LOCAL_RANK``,
-    ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), and on the CPU refuses several
-    ranks without ``MASTER_ADDR``; it never uses the address (the process group
-    exists: it skips ``init_process_group`` and takes rank and size from it). So they
-    are set for the ``PartialState`` construction only, and put back right after
-    (Accelerate itself sets ``MASTER_PORT`` there: put back too).
+    Accelerate reads a distributed run from torchrun's environment variables
+    (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, ...) and, on the CPU, writes them back.
+    A worker's environment is its process's, read and written by every thread running
+    closures there, so it is left alone: Accelerate's state is made as for one process
+    (what an environment without those variables gives), then given the group's
+    backend, rank and size, and the device, as Accelerate itself takes them from an
+    initialized process group (local rank 0: one member per worker process).
     """
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -269,26 +269,15 @@ def _configure_accelerate(g: Group, cpu: bool = False) -> None:
             f"TrainingArguments(use_cpu=True) trains on the CPU, but this worker's group "
             f"is NCCL on {device}, which takes CUDA tensors only: form the group with "
             f"collective_group(backend='gloo'), or leave use_cpu out")
-    env = {"LOCAL_RANK": "0", "RANK": str(g.rank), "WORLD_SIZE": str(g.world_size),
-           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
-    with _environ(env):
-        state = PartialState(cpu=cpu or device.type == "cpu")
-    if state.num_processes != g.world_size or state.process_index != g.rank:
-        raise RuntimeError(
-            f"Accelerate's state (process {state.process_index} of {state.num_processes}) "
-            f"is not daskdist's group (rank {g.rank} of {g.world_size})")
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    names = list(values) + ["MASTER_PORT"]
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    on_cpu = cpu or device.type == "cpu"
+    state = PartialState(cpu=on_cpu)
+    state.backend = g.backend
+    state.distributed_type = DistributedType.MULTI_CPU if on_cpu else DistributedType.MULTI_GPU
+    state.num_processes = g.world_size
+    state.process_index = g.rank
+    state.local_process_index = 0
+    if on_cpu:
+        state.device = torch.device("cpu", 0)  # Accelerate's CPU device of local rank 0
+    else:
+        state.device = device
+        torch.cuda.set_device(device)  # this thread's current device, as Accelerate sets it

@@ -27,20 +27,23 @@ from collections import deque
 from typing import Any, Protocol
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
+from daskdist.core.membership import Membership
 from daskdist.core.protocol import OWNER, SESSION, Route
 from daskdist.observe.hangs import HangWatch, odd_ranks
 from daskdist.observe.steptimes import WindowSum
 from daskdist.observe.stragglers import Episode, RankTable, Rule
 
 
-class Coordinator(Protocol):
-    """What the book reads of its coordinator (the scheduler's ``CoordinatorState``)."""
+class RankCoordinator(Protocol):
+    """What the book asks its coordinator (the scheduler's ``CoordinatorState``)."""
 
     name: str
     closed: bool
-    members: Any  # core.membership.Membership: sessions by id, the poll interval
-    gangs: Any  # core.gang.GangBook: the current group's sessions
+    members: Membership  # the shared membership: sessions by id, the poll interval
+
+    def group_sessions(self) -> tuple[str, ...]:
+        """The current group generation's sessions, in rank order."""
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +57,9 @@ def _secs(x: float) -> str:
 
 def rule_from_config() -> Rule:
     """The straggler rule of ``daskdist.observe`` (a bad setting names its key)."""
-    ratio = protocol.number(float(config.get("observe.straggler-ratio")),
+    ratio = checks.number(float(config.get("observe.straggler-ratio")),
                             "daskdist.observe.straggler-ratio", 1.0, 1e6)
-    windows = protocol.integer(config.integer("observe.straggler-windows"),
+    windows = checks.integer(config.integer("observe.straggler-windows"),
                                "daskdist.observe.straggler-windows", 1, 10_000)
     return Rule(ratio=ratio, windows=windows,
                 min_excess=config.seconds("observe.straggler-min-excess"))
@@ -65,7 +68,7 @@ def rule_from_config() -> Rule:
 class RankBook:
     """One coordinator's per-rank figures, stragglers, hangs and stacks (see the module)."""
 
-    def __init__(self, co: Coordinator) -> None:
+    def __init__(self, co: RankCoordinator) -> None:
         self.co = co
         enabled = bool(config.get("observe.enabled", True))
         # the window length every member uses (it hears it when it registers; 0: off)
@@ -93,7 +96,7 @@ class RankBook:
         op = "daskdist-rank-window"
         try:
             w = protocol.rank_window(window, op)
-            protocol.text(worker, f"{op}: worker")
+            checks.text(worker, f"{op}: worker")
         except (TypeError, ValueError) as e:
             logger.warning("daskdist[%s]: %s from %s dropped: %s", self.co.name, op,
                            worker, e)
@@ -165,7 +168,7 @@ class RankBook:
         self.stacks, self._stacks_at = dict(got["stacks"]), got["at"]
 
     async def _collect(self) -> dict:
-        group, members = self.co.gangs.group, self.co.members.members
+        sessions, members = self.co.group_sessions(), self.co.members.members
         rpc = self.scheduler.rpc if self.scheduler is not None else None
         at = time.monotonic()
 
@@ -181,7 +184,7 @@ class RankBook:
                 got = None
             return rank, m.address, got
 
-        answers = await asyncio.gather(*(one(r, s) for r, s in enumerate(group.sessions)))
+        answers = await asyncio.gather(*(one(r, s) for r, s in enumerate(sessions)))
         out: dict[str, Any] = {"stacks": {}, "wheres": {}, "waiting": {}, "workers": {},
                                "at": at}
         for rank, address, got in answers:
@@ -199,9 +202,9 @@ class RankBook:
         over the current generation, in rank order, and the window length. ``limit``: the
         stragglers and the slowest ranks only, at most that many (the dashboard)."""
         if limit is not None:
-            limit = protocol.integer(limit, "daskdist_rank_report: limit", 1, 1 << 30)
+            limit = checks.integer(limit, "daskdist_rank_report: limit", 1, 1 << 30)
         table, window = self.table, self.window
-        sessions = self.co.gangs.group.sessions
+        sessions = self.co.group_sessions()
         ranked = [(r, t) for r, s in enumerate(sessions) if (t := table.tracks.get(s))]
         if limit is not None and len(ranked) > limit:
             def slow(item: tuple) -> tuple:
@@ -226,7 +229,7 @@ class RankBook:
         """``(rank, worker, [phase seconds..., rows] so far, median step time, straggler)``
         of every rank of the current generation (Prometheus)."""
         out = []
-        for r, s in enumerate(self.co.gangs.group.sessions):
+        for r, s in enumerate(self.co.group_sessions()):
             t = self.table.tracks.get(s)
             if t is not None:
                 out.append((r, t.worker, list(t.totals), self.table.median(t),
@@ -239,8 +242,8 @@ class RankBook:
         number the next one will have), waiting up to ``timeout`` seconds (default
         ``daskdist.scheduler.poll-interval``) while there are none."""
         op = "daskdist_rank_notices"
-        since = protocol.optional(protocol.integer, since, f"{op}: since", 0, 2**62)
-        timeout = protocol.optional(protocol.number, timeout, f"{op}: timeout", 0.0, 3600.0)
+        since = checks.optional(checks.integer, since, f"{op}: since", 0, 2**62)
+        timeout = checks.optional(checks.number, timeout, f"{op}: timeout", 0.0, 3600.0)
         if since is None:
             return {"seq": self.seq, "items": []}
         if since >= self.seq and not self.co.closed:

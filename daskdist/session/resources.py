@@ -117,6 +117,11 @@ class ResourceRegistry:
 
         return map_structure(lambda v: self.get(v.rid) if is_ref(v) else v, structure, is_ref)
 
+    def rids(self) -> list[str]:
+        """The resources built here now."""
+        with self._lock:
+            return list(self._objects)
+
     def drop(self, rids: list[str]) -> None:
         """Forget released resources (the client dropped them after every closure that
         could use them had finished) and close them in a thread of their own: called on

@@ -1,6 +1,6 @@
 """The scope of the closure a thread runs (TensorFlow's ``coordinator_context``): its
-context, its worker session's services, the lease tokens it consumed, and the ids of
-the elastic States made in it.
+context, its worker session's services, the lease tokens it consumed, the ids of the
+elastic States made in it, and its synchronous step.
 
 The worker runner enters one scope per closure (:func:`closure_scope`); data and
 collective code reach the session's services through :func:`session_services`, never
@@ -43,34 +43,25 @@ class ClosureScope:
     services: Any = None  # plugins.worker.services.SessionServices (duck-typed here)
     tokens: list = field(default_factory=list)
     aside: list = field(default_factory=list)  # taken out of ``tokens``, still its own
-    # what rides the next gradient allreduce of the closure (collective.riders), by key
-    riders: dict = field(default_factory=dict)
-    # messages for the worker's event loop sent when the closure's synced loop next
-    # is asked for a batch (collective.later); None while no such loop runs
-    later: list | None = None
+    # its synchronous step (collective.step.step.Step: what rides the next gradient
+    # allreduce, the batch fetched ahead, the deferred commit message), made when first
+    # used; it ends with the closure (end)
+    step: Any = None
     origin: str = ""  # what States made here are named after (see mint_state_id)
     minted: int = 0  # States made here so far
     ended: bool = False  # the closure returned: its tokens went with its result
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def end(self) -> list:
-        """The closure ended: its tokens (sent with its result); later ones are refused."""
+        """The closure ended: its step's deferred messages go (a loop never closed left
+        them), and its tokens are returned (sent with its result); later ones are
+        refused."""
+        if self.step is not None:
+            self.step.end()
         with self.lock:
             self.ended = True
             out, self.tokens = list(self.tokens), []
         return out
-
-    def send_queued(self) -> None:
-        """Send the messages queued for the synced loop's next batch (``later``): the
-        loop hands one out, or ends, or the closure does."""
-        if not self.later:  # the common case, every step: nothing queued, no lock
-            return
-        with self.lock:
-            if not self.later:
-                return
-            queued, self.later[:] = list(self.later), []
-        for message in queued:
-            message.send()
 
     def end_aside(self) -> list:
         """The tokens still set aside when the closure ended: batches fetched ahead and
@@ -111,13 +102,6 @@ def _scope() -> ClosureScope | None:
 def closure_scope_now() -> ClosureScope | None:
     """The scope of the closure running in this thread (``None`` outside one)."""
     return _scope()
-
-
-def closure_riders() -> dict | None:
-    """The riders registered in this thread's closure (``collective.riders``: owned by
-    the closure's thread, which registers and takes them); ``None`` outside a closure."""
-    scope = _scope()
-    return None if scope is None else scope.riders
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """ShardCopy: a sharded commit as one rank keeps it in host memory.
 
 A rank keeps its own shard (parameters and optimizer state it holds, packed in one flat
-buffer: ``shardlayout``), the copy of its ring predecessor's shard that the commit
+buffer: ``layout.py``), the copy of its ring predecessor's shard that the commit
 received (another flat buffer), and the rest (buffers, step counters, hyperparameters)
 with the State's objects (a :class:`~daskdist.collective.state.snapshot.HostCopy`): about 2/N of
 the whole state. Buffers are made once and refilled in place; from CUDA the own shard

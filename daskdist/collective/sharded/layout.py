@@ -3,9 +3,9 @@
 The tensors FSDP2 splits over the group (parameters and the optimizer's per-parameter
 state: Adam's moments, SGD's momentum) are *entries*: a key, a dtype, the whole
 tensor's shape and the dimension it is split along, the same on every rank. Each rank
-holds rows ``core.shards.span(rows, world, rank)`` of each entry, and a commit packs them
+holds rows ``core.resharding.span(rows, world, rank)`` of each entry, and a commit packs them
 into one flat byte buffer (:func:`pack`: entry after entry, each moved to have its split
-dimension first, at the offsets ``core.shards.offsets`` gives), so a shard is one buffer
+dimension first, at the offsets ``core.resharding.offsets`` gives), so a shard is one buffer
 and any rows of it one contiguous range. Everything else (buffers, parameters left
 unsharded, the optimizer's step counters and hyperparameters) is the *rest*, the same on
 every rank, kept whole.
@@ -182,7 +182,7 @@ def _persistent(model: torch.nn.Module) -> set[str]:
 
 
 def sizes(entries: tuple[Entry, ...]) -> tuple[list[int], list[int]]:
-    """Rows and row bytes of each entry (what ``core.shards`` plans with)."""
+    """Rows and row bytes of each entry (what ``core.resharding`` plans with)."""
     return [e.rows for e in entries], [e.row_bytes for e in entries]
 
 
@@ -192,7 +192,7 @@ _PLACED_MAX = 256
 
 def placed_at(entries: tuple[Entry, ...], world: int, index: int) -> tuple[list[int], int]:
     """Where each entry starts in shard ``index``'s flat buffer, and its length
-    (``core.shards.offsets``, remembered for the same ``entries`` object: a commit asks
+    (``core.resharding.offsets``, remembered for the same ``entries`` object: a commit asks
     every step, and hashing hundreds of entries would cost more than the answer)."""
     key = (id(entries), world, index)
     hit = _placed.get(key)

@@ -1,10 +1,10 @@
 """A commit's copy to a ring neighbour on the same host, as a shared mapping of the shard.
 
 A ``ShardedState`` commit keeps each rank's shard twice: on the rank, and a copy on its
-ring successor (``shardcopy``), so a lost rank's shard is still held. When the successor
-runs on the same host, the copy needs no bytes on the wire: the rank packs its shard into
-host memory of its own (a ``memfd``, :meth:`SharedShards.empty`) and sends only a
-:class:`Handle` to it (a few bytes); the successor maps that memory read-only
+ring successor (``ring.py``, ``copies.py``), so a lost rank's shard is still held. When
+the successor runs on the same host, the copy needs no bytes on the wire: the rank packs
+its shard into host memory of its own (a ``memfd``, :meth:`SharedShards.empty`) and sends
+only a :class:`Handle` to it (a few bytes); the successor maps that memory read-only
 (:meth:`SharedShards.view`, through ``/proc/<pid>/fd``) and keeps the mapping as its
 copy. A mapping holds the pages as long as it lives: when the rank dies, its shard
 stays readable to the successor, and it is freed with the last mapping, never left
@@ -12,7 +12,7 @@ behind (no file names: nothing to clean up after a crash).
 
 It is safe because both sides let go of a commit's buffer at the same agreed point:
 the rank packs a new commit only into a buffer whose commit every rank has replaced
-(the commit after it was promoted everywhere: ``ShardedState._confirm_early`` or the
+(the commit after it was promoted everywhere: the State's early confirmation or the
 commit's own allgather), which is also when the successor drops its view of it.
 
 Whether a pair of ranks can map each other's memory (same host, same PID namespace,
@@ -20,7 +20,7 @@ Whether a pair of ranks can map each other's memory (same host, same PID namespa
 generation: :meth:`SharedShards.offer` goes into ``sync()``'s allgather, the successor
 maps its predecessor's probe (a page holding a random number) and checks the number,
 and :meth:`SharedShards.agree` gathers who could. Pairs that cannot use the wire
-(``shardwire``). CUDA groups use the wire (their copies are pinned buffers).
+(``wire.py``). CUDA groups use the wire (their copies are pinned buffers).
 Owned by the thread that trains (the State's).
 """
 
@@ -32,6 +32,7 @@ import secrets
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,8 +40,28 @@ from daskdist import config
 from daskdist.collective.group import Group
 from daskdist.core.resharding import predecessors
 
-OFFER_LEN = 5  # [can, pid, fd, inode, nonce]: what sync()'s allgather carries
-_NONE = [0, 0, 0, 0, 0]
+
+class Offer(NamedTuple):
+    """What a rank tells the others at ``sync()``: whether it can share its memory, and
+    its probe (its pid, the probe's descriptor and inode, the random number in it)."""
+
+    can: int
+    pid: int
+    fd: int
+    inode: int
+    nonce: int
+
+    LEN = 5
+
+    def encode(self) -> list[int]:
+        return [int(v) for v in self]
+
+    @classmethod
+    def decode(cls, ints: list[int]) -> Offer:
+        return cls(*(int(v) for v in ints[:cls.LEN]))
+
+
+_NONE = Offer(0, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -55,10 +76,13 @@ class Handle:
 
     LEN = 4
 
+    def ints(self) -> list[int]:
+        """As ``LEN`` ints (``Handle(*ints)`` is it again)."""
+        return [self.fd, self.inode, self.offset, self.nbytes]
+
     def encode(self) -> torch.Tensor:
         """As bytes on the wire (a uint8 tensor)."""
-        return torch.tensor([self.fd, self.inode, self.offset, self.nbytes],
-                            dtype=torch.int64).view(torch.uint8)
+        return torch.tensor(self.ints(), dtype=torch.int64).view(torch.uint8)
 
     @classmethod
     def decode(cls, raw: torch.Tensor) -> Handle:
@@ -176,41 +200,42 @@ class SharedShards:
         return m
 
     # -- agreeing per generation -----------------------------------------------------
-    def offer(self, g: Group) -> list[int]:
-        """What this rank tells the others at ``sync()`` (``OFFER_LEN`` ints): whether
-        it can share, and its probe (pid, fd, inode, random number)."""
+    def offer(self, g: Group) -> Offer:
+        """What this rank tells the others at ``sync()``: whether it can share, and its
+        probe."""
         if not (config.get("collective.shard-shared-memory", True)
                 and g.device.type == "cpu" and hasattr(os, "memfd_create")):
-            return list(_NONE)
+            return _NONE
         pid = os.getpid()
         if self._probe is None or self._probe[0] != pid:  # a forked process makes its own
             mem, nonce = _Memory(8), secrets.randbits(62)
             mem.map[:8] = nonce.to_bytes(8, "little")
             self._probe = (pid, mem, nonce)
         _, mem, nonce = self._probe
-        return [1, pid, mem.fd, mem.inode, nonce]
+        return Offer(1, pid, mem.fd, mem.inode, nonce)
 
-    def agree(self, g: Group, order: tuple[int, ...], offers: list[list[int]],
+    def agree(self, g: Group, order: tuple[int, ...], offers: list[Offer],
               hosts: list[int]) -> frozenset[int]:
         """The ranks whose copy goes to their successor in ``order`` as a mapping (the
         successor mapped the rank's probe and read its number); every rank gets the
         same set. ``offers[r]``: rank r's :meth:`offer`; ``hosts[r]``: its host key."""
         pred = predecessors(order)
         candidates = {r for r in range(g.world_size) if pred[r] != r
-                      and offers[r][0] and offers[pred[r]][0] and hosts[r] == hosts[pred[r]]}
+                      and offers[r].can and offers[pred[r]].can
+                      and hosts[r] == hosts[pred[r]]}
         if not candidates:
             return frozenset()
         me = g.rank
         ok = 0
         if me in candidates:
-            _, pid, fd, inode, nonce = offers[pred[me]]
+            probe = offers[pred[me]]
             try:
-                m = self._map(pid, fd, inode)
-                ok = int(int.from_bytes(m[:8], "little") == nonce)
+                m = self._map(probe.pid, probe.fd, probe.inode)
+                ok = int(int.from_bytes(m[:8], "little") == probe.nonce)
                 del m
             except (OSError, ValueError):
                 ok = 0
-        flags = g.allgather(torch.tensor([ok], dtype=torch.int64, device=g._wire_device()))
+        flags = g.allgather(torch.tensor([ok], dtype=torch.int64, device=g.wire_device))
         return frozenset(pred[r] for r, f in enumerate(flags) if int(f.item()))
 
 

@@ -54,11 +54,11 @@ from torch.distributed.checkpoint.planner_helpers import (
 from daskdist import config
 from daskdist.collective.bootstrap import PROCESS
 from daskdist.collective.state.checkpoint import (
-    _METADATA,
+    METADATA,
     CheckpointInfo,
     Durable,
     Written,
-    _report,
+    report_written,
 )
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class ShardedDurable(Durable):
         if fut is None:  # another thread started one meanwhile: none does
             return None
         if services is not None and rank == 0:
-            fut.add_done_callback(lambda f: _report(services, state_id, f))
+            fut.add_done_callback(lambda f: report_written(services, state_id, f))
         if wait:
             fut.result()
         return fut
@@ -116,12 +116,12 @@ class ShardedDurable(Durable):
                chunks: dict[str, Chunk], blob: dict | None) -> Written | None:
         t0 = time.perf_counter()
         store = self.store
-        root = store._dir(commits)
-        _remove(store.fs, f"{root}/{_METADATA}")  # an older run's: never over new parts
+        root = store.dir_of(commits)
+        _remove(store.fs, f"{root}/{METADATA}")  # an older run's: never over new parts
         part = f"{root}/{part_name(rank)}"
         if store.fs.exists(part):
             store.fs.rm(part, recursive=True)
-        dcp.save({}, storage_writer=store._writer(store._url_of(part)),
+        dcp.save({}, storage_writer=store.writer(store.url_of(part)),
                  planner=_PartSaver(chunks, blob), no_dist=True)
         if rank != 0:
             return None
@@ -132,7 +132,7 @@ class ShardedDurable(Durable):
         _write_metadata(store, root, world)
         nbytes = sum(store.fs.size(p) for p in store.fs.find(root))
         store.prune()
-        return Written(CheckpointInfo(store._url_of(root), commits),
+        return Written(CheckpointInfo(store.url_of(root), commits),
                        time.perf_counter() - t0, nbytes)
 
     def _parts_written(self, root: str, world: int, generation: int) -> bool:
@@ -145,7 +145,7 @@ class ShardedDurable(Durable):
         missing = list(range(world))
         while True:
             missing = [r for r in missing
-                       if not fs.exists(f"{root}/{part_name(r)}/{_METADATA}")]
+                       if not fs.exists(f"{root}/{part_name(r)}/{METADATA}")]
             if not missing:
                 return True
             if PROCESS.is_lost(generation) or time.monotonic() > deadline:
@@ -155,12 +155,12 @@ class ShardedDurable(Durable):
 
     # -- reading --------------------------------------------------------------------------
     def _url(self, commits: int) -> str:
-        return self.store._url_of(self.store._dir(commits))
+        return self.store.url_of(self.store.dir_of(commits))
 
     def read_rest(self, commits: int) -> dict:
         """Checkpoint ``commits``'s rest and record (``{"rest": ..., "record": ...}``)."""
         planner = _PartLoader({}, rest=True)
-        dcp.load({}, storage_reader=self.store._reader(self._url(commits)), planner=planner,
+        dcp.load({}, storage_reader=self.store.reader(self._url(commits)), planner=planner,
                  no_dist=True)
         return planner.rest
 
@@ -168,7 +168,7 @@ class ShardedDurable(Durable):
         """Read checkpoint ``commits``'s rows into ``targets`` (key -> (this rank's
         rows of the whole tensor, their offsets in it)), whatever world wrote them."""
         targets = {k: v for k, v in targets.items() if v[0].numel()}
-        dcp.load({}, storage_reader=self.store._reader(self._url(commits)),
+        dcp.load({}, storage_reader=self.store.reader(self._url(commits)),
                  planner=_PartLoader(targets), no_dist=True)
 
 
@@ -257,7 +257,7 @@ def _write_metadata(store: Any, root: str, world: int) -> None:
     version = None
     for r in range(world):
         part = f"{root}/{part_name(r)}"
-        with fs.open(f"{part}/{_METADATA}", "rb") as f:
+        with fs.open(f"{part}/{METADATA}", "rb") as f:
             md = pickle.load(f)
         version = getattr(md, "version", version)
         for fqn, m in md.state_dict_metadata.items():
@@ -272,10 +272,10 @@ def _write_metadata(store: Any, root: str, world: int) -> None:
     md = Metadata(state_dict_metadata=merged, storage_data=storage)
     if version is not None:
         md.version = version
-    tmp = f"{root}/{_METADATA}.tmp"
+    tmp = f"{root}/{METADATA}.tmp"
     with fs.open(tmp, "wb") as f:
         pickle.dump(md, f)
-    fs.mv(tmp, f"{root}/{_METADATA}")
+    fs.mv(tmp, f"{root}/{METADATA}")
 
 
 def _remove(fs: Any, path: str) -> None:

@@ -88,7 +88,7 @@ def transfer(g: Group, sends: Mapping[int, Run], recvs: Mapping[int, Run], round
     me = g.rank
     if me in sends:  # to itself: a copy, no wire
         _local(sends[me], recvs[me])
-    dev = g._wire_device()
+    dev = g.wire_device
     if rounds:
         _rounds(g, sends, recvs, rounds, chunk, {} if scratch is None else scratch, dev)
     if dev.type != "cuda" and not any(t.is_cuda for r in recvs.values() for _, t in r.parts):
@@ -155,7 +155,7 @@ def gather_whole(live: Live, g: Group, order: list[str]) -> dict[str, torch.Tens
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, e in enumerate(live.entries):
         by_dtype.setdefault(e.dtype, []).append(i)
-    dev = g._wire_device()
+    dev = g.wire_device
     for dtype, idx in by_dtype.items():
         padded = []
         for i in idx:

@@ -1,2 +1,3 @@
-"""Elastic state (Horovod's ``State``): commits, restore, sync, interrupts, what a
-commit keeps in host memory and writes durably."""
+"""Elastic state (Horovod's ``State``): its protocol, once (commits, restore, sync,
+interrupts), the seam for what a kind of state keeps (a keeper), a replica's keeper and
+its host copy, and durable checkpoints."""

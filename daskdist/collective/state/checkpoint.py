@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _PREFIX = "commit-"
 _DIGITS = 12
 _NAME = re.compile(rf"{_PREFIX}(\d{{{_DIGITS}}})$")
-_METADATA = ".metadata"  # DCP's, written last (by rename)
+METADATA = ".metadata"  # DCP's, written last (by rename)
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class CheckpointStore:
         self._executor: ThreadPoolExecutor | None = None
         self._running: Future | None = None
         self._lock = threading.Lock()
+        self.seconds: float | None = None  # the last write's (a just-in-time one's estimate)
 
     def __getstate__(self) -> dict:
         return {"url": self.url, "keep": self.keep}
@@ -91,14 +92,16 @@ class CheckpointStore:
         protocol = self.fs.protocol
         return "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
 
-    def _reader(self, url: str) -> Any:
+    def reader(self, url: str) -> Any:
+        """DCP's storage reader of checkpoint directory ``url``."""
         if self._local():
             return FileSystemReader(url)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(url)
 
-    def _writer(self, url: str) -> Any:
+    def writer(self, url: str) -> Any:
+        """DCP's storage writer into checkpoint directory ``url``."""
         if self._local():
             return FileSystemWriter(url)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -106,10 +109,12 @@ class CheckpointStore:
         return FsspecWriter(url)
 
     # -- reading -------------------------------------------------------------------------
-    def _dir(self, commits: int) -> str:
+    def dir_of(self, commits: int) -> str:
+        """The path of commit ``commits``'s checkpoint directory."""
         return f"{self._root}/{_PREFIX}{int(commits):0{_DIGITS}d}"
 
-    def _url_of(self, path: str) -> str:
+    def url_of(self, path: str) -> str:
+        """The URL of ``path`` in the store's filesystem."""
         return self.fs.unstrip_protocol(path) if "://" in self.url else path
 
     def complete(self) -> list[CheckpointInfo]:
@@ -121,8 +126,8 @@ class CheckpointStore:
         out = []
         for path in entries:
             m = _NAME.search(path.rstrip("/"))
-            if m and self.fs.exists(f"{path.rstrip('/')}/{_METADATA}"):
-                out.append(CheckpointInfo(self._url_of(path.rstrip("/")), int(m.group(1))))
+            if m and self.fs.exists(f"{path.rstrip('/')}/{METADATA}"):
+                out.append(CheckpointInfo(self.url_of(path.rstrip("/")), int(m.group(1))))
         return sorted(out, key=lambda c: c.commits)
 
     def latest(self) -> CheckpointInfo | None:
@@ -137,7 +142,7 @@ class CheckpointStore:
         state: dict[str, Any] = {"daskdist": b""}
         if model_state is not None:
             state["model"] = model_state
-        dcp.load(state, storage_reader=self._reader(info.url), no_dist=True)
+        dcp.load(state, storage_reader=self.reader(info.url), no_dist=True)
         extra = torch.load(io.BytesIO(state["daskdist"]), map_location="cpu",
                            weights_only=False)
         return state.get("model"), extra
@@ -164,14 +169,20 @@ class CheckpointStore:
                 return None
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="daskdist-ckpt")
-            fut = self._executor.submit(job, *args)
+            fut = self._executor.submit(self._timed, job, *args)
             self._running = fut
             return fut
+
+    def _timed(self, job: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = job(*args)
+        self.seconds = time.perf_counter() - t0
+        return out
 
     def _write(self, commits: int, model_state: dict | None, optimizer_state: Any,
                objects: dict, record: dict) -> Written:
         t0 = time.perf_counter()
-        path = self._dir(commits)
+        path = self.dir_of(commits)
         if self.fs.exists(path):  # a write of this commit cut off before: start afresh
             self.fs.rm(path, recursive=True)
         blob = _blob({"optimizer": optimizer_state, "objects": objects,
@@ -179,8 +190,8 @@ class CheckpointStore:
         state: dict[str, Any] = {"daskdist": blob}
         if model_state is not None:
             state["model"] = model_state
-        url = self._url_of(path)
-        dcp.save(state, storage_writer=self._writer(url), no_dist=True)
+        url = self.url_of(path)
+        dcp.save(state, storage_writer=self.writer(url), no_dist=True)
         nbytes = sum(self.fs.size(p) for p in self.fs.find(path))
         self.prune()
         return Written(CheckpointInfo(url, commits), time.perf_counter() - t0, nbytes)
@@ -261,7 +272,7 @@ class Durable:
                         "still runs", commits)
             return None
         if services is not None:
-            fut.add_done_callback(lambda f: _report(services, state_id, f))
+            fut.add_done_callback(lambda f: report_written(services, state_id, f))
         if wait:
             fut.result()
         return fut
@@ -269,12 +280,12 @@ class Durable:
     def load(self, commits: int, model_state: dict | None) -> tuple[Any, dict, dict]:
         """Read checkpoint ``commits`` (the model's tensors into ``model_state``):
         ``(optimizer state, objects, record)``; the record holds the ledger."""
-        info = CheckpointInfo(self.store._url_of(self.store._dir(commits)), commits)
+        info = CheckpointInfo(self.store.url_of(self.store.dir_of(commits)), commits)
         _, extra = self.store.load(info, model_state)
         return extra["optimizer"], extra["objects"], extra["record"]
 
 
-def _report(services: Any, state_id: str, fut: Future) -> None:
+def report_written(services: Any, state_id: str, fut: Future) -> None:
     """Tell the scheduler a checkpoint was written (writer thread; best effort)."""
     try:
         w = fut.result()

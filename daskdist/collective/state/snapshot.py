@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from daskdist.core.nest import map_instances
+
 
 class _Slot:
     """Where tensor ``i`` of the value was (a placeholder in the skeleton)."""
@@ -160,3 +162,9 @@ def like(loaded: Any, current: Any) -> Any:
             and len(loaded) == len(current) and type(loaded) in (list, tuple):
         return type(loaded)(like(a, b) for a, b in zip(loaded, current, strict=True))
     return loaded
+
+
+def cloned(value: Any) -> Any:
+    """``value`` with every tensor cloned (a checkpoint's own copy of host buffers, which
+    later commits refill while the write runs)."""
+    return map_instances(lambda t: t.clone(), value, torch.Tensor)

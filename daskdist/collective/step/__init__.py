@@ -1,2 +1,3 @@
-"""A synchronous step: what rides its gradient allreduce, the commit message sent
-when the next batch is asked for, and ``synced`` to the end of an epoch."""
+"""A synchronous step: the closure's Step (what rides its gradient allreduce, the batch
+fetched ahead, the deferred commit message), the riders' encoding, and ``synced`` to
+the end of an epoch."""

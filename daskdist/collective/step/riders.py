@@ -3,16 +3,17 @@
 A synchronous step already pays one collective, the gradient allreduce
 (:func:`~daskdist.collective.replicas.allreduce_gradients`). What every rank must see of
 every rank before the next step (``synced``'s "I have the next batch", a
-:class:`~daskdist.collective.state.elastic.State`'s commit head) rides in it instead of a call
-of its own: each rank writes its ints into its own slots of a segment appended to the
-first gradient bucket, zeros elsewhere, so the sum is every rank's ints (an allgather).
-Each int64 is cut into chunks small enough for the bucket's float dtype to hold exactly.
+:class:`~daskdist.collective.state.elastic.State`'s commit head) rides in it instead of a
+call of its own: each rank writes its ints into its own slots of a segment appended to
+the first gradient bucket, zeros elsewhere, so the sum is every rank's ints (an
+allgather). Each int64 is cut into chunks small enough for the bucket's float dtype to
+hold exactly.
 
-A rider is registered for the *next* gradient allreduce of the closure running in this
-thread (:func:`ride`; the closure's scope holds them, so they end with it), and taken
-by it in key order. Every rank registers the same riders at the same point of the same
+The closure's :class:`~daskdist.collective.step.step.Step` holds the riders registered
+for its next gradient allreduce and hands them, in key order, to one call
+(:class:`Riding`). Every rank registers the same riders at the same point of the same
 code, so the segment has the same layout on every rank; outside a closure nothing rides
-and each caller makes its own call. One thread owns a closure's riders: the closure's.
+and each caller makes its own call.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from daskdist.session.scope import closure_riders
-
-__all__ = ["Rider", "Riding", "ride", "take"]
+__all__ = ["Rider", "Riding"]
 
 
 class Rider(Protocol):
@@ -44,26 +43,6 @@ class Rider(Protocol):
     def failed(self) -> None:
         """The call failed: nothing arrived (its error is raised to the caller)."""
         ...
-
-
-def ride(rider: Rider) -> bool:
-    """Register ``rider`` for this closure's next gradient allreduce (one call; register
-    again to ride the one after). ``False`` outside a closure: nothing rides there."""
-    riders = closure_riders()
-    if riders is None:
-        return False
-    riders[rider.key] = rider
-    return True
-
-
-def take(generation: int) -> Riding | None:
-    """The riders registered in this closure, taken for one call on the group of
-    ``generation`` (``None``: none)."""
-    riders = closure_riders()
-    if not riders:
-        return None
-    taken = [riders.pop(k) for k in sorted(riders)]
-    return Riding(taken, generation)
 
 
 class Riding:

@@ -3,8 +3,11 @@
 In synchronous training every rank must take the same number of steps. With a dynamic
 dataset the ranks' iterators run dry at different steps, so each step's batch is
 agreed on: every rank's "I got a batch". The next batch is fetched, and the agreement
-carried, inside the step's ``allreduce_gradients`` (a :mod:`~daskdist.collective.step.riders`
-rider, :class:`_Ahead`); a loop with no such call (DDP) gets one small allreduce a step.
+carried, inside the step's ``allreduce_gradients`` (the closure's
+:class:`~daskdist.collective.step.step.Step`: :class:`~daskdist.collective.step.step.Ahead`
+rides that call); a loop with no such call (DDP) gets one small allreduce a step. A
+commit's message to the scheduler goes out when the loop is next asked for a batch
+(:meth:`~daskdist.collective.step.step.Step.defer`).
 
 - Every rank got a batch: yield it.
 - Some ranks got one, others found no free rows (the tail of the epoch): the batches
@@ -46,26 +49,20 @@ import torch
 from daskdist import config
 from daskdist.collective.group import get_group
 from daskdist.collective.replicas import to_cpu
-from daskdist.collective.step import riders
-from daskdist.collective.step.later import Queue
+from daskdist.collective.step.step import END, Ahead
 from daskdist.core.nest import map_structure
 from daskdist.core.protocol import LeaseToken
 from daskdist.observe import phases
-from daskdist.session.scope import closure_riders, session_services
+from daskdist.session.scope import session_services
 from daskdist.session.tokens import (
     consumed_mark,
     consumed_since,
-    drop_aside,
     held_tokens,
     put_aside,
-    set_aside,
-    take_back,
     take_tokens,
 )
 
 T = TypeVar("T")
-
-_END = object()
 
 
 def synced(iterable: Iterable[T]) -> Iterator[T]:
@@ -76,13 +73,12 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
     anyone else (call it inside a gang closure; every rank the same way)."""
     it = iter(iterable)
     tail = _Tail(it)
-    ahead = _Ahead(it)
+    ahead = Ahead(it)  # its place in the closure's Step: a commit's message waits for it
     g = None
-    queue = Queue()  # a commit's message goes out with the next batch
     try:
         while True:
             phases.step(phases.SYNCED)  # a batch asked for: the previous step ended
-            queue.send()  # the last commit's message, now that the commit is over
+            ahead.flush()  # the last commit's message, now that the commit is over
             with phases.phase(phases.DATA) as waited:  # the batch and its agreement
                 while True:
                     g = get_group()
@@ -91,11 +87,11 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                         item, mine, every, anyone = got
                     else:
                         mark = consumed_mark()
-                        item = next(it, _END)
+                        item = next(it, END)
                         # this batch's tokens, given back by identity if it is not
                         # trained (a position in the closure's list would be stale)
                         mine = consumed_since(mark)
-                        every, anyone = _agree(g, item is not _END)
+                        every, anyone = _agree(g, item is not END)
                     # no rank got one: rows still out elsewhere? ask again after a while
                     if anyone or not tail.wait(g):
                         break
@@ -103,7 +99,7 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                     return
                 tail.reset()
                 if not every:
-                    pooled = g.allgather_object(None if item is _END else to_cpu(item))
+                    pooled = g.allgather_object(None if item is END else to_cpu(item))
                     item = _share([b for b in pooled if b is not None], g.rank,
                                   g.world_size, g.device)
                 waited.rows(phases.batch_rows(item))
@@ -118,7 +114,6 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                 if not trained and mine:
                     _give_back(g, mine)  # taken, not trained: back to the pool
     finally:
-        queue.close()
         ahead.close(g)
 
 
@@ -137,82 +132,9 @@ def _give_back(g: Any, tokens: list) -> None:
 def _agree(g: Any, have: bool) -> tuple[bool, bool]:
     """Whether every rank, and whether any rank, got a batch (one small allreduce)."""
     n = int(have)
-    flags = torch.tensor([n, -n], dtype=torch.int64, device=g._wire_device())
+    flags = torch.tensor([n, -n], dtype=torch.int64, device=g.wire_device)
     g.allreduce(flags, op="min")
     return int(flags[0]) == 1, int(flags[1]) == -1
-
-
-class _Ahead:
-    """The next step's batch, fetched inside this step's gradient allreduce, and the
-    ranks' agreement on it carried by that call (a :mod:`~daskdist.collective.step.riders`
-    rider): the step makes no call of its own for it. Its tokens are set aside until
-    the step that trains it begins, so this step's commit does not acknowledge them; a
-    batch fetched and never yielded goes back to the pool. Where no allreduce took it
-    (the loop uses DDP, or runs outside a closure), ``synced`` fetches and agrees itself.
-    The closure's thread owns it; :meth:`close` may run late, from the collector."""
-
-    key = "synced"  # one loop at a time rides: a second one's rider replaces it
-
-    def __init__(self, it: Any) -> None:
-        self.it = it
-        self.riders: dict | None = None  # the closure's riders it is registered in
-        self.fetched: tuple[Any, list] | None = None  # (batch or _END, tokens set aside)
-        self.flags: tuple[bool, bool] | None = None  # (every rank got one, any rank did)
-        self.error: BaseException | None = None  # the fetch's, raised at take()
-
-    def arm(self) -> None:
-        self.riders = closure_riders()
-        if riders.ride(self):
-            self.fetched = self.flags = None
-
-    def ints(self) -> list[int]:
-        mark = consumed_mark()
-        try:
-            item: Any = next(self.it, _END)
-        except Exception as e:  # noqa: BLE001 - raised at take(), after the call
-            item, self.error = _END, e
-        self.fetched = (item, set_aside(mark))
-        return [int(item is not _END)]
-
-    def arrived(self, table: list[list[int]], generation: int) -> None:
-        haves = [row[0] for row in table]
-        self.flags = (min(haves) == 1, max(haves) == 1)
-
-    def failed(self) -> None:
-        self.flags = None  # the step's error goes up; its batch goes back at close()
-
-    def take(self) -> tuple[Any, list, bool, bool] | None:
-        """(batch, its tokens, every, anyone) when the last allreduce carried them."""
-        if self.error is not None:
-            err, self.error = self.error, None
-            self._give_back()
-            raise err
-        if self.fetched is None or self.flags is None:
-            self._give_back()  # fetched, but the call failed and the loop went on
-            return None
-        (item, tokens), (every, anyone) = self.fetched, self.flags
-        self.fetched = self.flags = None
-        take_back(tokens)  # its step begins: the next commit acknowledges them
-        return item, tokens, every, anyone
-
-    def close(self, g: Any = None) -> None:
-        """The loop ended: unregistered, and its fetched batch given back (left set
-        aside when ``g``, the loop's group, broke: the closure's end gives it back)."""
-        if self.riders is not None and self.riders.get(self.key) is self:
-            del self.riders[self.key]
-        if g is not None and not g.usable:
-            self.fetched = self.flags = None
-            return
-        self._give_back()
-
-    def _give_back(self) -> None:
-        """A batch fetched and not yielded goes back to the pool, from the closure's own
-        thread (elsewhere, a late finalizer: the closure's end gives its rows back)."""
-        fetched, self.fetched, self.flags = self.fetched, None, None
-        if fetched is None or not fetched[1] or closure_riders() is not self.riders:
-            return
-        drop_aside(fetched[1])
-        session_services().release_tokens(fetched[1])
 
 
 class _Tail:
@@ -242,12 +164,12 @@ class _Tail:
             b - a for t in held_tokens() if (lease := LeaseToken.parse(t))
             and (lease.dataset_id, lease.epoch) == (ld.dataset_id, ld.epoch)
             for a, b in lease.ranges)
-        held = torch.tensor([mine], dtype=torch.int64, device=g._wire_device())
+        held = torch.tensor([mine], dtype=torch.int64, device=g.wire_device)
         g.allreduce(held, op="sum")
         now = time.monotonic()
         if self.deadline is None:
             self.deadline = now + config.seconds("collective.tail-wait")
-        decision = torch.zeros(1, dtype=torch.int64, device=g._wire_device())
+        decision = torch.zeros(1, dtype=torch.int64, device=g.wire_device)
         if g.rank == 0 and ld is not None:
             p = ld.progress()
             out = p["leased"] - int(held[0])  # rows leased to others than the gang's

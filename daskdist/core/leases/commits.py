@@ -43,10 +43,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from daskdist.core.intervals import normalize
-from daskdist.core.leases.table import LeaseTable, group_tokens
+from daskdist.core.leases.table import group_tokens
 from daskdist.core.protocol import CommitKey, dataset_key
 
 __all__ = ["CommitBook", "RankLedger", "pack_tokens", "unpack_part", "unpack_parts"]
@@ -134,6 +134,16 @@ def _named(dataset_of: Callable[[int], str | None], key: int) -> str:
     return dataset_id
 
 
+class Acknowledger(Protocol):
+    """What a commit acknowledges its rows in: a
+    :class:`~daskdist.core.leases.table.LeaseTable`, or a coordinator that routes to one."""
+
+    def ack_sessions(self, per_session: Mapping[str, Iterable[object]]) -> bool: ...
+
+    def ack_tables(self, tables: Mapping[tuple[str, int],
+                                         Sequence[tuple[str, Sequence]]]) -> bool: ...
+
+
 @dataclass
 class CommitBook:
     """The scheduler's record of commits: open ones (parts so far), decided ones
@@ -145,7 +155,7 @@ class CommitBook:
     open: dict = field(default_factory=dict)  # CommitKey -> {rank: tokens}
     states: OrderedDict = field(default_factory=OrderedDict)  # state id -> commits known
 
-    def add_part(self, table: LeaseTable, key: CommitKey, rank: int, world: int,
+    def add_part(self, table: Acknowledger, key: CommitKey, rank: int, world: int,
                  tokens: Iterable[Any], sessions: Sequence[str] | None,
                  live: Container[str]) -> bool | None:
         """Rank ``rank``'s part of commit ``key`` (of ``world`` ranks): the outcome once
@@ -172,7 +182,7 @@ class CommitBook:
             self.note_committed(key.state)
         return ok
 
-    def add_all(self, table: LeaseTable, key: CommitKey, world: int,
+    def add_all(self, table: Acknowledger, key: CommitKey, world: int,
                 tables: Mapping[tuple[str, int], Sequence[tuple[str, Sequence]]],
                 sessions: Sequence[str] | None, live: Container[str]) -> bool:
         """Every rank's part of commit ``key`` at once (``tables``: per epoch table, the

@@ -22,7 +22,7 @@ __all__ = ["MAX_UNITS", "STRIDE", "Permutation"]
 STRIDE = 1 << 30  # row ids per partition of unknown length (one of STRIDE rows or more
 #                   is an error naming it)
 MAX_UNITS = 1 << 20  # partitions of one such collection: ids stay below the wire's
-#                      limit on row ids (core.protocol.MAX_ROWS, 2**50)
+#                      limit on row ids (core.checks.MAX_ROWS, 2**50)
 
 
 def _round(key: bytes, r: int, x: int, bits: int) -> int:

@@ -1,5 +1,5 @@
 """A Dask collection's partitions read as rows: :class:`PartitionReader`, its reader for one
-loader (:meth:`~.collections.DaskCollection.open`).
+loader (:meth:`~.source.DaskCollection.open`).
 
 - :meth:`PartitionReader.static_pass`: a static policy's partitions (:mod:`.sharding`),
   each computed (``ahead`` of the one read), its share of rows converted, from a stream
@@ -21,7 +21,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +31,6 @@ from daskdist.core.intervals import Interval
 from daskdist.core.leases.partitions import STRIDE
 from daskdist.data import batching
 from daskdist.data.collections.compute import Computed, Interrupt, Interrupted, make_computer
-from daskdist.data.collections.source import DaskCollection
 from daskdist.data.convert import Chunk, arrow_column, convert_chunk
 from daskdist.data.sharding import Piece
 from daskdist.data.sources import ChunkItem, Pending, ReadSpec, SourceReader, UnitFailure
@@ -80,7 +79,18 @@ def _frame_table(frame: Any, columns: Sequence[Any]) -> pa.Table:
 
 
 @phases.partitions(phases.READING)  # a gang's data waits on reading partitions (SPEC §5.1)
-def convert_part(coll: DaskCollection, data: Any, rows: np.ndarray | None,
+class Partitioned(Protocol):
+    """What a reader reads of its collection (a :class:`~.source.DaskCollection`, which
+    makes the reader: this module does not import it back)."""
+
+    kind: str  # "dataframe" or "arrays"
+    what: str  # how errors name it
+    columns: list | None
+    lengths: list[int] | None  # rows per partition, when known
+    direct: list | None  # per partition: computed on the client already
+
+
+def convert_part(coll: Partitioned, data: Any, rows: np.ndarray | None,
                  fill_null: Any, collate: bool, shared: bool,
                  columns: Sequence[Any] | None = None) -> Any:
     """Rows ``rows`` (positions, in order; ``None``: all) of a computed partition: a
@@ -109,7 +119,7 @@ def convert_part(coll: DaskCollection, data: Any, rows: np.ndarray | None,
     return Chunk(columns, {k: _as_tensor(v, shared) for k, v in arrays.items()})
 
 
-def partition_error(coll: DaskCollection, unit: int, exc: BaseException,
+def partition_error(coll: Partitioned, unit: int, exc: BaseException,
                     computed: bool) -> BaseException:
     """The error a closure gets for partition ``unit``: its graph raised (an
     ``InputError`` carrying the user's error), or its rows failed to convert (a
@@ -125,7 +135,7 @@ def partition_error(coll: DaskCollection, unit: int, exc: BaseException,
 class PartitionReader(SourceReader):
     """One loader's reading of a collection: its computer (built at the first pass)."""
 
-    def __init__(self, coll: DaskCollection, spec: ReadSpec) -> None:
+    def __init__(self, coll: Partitioned, spec: ReadSpec) -> None:
         self.coll = coll
         self.spec = spec
         self._computer: Any = None

@@ -10,8 +10,10 @@ A read that fails gives back at once what the pass holds and has not handed on: 
 failed read's rows deferred with the failure counted (the scheduler fails the epoch
 after ``max_worker_failures``), the rest free. Then the error is raised once, to the
 closure that reaches it, naming the unit (and the column, for a conversion);
-``InputError`` once the epoch failed. ``chunks()`` may run again after it ended, to
-pick up rows that came back to the pool.
+``InputError`` once the epoch failed. When it reaches the iterator, every block read
+before was taken: the iterator's :meth:`close` then gives back the rest of what is
+held (the rows of the batch it was cutting, which no caller received). ``chunks()`` may
+run again after it ended, or was closed, to pick up rows that came back to the pool.
 """
 
 from __future__ import annotations

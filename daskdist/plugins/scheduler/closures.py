@@ -2,26 +2,26 @@
 
 One coordinator's closures from the client's ``daskdist_put`` to the worker's
 ``daskdist_exchange`` and back to the client's ``daskdist_results``: the pure
-:class:`~daskdist.core.queue.ClosureQueue`, the owners' outboxes (client long-polls),
-the workers' long-polls waiting for work, steals for an idle worker, and raising an
-owner's error (SPEC §2.3). Its routes are in :data:`CLOSURE_ROUTES`. Runs on the
-scheduler's event loop; imports nothing from Dask.
+:class:`~daskdist.core.queue.ClosureQueue`, its results applied, holding an owner's
+closures and raising its error (SPEC §2.3). Its two parts are in
+:mod:`~daskdist.plugins.scheduler.polls`: the owners' outboxes, and the workers'
+long-polls waiting for work (with steals for an idle worker, and the routing at an
+epoch's tail). Its routes are in :data:`CLOSURE_ROUTES`; what it needs of the other
+books it asks its coordinator (:class:`ClosureCoordinator`). Runs on the scheduler's
+event loop; imports nothing from Dask.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
+from daskdist.core.lifetime.keepalive import KeptResults
 from daskdist.core.protocol import (
-    CANCELLED,
     FAILED,
     OWNER,
     READY,
@@ -31,36 +31,45 @@ from daskdist.core.protocol import (
     Dispatch,
     Outcome,
     Route,
-    Submission,
 )
 from daskdist.core.queue import ClosureQueue
-from daskdist.plugins.scheduler.inference import JOB_OWNER
-
-if TYPE_CHECKING:
-    from daskdist.plugins.scheduler.state import CoordinatorState
+from daskdist.plugins.scheduler.inference.jobs import JOB_OWNER
+from daskdist.plugins.scheduler.polls import (
+    Outbox,
+    Owners,
+    PollCoordinator,
+    WorkerPolls,
+    wait_event,
+)
 
 logger = logging.getLogger(__name__)
 
 GANG_OWNER = "__gang__"  # owner of gang member closures: routed to the group book
 
 
-async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
-    """Wait for ``event`` at most ``timeout`` seconds; whether it is set.
+class ClosureCoordinator(PollCoordinator, Protocol):
+    """What the closure book (and its workers' long-polls) asks its coordinator (the
+    scheduler's ``CoordinatorState``): the coordinator's own state, and what the other
+    books hold."""
 
-    Long-poll wake-ups are on the closure round trip's path: ``asyncio.timeout`` wakes
-    the waiter directly, where ``wait_for`` would add a task (and a loop iteration).
-    """
-    if event.is_set():
-        return True
-    try:
-        if hasattr(asyncio, "timeout"):  # Python 3.11+
-            async with asyncio.timeout(timeout):
-                await event.wait()
-        else:  # pragma: no cover - Python 3.10
-            await asyncio.wait_for(event.wait(), timeout)
-    except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
-        return False
-    return True
+    def broadcast(self, msg: dict, sessions: Iterable[str] | None = None,
+                  addressed: bool = False) -> None: ...
+
+    def member_finished(self, outcome: Outcome) -> None:
+        """A gang member's closure ended (the group book judges the gang)."""
+
+    def job_closure_finished(self, outcome: Outcome) -> None:
+        """A batch-inference job's closure ended (the inference book drives its job)."""
+
+    def settle_tokens(self, session: str, tokens: list, ack: bool) -> bool:
+        """Acknowledge (``ack``) or release a closure's lease tokens; ``False`` when an
+        acknowledgement was refused (the rows went back)."""
+
+    def gang_owner(self) -> str | None:
+        """The owner of the gang running now (``None``: none)."""
+
+    def cancel_gangs(self, owner: str) -> list[Outcome]:
+        """Cancel ``owner``'s pending gangs: their outcomes."""
 
 
 async def _acquire(lock: asyncio.Lock, timeout: float | None) -> bool:
@@ -81,71 +90,40 @@ async def _acquire(lock: asyncio.Lock, timeout: float | None) -> bool:
     return False
 
 
-@dataclass
-class Outbox:
-    """Outcomes waiting for one client-side Coordinator (an *owner*); kept until it
-    acknowledges them. ``token`` is the owner's secret: only the client it was given to
-    can act as that owner (SPEC §2.5b)."""
-
-    client: str | None
-    token: str = ""
-    first_seq: int = 0
-    items: list = field(default_factory=list)
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def push(self, item: Outcome) -> None:
-        self.items.append(item)
-        self.event.set()
-
-    def ack(self, seq: int) -> None:
-        """Forget everything before ``seq`` (the client has it)."""
-        drop = seq - self.first_seq
-        if drop > 0:
-            del self.items[:drop]
-            self.first_seq = seq
-        if not self.items:
-            self.event.clear()
-
-
 class ClosureBook:
-    """Queued and running closures, owners' outboxes, workers' long-polls, raises."""
+    """Queued and running closures, their owners and workers' long-polls, raises."""
 
-    def __init__(self, co: CoordinatorState, max_worker_failures: int) -> None:
+    def __init__(self, co: ClosureCoordinator, max_worker_failures: int,
+                 finished: dict[str, list[int]]) -> None:
         self.co = co
         self.queue = ClosureQueue(max_worker_failures=max_worker_failures)
-        self.queue.router = self._route  # the epoch's tail: closures to the rows' holders
-        self.routed: set[str] = set()  # datasets whose closures were just set aside
-        self.outboxes: dict[str, Outbox] = {}
-        # long-polls of workers that may take work, oldest first: a queued closure wakes
-        # one; ``woken``: those woken for a closure and not yet back (not woken twice)
-        self.waiters: OrderedDict[asyncio.Event, None] = OrderedDict()
-        self.woken: set[asyncio.Event] = set()
-        # long-polls of sessions that take no work now (draining, paused): only a change
-        # of state wakes them
-        self.idle_waiters: set[asyncio.Event] = set()
-        self.parked: dict[str, asyncio.Event] = {}  # session -> its long-poll's event
+        self.owners = Owners(co.name)
+        self.outboxes: dict[str, Outbox] = self.owners.boxes
+        # the workers' long-polls; their steals, and the queue's router at an epoch's tail
+        self.polls = WorkerPolls(co, self.queue)
+        # session -> [done, failed, rows] since the dashboard's last sample: the stats'
+        # dict, counted here so that nothing runs in the stats on a closure's path
+        self.finished = finished
         self.changed = asyncio.Event()  # set on every finish / session end (raise waits on it)
-        self.steals = 0  # requests to a busy worker to give back unstarted closures
         self.acks_refused = 0  # completed closures whose rows were not leased to them
         self.raise_locks: dict[str, asyncio.Lock] = {}  # owner -> one raise at a time
         self.dropped: set[str] = set()  # owners gone while closures of theirs were out
 
     # -- owners (client-side Coordinators) ---------------------------------------------
-    def add_owner(self, owner: str, client: str | None, token: str) -> None:
-        self.outboxes[owner] = Outbox(client, token)
+    def add_owner(self, owner: str, client: str | None, token: str,
+                  kept: KeptResults | None = None) -> None:
+        """A new owner (``kept``: a keep-alive owner's outcomes, kept until read)."""
+        self.owners.add(owner, client, token, kept)
+
+    def hand_over(self, owner: str, client: str | None) -> tuple[str, list[str]]:
+        """``client`` acts as ``owner`` from now on (``Owners.hand_over``): its new
+        secret, and the ids of the owner's closures not finished."""
+        return (self.owners.hand_over(owner, client),
+                [c.cid for c in self.queue.closures.values() if c.owner == owner])
 
     def owner_box(self, owner: str, token: str) -> Outbox:
-        """The outbox of ``owner`` if ``token`` is its secret; ``PermissionError`` if not
-        (a client acts only as the owner it attached as)."""
-        box = self.outboxes.get(owner)
-        if box is None:
-            raise PermissionError(f"coordinator {self.co.name!r} has no owner {owner!r} "
-                                  "(it closed, or its client was cut off longer than "
-                                  "daskdist.coordinator.client-grace)")
-        if not secrets.compare_digest(box.token, token):
-            raise PermissionError(f"the caller is not owner {owner!r} of coordinator "
-                                  f"{self.co.name!r}")
-        return box
+        """The outbox of ``owner`` if ``token`` is its secret (``PermissionError``)."""
+        return self.owners.box(owner, token)
 
     def drop_owner(self, owner: str) -> Outbox | None:
         """Cancel ``owner``'s queued closures and forget its error; hold its closures
@@ -176,76 +154,46 @@ class ClosureBook:
         closures to the inference book, the rest to outboxes."""
         for o in outcomes:
             if o.owner == GANG_OWNER:
-                self.co.group_book.member_finished(o)
-                continue
-            if o.owner.startswith(JOB_OWNER):  # a batch-inference job's closure
-                self.co.infer_book.closure_finished(o)
-                continue
-            box = self.outboxes.get(o.owner)
-            if box is not None:
-                box.push(o)
+                self.co.member_finished(o)
+            elif o.owner.startswith(JOB_OWNER):  # a batch-inference job's closure
+                self.queue.take_error(o.owner)  # its error is its job's, no owner's to raise
+                self.co.job_closure_finished(o)
+            else:
+                self.owners.push(o)
 
-    # -- the epoch's tail: closures reading a dataset go to the holders of its rows --------
-    def _route(self, dataset: str, session: str) -> bool:
-        """The queue's router: whether ``session`` should run a closure reading
-        ``dataset`` now (the lease table's word: not when the dataset's free rows are
-        gone and other sessions hold its leased rows)."""
-        if self.co.leases.takes(dataset, session):
-            return True
-        self.routed.add(dataset)
-        return False
-
-    def _wake_holders(self) -> None:
-        """Closures were set aside for the sessions holding their dataset's rows: wake
-        those of them waiting in a long-poll (the first few holders looked at, O(1);
-        a busy holder takes them at its next exchange)."""
-        datasets, self.routed = self.routed, set()
-        for dataset in datasets:
-            for session in itertools.islice(self.co.leases.holders(dataset), 4):
-                event = self.parked.get(session)
-                if event is not None:
-                    event.set()
+    def session_ended(self, session: str, expected: bool) -> None:
+        """A session ended: its closures go back to the queue (or fail), its long-poll
+        returns, and as many long-polls as closures came back wake."""
+        q = self.queue
+        backlog = q.backlog
+        self.deliver(q.remove_session(session, expected))
+        if self.dropped:
+            self.settle_dropped(set(self.dropped))
+        self.wake_sessions((session,))  # its own long-poll returns
+        self.wake(max(0, q.backlog - backlog))  # its closures, back in the queue
 
     # -- waking long-polls ---------------------------------------------------------------
     def wake(self, n: int | None = None) -> None:
         """State changed (``n=None``: wake every long-poll, each re-checks), or ``n``
-        closures became available: wake the ``n`` longest-waiting long-polls that may
-        take them, O(n) whatever the number of idle workers."""
+        closures became available: wake as many long-polls that may take them."""
         self.changed.set()
-        if n is None:
-            for event in self.waiters:
-                event.set()
-            for event in self.idle_waiters:
-                event.set()
-            return
-        woken = self.woken
-        for event in self.waiters:
-            if n <= 0:
-                break
-            if event not in woken:
-                event.set()
-                woken.add(event)
-                n -= 1
+        self.polls.wake(n)
 
-    def wake_sessions(self, sessions) -> None:
+    def wake_sessions(self, sessions: Iterable[str]) -> None:
         """Wake the long-polls of ``sessions`` (closures pinned to them: gang members)."""
         self.changed.set()
-        for session in sessions:
-            event = self.parked.get(session)
-            if event is not None:
-                event.set()
+        self.polls.wake_sessions(sessions)
 
     def wake_idle(self) -> None:
         """A session's state changed (paused, draining, back): the long-polls that take
         no work re-check, and queued closures wake as many that do."""
-        for event in self.idle_waiters:
-            event.set()
+        self.polls.wake_idle()
         self.wake(self.queue.backlog)
 
     def close(self) -> None:
         self.wake()
 
-    # -- holding an owner's closures ------------------------------------------------------
+    # -- holding an owner's closures, gangs ------------------------------------------------
     @property
     def hold(self) -> list[str]:
         """Owners whose prefetched closures workers must not start (an error of theirs is
@@ -263,6 +211,35 @@ class ClosureBook:
         if not hold:
             self.wake(self.queue.backlog)
 
+    def put_gang(self, members: list[tuple[str, str, int]], payload: list) -> None:
+        """A gang starts: its member closures (``(cid, session, rank)`` each) are queued,
+        each pinned to its session, and their long-polls woken."""
+        for member_cid, session, _rank in members:
+            self.queue.put(member_cid, GANG_OWNER, payload, pinned=session)
+        self.wake_sessions([session for _, session, _ in members])
+
+    def put_job(self, cid: str, owner: str, payload: list, tag: str | None) -> None:
+        """A batch-inference job's closure (``owner``: the job's own; ``tag``: the
+        dataset it reads) is queued, and a long-poll woken."""
+        if self.queue.put(cid, owner, payload, tag=tag):
+            self.wake(1)
+
+    def deliver_gang(self, g: Outcome) -> None:
+        """A gang's outcome to its owner; a failure is that owner's error to raise."""
+        if g.state == FAILED:
+            self.queue.errors.setdefault(g.owner, g)
+            self.queue.counters.failed += 1
+        self.owners.push(g)
+
+    def status(self) -> dict:
+        """The closures' part of the coordinator's status."""
+        q, c = self.queue, self.queue.counters
+        return {"queued": q.queued, "running": q.inflight, "scheduled": c.scheduled,
+                "done": c.done, "failed": c.failed, "retried": c.retried,
+                "cancelled": c.cancelled, "recovered": c.recovered, "refused": c.refused,
+                "steals": self.polls.steals, "acks_refused": self.acks_refused,
+                "error_pending": bool(q.errors), "owners": len(self.outboxes)}
+
     # -- results ---------------------------------------------------------------------------
     def apply_results(self, session: str, results: list) -> None:
         """Apply a worker's results (each an :class:`Outcome`, or its wire form).
@@ -275,15 +252,14 @@ class ClosureBook:
         its result.
         """
         co = self.co
-        leases = co.leases
         outcomes = []
         q = self.queue
         backlog = q.backlog
         unstarted = []
-        finished = co.stats.finished
+        done = failed = 0  # accepted results, for the dashboard's counts
         dropped = set()  # dropped owners whose closures came back or ended
         for r in map(Outcome._make, results):
-            cid, value, kind, tokens = r.cid, r.value, r.kind, r.tokens
+            cid, kind, tokens = r.cid, r.kind, r.tokens
             c = q.closures.get(cid)
             if self.dropped and c is not None and c.owner in self.dropped:
                 dropped.add(c.owner)
@@ -293,26 +269,25 @@ class ClosureBook:
             ok = r.state == READY
             accepted = q.holds(session, cid)
             gang = c is not None and c.owner == GANG_OWNER
-            o = q.finish(session, cid, ok, value, kind)
-            if accepted:  # the dashboard's count (folded in at its samples)
-                counts = finished.get(session)
-                if counts is None:
-                    counts = finished[session] = [0, 0, 0]
-                counts[not ok] += 1
-            if tokens:
-                if accepted and ok and not gang:
-                    if not leases.ack_tokens(session, tokens):
-                        # rows this session does not hold (a bug upstream, never expected):
-                        # say so, and free what it does hold rather than keep it leased
-                        self.acks_refused += 1
-                        logger.warning("daskdist[%s]: closure %s completed but the lease "
-                                       "table refused its rows; they go back to the pool",
-                                       co.name, cid)
-                        leases.release_tokens(session, tokens)
-                else:  # failed, retried, or a duplicate run: its rows go back to the pool
-                    leases.release_tokens(session, tokens)
+            o = q.finish(session, cid, ok, r.value, kind)
+            if accepted:
+                done += ok
+                failed += not ok
+            # failed, retried, a duplicate run or a gang member's: its rows go back
+            if tokens and not co.settle_tokens(session, tokens, accepted and ok and not gang):
+                # rows this session does not hold (a bug upstream, never expected): said,
+                # and what it does hold is freed rather than kept leased
+                self.acks_refused += 1
+                logger.warning("daskdist[%s]: closure %s completed but the lease table "
+                               "refused its rows; they go back to the pool", co.name, cid)
             if o is not None:
                 outcomes.append(o)
+        if done or failed:  # the dashboard's count (folded in at its samples)
+            counts = self.finished.get(session)
+            if counts is None:
+                counts = self.finished[session] = [0, 0, 0]
+            counts[0] += done
+            counts[1] += failed
         if unstarted:
             q.put_back(session, unstarted)
         if dropped:
@@ -348,9 +323,7 @@ class ClosureBook:
             lock.release()
 
     def _owner_busy(self, owner: str) -> bool:
-        running = self.co.gangs.running
-        return bool(self.queue.inflight_of(owner)) or (running is not None
-                                                       and running.owner == owner)
+        return bool(self.queue.inflight_of(owner)) or self.co.gang_owner() == owner
 
     async def _raise_locked(self, owner: str, deadline: float | None) -> dict:
         q = self.queue
@@ -383,56 +356,26 @@ class ClosureBook:
         """Cancel ``owner``'s queued closures and pending gangs; their outcomes."""
         cancelled = self.queue.cancel_pending(owner)
         self.deliver(cancelled)
-        for gang in self.co.gangs.cancel_pending(owner):
-            out = Outcome(gang.cid, CANCELLED, None, None, gang.attempt, gang.owner)
-            box = self.outboxes.get(gang.owner)
-            if box is not None:
-                box.push(out)
+        for out in self.co.cancel_gangs(owner):
+            self.owners.push(out)
             cancelled.append(out)
         return cancelled
-
-    def deliver_gang(self, g: Outcome) -> None:
-        """A gang's outcome to its owner; a failure is that owner's error to raise."""
-        if g.state == FAILED:
-            self.queue.errors.setdefault(g.owner, g)
-            self.queue.counters.failed += 1
-        box = self.outboxes.get(g.owner)
-        if box is not None:
-            box.push(g)
 
     # -- client handlers ---------------------------------------------------------------
     def put(self, owner: str, token: str, closures: list) -> None:
         """Queue ``closures`` (each a :class:`Submission`) for ``owner`` (one-way).
 
-        Checked as a whole before anything is queued: each closure id must be the
-        owner's (``owner-...``), so no client can queue under another's ids."""
+        Checked as a whole before anything is queued (:func:`protocol.submissions`)."""
         op = "daskdist_put"
-        if protocol.text(owner, f"{op}: owner") not in self.outboxes:
+        if checks.text(owner, f"{op}: owner") not in self.outboxes:
             # sent just before its owner closed (and its closures were cancelled)
             logger.debug("daskdist[%s]: closures of closed owner %s dropped", self.co.name,
                          owner)
             return
-        self.owner_box(owner, protocol.text(token, f"{op}: token"))
-        prefix = f"{owner}-"
-        subs = []
-        for i, item in enumerate(protocol.items(closures, f"{op}: closures")):
-            if protocol.submission_ok(item, prefix):
-                subs.append(Submission(*item))  # without its dataset: ""
-                continue
-            if isinstance(item, (list, tuple)) and len(item) == 3:
-                item = (*item, "")
-            sub = Submission._make(protocol.record(item, f"{op}: closures[{i}]",
-                                                 len(Submission._fields)))
-            if not protocol.text(sub.cid, f"{op}: closures[{i}].cid").startswith(prefix):
-                raise PermissionError(f"{op}: closure id {sub.cid!r} is not one of owner "
-                                      f"{owner!r}'s")
-            protocol.payload(sub.payload, f"{op}: closures[{i}].payload")
-            protocol.integer(sub.retries, f"{op}: closures[{i}].retries", 0, protocol.MAX_RETRIES)
-            protocol.text(sub.dataset, f"{op}: closures[{i}].dataset", empty=True)
-            subs.append(sub)
+        self.owner_box(owner, checks.text(token, f"{op}: token"))
         q = self.queue
         n = 0
-        for sub in subs:
+        for sub in protocol.submissions(op, owner, closures):
             n += q.put(sub.cid, owner, sub.payload, sub.retries, tag=sub.dataset or None)
         self.wake(n)
 
@@ -442,16 +385,14 @@ class ClosureBook:
         there are none, even with an error of the owner's unread (it arrived as an
         outcome): an idle client costs the scheduler nothing."""
         op = "daskdist_results"
-        if protocol.text(owner, f"{op}: owner") not in self.outboxes:
+        if checks.text(owner, f"{op}: owner") not in self.outboxes:
             return {"detached": True}
-        box = self.owner_box(owner, protocol.text(token, f"{op}: token"))
-        box.ack(protocol.integer(ack, f"{op}: ack", 0, 2**62))
-        timeout = protocol.optional(protocol.number, timeout, f"{op}: timeout", 0.0, 3600.0)
-        if not box.items:
-            if timeout is None:
-                timeout = self.co.members.poll_base  # scheduler.poll-interval
-            await wait_event(box.event, timeout)
-        if self.outboxes.get(owner) is not box:
+        box = self.owner_box(owner, checks.text(token, f"{op}: token"))
+        ack = checks.integer(ack, f"{op}: ack", 0, 2**62)
+        timeout = checks.optional(checks.number, timeout, f"{op}: timeout", 0.0, 3600.0)
+        if timeout is None:
+            timeout = self.co.members.poll_base  # scheduler.poll-interval
+        if not await self.owners.poll(owner, box, ack, timeout):
             return {"detached": True}
         return {
             "first": box.first_seq,
@@ -464,13 +405,13 @@ class ClosureBook:
                                 timeout: float | None = None) -> dict:
         """Raise ``owner``'s first unraised error: wait for its in-flight closures, cancel
         its queue (:meth:`raise_error`)."""
-        timeout = protocol.optional(protocol.number, timeout, "daskdist_raise: timeout", 0.0,
+        timeout = checks.optional(checks.number, timeout, "daskdist_raise: timeout", 0.0,
                                   float(2**31))
         return await self.raise_error(owner, timeout)
 
     def closure_state(self, cid: str) -> str | None:
         """PENDING or RUNNING for a closure not yet final; ``None`` once final or unknown."""
-        c = self.queue.closures.get(protocol.text(cid, "daskdist_closure_state: cid"))
+        c = self.queue.closures.get(checks.text(cid, "daskdist_closure_state: cid"))
         return None if c is None else c.state
 
     # -- worker handlers ---------------------------------------------------------------
@@ -494,20 +435,6 @@ class ClosureBook:
             self.queue.observe(session, held, started)
         return {"ok": True}
 
-    def _steal_for(self, thief: str) -> None:
-        """An idle session found no work: ask the session holding the most prefetched,
-        unstarted closures to give half of them back (they return as ``UNSTARTED``
-        results, go to the head of the queue and wake the idle session's long-poll)."""
-        victim = self.queue.steal_victim(thief)
-        if victim is None:
-            return
-        session, n = victim
-        member = self.co.members.members.get(session)
-        if member is not None:
-            self.steals += 1
-            self.co.send(member.address, {"op": "daskdist-steal", "name": self.co.name,
-                                          "n": n})
-
     async def exchange(self, comm, session: str, results: list, held: list | None,
                        want: int, block: bool, started: list | None = None) -> dict:
         """A worker reports results and asks for up to ``want`` closures, in one call.
@@ -521,8 +448,8 @@ class ClosureBook:
         op = "daskdist_exchange"
         outcomes = protocol.outcomes(op, results)
         held, started = protocol.observed(op, held, started)
-        want = protocol.integer(want, f"{op}: want", 0, protocol.MAX_ITEMS)
-        block = protocol.flag(block, f"{op}: block")
+        want = checks.integer(want, f"{op}: want", 0, checks.MAX_ITEMS)
+        block = checks.flag(block, f"{op}: block")
         co = self.co
         if co.closed:
             return {"closed": True}
@@ -541,44 +468,13 @@ class ClosureBook:
             return min(want, max(1, share))
 
         # A busy worker prefetches nothing while another waits idle for work (SPEC §2.4).
-        closures = q.dispatch(session, fair(want) if block or not self.waiters else 0)
-        routed = bool(self.routed)
-        if routed:
-            self._wake_holders()
+        polls = self.polls
+        closures = q.dispatch(session, fair(want) if block or not polls.waiters else 0)
+        routed = polls.wake_holders()
         if not closures and block and want > 0:
             if not routed:  # closures set aside for the holders: theirs, not to steal
-                self._steal_for(session)
-            deadline = time.monotonic() + co.members.poll_interval()
-            event = asyncio.Event()
-            self.parked[session] = event
-            try:
-                while True:
-                    if comm.closed() or co.closed or session not in co.members:
-                        break
-                    closures = q.dispatch(session, fair(want))
-                    if self.routed:
-                        self._wake_holders()
-                    if closures:
-                        break
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    event.clear()
-                    self.woken.discard(event)
-                    if q.takes_work(session):
-                        self.idle_waiters.discard(event)
-                        self.waiters[event] = None
-                    else:
-                        self.waiters.pop(event, None)
-                        self.idle_waiters.add(event)
-                    if not await wait_event(event, left):
-                        break
-            finally:
-                self.waiters.pop(event, None)
-                self.idle_waiters.discard(event)
-                self.woken.discard(event)
-                if self.parked.get(session) is event:
-                    del self.parked[session]
+                polls.steal_for(session)
+            closures = await polls.wait_for_work(comm, session, lambda: fair(want))
         return {
             "closures": [Dispatch(c.cid, c.payload, c.attempt, c.pinned is not None, c.owner)
                          for c in closures],

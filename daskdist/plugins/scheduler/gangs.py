@@ -3,33 +3,53 @@
 Gang closures (``schedule_on_all``) and the group generations they run on are the pure
 :class:`~daskdist.core.gang.GangBook`; the commits that acknowledge gang members' rows
 (SPEC §4.2) are the pure :class:`~daskdist.core.leases.commits.CommitBook`. This book routes
-gang members' outcomes to the gang book, tells a broken group's members at once, and
-serves the group and commit routes (:data:`GROUP_ROUTES`). Formation itself is the
-:class:`~daskdist.plugins.scheduler.groups.GroupDriver`'s (``driver``). Runs on the scheduler's
-event loop; imports nothing from Dask.
+gang members' outcomes to the gang book, tells a broken group's members at once (and of
+a membership change, in one message per interval), and serves the group and commit
+routes (:data:`GROUP_ROUTES`). Formation itself is its
+:class:`~daskdist.plugins.scheduler.groups.GroupDriver`'s (``driver``, made once the
+coordinator knows its scheduler); what it needs of the other books it asks its
+coordinator (:class:`GroupCoordinator`). Runs on the scheduler's event loop; imports
+nothing from Dask.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
-from daskdist.core import protocol
+from daskdist import config
+from daskdist.core import checks, protocol
 from daskdist.core.gang import INTERRUPTING, GangBook, relay_children, tell_targets
-from daskdist.core.leases.commits import CommitBook, unpack_parts
+from daskdist.core.leases.commits import Acknowledger, CommitBook, unpack_parts
 from daskdist.core.leases.table import group_tokens
-from daskdist.core.protocol import OWNER, READY, SESSION, CommitKey, Outcome, Route
-from daskdist.plugins.scheduler.closures import wait_event
+from daskdist.core.protocol import CANCELLED, OWNER, READY, SESSION, CommitKey, Outcome, Route
+from daskdist.plugins.scheduler.groups import DriverCoordinator, GroupDriver
+from daskdist.plugins.scheduler.polls import wait_event
 
-if TYPE_CHECKING:
-    from daskdist.plugins.scheduler.groups import GroupDriver
-    from daskdist.plugins.scheduler.state import CoordinatorState
+
+class GroupCoordinator(DriverCoordinator, Acknowledger, Protocol):
+    """What the group book (and its driver) asks its coordinator (the scheduler's
+    ``CoordinatorState``): the coordinator's own state, and what the other books hold.
+    It is also the lease table a commit acknowledges its rows in (an
+    :class:`~daskdist.core.leases.commits.Acknowledger`)."""
+
+    closed: bool
+
+    def note_trained(self, state: str, tokens: Iterable[object]) -> None:
+        """State ``state`` trained on the datasets these lease tokens name (its ledger)."""
+
+    def note_trained_tables(self, state: str, tables: Iterable[tuple[str, int]]) -> None:
+        """State ``state`` trained on these (dataset, epoch) tables (its ledger)."""
+
+    def dataset_of(self, key: int) -> str | None:
+        """The dataset a packed part's dataset key names."""
 
 
 class GroupBook:
     """Gangs, the group's generations, and the commits of elastic States."""
 
-    def __init__(self, co: CoordinatorState, max_worker_failures: int,
+    def __init__(self, co: GroupCoordinator, max_worker_failures: int,
                  relay_fanout: int) -> None:
         self.co = co
         # a broken generation's word goes down a tree of this fanout (core.gang's
@@ -42,7 +62,16 @@ class GroupBook:
         self.left = asyncio.Event()  # a session ended (a formation in progress checks)
         self.departing: set[str] = set()  # retired group members finishing their step
         self.told = -1  # the last generation whose members heard it broke (peer-lost)
-        self.driver: GroupDriver | None = None  # set by names.py with the book
+        self.told_version = 0  # the membership version the group's members last heard
+        self._flush: asyncio.TimerHandle | None = None  # the membership message held back
+        self.driver: GroupDriver | None = None  # made by attach_driver
+
+    def attach_driver(self, rpc: Callable[[str], Any],
+                      next_generation: Callable[[], int]) -> GroupDriver:
+        """Make the book's driver: it forms groups through ``rpc`` (Dask's RPC to a
+        worker), numbering generations by ``next_generation``."""
+        self.driver = GroupDriver(self.co, self, rpc, next_generation)
+        return self.driver
 
     # -- what happened to the group -------------------------------------------------------
     def member_finished(self, o: Outcome) -> None:
@@ -57,7 +86,7 @@ class GroupBook:
             # scheduler told them of the loss)
             self.tell_members()
         if g is not None:
-            self.co.closure_book.deliver_gang(g)
+            self.co.deliver_gang(g)
         self.changed.set()
 
     def tell_members(self, lost_rank: int | None = None) -> None:
@@ -87,7 +116,7 @@ class GroupBook:
                           **co.members.counters()}, [sessions[r] for r in targets],
                          addressed=True)
         if first:
-            co.told_version = co.members.version  # the members know it: no membership message
+            self.told_version = co.members.version  # they know it: no membership message
 
     def session_lost(self, session: str, expected: bool) -> None:
         """A session ended (``members`` no longer has it): a group member's loss breaks
@@ -102,7 +131,80 @@ class GroupBook:
             self._commits_decided(self.commits.abort_open())
             self.tell_members(rank)
 
+    def membership_changed(self) -> None:
+        """A session joined or left, or a member's status changed: the running gang's
+        run is not a repeat, the pump looks again, and the group's members hear the new
+        membership version (what ``State.commit()`` compares) in one message per
+        ``scheduler.membership-interval``, however many changes it holds; every other
+        worker reads it from its next exchange's reply."""
+        self.gangs.membership_changed()
+        self.changed.set()
+        if self._flush is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (the state driven directly): at once
+            self.flush()
+            return
+        self._flush = loop.call_later(config.seconds("scheduler.membership-interval"),
+                                      self.flush)
+
+    def flush(self) -> None:
+        """Send what :meth:`membership_changed` held back (the group's members only)."""
+        handle, self._flush = self._flush, None
+        if handle is not None:
+            handle.cancel()
+        co = self.co
+        if co.closed or self.told_version == co.members.version:
+            return  # the members heard it with a peer loss
+        group = self.gangs.group
+        if self.told == group.generation:
+            # they heard that their generation broke: the next formation's init carries
+            # the counters (a further loss in it costs no message to every member)
+            self.told_version = co.members.version
+            return
+        co.broadcast({"op": "daskdist-membership", "name": co.name, **co.members.counters()},
+                     group.sessions, addressed=True)
+        self.told_version = co.members.version
+
+    def cancel_gangs(self, owner: str) -> list[Outcome]:
+        """Cancel ``owner``'s pending gangs: their outcomes."""
+        return [Outcome(g.cid, CANCELLED, None, None, g.attempt, g.owner)
+                for g in self.gangs.cancel_pending(owner)]
+
+    def gangs_of(self, owner: str) -> list[str]:
+        """The ids of ``owner``'s gangs not finished (running or pending)."""
+        g = self.gangs
+        return [x.cid for x in (g.running, *g.pending) if x is not None and x.owner == owner]
+
+    def gang_owner(self) -> str | None:
+        """The owner of the gang running now (``None``: none)."""
+        running = self.gangs.running
+        return None if running is None else running.owner
+
+    def described(self) -> dict:
+        """The group's description for the dashboard: the driver's, or, while a member
+        is leaving (or before the driver is made), what the book knows of it."""
+        group = self.gangs.group
+        try:
+            if self.driver is not None:
+                return self.driver.info()
+        except KeyError:  # a group session already left the membership
+            pass
+        return {"generation": group.generation, "world_size": len(group.sessions),
+                "members": [], "backend": group.backend, "formed": False,
+                "bootstrap_seconds": getattr(self.driver, "last_formation_seconds", 0.0)}
+
+    def status(self) -> dict:
+        """The group's part of the coordinator's status."""
+        group = self.gangs.group
+        return {"group_generation": group.generation, "group_size": len(group.sessions),
+                "gangs_pending": len(self.gangs.pending)}
+
     def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         self.changed.set()
         for event in self.commit_events.values():
             event.set()
@@ -118,12 +220,12 @@ class GroupBook:
         keep a commit open longer), expires: refused, for good."""
         op = "daskdist_gang_commit_part"
         key = CommitKey.parse(key)
-        rank = protocol.integer(rank, f"{op}: rank", 0, protocol.MAX_ITEMS)
-        world = protocol.integer(world, f"{op}: world", 1, protocol.MAX_ITEMS)
+        rank = checks.integer(rank, f"{op}: rank", 0, checks.MAX_ITEMS)
+        world = checks.integer(world, f"{op}: world", 1, checks.MAX_ITEMS)
         group = self.gangs.group
-        timeout = min(protocol.number(timeout, f"{op}: timeout", 0.0, 86400.0),
+        timeout = min(checks.number(timeout, f"{op}: timeout", 0.0, 86400.0),
                       group.timeout)
-        tokens = list(protocol.items(tokens, f"{op}: tokens"))
+        tokens = list(checks.items(tokens, f"{op}: tokens"))
         co = self.co
         sessions = group.sessions if key.generation == group.generation else None
         if sessions is not None and group.ranks.get(session) != rank:
@@ -131,10 +233,10 @@ class GroupBook:
         if sessions is not None:
             try:
                 group_tokens(tokens)  # a malformed token refuses the commit
-                co.ledgers.note(key.state, tokens)  # datasets trained under the State
+                co.note_trained(key.state, tokens)  # datasets trained under the State
             except ValueError:
                 sessions = None
-        ok = self.commits.add_part(co.leases, key, rank, world, tokens, sessions,
+        ok = self.commits.add_part(co, key, rank, world, tokens, sessions,
                                    co.members.members)
         if ok is not None:
             self._commits_decided([key])
@@ -163,14 +265,13 @@ class GroupBook:
         tables: dict = {}
         if sessions is not None and key not in self.commits.recorded:
             try:
-                tables = unpack_parts(protocol.items(parts, "daskdist_gang_commit: parts"),
-                                      sessions, co.leases.dataset_of)
+                tables = unpack_parts(checks.items(parts, "daskdist_gang_commit: parts"),
+                                      sessions, co.dataset_of)
             except (TypeError, ValueError):
                 sessions = None  # malformed: refused
         if sessions is not None:
-            co.ledgers.note_tables(key.state, tables)  # datasets trained under the State
-        ok = self.commits.add_all(co.leases, key, world, tables, sessions,
-                                  co.members.members)
+            co.note_trained_tables(key.state, tables)  # datasets trained under the State
+        ok = self.commits.add_all(co, key, world, tables, sessions, co.members.members)
         self._commits_decided([key])
         return ok
 
@@ -189,7 +290,7 @@ class GroupBook:
         """How many commits of State ``state`` happened (``committed``: one more, a plain
         commit its rank reports once), so ``sync()`` can tell a lost state from a fresh
         start."""
-        state = protocol.text(state, "daskdist_state_commits: state", 1024)
+        state = checks.text(state, "daskdist_state_commits: state", 1024)
         if committed:
             self.commits.note_committed(state)
         return self.commits.committed(state)
@@ -209,8 +310,8 @@ class GroupBook:
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"{op}: backend must be 'auto', 'gloo' or 'nccl', got "
                              f"{backend!r}")
-        timeout = protocol.number(timeout, f"{op}: timeout", 0.0, 86400.0, lo_open=True)
-        rejoin_grace = protocol.optional(protocol.number, rejoin_grace, f"{op}: rejoin_grace",
+        timeout = checks.number(timeout, f"{op}: timeout", 0.0, 86400.0, lo_open=True)
+        rejoin_grace = checks.optional(checks.number, rejoin_grace, f"{op}: rejoin_grace",
                                        0.0, 86400.0)
         self.gangs.configure(backend, timeout)
         driver = self.driver
@@ -227,7 +328,7 @@ class GroupBook:
     async def schedule_gang(self, owner: str, token: str, cid: str, payload: list) -> dict:
         """Queue a gang closure; forms the group first if there is none yet."""
         op = "daskdist_schedule_gang"
-        if not protocol.text(cid, f"{op}: cid").startswith(f"{owner}-"):
+        if not checks.text(cid, f"{op}: cid").startswith(f"{owner}-"):
             raise PermissionError(f"{op}: gang id {cid!r} is not one of owner {owner!r}'s")
         protocol.payload(payload, f"{op}: payload")
         driver = self.driver

@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from distributed.comm.addressing import get_address_host
 
@@ -37,13 +37,47 @@ from daskdist.core.backends import (
     describe_sharing,
     shared_gpus,
 )
-from daskdist.core.gang import relay_children
-from daskdist.core.protocol import COLLECTIVE_ERROR
+from daskdist.core.gang import GangBook, relay_children
+from daskdist.core.membership import Membership
+from daskdist.core.protocol import COLLECTIVE_ERROR, Outcome
 from daskdist.errors import CollectiveError, dump_error
-from daskdist.plugins.scheduler.closures import GANG_OWNER
-from daskdist.plugins.scheduler.state import CoordinatorState
 
 logger = logging.getLogger(__name__)
+
+
+class Group(Protocol):
+    """What the driver drives: its group book's pure machine and the events it waits on."""
+
+    gangs: GangBook  # pending and running gangs, the group's generations
+    changed: asyncio.Event  # set when the gang pump should look again
+    left: asyncio.Event  # set when a session ended (a formation in progress checks)
+    relay_fanout: int  # a broken generation's word goes down a tree of this fanout
+
+
+class DriverCoordinator(Protocol):
+    """What the driver asks its coordinator (the scheduler's ``CoordinatorState``)."""
+
+    name: str
+    members: Membership  # the shared membership: sessions, counters, leases
+
+    def active_sessions(self) -> tuple[str, ...]:
+        """Sessions that may be in the group, in rank order."""
+
+    def fence_silent(self, sessions: Iterable[str], since: float) -> list[str]:
+        """End those of ``sessions`` silent since ``since``; the ones ended."""
+
+    def broadcast(self, msg: dict, sessions: Iterable[str] | None = None,
+                  addressed: bool = False) -> None: ...
+
+    def deliver_gang(self, outcome: Outcome) -> None:
+        """A gang's outcome to its owner."""
+
+    def put_gang(self, members: list[tuple[str, str, int]], payload: list) -> None:
+        """A gang's member closures, each pinned to its session, to the closure queue."""
+
+    def formation_noted(self, generation: int, ok: bool, seconds: float,
+                        members: int) -> None:
+        """A formation ended (the dashboard's events)."""
 
 
 class FormationAborted(Exception):
@@ -52,11 +86,14 @@ class FormationAborted(Exception):
 
 
 class GroupDriver:
-    """Drives one coordinator's group formations and gang dispatch."""
+    """Drives one coordinator's group formations and gang dispatch: its group book's
+    machine and events (:class:`Group`), the rest through its coordinator
+    (:class:`DriverCoordinator`)."""
 
-    def __init__(self, co: CoordinatorState, rpc: Callable[[str], Any],
+    def __init__(self, co: DriverCoordinator, book: Group, rpc: Callable[[str], Any],
                  next_generation: Callable[[], int] | None = None):
         self.co = co
+        self.book = book
         self.rpc = rpc
         # generations are unique across coordinators: a worker process hosts one group
         # at a time, whichever coordinator formed it, and remembers lost generations
@@ -99,7 +136,7 @@ class GroupDriver:
         """
         co = self.co
         active = co.active_sessions()
-        current = co.gangs.group.sessions
+        current = self.book.gangs.group.sessions
         if not current or not active or set(active) & set(current):
             return active
         keep = set(active) | {s for s in current if s in co.members}
@@ -110,7 +147,7 @@ class GroupDriver:
         serve them, e.g. NCCL on GPUs that members share); logs once per sharing seen."""
         members = [MemberDevice(m.address, m.device, m.gpu)
                    for m in (self.co.members.members.get(s) for s in sessions) if m]
-        requested = self.co.gangs.group.backend
+        requested = self.book.gangs.group.backend
         backend = choose_backend(members, requested)
         shared = shared_gpus(members)
         if shared and requested == "auto":
@@ -140,7 +177,7 @@ class GroupDriver:
         worker-ttl) or ``deadline`` passes: then ``FormationAborted``."""
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(aw)
-        left = self.co.group_book.left
+        left = self.book.left
         try:
             while not task.done():
                 gone = [s for s in sessions if s not in self.co.members]
@@ -178,7 +215,7 @@ class GroupDriver:
             if any(s not in co.members for s in sessions):  # left while this waited
                 self._member_gone = True
                 return False
-            book = co.gangs
+            book = self.book.gangs
             try:
                 backend = self.backend_for(sessions)
             except BackendError as e:  # no formation can succeed: say why, start none
@@ -208,7 +245,7 @@ class GroupDriver:
                         ), sessions[:1], deadline)
                 else:  # rank 0 opens it on this port as it joins
                     host, port = get_address_host(members[0].address), reported
-                fanout = co.group_book.relay_fanout
+                fanout = self.book.relay_fanout
                 replies = await self._within(asyncio.gather(*[
                     self.rpc(m.address).daskdist_collective(
                         action="init", name=co.name, rank=rank, world_size=len(members),
@@ -241,8 +278,8 @@ class GroupDriver:
                 self._short_since = None
             self.formations += ok
             self.last_formation_seconds = loop.time() - t0
-            co.stats.on_formation(generation, ok, self.last_formation_seconds, len(sessions))
-            co.group_book.changed.set()
+            co.formation_noted(generation, ok, self.last_formation_seconds, len(sessions))
+            self.book.changed.set()
             return ok
 
     def _rejoin_wait(self, n: int) -> float:
@@ -270,8 +307,8 @@ class GroupDriver:
                 f"the collective group of coordinator {self.co.name!r} could not be formed "
                 f"in {self._failures} attempts over {now - self._failing_since:.1f} s "
                 f"(daskdist.collective.formation-timeout is {limit:g} s): {self.last_error}")
-            for outcome in self.co.gangs.fail_pending(dump_error(err), COLLECTIVE_ERROR):
-                self.co.closure_book.deliver_gang(outcome)
+            for outcome in self.book.gangs.fail_pending(dump_error(err), COLLECTIVE_ERROR):
+                self.co.deliver_gang(outcome)
             self._failing_since, self._failures = None, 0
             return
         pause = min(config.seconds("collective.formation-retry") * 2 ** (self._failures - 1),
@@ -279,7 +316,7 @@ class GroupDriver:
         await asyncio.sleep(pause)
 
     def info(self) -> dict:
-        group = self.co.gangs.group
+        group = self.book.gangs.group
         try:
             backend = self.backend_for(group.sessions) if group.sessions else group.backend
         except BackendError:
@@ -298,16 +335,16 @@ class GroupDriver:
     async def _pump(self) -> None:
         """Run pending gangs one at a time, re-forming the group when it is broken."""
         co = self.co
-        book = co.gangs
+        book, changed = self.book.gangs, self.book.changed
         while True:
-            co.group_book.changed.clear()
+            changed.clear()
             if book.running is None and book.pending:
                 sessions = self.candidates()
                 if sessions and book.needs_formation(sessions):
                     wait = self._rejoin_wait(len(sessions))
                     if wait > 0:  # a lost member's replacement (Nanny restart) is coming
                         try:
-                            await asyncio.wait_for(co.group_book.changed.wait(), wait)
+                            await asyncio.wait_for(changed.wait(), wait)
                         except asyncio.TimeoutError:
                             pass
                         continue
@@ -319,10 +356,8 @@ class GroupDriver:
                 started = book.start_next() if sessions else None
                 if started is not None:
                     gang, members = started
-                    for member_cid, session, _rank in members:
-                        co.queue.put(member_cid, GANG_OWNER, gang.payload, pinned=session)
-                    sessions = [s for _, s, _ in members]
-                    co.closure_book.wake_sessions(sessions)
-                    co.broadcast({"op": "daskdist-wake", "name": co.name}, sessions)
+                    co.put_gang(members, gang.payload)
+                    co.broadcast({"op": "daskdist-wake", "name": co.name},
+                                 [s for _, s, _ in members])
                     continue
-            await co.group_book.changed.wait()
+            await changed.wait()

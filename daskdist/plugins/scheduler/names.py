@@ -1,13 +1,15 @@
 """Coordinators: the named coordinators on a scheduler, and each one's life.
 
 A name lives while it has owners (client-side Coordinators, SPEC §2.5b): the first
-``create`` of a name makes its :class:`CoordinatorState` and :class:`GroupDriver` and
-registers its worker plugin; each ``create`` attaches a new owner with a secret token;
-when the last owner leaves (``close()``, or its client gone for
-``daskdist.coordinator.client-grace``) the state and driver go and the worker plugin is
-removed from every worker (its threads and timers with it). Creation and teardown of a
-name are serialized (a lock per name), so a worker plugin's registration and removal
-never cross on a worker.
+``create`` of a name makes its :class:`CoordinatorState` (attached to the scheduler, which
+makes its :class:`GroupDriver`) and registers its worker plugin; each ``create``
+attaches a new owner with a secret token; when the last owner leaves (``close()``, or
+its client gone for ``daskdist.coordinator.client-grace``; a keep-alive owner's, for
+``daskdist.coordinator.keep-alive-timeout`` with nobody attaching: see the keep book)
+the state and driver go and the worker plugin is removed from every worker (its threads
+and timers with it).
+Creation and teardown of a name are serialized (a lock per name), so a worker plugin's
+registration and removal never cross on a worker.
 
 Runs on the scheduler's event loop; the :class:`CoordinatorPlugin` (plugin.py) holds one
 and its handlers call it.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -27,10 +30,9 @@ from typing import Any
 from distributed.protocol.pickle import dumps
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks
 from daskdist.core.protocol import worker_plugin_name
 from daskdist.plugins import WORKER_PLUGIN, PluginRef
-from daskdist.plugins.scheduler.closures import wait_event
 from daskdist.plugins.scheduler.groups import GroupDriver
 from daskdist.plugins.scheduler.state import CoordinatorState
 
@@ -64,7 +66,7 @@ class Coordinators:
 
     def get(self, name: Any) -> CoordinatorState:
         """The coordinator ``name`` (``KeyError`` naming it if there is none)."""
-        protocol.text(name, "name")
+        checks.text(name, "name")
         try:
             return self.states[name]
         except KeyError:
@@ -86,13 +88,14 @@ class Coordinators:
     # -- creation and owners -------------------------------------------------------------
     async def create(self, name: str, client: str | None, max_worker_failures: int | None,
                      torch_threads: int | None, lease_timeout: float | None,
-                     resources: dict | None = None, members: str | None = None) -> dict:
+                     resources: dict | None = None, members: str | None = None,
+                     keep_alive: bool = False) -> dict:
         """Create ``name`` if new (its settings: the first caller's; arguments already
         checked), make sure workers run its plugin, attach a new owner:
         ``{"workers", "owner", "token"}``. ``resources``: the Dask resources a worker must
         declare to be a member; ``members="gpu"``: a member must have a GPU by the Dask
         convention (the first caller's; another asking for others gets a ``ValueError``
-        naming both)."""
+        naming both). ``keep_alive``: the owner outlives its client (the keep book)."""
         async with self._lock(name):
             co = self.states.get(name)
             if co is not None and resources is not None and \
@@ -107,37 +110,37 @@ class Coordinators:
                     f"another name")
             if co is None:
                 if max_worker_failures is None:
-                    max_worker_failures = protocol.max_worker_failures(
+                    max_worker_failures = checks.max_worker_failures(
                         config.integer("coordinator.max-worker-failures"),
                         "daskdist.coordinator.max-worker-failures")
                 if lease_timeout is None:
-                    lease_timeout = protocol.lease_timeout(
+                    lease_timeout = checks.lease_timeout(
                         config.seconds("liveness.lease-timeout"),
                         "daskdist.liveness.lease-timeout")
                 co = CoordinatorState(name, max_worker_failures, send=self._send,
-                                      lease_timeout=lease_timeout, locality=self.locality)
+                                      lease_timeout=lease_timeout, locality=self.locality,
+                                      expire=functools.partial(self._expired, name))
                 co.member_resources = resources  # only these workers are members
                 co.member_kind = members
                 self.states[name] = co
-                driver = GroupDriver(co, self.scheduler.rpc, self._next_generation)
-                self.drivers[name] = co.group_book.driver = driver
-                co.rank_book.scheduler = self.scheduler  # rpc to members, NVML metrics
+                # rpc to members (formations, stacks), NVML metrics
+                self.drivers[name] = co.attach_scheduler(self.scheduler,
+                                                         self._next_generation)
             try:
                 started = await self._register_worker_plugin(
                     name, torch_threads, co.member_resources, co.member_kind)
             except BaseException:
-                if not co.outboxes:  # nobody uses it: the next attempt starts afresh
+                if not co.has_owners():  # nobody uses it: the next attempt starts afresh
                     self._forget(name)
                 raise
             owner, token = uuid.uuid4().hex[:12], secrets.token_hex(16)
-            co.closure_book.add_owner(owner, client, token)
+            co.add_owner(owner, client, token, keep_alive)
         # workers register their sessions once their plugin is set up (the others say
         # they are not members): wait a little for them, so the reply's worker count is
         # the cluster's (its end: 5 poll intervals)
         deadline = time.monotonic() + 5 * config.seconds("scheduler.poll-interval")
         while len(co.members) + len(co.helpers) < started and not co.closed:
-            co.closure_book.changed.clear()
-            if not await wait_event(co.closure_book.changed, deadline - time.monotonic()):
+            if not await co.wait_changed(deadline - time.monotonic()):
                 break
         return {"workers": len(co.members), "owner": owner, "token": token}
 
@@ -174,13 +177,20 @@ class Coordinators:
         """Drop ``owner`` (closed, or its client is gone); the coordinator goes with its
         last owner. The outcomes the owner had not read."""
         items = co.drop_owner(owner)
-        if not co.outboxes:
+        if not co.has_owners():
             name = co.name
             task = asyncio.ensure_future(self._teardown(name))
             self._teardowns[name] = task
             task.add_done_callback(
                 lambda t: self._teardowns.pop(name) if self._teardowns.get(name) is t else None)
         return items
+
+    def _expired(self, name: str, owner: str) -> None:
+        """A keep-alive owner of ``name`` nobody attached to within
+        ``keep-alive-timeout``: dropped as if it closed."""
+        co = self.states.get(name)
+        if co is not None:
+            self.drop_owner(co, owner)
 
     async def torn_down(self, name: str, timeout: float) -> None:
         """Wait, at most ``timeout`` seconds, for the teardown of ``name`` under way (if
@@ -213,7 +223,7 @@ class Coordinators:
         worker is waited for at most ``scheduler.teardown-timeout``)."""
         async with self._lock(name):
             co = self.states.get(name)
-            if co is None or co.outboxes:  # someone attached again meanwhile
+            if co is None or co.has_owners():  # someone attached again meanwhile
                 return
             self._forget(name)
             plugin_name = worker_plugin_name(name)
@@ -229,10 +239,12 @@ class Coordinators:
     # -- clients ---------------------------------------------------------------------------
     def client_left(self, client: str) -> None:
         """A client's connection closed: drop its owners after ``coordinator.client-grace``
-        unless it reconnects first (Dask's client reconnects with the same id)."""
-        if not any(box.client == client for co in self.states.values()
-                   for box in co.outboxes.values()):
+        unless it reconnects first (Dask's client reconnects with the same id); its
+        keep-alive owners wait ``keep-alive-timeout`` instead (the keep book)."""
+        if not any(co.owners_of(client) for co in self.states.values()):
             return
+        for co in self.states.values():
+            co.client_away(client, True)
         old = self._orphaned.pop(client, None)
         if old is not None:
             old.cancel()
@@ -244,24 +256,29 @@ class Coordinators:
         handle = self._orphaned.pop(client, None)
         if handle is not None:
             handle.cancel()  # it came back: its closures and results are still here
+        for co in self.states.values():
+            co.client_away(client, False)
 
     def _drop_client(self, client: str) -> None:
         """The client stayed away for ``client-grace``: its owners are dropped as if they
-        had closed (their per-worker resources are released)."""
+        had closed (their per-worker resources are released); its keep-alive owners
+        wait on (the keep book)."""
         self._orphaned.pop(client, None)
         for co in list(self.states.values()):
-            for owner, box in list(co.outboxes.items()):
-                if box.client == client:
-                    logger.info("daskdist[%s]: client %s gone for client-grace: owner %s "
-                                "dropped", co.name, client, owner)
-                    self.drop_owner(co, owner)
+            for owner in co.owners_of(client, kept=False):
+                logger.info("daskdist[%s]: client %s gone for client-grace: owner %s "
+                            "dropped", co.name, client, owner)
+                self.drop_owner(co, owner)
 
     def close(self) -> None:
-        """The scheduler closes: stop teardowns, drivers and client timers."""
+        """The scheduler closes: stop teardowns, drivers, client timers and every
+        coordinator (its waits, its keep-alive and preemption timers)."""
         for task in list(self._teardowns.values()):
             task.cancel()
         for driver in self.drivers.values():
             driver.stop()
+        for co in self.states.values():
+            co.close()
         for handle in self._orphaned.values():
             handle.cancel()
         self._orphaned.clear()

@@ -1,8 +1,9 @@
 """CoordinatorPlugin: the scheduler side of daskdist.
 
 A ``SchedulerPlugin`` that holds one :class:`CoordinatorState` per coordinator name
-(its sessions, and its books: closures, gangs and commits, dynamic datasets), registers
-their RPC handlers on the scheduler (the pattern of
+(its sessions, and its books: closures, gangs and commits, dynamic datasets, per-worker
+resources, per-rank observation, keep-alive owners, preemption deadlines, batch-inference
+jobs), registers their RPC handlers on the scheduler (the pattern of
 ``distributed/semaphore.py``), and reacts to Dask's own ``remove_worker`` and
 worker-status events, so preemption is handled the moment Dask notices it.
 
@@ -14,13 +15,15 @@ Load it with ``dask scheduler --preload daskdist.plugins.scheduler`` or let
 ``Coordinator`` register it from the client.
 
 The scheduler checks who calls (SPEC §2.5b): each handler, here and in the books,
-checks its arguments' types and sizes (:mod:`daskdist.core.protocol`) before it touches
+checks its arguments' types and sizes (:mod:`daskdist.core.checks`) before it touches
 any state; a client acts only as an owner it created (each owner has a secret token,
-given only in the reply to the ``daskdist_create`` call that attached it); a worker acts
+given only in the reply to the ``daskdist_create`` call that attached it, or to the
+``daskdist_attach`` that handed a keep-alive owner over); a worker acts
 only with its own session (``daskdist_register`` asks the worker at the address it
 names to confirm the session), and read-only handlers never create state. A named
 coordinator lives while it has owners: when the last one closes (or its client is gone
-for ``client-grace``), its state, group driver and worker plugin go.
+for ``client-grace``; a keep-alive owner's, for ``keep-alive-timeout`` with nobody
+attaching), its state, group driver and worker plugin go.
 """
 
 from __future__ import annotations
@@ -33,16 +36,19 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks, protocol
 from daskdist.core.protocol import PLUGIN_NAME, RETIRING
 from daskdist.observe.book import RANK_ROUTES, RANK_STREAM_ROUTES
 from daskdist.plugins.scheduler.closures import CLOSURE_ROUTES
 from daskdist.plugins.scheduler.datasets import LEASE_ROUTES
 from daskdist.plugins.scheduler.gangs import GROUP_ROUTES
 from daskdist.plugins.scheduler.groups import GroupDriver
-from daskdist.plugins.scheduler.inference import INFER_ROUTES
+from daskdist.plugins.scheduler.inference.book import INFER_ROUTES
+from daskdist.plugins.scheduler.lifetime.keepalive import KEEP_ROUTES
+from daskdist.plugins.scheduler.lifetime.preemptions import PREEMPT_ROUTES
 from daskdist.plugins.scheduler.locality import Locality
 from daskdist.plugins.scheduler.names import Coordinators
+from daskdist.plugins.scheduler.resources import RESOURCE_ROUTES
 from daskdist.plugins.scheduler.state import STATE_ROUTES, CoordinatorState
 from daskdist.plugins.scheduler.web import pages
 
@@ -53,7 +59,10 @@ BOOK_ROUTES = {
     "closure_book": CLOSURE_ROUTES,
     "group_book": GROUP_ROUTES,
     "lease_book": LEASE_ROUTES,
+    "resource_book": RESOURCE_ROUTES,
     "rank_book": RANK_ROUTES,
+    "keep_book": KEEP_ROUTES,
+    "preempt_book": PREEMPT_ROUTES,
     "infer_book": INFER_ROUTES,
 }
 # ... and those of messages on a worker's own stream (one-way; Dask adds worker=)
@@ -169,8 +178,7 @@ class CoordinatorPlugin(SchedulerPlugin):
     def _owned(self, op: str, name: Any, owner: Any, token: Any) -> CoordinatorState:
         """The coordinator ``name`` if the caller is its owner ``owner`` (holds its token)."""
         co = self._get(name)
-        co.closure_book.owner_box(protocol.text(owner, f"{op}: owner"),
-                                  protocol.text(token, f"{op}: token"))
+        co.check_owner(checks.text(owner, f"{op}: owner"), checks.text(token, f"{op}: token"))
         return co
 
     def _next_generation(self) -> int:
@@ -200,32 +208,36 @@ class CoordinatorPlugin(SchedulerPlugin):
                      max_worker_failures: int | None = None,
                      torch_threads: int | None = None,
                      lease_timeout: float | None = None,
-                     resources: dict | None = None, members: str | None = None) -> dict:
+                     resources: dict | None = None, members: str | None = None,
+                     keep_alive: bool = False) -> dict:
         """Create the named coordinator if new (its settings: the first caller's), make
         sure workers run its plugin, and attach the caller as a new owner: its id and
         secret token (``{"workers", "owner", "token"}``). ``resources``: only workers
         declaring those Dask resources are members; ``members="gpu"``: only workers with
-        a GPU by the Dask convention (a later caller asking for others is refused)."""
+        a GPU by the Dask convention (a later caller asking for others is refused).
+        ``keep_alive``: the owner's work outlives its client (the keep book)."""
         op = "daskdist_create"
-        protocol.text(name, f"{op}: name")
-        client = protocol.optional(protocol.text, client, f"{op}: client")
-        max_worker_failures = protocol.optional(protocol.max_worker_failures, max_worker_failures,
+        checks.text(name, f"{op}: name")
+        client = checks.optional(checks.text, client, f"{op}: client")
+        max_worker_failures = checks.optional(checks.max_worker_failures, max_worker_failures,
                                               f"{op}: max_worker_failures")
-        torch_threads = protocol.optional(protocol.integer, torch_threads, f"{op}: torch_threads",
+        torch_threads = checks.optional(checks.integer, torch_threads, f"{op}: torch_threads",
                                         -(2**31), 2**31)
-        lease_timeout = protocol.optional(protocol.lease_timeout, lease_timeout,
+        lease_timeout = checks.optional(checks.lease_timeout, lease_timeout,
                                         f"{op}: lease_timeout")
-        resources = protocol.optional(protocol.resources, resources, f"{op}: resources")
-        members = protocol.optional(protocol.members, members, f"{op}: members")
+        resources = checks.optional(checks.resources, resources, f"{op}: resources")
+        members = checks.optional(checks.members, members, f"{op}: members")
+        keep_alive = checks.flag(keep_alive, f"{op}: keep_alive")
         return await self.names.create(name, client, max_worker_failures, torch_threads,
-                                       lease_timeout, resources=resources, members=members)
+                                       lease_timeout, resources=resources, members=members,
+                                       keep_alive=keep_alive)
 
     async def detach(self, name: str, owner: str, token: str) -> dict:
         """The owner closes: its queued closures are cancelled, its per-worker resources
         released on every worker; ``{"items": outcomes it had not read}``. The last
         owner's detach closes the coordinator, and returns once its worker plugin is
         gone from the workers (or after 5 s, the teardown going on)."""
-        co = self.coordinators.get(protocol.text(name, "daskdist_detach: name"))
+        co = self.coordinators.get(checks.text(name, "daskdist_detach: name"))
         if co is None:
             return {"items": []}
         co = self._owned("daskdist_detach", name, owner, token)
@@ -255,8 +267,7 @@ class CoordinatorPlugin(SchedulerPlugin):
         if co is None or co.closed or worker not in self.scheduler.workers:
             return
         if co.members.session_of(worker) is None:
-            co.helpers.add(worker)
-            co.closure_book.changed.set()  # a create waiting for the workers counts it
+            co.add_helper(worker)
     async def register(self, name: str, session: str, address: str, slots: int = 1,
                        device: str = "cpu", gpu: str = "", generation: int = 0) -> dict:
         """A worker plugin session joins: it gets the lowest free worker index.
@@ -267,15 +278,15 @@ class CoordinatorPlugin(SchedulerPlugin):
         scheduler that has since restarted): later generations are numbered above it.
         """
         op = "daskdist_register"
-        co = self.coordinators.get(protocol.text(name, f"{op}: name"))
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
         if co is None or co.closed:  # closed: its plugin is being removed from workers
             return {"closed": True}
-        protocol.text(session, f"{op}: session")
-        protocol.text(address, f"{op}: address")
-        slots = protocol.integer(slots, f"{op}: slots", 1, 1_000_000)
-        protocol.text(device, f"{op}: device")
-        protocol.text(gpu, f"{op}: gpu", empty=True)
-        generation = protocol.integer(generation, f"{op}: generation", 0, 2**53)
+        checks.text(session, f"{op}: session")
+        checks.text(address, f"{op}: address")
+        slots = checks.integer(slots, f"{op}: slots", 1, 1_000_000)
+        checks.text(device, f"{op}: device")
+        checks.text(gpu, f"{op}: gpu", empty=True)
+        generation = checks.integer(generation, f"{op}: generation", 0, 2**53)
         if address not in self.scheduler.workers:
             raise PermissionError(f"{op}: {address!r} is not a worker of this scheduler")
         member = co.members.members.get(session)
@@ -301,13 +312,12 @@ class CoordinatorPlugin(SchedulerPlugin):
         """A worker session stops (its plugin is torn down): its last results, and which
         of its closures started (exactly: nothing more starts); then its end."""
         op = "daskdist_unregister"
-        co = self.coordinators.get(protocol.text(name, f"{op}: name"))
-        protocol.text(session, f"{op}: session")
+        co = self.coordinators.get(checks.text(name, f"{op}: name"))
+        checks.text(session, f"{op}: session")
         outcomes = protocol.outcomes(op, results or [])
         _, started = protocol.observed(op, None, started)
         if co is not None and session in co.members:
-            co.queue.observe(session, (), started, final=True)
-            co.stop_session(session, outcomes)
+            co.stop_session(session, outcomes, started)
 
 
 

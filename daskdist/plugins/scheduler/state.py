@@ -1,85 +1,245 @@
 """CoordinatorState: one named coordinator on the scheduler, driving its books.
 
 The coordinator's worker sessions (membership, session leases and their life: join,
-drain, pause, removal, expiry), its per-worker resources and its status; the rest is
-in its books, each with its own handlers (the pattern of Dask's
-``active_memory_manager.py``: a thin extension driving small policy objects):
+drain, pause, removal, expiry) and its status; the rest is in its books, each with its
+own handlers (the pattern of Dask's ``active_memory_manager.py``: a thin extension
+driving small policy objects):
 
 - :class:`~daskdist.plugins.scheduler.closures.ClosureBook`: the closure queue, the
   owners' outboxes, workers' long-polls, raising an owner's error;
 - :class:`~daskdist.plugins.scheduler.gangs.GroupBook`: gangs, the collective group's
-  generations, elastic commits;
+  generations (formed by its :class:`~daskdist.plugins.scheduler.groups.GroupDriver`),
+  elastic commits;
 - :class:`~daskdist.plugins.scheduler.datasets.LeaseBook`: dynamic datasets' leases
   and checkpoint ledgers;
+- :class:`~daskdist.plugins.scheduler.resources.ResourceBook`: per-worker resources;
 - :class:`~daskdist.observe.book.RankBook`: what gang members measure (per-rank
   phases, stragglers, hangs and stacks);
-- :class:`~daskdist.plugins.scheduler.inference.InferBook`: batch-inference jobs
-  (``map_batches``), which ask the coordinator through its named methods below;
-- :class:`~daskdist.plugins.scheduler.stats.CoordinatorStats`: the dashboard's counters.
+- :class:`~daskdist.plugins.scheduler.stats.CoordinatorStats`: the dashboard's counters;
+- :class:`~daskdist.plugins.scheduler.lifetime.keepalive.KeepBook`: keep-alive owners
+  (their unread values, their clients' absences, attaching);
+- :class:`~daskdist.plugins.scheduler.lifetime.preemptions.PreemptBook`: workers'
+  preemption deadlines;
+- :class:`~daskdist.plugins.scheduler.inference.book.InferBook`: batch-inference jobs
+  (``map_batches``).
 
-Talks to workers only through the ``send`` callable the plugin provides (a message on
-the worker's stream), so it imports nothing from Dask.
+The books never reach each other: each declares a ``Protocol`` of what it asks its
+coordinator, and the coordinator routes every such call to the book that holds the
+answer (:class:`BookSeams`, the half of the coordinator that joins its books). Talks
+to workers only through the ``send`` callable the plugin provides (a message on the
+worker's stream), and forms groups through the scheduler the plugin attaches, so it
+imports nothing from Dask.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks
+from daskdist.core.gang import GangBook
+from daskdist.core.leases.ledgers import Ledgers
+from daskdist.core.leases.table import LeaseTable
 from daskdist.core.membership import LivenessTable, Membership
-from daskdist.core.protocol import OWNER, RETIRING, SESSION, DatasetDef, Route
+from daskdist.core.protocol import RETIRING, SESSION, DatasetDef, Outcome, Route
+from daskdist.core.queue import ClosureQueue
 from daskdist.observe.book import RankBook
 from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
-from daskdist.plugins.scheduler.inference import InferBook
+from daskdist.plugins.scheduler.groups import GroupDriver
+from daskdist.plugins.scheduler.inference.book import InferBook
+from daskdist.plugins.scheduler.lifetime.keepalive import KeepBook
+from daskdist.plugins.scheduler.lifetime.preemptions import PreemptBook
+from daskdist.plugins.scheduler.locality import Locality
+from daskdist.plugins.scheduler.polls import wait_event
+from daskdist.plugins.scheduler.resources import ResourceBook
 from daskdist.plugins.scheduler.stats import CoordinatorStats
 
 logger = logging.getLogger(__name__)
 
 
-class CoordinatorState:
-    """One named coordinator: its sessions, resources and books."""
+class BookSeams:
+    """What the books ask their coordinator, each call routed to the book that holds the
+    answer: what each book's ``Protocol`` declares (``ClosureCoordinator``,
+    ``GroupCoordinator``, ``LeaseCoordinator``, ``InferenceCoordinator``, ...); the half
+    of :class:`CoordinatorState` that joins its books."""
+
+    closure_book: ClosureBook
+    group_book: GroupBook
+    lease_book: LeaseBook
+    resource_book: ResourceBook
+    infer_book: InferBook
+    stats: CoordinatorStats
+    queue: ClosureQueue
+    gangs: GangBook
+    leases: LeaseTable
+    ledgers: Ledgers
+
+    def member_finished(self, outcome: Outcome) -> None:
+        """A gang member's closure ended: the group book judges its gang."""
+        self.group_book.member_finished(outcome)
+
+    def deliver_gang(self, outcome: Outcome) -> None:
+        """A gang's outcome to its owner (the closure book's outboxes)."""
+        self.closure_book.deliver_gang(outcome)
+
+    def put_gang(self, members: list[tuple[str, str, int]], payload: list) -> None:
+        """A gang starts: its member closures, each pinned to its session, to the queue."""
+        self.closure_book.put_gang(members, payload)
+
+    def gang_owner(self) -> str | None:
+        """The owner of the gang running now (``None``: none)."""
+        return self.group_book.gang_owner()
+
+    def cancel_gangs(self, owner: str) -> list[Outcome]:
+        """Cancel ``owner``'s pending gangs: their outcomes."""
+        return self.group_book.cancel_gangs(owner)
+
+    def hold_owner(self, owner: str, hold: bool) -> None:
+        """Hold (or release) ``owner``'s queued closures (the closure book)."""
+        self.closure_book.hold_owner(owner, hold)
+
+    def hand_over(self, owner: str, client: str | None) -> tuple[str, list[str], list[str]]:
+        """``client`` acts as ``owner`` from now on (its outbox's): the new secret, and
+        the ids of its closures and of its gangs not finished."""
+        token, closures = self.closure_book.hand_over(owner, client)
+        return token, closures, self.group_book.gangs_of(owner)
+
+    def group_sessions(self) -> tuple[str, ...]:
+        """The current group generation's sessions, in rank order."""
+        return self.gangs.group.sessions
+
+    def formation_noted(self, generation: int, ok: bool, seconds: float,
+                        members: int) -> None:
+        """A formation ended (the dashboard's events)."""
+        self.stats.on_formation(generation, ok, seconds, members)
+
+    def takes(self, dataset: str, session: str) -> bool:
+        """Whether ``session`` should run a closure reading ``dataset`` now (the lease
+        table's word at an epoch's tail)."""
+        return self.leases.takes(dataset, session)
+
+    def holders(self, dataset: str) -> Iterable[str]:
+        """The sessions holding ``dataset``'s leased rows."""
+        return self.leases.holders(dataset)
+
+    def settle_tokens(self, session: str, tokens: list, ack: bool) -> bool:
+        """A finished closure's lease tokens, acknowledged or released (the lease book)."""
+        return self.lease_book.settle_tokens(session, tokens, ack)
+
+    def ack_sessions(self, per_session: Mapping[str, Iterable[object]]) -> bool:
+        """A commit's rows, per session, acknowledged all or none (the lease table)."""
+        return self.leases.ack_sessions(per_session)
+
+    def ack_tables(self, tables: Mapping[tuple[str, int],
+                                         Sequence[tuple[str, Sequence]]]) -> bool:
+        """A commit's rows, per epoch table, acknowledged all or none (the lease table)."""
+        return self.leases.ack_tables(tables)
+
+    def dataset_of(self, key: int) -> str | None:
+        """The dataset a packed commit part's dataset key names."""
+        return self.leases.dataset_of(key)
+
+    def note_trained(self, state: str, tokens: Iterable[object]) -> None:
+        """State ``state`` trained on the datasets these lease tokens name (its ledger)."""
+        self.ledgers.note(state, tokens)
+
+    def note_trained_tables(self, state: str, tables: Iterable[tuple[str, int]]) -> None:
+        """State ``state`` trained on these (dataset, epoch) tables (its ledger)."""
+        self.ledgers.note_tables(state, tables)
+
+    def note_checkpoint(self, state: str, url: str, commits: int, seconds: float,
+                        nbytes: int) -> None:
+        """A State's writer completed a checkpoint (the dashboard's)."""
+        self.stats.on_checkpoint(state, url, commits, seconds, nbytes)
+
+    def forget_datasets(self, dataset_ids: list[str]) -> None:
+        """These datasets' handles were dropped: their lease tables and row counts go."""
+        self.stats.forget_datasets(self.lease_book.forget_datasets(dataset_ids))
+
+    def job_closure_finished(self, outcome: Outcome) -> None:
+        """A batch-inference job's closure ended: the inference book drives its job."""
+        self.infer_book.closure_finished(outcome)
+
+    def put_job_closure(self, cid: str, owner: str, payload: list, tag: str | None) -> None:
+        """A batch-inference job's closure to the queue (the closure book)."""
+        self.closure_book.put_job(cid, owner, payload, tag)
+
+    def cancel_closures(self, owner: str) -> None:
+        """Cancel the queued closures of ``owner`` (a job's own: nobody reads their
+        outcomes)."""
+        self.queue.cancel_pending(owner)
+
+    def define_dataset(self, dataset: DatasetDef, owner: str) -> None:
+        """Define a dynamic dataset's units for ``owner`` (the lease book)."""
+        self.lease_book.dataset_define(tuple(dataset), owner=owner)
+
+    def resume_dataset(self, dataset_id: str, epoch: int, acknowledged: list,
+                       lengths: list | None) -> None:
+        """Start an epoch of a dataset from what a ledger holds (the lease book)."""
+        self.lease_book.resume(dataset_id, epoch, acknowledged, lengths)
+
+    def epoch_progress(self, dataset_id: str, epoch: int) -> dict:
+        """An epoch's counts (the lease table's; read-only)."""
+        return self.leases.progress(dataset_id, epoch)
+
+    def ack_tokens(self, session: str, tokens: list) -> bool:
+        """The rows of a session's lease tokens acknowledged, all or none (the lease
+        table)."""
+        return self.leases.ack_tokens(session, tokens)
+
+    def add_resource(self, owner: str, rid: str, payload: bytes) -> None:
+        """A per-worker resource of ``owner`` (the resource book)."""
+        self.resource_book.add(owner, rid, payload)
+
+    def release_resources(self, rids: list[str]) -> None:
+        """Release per-worker resources here and on every worker (the resource book)."""
+        self.resource_book.release(rids)
+
+
+class CoordinatorState(BookSeams):
+    """One named coordinator: its sessions, and the books it routes between."""
 
     def __init__(self, name: str, max_worker_failures: int = 3,
                  send: Callable[[str, dict], None] | None = None,
-                 lease_timeout: float = 30.0, locality: Any = None):
+                 lease_timeout: float = 30.0, locality: Locality | None = None,
+                 expire: Callable[[str], None] | None = None):
         self.name = name
         self.send = send or (lambda address, msg: None)
-        # where persisted partitions lie (plugins/scheduler/locality.py; the
-        # plugin's, None when the state is driven without a scheduler)
-        self.locality = locality
+        self.closed = False  # the last owner left: the plugin tears this coordinator down
         # sessions, their indices and leases (SPEC §2.4); the settings read on every
         # exchange, read once (parsing a duration is not free)
         self.members = Membership(leases=LivenessTable(lease_timeout),
                                   poll_base=config.seconds("scheduler.poll-interval"),
                                   renew_base=config.seconds("liveness.renew-interval"))
         self.stats = CoordinatorStats()  # dashboard counters and history (stats.py)
-        self.closure_book = ClosureBook(self, max_worker_failures)
-        self.group_book = GroupBook(self, max_worker_failures, relay_fanout=protocol.integer(
+        # the books; the stats' counters are wired in here, so that counting a closure's
+        # result or an acknowledged row runs nothing of the stats
+        self.closure_book = ClosureBook(self, max_worker_failures, self.stats.finished)
+        self.group_book = GroupBook(self, max_worker_failures, relay_fanout=checks.integer(
             config.integer("collective.relay-fanout"), "daskdist.collective.relay-fanout",
             1, 2**16))
-        self.lease_book = LeaseBook(self, max_worker_failures)
+        # ``locality``: where persisted partitions lie (the plugin's; None when the state
+        # is driven without a scheduler)
+        self.lease_book = LeaseBook(self, max_worker_failures, self.stats.on_rows, locality)
+        self.resource_book = ResourceBook(self)
         self.rank_book = RankBook(self)  # per-rank phases, stragglers, hangs (SPEC §5.1)
+        # keep-alive owners (SPEC §4.6), ``expire`` dropping one nobody attached to
+        self.keep_book = KeepBook(self, expire or self.drop_owner)
+        self.preempt_book = PreemptBook(self)  # workers' preemption deadlines (SPEC §4.6)
         self.infer_book = InferBook(self, max_worker_failures)  # batch inference (SPEC §7)
-        # the books' pure state machines, by the names the rest of the package uses
+        # the books' pure state machines, by the names tests and the dashboard read
         self.queue = self.closure_book.queue
         self.outboxes = self.closure_book.outboxes
         self.gangs = self.group_book.gangs
         self.commits = self.group_book.commits
         self.leases = self.lease_book.leases
         self.ledgers = self.lease_book.ledgers
-        self.resources: dict[str, bytes] = {}
-        self.resource_owners: dict[str, str] = {}  # rid -> the owner that registered it
+        self.resources = self.resource_book.specs
         self.workers_lost = 0  # removals Dask did not expect
-        self.resources_released = 0
-        self._membership_flush: asyncio.TimerHandle | None = None
-        self.told_version = 0  # the membership version the group's members last heard
-        self.closed = False  # the last owner left: the plugin tears this coordinator down
         # Coordinator(resources=..., members=...): the Dask resources a worker must
         # declare to be a member, and "gpu" when it must have a GPU by the Dask
         # convention (the first Coordinator of the name decides; None: every worker)
@@ -89,17 +249,51 @@ class CoordinatorState:
         # they compute a collection's partitions for the members
         self.helpers: set[str] = set()
 
+    def attach_scheduler(self, scheduler: Any, next_generation: Callable[[], int]
+                         ) -> GroupDriver:
+        """The scheduler this coordinator runs on: its RPC forms groups (the group
+        book's driver, numbering generations by ``next_generation``) and collects
+        stacks, its metrics show GPU use. The driver."""
+        self.rank_book.scheduler = scheduler
+        return self.group_book.attach_driver(scheduler.rpc, next_generation)
+
     # -- owners (client-side Coordinators) ---------------------------------------------
+    def add_owner(self, owner: str, client: str | None, token: str,
+                  keep_alive: bool = False) -> None:
+        # keep_alive: its work outlives its client (the keep book keeps its outcomes)
+        self.closure_book.add_owner(owner, client, token,
+                                    self.keep_book.keep(owner) if keep_alive else None)
+
+    def check_owner(self, owner: str, token: str) -> None:
+        """``PermissionError`` unless ``token`` is the secret of ``owner`` (a client acts
+        only as the owner it attached as)."""
+        self.closure_book.owner_box(owner, token)
+
+    def has_owners(self) -> bool:
+        return bool(self.outboxes)
+
+    def owners_of(self, client: str, kept: bool = True) -> list[str]:
+        """The owners attached from ``client`` (``kept=False``: but the keep-alive ones)."""
+        owners = self.closure_book.owners.of_client(client)
+        return owners if kept else [o for o in owners if not self.keep_book.kept_alive(o)]
+
+    def client_away(self, client: str, away: bool) -> None:
+        """``client`` left (``away``) or came back: the keep book's owners of it wait."""
+        self.keep_book.client_away(client, away)
+
     def drop_owner(self, owner: str) -> list:
-        """An owner closed (or its client is gone): cancel its queued closures and pending
-        gangs, release its per-worker resources on every worker and forget its error.
+        """An owner closed (or its client is gone): cancel its queued closures, pending
+        gangs and the batch-inference jobs only it held, release its per-worker
+        resources on every worker and forget its error.
         Returns the outcomes it had not yet read (its finished closures among them);
         a long-poll of it returns at once. Closures already running finish on their
         workers, their results dropped; workers give back the ones they had not started
         (held, like an owner whose error is raised), and those are cancelled."""
-        self.gangs.cancel_pending(owner)
-        self.release_resources([rid for rid, o in self.resource_owners.items() if o == owner])
-        self.lease_book.forget_datasets(  # its datasets go with it
+        self.group_book.cancel_gangs(owner)
+        self.keep_book.forget(owner)
+        self.infer_book.owner_dropped(owner)  # the jobs no other owner holds: cancelled
+        self.resource_book.release_owner(owner)
+        self.forget_datasets(  # its datasets go with it
             [d for d, ds in self.leases.datasets.items() if ds.owner == owner])
         box = self.closure_book.drop_owner(owner)
         if box is None:
@@ -107,32 +301,42 @@ class CoordinatorState:
         box.event.set()
         return list(box.items)
 
-    def add_resource(self, owner: str, rid: str, payload: bytes) -> None:
-        self.resources[rid] = payload
-        self.resource_owners[rid] = owner
-
-    def release_resources(self, rids: list[str]) -> None:
-        """Forget per-worker resources here and on every worker (their objects and
-        iterators are closed there)."""
-        rids = [rid for rid in rids if self.resources.pop(rid, None) is not None]
-        for rid in rids:
-            self.resource_owners.pop(rid, None)
-        self.lease_book.forget_datasets(rids)  # a dataset's identity is its resource id
-        if rids:
-            self.resources_released += len(rids)
-            self.broadcast({"op": "daskdist-release", "name": self.name, "rids": rids})
+    async def wait_changed(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the next session start or end, helper, or
+        finished closure (a ``create`` waits for its workers); whether one came."""
+        changed = self.closure_book.changed
+        changed.clear()
+        return await wait_event(changed, timeout)
 
     def close(self) -> None:
         """No owner is left: end every wait on this coordinator (worker long-polls,
         raises, commits). The plugin drops it and unregisters its worker plugin."""
         self.closed = True
-        if self._membership_flush is not None:
-            self._membership_flush.cancel()
-            self._membership_flush = None
-        self.closure_book.close()
-        self.group_book.close()
-        self.rank_book.close()
-        self.infer_book.close()
+        for book in (self.closure_book, self.group_book, self.rank_book, self.keep_book,
+                     self.preempt_book, self.infer_book):
+            book.close()
+
+    # -- what the dashboard reads -------------------------------------------------------
+    def dataset_progress(self) -> list[dict]:
+        """The newest epoch of every dynamic dataset (a completed epoch too)."""
+        leases = self.leases
+        return [leases.progress(d, e) for d, e in sorted(leases.newest_epochs().items())]
+
+    def rank_report(self, limit: int | None = None) -> dict:
+        """The gang's per-rank report (SPEC §5.1; ``limit``: the slowest ranks only)."""
+        return self.rank_book.report(limit=limit)
+
+    def rank_totals(self) -> list[tuple[int, str, list[float], float, bool]]:
+        """Every rank's totals so far (Prometheus)."""
+        return self.rank_book.totals()
+
+    def group_info(self) -> dict:
+        """The collective group's description."""
+        return self.group_book.described()
+
+    def inference_report(self) -> list[dict]:
+        """Every batch-inference job's progress, newest last (SPEC §7)."""
+        return self.infer_book.report()
 
     # -- workers ---------------------------------------------------------------------
     def broadcast(self, msg: dict, sessions: Iterable[str] | None = None,
@@ -149,38 +353,13 @@ class CoordinatorState:
                 self.send(m.address, {**msg, "session": session} if addressed else msg)
 
     def membership_changed(self) -> None:
-        """A session joined or left, or a group member's status changed: the group's
-        members hear the new membership version (what ``State.commit()`` compares) in
-        one message per ``scheduler.membership-interval``, however many changes it
-        holds; every other worker reads it from its next exchange's reply."""
-        self.gangs.membership_changed()  # the running gang's run is not a repeat
-        self.group_book.changed.set()
-        if self._membership_flush is not None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no event loop (the state driven directly): at once
-            self.flush()
-            return
-        self._membership_flush = loop.call_later(
-            config.seconds("scheduler.membership-interval"), self.flush)
+        """A session joined or left, or a group member's status changed: the group book
+        tells the group's members (one message per ``scheduler.membership-interval``)."""
+        self.group_book.membership_changed()
 
     def flush(self) -> None:
-        """Send what :meth:`membership_changed` held back (the group's members only)."""
-        handle, self._membership_flush = self._membership_flush, None
-        if handle is not None:
-            handle.cancel()
-        if self.closed or self.told_version == self.members.version:
-            return  # the members heard it with a peer loss
-        group = self.gangs.group
-        if self.group_book.told == group.generation:
-            # they heard that their generation broke: the next formation's init carries
-            # the counters (a further loss in it costs no message to every member)
-            self.told_version = self.members.version
-            return
-        self.broadcast({"op": "daskdist-membership", "name": self.name, **self.members.counters()},
-                       group.sessions, addressed=True)
-        self.told_version = self.members.version
+        """Send the membership message the group book holds back, now."""
+        self.group_book.flush()
 
     def start_session(self, session: str, address: str, slots: int, device: str, gpu: str,
                       retiring: Callable[[str], bool], now: float) -> dict[str, Any]:
@@ -194,7 +373,7 @@ class CoordinatorState:
         old = self.members.session_of(address)
         if old is not None and old != session:
             self.end_session(old)
-        warm = [rid for rid in self.resources if not rid.startswith("iterator-")]
+        warm = self.resource_book.warm()
         member, _ = self.members.join(session, address, device, gpu, now=now,
                                       warming=bool(warm))
         self.queue.add_session(session, slots)
@@ -219,9 +398,18 @@ class CoordinatorState:
         if self.members.ready(session):
             self.membership_changed()
 
-    def stop_session(self, session: str, results: list | None = None) -> None:
-        """A worker plugin session closes (teardown): its last results, then its end (an
-        expected leave: not counted as lost)."""
+    def add_helper(self, worker: str) -> None:
+        """``worker`` is not a member: it computes partitions for the members."""
+        self.helpers.add(worker)
+        self.closure_book.changed.set()  # a create waiting for the workers counts it
+
+    def stop_session(self, session: str, results: list | None = None,
+                     started: Iterable[str] | None = None) -> None:
+        """A worker plugin session closes (teardown): which of its closures started
+        (exactly: nothing more starts), its last results, then its end (an expected
+        leave: not counted as lost)."""
+        if started is not None and session in self.members:
+            self.queue.observe(session, (), started, final=True)
         if results:
             self.closure_book.apply_results(session, results)
         if session in self.members:
@@ -274,7 +462,7 @@ class CoordinatorState:
         ``expected`` is Dask's word on a removed worker: retired or closed (True), or
         killed, crashed, cut off (False: counted as a lost worker).
         """
-        self.stats.on_session_end(self, session)
+        self.stats.on_session_end(self.members, session, self.gangs.group)
         # a retiring worker outside the group (it left at a commit, or never joined it)
         # changes nothing for the group's members: no second re-formation
         member = self.members.members.get(session)
@@ -285,13 +473,7 @@ class CoordinatorState:
         self.rank_book.session_ended(session)
         self.group_book.session_lost(session, expected)  # a member's loss tells the rest
         self.membership_changed()  # (so this sends nothing more to them)
-        book = self.closure_book
-        backlog = self.queue.backlog
-        book.deliver(self.queue.remove_session(session, expected))
-        if book.dropped:
-            book.settle_dropped(set(book.dropped))
-        book.wake_sessions((session,))  # its own long-poll returns
-        book.wake(max(0, self.queue.backlog - backlog))  # its closures, back in the queue
+        self.closure_book.session_ended(session, expected)
         self.infer_book.session_ended(session)  # its rows are free: jobs queue for them
 
     def expire_sessions(self, now: float) -> list[str]:
@@ -318,100 +500,33 @@ class CoordinatorState:
 
     def active_sessions(self) -> tuple[str, ...]:
         """Sessions that may be in the group, in worker-index (rank) order (not leaving,
-        not warming)."""
+        not warming, no preemption deadline within the horizon)."""
+        leaving = self.preempt_book.leaving
         return tuple(m.session for m in self.members.by_index()
-                     if not m.draining and not m.warming)
-
-    # -- per-worker resources: routes ---------------------------------------------------------
-    def resource_add(self, owner: str, token: str, rid: str, payload: bytes) -> None:
-        """Register a per-worker resource's spec (one-way)."""
-        op = "daskdist_add_resource"
-        protocol.text(rid, f"{op}: rid")
-        if not isinstance(payload, bytes):
-            raise TypeError(f"{op}: payload must be bytes, got {type(payload).__name__}")
-        if self.resource_owners.get(rid, owner) != owner:
-            raise PermissionError(f"{op}: resource {rid!r} is another owner's")
-        self.add_resource(owner, rid, payload)
-
-    def resource_get(self, session: str, rid: str) -> bytes | None:
-        """A worker session's per-worker resource spec (``None``: released or unknown)."""
-        return self.resources.get(protocol.text(rid, "daskdist_get_resource: rid"))
-
-    def resource_release(self, owner: str, token: str, rids: list) -> None:
-        """The client dropped these per-worker resources: forget them here and on every
-        worker (one-way; the client sends it once no closure can still use them)."""
-        rids = protocol.texts(rids, "daskdist_release_resources: rids")
-        self.release_resources([rid for rid in rids if self.resource_owners.get(rid) == owner])
+                     if not m.draining and not m.warming and not leaving(m.session))
 
     def status(self) -> dict[str, Any]:
-        c = self.queue.counters
-        group = self.gangs.group
+        members = self.members
         return {
             "name": self.name,
-            "queued": self.queue.queued,
-            "running": self.queue.inflight,
-            "scheduled": c.scheduled,
-            "done": c.done,
-            "failed": c.failed,
-            "retried": c.retried,
-            "cancelled": c.cancelled,
-            "recovered": c.recovered,
-            "refused": c.refused,
-            "workers": len(self.members),
-            "warming": self.members.warming,  # of them, still building their resources
-            "worker_joins": self.members.joins,
-            "worker_leaves": self.members.leaves,
+            **self.closure_book.status(),
+            "workers": len(members),
+            "warming": members.warming,  # of them, still building their resources
+            "worker_joins": members.joins,
+            "worker_leaves": members.leaves,
             "workers_lost": self.workers_lost,
-            "lease_expiries": self.members.leases.expiries,
-            "steals": self.closure_book.steals,
-            "acks_refused": self.closure_book.acks_refused,
+            "lease_expiries": members.leases.expiries,
             "resources": len(self.resources),
-            "resources_released": self.resources_released,
-            "error_pending": bool(self.queue.errors),
-            "owners": len(self.outboxes),
-            "membership_version": self.members.version,
-            "group_generation": group.generation,
-            "group_size": len(group.sessions),
-            "gangs_pending": len(self.gangs.pending),
+            "resources_released": self.resource_book.released,
+            "membership_version": members.version,
+            **self.group_book.status(),
+            "preemptions": self.preempt_book.listing(),  # deadlines, soonest first
             "inference": self.infer_book.summary(),  # batch-inference jobs, by name
         }
 
-    # -- what the books ask of their coordinator (their Protocols) ----------------------------
-    def define_dataset(self, dataset: DatasetDef, owner: str) -> None:
-        """Define a dynamic dataset's units for ``owner`` (as its client would)."""
-        self.lease_book.dataset_define(tuple(dataset), owner=owner)
 
-    def forget_datasets(self, dataset_ids: list[str]) -> None:
-        """Forget dynamic datasets (their lease tables, locality and counters)."""
-        self.lease_book.forget_datasets(dataset_ids)
-
-    def queue_closure(self, cid: str, owner: str, payload: Any, tag: str | None) -> None:
-        """Queue a closure of a book's own ``owner`` (``tag``: the dataset it reads) and
-        wake a worker waiting for work."""
-        if self.queue.put(cid, owner, payload, tag=tag):
-            self.closure_book.wake(1)
-
-    def cancel_closures(self, owner: str) -> None:
-        """Cancel ``owner``'s queued closures (a book's: nobody waits for their outcomes)."""
-        self.queue.cancel_pending(owner)
-
-    def take_error(self, owner: str) -> None:
-        """Forget ``owner``'s unraised error (a book's owner: the book keeps its own)."""
-        self.queue.take_error(owner)
-
-    def member_count(self) -> int:
-        return len(self.members)
-
-    def address_of(self, session: str) -> str:
-        member = self.members.members.get(session)
-        return member.address if member is not None else ""
-
-
-# The coordinator's own routes (per-worker resources), registered by the plugin with the
-# books' (protocol.book_handler); the "book" is the coordinator itself.
+# The coordinator's own route, registered by the plugin with the books'
+# (protocol.book_handler); the "book" is the coordinator itself.
 STATE_ROUTES = {
-    "daskdist_add_resource": Route(CoordinatorState.resource_add, caller=OWNER),
-    "daskdist_get_resource": Route(CoordinatorState.resource_get, caller=SESSION, ended=None),
-    "daskdist_release_resources": Route(CoordinatorState.resource_release, caller=OWNER),
     "daskdist_session_ready": Route(CoordinatorState.session_ready, None, SESSION, None),
 }

@@ -1,15 +1,16 @@
 """Scheduler-side statistics for the dashboard: per worker, per dataset, group events, history.
 
 Pure bookkeeping (no Dask, Bokeh or torch import). :class:`CoordinatorState` owns one
-:class:`CoordinatorStats`, on the scheduler's event loop. The closure book counts each
-result in ``finished`` (a dict: nothing here runs on a closure's path), ``on_rows``
-each row the lease table acknowledges, and the stats fold those counts in at each
-sample, snapshot and session end; a session's end calls ``on_session_end``, the group
-driver ``on_formation``. ``sample`` appends one point of history (the observe module's
-sampler calls it every ``daskdist.dashboard.sample-interval``); :func:`snapshot` turns a
-coordinator into the JSON-able dict that ``/daskdist/status.json``, the plain page, the
-Bokeh documents and the Prometheus collector all read. Nothing here changes the
-coordinator's state.
+:class:`CoordinatorStats`, on the scheduler's event loop, and wires its counters into
+its books: the closure book counts each result in ``finished`` (a dict: nothing here
+runs on a closure's path), the lease table calls ``on_rows`` for each row it
+acknowledges, and the stats fold those counts in at each sample, snapshot and session
+end; a session's end calls ``on_session_end``, a formation ``on_formation``. ``sample``
+appends one point of history (the web pages' sampler calls it every
+``daskdist.dashboard.sample-interval``); :func:`snapshot` turns a coordinator into the
+JSON-able dict that ``/daskdist/status.json``, the plain page, the Bokeh documents and
+the Prometheus collector all read, from the coordinator's own methods. Nothing here
+changes the coordinator's state.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from daskdist.core.gang import GroupRecord
+from daskdist.core.membership import Membership
 
 RATE_WINDOW = 5.0  # seconds over which the per-worker rates are measured
 MARKS = 16  # per-worker counts kept at samples (enough for RATE_WINDOW at 1 s samples)
@@ -95,12 +99,13 @@ class CoordinatorStats:
         self.checkpoints = 0  # checkpoints written (reported)
         # session -> [done, failed, rows]: closures accepted and rows acknowledged since
         # the last fold (the closure book and ``on_rows`` add each here; :meth:`fold`
-        # moves them to the worker's counters)
+        # moves them to the worker's counters); one dict for the stats' life, which the
+        # closure book holds
         self.finished: dict[str, list[int]] = {}
 
     # -- hooks (scheduler event loop) -----------------------------------------------------
-    def _worker(self, co: Any, session: str) -> WorkerCounters:
-        member = co.members.members.get(session)
+    def _worker(self, members: Membership, session: str) -> WorkerCounters:
+        member = members.members.get(session)
         address = member.address if member is not None else session
         w = self.workers.get(address)
         if w is None:
@@ -113,18 +118,20 @@ class CoordinatorStats:
                 w.marks.append((t, w.closures, w.rows))
         return w
 
-    def fold(self, co: Any, session: str | None = None) -> None:
+    def fold(self, members: Membership, session: str | None = None) -> None:
         """Move the counts of finished closures and acknowledged rows (``finished``: of
-        ``session``, or of every session) to their workers' counters. O(sessions that
-        finished closures since the last fold): at a sample, a snapshot, a session's end."""
+        ``session``, or of every session) to their workers' counters (``members``: the
+        coordinator's, naming each session's worker). O(sessions that finished closures
+        since the last fold): at a sample, a snapshot, a session's end."""
         finished = self.finished
         if session is not None:
             counts = finished.pop(session, None)
             items = [] if counts is None else [(session, counts)]
         else:
-            items, self.finished = list(finished.items()), {}
+            items = list(finished.items())
+            finished.clear()
         for s, (done, failed, rows) in items:
-            w = self._worker(co, s)
+            w = self._worker(members, s)
             w.closures += done
             w.failed += failed
             w.rows += rows
@@ -149,12 +156,11 @@ class CoordinatorStats:
         for d in dataset_ids:
             self.dataset_rows.pop(d, None)
 
-    def on_session_end(self, co: Any, session: str) -> None:
-        """Before ``session`` leaves: its counts folded in; a loss event when it was a
-        member of the group."""
-        self.fold(co, session)
-        group = co.gangs.group
-        member = co.members.members.get(session)
+    def on_session_end(self, members: Membership, session: str, group: GroupRecord) -> None:
+        """Before ``session`` leaves ``members``: its counts folded in; a loss event when
+        it was a member of ``group``."""
+        self.fold(members, session)
+        member = members.members.get(session)
         if member is not None and member.address in self.workers:
             self.departed[member.address] = None
             while len(self.departed) > DEPARTED:
@@ -182,7 +188,7 @@ class CoordinatorStats:
     def sample(self, co: Any) -> Sample:
         """One point of history from ``co``'s status, after folding in what its workers
         finished since the last one (their rates' marks are the previous sample's)."""
-        self.fold(co)
+        self.fold(co.members)
         status = co.status()
         s = Sample(self.clock(), status["done"], status["failed"], status["retried"],
                    status["recovered"], status["queued"], status["running"])
@@ -229,19 +235,13 @@ class CoordinatorStats:
         return out
 
 
-def datasets(co: Any) -> list[dict]:
-    """The newest epoch of every dynamic dataset in the coordinator's lease table
-    (a completed epoch too, although its table is dropped)."""
-    return [co.leases.progress(d, e) for d, e in sorted(co.leases.newest_epochs().items())]
-
-
 def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
     """Everything the dashboard shows about one coordinator, JSON-able.
 
-    ``group`` is the group driver's ``info()`` (generation, members, backend, ...).
+    ``group`` is the group's description (generation, members, backend, ...).
     """
     stats: CoordinatorStats = co.stats
-    stats.fold(co)
+    stats.fold(co.members)
     status = dict(co.status())
     status.setdefault("lease_expiries", 0)
     rates = stats.worker_rates()
@@ -277,31 +277,19 @@ def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
         "status": status,
         "workers": workers,
         "worker_totals": totals,
-        "datasets": datasets(co),
+        "datasets": co.dataset_progress(),
         "dataset_rows_acknowledged": dict(stats.dataset_rows),
         "group": group,
         "events": [asdict(e) for e in stats.events],
         "history": stats.series(),
         # the gang's per-rank phases and stragglers (SPEC §5.1)
-        "ranks": co.rank_book.report(limit=TOP_RANKS),
+        "ranks": co.rank_report(limit=TOP_RANKS),
         # batch-inference jobs: units, rows, rows/s, per worker (SPEC §7)
-        "inference": co.infer_book.report(),
+        "inference": co.inference_report(),
     }
-
-
-def group_info(plugin: Any, name: str, co: Any) -> dict:
-    """The group driver's description; while a member is leaving it may not have one."""
-    driver = plugin.drivers.get(name)
-    try:
-        return driver.info() if driver is not None else {}
-    except KeyError:  # a group session already left the membership
-        group = co.gangs.group
-        return {"generation": group.generation, "world_size": len(group.sessions),
-                "members": [], "backend": group.backend, "formed": False,
-                "bootstrap_seconds": getattr(driver, "last_formation_seconds", 0.0)}
 
 
 def snapshots(plugin: Any) -> dict[str, dict]:
     """``snapshot`` of every coordinator on the plugin, by name."""
-    return {name: snapshot(co, group_info(plugin, name, co))
+    return {name: snapshot(co, co.group_info())
             for name, co in sorted(plugin.coordinators.items())}

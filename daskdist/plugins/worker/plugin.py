@@ -8,7 +8,8 @@ peer-lost, membership and the collective actions (store, init, destroy) for this
 process's collective group. A broken group's word (peer-lost) also comes from a peer,
 which passes it down the tree the group's init drew (:func:`_pass_on`). torch is
 imported only by those actions. The first one in a worker process turns SIGTERM into
-a graceful leave (:mod:`.preemption`).
+a graceful leave (:mod:`.preemption`) and starts the worker's deadline watch
+(:mod:`.deadlines`: what tells closures and the scheduler when it will be taken away).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from distributed.comm.addressing import get_address_host
 from distributed.comm.core import CommClosedError
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from daskdist.core import protocol
-from daskdist.core.protocol import worker_plugin_name
+from daskdist.core import checks
+from daskdist.core.protocol import Preemption, worker_plugin_name
 from daskdist.observe.recorder import gang_stack
 from daskdist.plugins import devices
-from daskdist.plugins.worker import preemption
+from daskdist.plugins.worker import deadlines, preemption
 from daskdist.plugins.worker.runner import ClosureRunner
 from daskdist.session.counters import set_formation_version, set_membership
 
@@ -129,6 +130,11 @@ def leaving(worker, name: str) -> None:
         runner.leaving = True
 
 
+def preempt(worker, name: str, deadline: float, reason: str) -> None:
+    """``coord.notify_preemption``: this worker will be taken away at ``deadline``."""
+    deadlines.noticed(worker, Preemption(float(deadline), str(reason)))
+
+
 def steal(worker, name: str, n: int) -> None:
     """An idle worker waits: give back up to ``n`` unstarted closures."""
     runner = _runner(worker, name)
@@ -189,6 +195,7 @@ STREAM_ROUTES = {
     "daskdist-steal": steal,
     "daskdist-leaving": leaving,
     "daskdist-release": release,
+    "daskdist-preemption": preempt,
 }
 RPC_ROUTES = {
     "daskdist_collective": collective,
@@ -232,7 +239,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
         ``CUDA_VISIBLE_DEVICES``, else a declared ``GPU`` resource or the host's GPUs,
         counted in a thread: that may ask ``nvidia-smi``)."""
         have = dict(worker.state.total_resources)
-        if not protocol.satisfies(have, self.resources):
+        if not checks.satisfies(have, self.resources):
             return False
         return self.members != "gpu" or await asyncio.to_thread(devices.has_gpu, have)
 
@@ -247,6 +254,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
             return
         install_handlers(worker)
         preemption.install(worker, lambda: _runners(worker))
+        deadlines.install(worker, lambda: _runners(worker))
         self.runner = ClosureRunner(worker, self.name, self.prefetch)
         await self.runner.start(self.torch_threads)
 
@@ -256,6 +264,7 @@ class CoordinatorWorkerPlugin(WorkerPlugin):
             self.runner = None
         if not _runners(worker):  # the last coordinator here: SIGTERM is Python's again
             preemption.uninstall(worker)
+            deadlines.uninstall(worker)
 
     def __getstate__(self):
         return {"name": self.name, "prefetch": self.prefetch,

@@ -5,11 +5,13 @@ Slurm (``scancel``, ``--signal=TERM@60``) and cloud spot reclaims send SIGTERM 3
 its closures count as failures and its gang re-forms after a crash. Instead, the
 worker leaves the way a retirement does:
 
-1. The worker's status becomes ``closing_gracefully`` at once, on the worker and (by
-   Dask's status message) on the scheduler: every coordinator's scheduler side drains
-   its session (no new closures), and a gang member leaves its group at its next
-   commit (a membership change, not a loss). A State with ``checkpoint_to`` whose
-   members all leave writes a just-in-time checkpoint in that commit.
+1. Its deadline (now + grace) goes to the worker's deadline watch (:mod:`.deadlines`:
+   closures see it as ``ctx.preemption``). The worker's status becomes
+   ``closing_gracefully`` at once, on the worker and (by Dask's status message) on the
+   scheduler: every coordinator's scheduler side drains its session (no new closures),
+   and a gang member leaves its group at its next commit (a membership change, not a
+   loss), where a State with ``checkpoint_to`` writes a just-in-time checkpoint when
+   the write fits before the deadline (``collective/state/deadline.py``).
 2. Closures received and not started go back to the scheduler now, unstarted.
 3. The closures running here finish, up to the grace deadline (a gang member's ends at
    its next commit); the scheduler then moves this worker's Dask data elsewhere
@@ -44,6 +46,8 @@ from typing import Any
 from distributed.core import Status
 
 from daskdist import config
+from daskdist.core.protocol import Preemption
+from daskdist.plugins.worker import deadlines
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,8 @@ class PreemptionNotice:
 
     def _start(self) -> None:
         grace = config.seconds("preemption.grace")
+        # its deadline, for closures, the scheduler and a State's just-in-time commit
+        deadlines.noticed(self.worker, Preemption(time.time() + grace, "SIGTERM"))
         watchdog = threading.Timer(grace, _end_process, args=(grace,))
         watchdog.daemon = True
         watchdog.name = "daskdist-preemption-watchdog"

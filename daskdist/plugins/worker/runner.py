@@ -18,6 +18,8 @@ and hand results back with ``add_callback``; ``_pending`` (received, not started
 ``_started`` (started, not finished) are shared under ``_lock``. Every message to the
 scheduler says which held closures started, so a lost worker's prefetched closures
 count no failure.
+A worker with a preemption deadline starts only closures expected to end before it
+(:class:`~daskdist.plugins.worker.deadlines.Admission`); the others go back unstarted.
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ from daskdist.core.protocol import (
     USER_ERROR,
     Dispatch,
     Outcome,
+    Preemption,
     is_session_ended,
 )
 from daskdist.errors import CollectiveError, HostsUpdatedInterrupt, InputError, dump_error
 from daskdist.observe.recorder import gang_scope
+from daskdist.plugins.worker import deadlines
 from daskdist.plugins.worker.malloc import restore_dynamic_thresholds
 from daskdist.plugins.worker.services import Session, SessionLifecycle
 from daskdist.session.counters import set_membership
@@ -311,6 +315,12 @@ class ClosureRunner(SessionLifecycle):
         self.closers: list[threading.Thread] = []  # closing ended sessions' resources
         # results leave with their tensors on the host (a client may have no CUDA)
         self.results_host = "cpu" if config.get("worker.results-to-cpu", True) else None
+        # this worker's preemption deadline (the deadline watch sets it), the closures'
+        # durations (function key, seconds: a C append, the closure's path runs no code
+        # elsewhere) and the judgement of what ends before the deadline
+        self.deadline: Preemption | None = None
+        self.ran: deque[tuple[int, float]] = deque(maxlen=1024)
+        self.admission = deadlines.Admission()
 
     @property
     def session_id(self) -> str:
@@ -377,9 +387,11 @@ class ClosureRunner(SessionLifecycle):
     async def _loop(self) -> None:
         if not await self._register_until_done():
             return
+        deadlines.tell(self)  # a deadline known before this session: the scheduler hears it
         backoff = 0.05
         while not self.stopping:
-            want = 0 if self._retiring() else self.capacity - self.taken
+            late = self.deadline is not None and not self.admission.takes_more(self)
+            want = 0 if self._retiring() or late else self.capacity - self.taken
             # Report results as soon as there are any (asking for more in the same call);
             # long-poll only when a thread is idle; otherwise wait for a result, so the
             # loop does not compete with running closures for the GIL.
@@ -417,6 +429,7 @@ class ClosureRunner(SessionLifecycle):
                 self._drop_pending()
                 if not await self._register_until_done():
                     return
+                deadlines.tell(self)
                 continue
             for r in results:
                 self.unacked.discard(r.cid)
@@ -562,6 +575,10 @@ class ClosureRunner(SessionLifecycle):
         if item.owner in self.hold and not item.gang:  # its owner's error is being raised
             self._finished(item, _unstarted(item))
             return
+        if self.deadline is not None and not item.gang and \
+                not self.admission.fits(self, item.payload[0]):  # it would end too late
+            self._finished(item, _unstarted(item))
+            return
         scope = ClosureScope(self._worker_context(item.attempt), session.services,
                              origin=origin_of(item.cid))
         with closure_scope(scope):
@@ -571,11 +588,13 @@ class ClosureRunner(SessionLifecycle):
                 args, kwargs = ((), {}) if arg_bytes is None else loads(arg_bytes)
                 if args or kwargs:
                     args, kwargs = session.resources.resolve((args, kwargs))
+                start = time.monotonic()
                 value = fn(*args, **kwargs)
+                if not item.gang:
+                    self.ran.append((hash(fn_bytes), time.monotonic() - start))
                 state, payload, kind = READY, dump_result(value, self.results_host), None
             except BaseException as e:  # noqa: BLE001 - every user error goes to the client
                 state, payload, kind = FAILED, dump_error(e), _error_kind(e)
-        scope.send_queued()  # messages a loop left queued (collective.later) go now
         # sealed: a thread the closure started takes no more rows for it (they would
         # never be acknowledged), so the tokens sent now are all it consumed; merged
         # only when there are any (a closure that read no rows needs no merging)
@@ -606,6 +625,8 @@ class ClosureRunner(SessionLifecycle):
 
     def _gang_ended(self) -> None:
         self.gangs -= 1
+        if self.deadline is not None:  # leaving on it: its iterators' rows go back
+            deadlines.left_group(self)
 
     def _finished(self, item: Work, result: Outcome | None) -> None:
         try:

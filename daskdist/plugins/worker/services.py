@@ -240,6 +240,13 @@ class SessionServices:
             raise self._ended_error()
         return int(self._call("daskdist_state_commits", state=state, committed=committed))
 
+    def report_preemption(self, deadline: float, reason: str) -> None:
+        """This worker's preemption deadline (a gang member leaving on it: the group's
+        next formation leaves this session out). Idempotent."""
+        if not self.ended:
+            self._call("daskdist_preemption", ended=None, deadline=float(deadline),
+                       reason=str(reason))
+
     # -- durable commits (collective.checkpoint) ---------------------------------------
     @property
     def leaving(self) -> bool:

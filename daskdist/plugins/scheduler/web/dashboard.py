@@ -184,7 +184,10 @@ class DaskdistDashboard:
             f"<b>{snap['name']}</b>: {s['workers']} workers · done {s['done']} · "
             f"failed {s['failed']} · retried {s['retried']} · recovered {s['recovered']} · "
             f"queued {s['queued']} · running {s['running']} · "
-            f"lease expiries {s.get('lease_expiries', 0)}")
+            f"lease expiries {s.get('lease_expiries', 0)}"
+            + "".join(f" · <b>{html.escape(p['worker'])}</b> preempted in "
+                      f"{p['seconds_left']:.0f} s ({html.escape(p['reason'])})"
+                      for p in s.get("preemptions") or ()))
 
         h = dict(snap["history"])
         h["time"] = _time_ms(h["time"])

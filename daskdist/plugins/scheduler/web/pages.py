@@ -54,7 +54,7 @@ class StatusPage(RequestHandler):
                  "<a href='daskdist/status.json'>status.json</a></p>"]
         for name, snap in snapshots(self.plugin).items():
             status = [{"counter": k, "value": v} for k, v in snap["status"].items()
-                      if not isinstance(v, dict)]
+                      if not isinstance(v, (dict, list))]
             group = [{"field": k, "value": v} for k, v in snap["group"].items()]
             parts += [f"<h3>{html.escape(name)}</h3>",
                       _table(status, ["counter", "value"]),
@@ -65,6 +65,9 @@ class StatusPage(RequestHandler):
                       _table(snap["datasets"], ["name", "dataset_id", "epoch",
                                                 "acknowledged", "leased", "free", "total",
                                                 "complete", "failed"]),
+                      "<h4>preemption deadlines</h4>",
+                      _table(snap["status"].get("preemptions") or [],
+                             ["worker", "index", "reason", "seconds_left"]),
                       "<h4>collective group</h4>", _table(group, ["field", "value"]),
                       "<h4>group events</h4>",
                       _table(snap["events"], ["kind", "generation", "members", "seconds",
@@ -222,7 +225,7 @@ class MetricsCollector:
                                       "1 while a gang rank is a straggler, else 0",
                                       labels=labels)
         for name, co in sorted(self.plugin.coordinators.items()):
-            for rank, worker, totals, median, slow in co.rank_book.totals():
+            for rank, worker, totals, median, slow in co.rank_totals():
                 values = [name, str(rank), worker]
                 step.add_metric(values, median)
                 for i, p in enumerate(PHASES):
@@ -230,7 +233,6 @@ class MetricsCollector:
                 rows.add_metric(values, totals[-1])
                 straggler.add_metric(values, float(slow))
         return step, phase, rows, straggler
-
 
     def _inference(self):
         """Per batch-inference job (SPEC §7): units and rows committed, rows a second,
@@ -244,7 +246,7 @@ class MetricsCollector:
             fams[key] = family(f"daskdist_infer_{name}", text,
                                labels=labels + ["worker"] * per_worker)
         for name, co in sorted(self.plugin.coordinators.items()):
-            for j in co.infer_book.report():
+            for j in co.inference_report():
                 values = [name, j["name"]]
                 running = float(j["state"] in ("running", "finalizing"))
                 for key in ("units", "rows", "out_rows", "rows_per_second"):

@@ -4,9 +4,10 @@ their routes.
 The book drives each job; its client only starts, watches and cancels it. A job is:
 
 - a per-worker *engine* (the model built once per worker, a reader of the source, a
-  writer), registered here as a per-worker resource of the job's own owner (so the
-  job outlives a client that goes away); its id is also the id of the lease table's
-  dataset over the source's units (row groups, partitions), leased as ``"dynamic"``;
+  writer), registered here as a per-worker resource of the job's own owner
+  (``jobs.JOB_OWNER``: released with the job, by the owners' rule below); its id is also
+  the id of the lease table's dataset over the source's units (row groups, partitions),
+  leased as ``"dynamic"``;
 - its closures, which the book queues itself, as the group driver queues gang members
   (:meth:`InferBook.pump`): each runs one unit on a member (the tag of the engine's
   dataset routes it, at the tail, to a member still holding leased rows), up to
@@ -22,133 +23,121 @@ The book drives each job; its client only starts, watches and cancels it. A job 
   in memory) keeps each committed unit's output, which came with its commit, until its
   client reads it: at most ``daskdist.inference.memory-bytes``.
 
-The book asks its coordinator through :class:`InferenceHost`'s named methods. Runs on
-the scheduler's event loop; imports nothing from Dask, torch or pyarrow.
+A job lives by its coordinator's owners' rule: it goes on while an owner that started
+it (or attached to it, starting it again) is left, and is cancelled once every one of
+them was dropped (:meth:`InferBook.owner_dropped`): closed, its client gone past
+``client-grace``, or a keep-alive owner nobody attached to within
+``keep-alive-timeout``. A client that attaches to a keep-alive owner
+(``Coordinator.attach``) holds its jobs as that owner did.
+
+Its routes are :data:`INFER_ROUTES`; what it needs of the other books it asks its
+coordinator (:class:`InferenceCoordinator`). Runs on the scheduler's event loop;
+imports nothing from Dask, torch or pyarrow.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from daskdist import config
-from daskdist.core import protocol
+from daskdist.core import checks
 from daskdist.core.inference import FINAL, FINALIZING, RUNNING, JobState
-from daskdist.core.intervals import Interval
-from daskdist.core.leases import resume
-from daskdist.core.leases.table import LeaseTable, group_tokens
-from daskdist.core.protocol import (
-    ANY,
-    OWNER,
-    READY,
-    SESSION,
-    DatasetDef,
-    InferenceJobDef,
-    Outcome,
-    Route,
-    UnitReport,
-)
+from daskdist.core.membership import Membership
+from daskdist.core.protocol import ANY, OWNER, READY, SESSION, DatasetDef, Outcome, Route
 from daskdist.errors import load_error
+from daskdist.plugins.scheduler.inference.jobs import (
+    JOB_OWNER,
+    Job,
+    job_def,
+    job_owner,
+    new_event,
+    rows_of,
+    unit_report,
+)
 
 logger = logging.getLogger(__name__)
 
-JOB_OWNER = "__infer__/"  # + the job's name: the owner of a job's closures and engine
 KEPT_JOBS = 64  # ended jobs whose progress stays readable (the newest)
 
 
-def job_owner(name: str) -> str:
-    return JOB_OWNER + name
-
-
-class InferenceHost(Protocol):
-    """What the book asks of its coordinator (``CoordinatorState``)."""
+class InferenceCoordinator(Protocol):
+    """What the inference book asks its coordinator (the scheduler's ``CoordinatorState``)."""
 
     name: str
-    leases: LeaseTable
+    members: Membership  # the shared membership: the member count, a session's worker
 
-    def define_dataset(self, dataset: DatasetDef, owner: str) -> None: ...
+    def define_dataset(self, dataset: DatasetDef, owner: str) -> None:
+        """Define a dynamic dataset's units for ``owner`` (the lease book)."""
 
-    def add_resource(self, owner: str, rid: str, payload: bytes) -> None: ...
+    def resume_dataset(self, dataset_id: str, epoch: int, acknowledged: list,
+                       lengths: list | None) -> None:
+        """Start ``epoch`` of a dataset with ``acknowledged`` rows (a collection's
+        ``lengths`` learned first); ``ValueError`` when they do not fit it."""
 
-    def release_resources(self, rids: list[str]) -> None: ...
+    def forget_datasets(self, dataset_ids: list[str]) -> None:
+        """These datasets go: their lease tables and row counts."""
 
-    def forget_datasets(self, dataset_ids: list[str]) -> None: ...
+    def epoch_progress(self, dataset_id: str, epoch: int) -> dict:
+        """An epoch's counts in the lease table (read-only)."""
 
-    def queue_closure(self, cid: str, owner: str, payload: Any, tag: str | None) -> None: ...
+    def takes(self, dataset: str, session: str) -> bool:
+        """Whether ``session`` should run a closure reading ``dataset`` now."""
 
-    def cancel_closures(self, owner: str) -> None: ...
+    def ack_tokens(self, session: str, tokens: list) -> bool:
+        """Acknowledge the rows of a session's lease tokens, all or none."""
 
-    def take_error(self, owner: str) -> None: ...
+    def add_resource(self, owner: str, rid: str, payload: bytes) -> None:
+        """Register a per-worker resource of ``owner`` (the resource book)."""
 
-    def member_count(self) -> int: ...
+    def release_resources(self, rids: list[str]) -> None:
+        """Release per-worker resources here and on every worker."""
 
-    def address_of(self, session: str) -> str: ...
+    def put_job_closure(self, cid: str, owner: str, payload: Any, tag: str | None) -> None:
+        """Queue a closure of a job's own ``owner`` (``tag``: the dataset it reads)."""
 
-
-@dataclass
-class Job:
-    """One job: its definition, its engine's id (the lease table's dataset), its commits."""
-
-    spec: InferenceJobDef
-    dataset_id: str
-    state: JobState
-    seq: Any = field(default_factory=itertools.count)
-    finishing: set[str] = field(default_factory=set)  # its finalizing closures' ids
-    changed: asyncio.Event | None = None  # set at every change (progress long-polls)
-    counts: dict = field(default_factory=dict)  # its lease table's, as last read
-    # a job without an output (``output=""``): its committed units' outputs, by first
-    # row, until a client read them (then None)
-    memory: dict[int, bytes] | None = field(default_factory=dict)
-    memory_bytes: int = 0
-
-    @property
-    def in_memory(self) -> bool:
-        return not self.spec.output
-
-    @property
-    def owner(self) -> str:
-        return job_owner(self.spec.name)
+    def cancel_closures(self, owner: str) -> None:
+        """Cancel ``owner``'s queued closures (nobody waits for their outcomes)."""
 
 
 class InferBook:
     """Batch-inference jobs, by name (module doc)."""
 
-    def __init__(self, co: InferenceHost, max_worker_failures: int) -> None:
+    def __init__(self, co: InferenceCoordinator, max_worker_failures: int) -> None:
         self.co = co
         self.max_failures = max_worker_failures
         self.jobs: OrderedDict[str, Job] = OrderedDict()
 
     # -- routes: the client's ----------------------------------------------------------------
     def start(self, owner: str, token: str, job: Any) -> dict:
-        """Start job ``job`` (an :class:`InferenceJobDef`), or attach to the one of that
-        name running over the same output and source; its progress."""
-        d = _job_def(job)
+        """Start job ``job`` (an :class:`InferenceJobDef`) for ``owner``, or attach
+        ``owner`` to the one of that name running over the same output and source (it
+        holds the job from then on, as the owner that started it does); its progress."""
+        d = job_def(job)
         old = self.jobs.get(d.name)
         if old is not None and old.state.state not in FINAL:
             if (old.spec.output, old.spec.fingerprint) != (d.output, d.fingerprint):
                 raise ValueError(f"a batch-inference job named {d.name!r} is running over "
                                  f"another source or output ({old.spec.output}); wait for "
                                  "it, cancel it, or name this one differently")
+            old.state.owners.add(owner)
             return {"attached": True, **self.progress_of(old)}
         dataset = DatasetDef(*d.dataset)
-        ds = protocol.text(dataset.dataset_id, "daskdist_infer_start: dataset_id")
+        ds = checks.text(dataset.dataset_id, "daskdist_infer_start: dataset_id")
         co = self.co
         owner_of_job = job_owner(d.name)
         co.define_dataset(dataset, owner_of_job)  # its units; then what earlier runs did
         try:
-            if d.lengths:
-                resume.learn_lengths(co.leases, ds, d.lengths)
-            if d.committed:
-                resume.start_epoch(co.leases, ds, 0, d.committed)
+            if d.lengths or d.committed:
+                co.resume_dataset(ds, 0, d.committed, d.lengths)
         except Exception:  # a ledger that does not fit the source: nothing starts
             co.forget_datasets([ds])
             raise
-        state = JobState(d.name, d.committed, d.units, d.out_rows, self.max_failures)
-        new = Job(d, ds, state, changed=_event())
+        state = JobState(d.name, d.committed, d.units, d.out_rows, self.max_failures,
+                         owners={owner})
+        new = Job(d, ds, state, changed=new_event())
         gone = [self.jobs.pop(d.name)] if old is not None else []
         self.jobs[d.name] = new
         while len(self.jobs) > KEPT_JOBS and next(iter(self.jobs.values())).state.state in FINAL:
@@ -165,11 +154,11 @@ class InferBook:
     async def progress(self, job: str, wait: float = 0.0, version: int = -1) -> dict:
         """Job ``job``'s progress (``{"state": None}`` for a job not known here); with
         ``wait``, once its state changed from ``version`` (or after ``wait`` seconds)."""
-        j = self.jobs.get(protocol.text(job, "daskdist_infer_progress: job"))
+        j = self.jobs.get(checks.text(job, "daskdist_infer_progress: job"))
         if j is None:
             return {"state": None}
-        wait = protocol.number(wait, "daskdist_infer_progress: wait", 0.0, 3600.0)
-        version = protocol.integer(version, "daskdist_infer_progress: version", -1, 2**62)
+        wait = checks.number(wait, "daskdist_infer_progress: wait", 0.0, 3600.0)
+        version = checks.integer(version, "daskdist_infer_progress: version", -1, 2**62)
         if wait and j.state.version == version and j.changed is not None:
             j.changed.clear()
             try:
@@ -183,7 +172,7 @@ class InferBook:
         cancelled and its engines released (running closures finish on their workers,
         their commits refused; the output keeps what was committed, and a re-run
         resumes)."""
-        j = self.jobs.get(protocol.text(job, "daskdist_infer_cancel: job"))
+        j = self.jobs.get(checks.text(job, "daskdist_infer_cancel: job"))
         if j is None:
             return {"state": None}
         if j.state.state not in FINAL:
@@ -196,19 +185,20 @@ class InferBook:
         """A unit an attempt ran: commit its staged output (``{"commit": True}``: its
         rows acknowledged, the attempt publishes it), or refuse it (``"why"``); a failed
         unit is counted for progress."""
-        r = _report(report)
+        r = unit_report(report)
         j = self.jobs.get(r.job)
         if j is None:
             return {"commit": False, "why": f"no job {r.job!r}"}
         st = j.state
-        address = self.co.address_of(session)
+        member = self.co.members.members.get(session)
+        address = member.address if member is not None else ""
         if r.error:
             st.unit_failed(session, r.unit, r.error, address)
             self._changed(j)
             return {"commit": False, "why": "failed"}
         rows = rows_of(r.tokens)
         why = st.refusal(session, rows)
-        if why is None and not self.co.leases.ack_tokens(session, r.tokens):
+        if why is None and not self.co.ack_tokens(session, r.tokens):
             why = "its rows are not leased to its session (fenced)"
         if why is not None:
             logger.info("daskdist[%s]: job %r refused %s of attempt %s: %s", self.co.name,
@@ -232,18 +222,18 @@ class InferBook:
         """A job's output returned in memory: its committed units' Arrow IPC streams, in
         row order (``{"outputs": None}`` for a job that writes its output, or whose
         output a client read with ``release``: the scheduler keeps it no longer)."""
-        j = self.jobs.get(protocol.text(job, "daskdist_infer_outputs: job"))
+        j = self.jobs.get(checks.text(job, "daskdist_infer_outputs: job"))
         if j is None or not j.in_memory or j.memory is None:
             return {"outputs": None}
         out = [j.memory[first] for first in sorted(j.memory)]
-        if protocol.flag(release, "daskdist_infer_outputs: release") and j.state.state in FINAL:
+        if checks.flag(release, "daskdist_infer_outputs: release") and j.state.state in FINAL:
             j.memory, j.memory_bytes = None, 0
         return {"outputs": out}
 
     def plan(self, session: str, job: str) -> dict:
         """What the finalizing closure publishes: the units decided whose attempt did not
         publish them (their records)."""
-        j = self.jobs.get(protocol.text(job, "daskdist_infer_plan: job"))
+        j = self.jobs.get(checks.text(job, "daskdist_infer_plan: job"))
         if j is None or j.state.state != FINALIZING:
             return {"finalize": False}
         return {"finalize": True, "orphans": [u.record() for u in j.state.orphans()]}
@@ -251,18 +241,17 @@ class InferBook:
     def finalized(self, session: str, job: str, ok: bool, error: str = "") -> dict:
         """The finalizing closure's word: the output is complete (manifest, ``_SUCCESS``),
         or writing it failed (``error``; tried again up to ``max_worker_failures``)."""
-        j = self.jobs.get(protocol.text(job, "daskdist_infer_finalized: job"))
+        j = self.jobs.get(checks.text(job, "daskdist_infer_finalized: job"))
         if j is None:
             return {}
-        self._finalize_ended(j, protocol.flag(ok, "daskdist_infer_finalized: ok"),
-                             protocol.text(error, "daskdist_infer_finalized: error", 16384,
-                                           empty=True))
+        self._finalize_ended(j, checks.flag(ok, "daskdist_infer_finalized: ok"),
+                             checks.text(error, "daskdist_infer_finalized: error", 16384,
+                                         empty=True))
         return {}
 
     # -- from the coordinator -------------------------------------------------------------------
     def closure_finished(self, o: Outcome) -> None:
         """A job closure's final outcome (the closure book routes the job owners' here)."""
-        self.co.take_error(o.owner)  # a job closure's error is the job's, never an owner's
         j = self.jobs.get(o.owner[len(JOB_OWNER):])
         if j is None:
             return
@@ -291,6 +280,16 @@ class InferBook:
             j.state.session_ended(session)
             self.pump(j)
 
+    def owner_dropped(self, owner: str) -> None:
+        """An owner of the coordinator was dropped (closed, its client gone past its
+        grace, a keep-alive owner nobody attached to): the jobs it held and no other
+        owner holds are cancelled (the output keeps what was committed)."""
+        for j in list(self.jobs.values()):
+            if j.state.owner_gone(owner):
+                logger.info("daskdist[%s]: job %r: its last owner %s was dropped; cancelled",
+                            self.co.name, j.spec.name, owner)
+                self._ended(j)
+
     def close(self) -> None:
         """The coordinator closes: every waiter returns."""
         for j in self.jobs.values():
@@ -305,8 +304,8 @@ class InferBook:
         st = j.state
         if st.state != RUNNING:
             return
-        leases = self.co.leases
-        p = leases.progress(j.dataset_id, 0)
+        co = self.co
+        p = co.epoch_progress(j.dataset_id, 0)
         if p.get("failed"):
             st.fail(f"batch-inference job {j.spec.name!r}: {p['failed']}")
             self._ended(j)
@@ -322,18 +321,17 @@ class InferBook:
             return
         # free (or deferred) rows, or none leased: a closure may lease; else only members
         # holding leased rows can make progress, and the queue routes closures to them
-        leaseable = leases.takes(j.dataset_id, "")
+        leaseable = co.takes(j.dataset_id, "")
         per = int(config.get("inference.closures-per-worker", 2))
-        n = st.top_up(max(1, self.co.member_count()) * max(1, per), leaseable, committed)
+        n = st.top_up(max(1, len(co.members)) * max(1, per), leaseable, committed)
         for _ in range(n):
             st.outstanding += 1
-            self.co.queue_closure(f"{j.owner}-{next(j.seq)}", j.owner, j.spec.run,
-                                  j.dataset_id)
+            co.put_job_closure(f"{j.owner}-{next(j.seq)}", j.owner, j.spec.run, j.dataset_id)
 
     def _queue_finalize(self, j: Job) -> None:
         cid = f"{j.owner}-f{next(j.seq)}"
         j.finishing.add(cid)
-        self.co.queue_closure(cid, j.owner, j.spec.finish, None)
+        self.co.put_job_closure(cid, j.owner, j.spec.finish, None)
 
     def _finalize_ended(self, j: Job, ok: bool, error: str) -> None:
         st = j.state
@@ -363,7 +361,7 @@ class InferBook:
     def progress_of(self, j: Job) -> dict:
         st = j.state
         if st.state not in FINAL:  # an ended job's table may be gone: its last counts
-            j.counts = self.co.leases.progress(j.dataset_id, 0)
+            j.counts = self.co.epoch_progress(j.dataset_id, 0)
         p = j.counts
         rps, ups = st.rates()
         units0, rows0, _ = st.resumed
@@ -389,62 +387,6 @@ class InferBook:
             out[name] = {"state": j.state.state, "units": j.state.units,
                          "rows": j.state.rows.size, "rows_per_second": rps}
         return out
-
-
-def _event() -> asyncio.Event | None:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # driven without an event loop (the tests' direct calls)
-        return None
-    return asyncio.Event()
-
-
-def _job_def(value: Any) -> InferenceJobDef:
-    op = "daskdist_infer_start"
-    d = protocol.named(value, f"{op}: job", InferenceJobDef)
-    protocol.text(d.name, f"{op}: name")
-    protocol.text(d.output, f"{op}: output", 4096, empty=True)  # "": returned in memory
-    protocol.text(d.fingerprint, f"{op}: fingerprint", 4096)
-    protocol.record(d.dataset, f"{op}: dataset", len(DatasetDef._fields))
-    protocol.text(d.resource, f"{op}: resource")
-    if not isinstance(d.engine, bytes):
-        raise TypeError(f"{op}: engine must be bytes, got {type(d.engine).__name__}")
-    protocol.payload(d.run, f"{op}: run")
-    protocol.payload(d.finish, f"{op}: finish")
-    committed = protocol.pairs(d.committed, f"{op}: committed", protocol.MAX_RANGES)
-    lengths = protocol.optional(protocol.pairs, d.lengths, f"{op}: lengths",
-                                protocol.MAX_RUNS, -1)
-    return d._replace(committed=committed, lengths=lengths,
-                      units=protocol.integer(d.units, f"{op}: units", 0, protocol.MAX_ROWS),
-                      out_rows=protocol.integer(d.out_rows, f"{op}: out_rows", 0,
-                                                protocol.MAX_ROWS))
-
-
-def _report(value: Any) -> UnitReport:
-    op = "daskdist_infer_unit"
-    r = protocol.named(value, f"{op}: report", UnitReport)
-    lengths = protocol.pairs(r.lengths, f"{op}: lengths", protocol.MAX_RANGES)
-    return r._replace(
-        job=protocol.text(r.job, f"{op}: job"),
-        attempt=protocol.text(r.attempt, f"{op}: attempt"),
-        tokens=list(protocol.items(r.tokens, f"{op}: tokens")),
-        staged=protocol.text(r.staged, f"{op}: staged", 4096, empty=True),
-        out_rows=protocol.integer(r.out_rows, f"{op}: out_rows", 0, protocol.MAX_ROWS),
-        lengths=[(int(p), int(n)) for p, n in lengths],
-        unit=protocol.text(r.unit, f"{op}: unit", 4096, empty=True),
-        error=protocol.text(r.error, f"{op}: error", 16384, empty=True),
-        data=_data(r.data, f"{op}: data"))
-
-
-def _data(value: Any, what: str) -> bytes:
-    if not isinstance(value, bytes):
-        raise TypeError(f"{what} must be bytes, got {type(value).__name__}")
-    return value
-
-
-def rows_of(tokens: list) -> list[Interval]:
-    """The rows of a unit's lease tokens."""
-    return [iv for ranges in group_tokens(tokens).values() for iv in ranges]
 
 
 # The book's routes (the plugin registers each on the named coordinator's book,
