@@ -165,18 +165,25 @@ def test_a_bad_unit_is_named_and_a_fixed_rerun_resumes(coord, tmp_path, threads)
     with pytest.raises(dd.InputError):
         job.progress()
     p = job.wait()
-    assert p["state"] == "failed" and p["units"] == 8  # every other unit committed
+    # the other units committed, but for those still in flight when the job failed
+    # (with 2 threads a worker one may be): never a duplicate, never the bad unit's rows
+    committed = p["units"]
+    assert p["state"] == "failed" and 1 <= committed <= 8
     assert any("row 1234 is bad" in msg for _, msg in p["errors"])
-    assert output_ids(out) == sorted(set(range(1800)) - set(range(1200, 1400)))
+    ids = output_ids(out)
+    assert len(ids) == len(set(ids)) == 200 * committed
+    assert not set(ids) & set(range(1200, 1400))
 
     flag.unlink()  # fixed: the same call resumes
     before = len(jobs.predicted(rows_log))
     rerun = coord.map_batches(predict, glob, output=out, model=jobs.model, name="bad",
                               keep=["id"], unit_rows=200, batch_size=100)
     jobs.exactly_once(rerun.result(timeout=120), 1800)
-    assert rerun.resumed and rerun.progress()["resumed_units"] == 8
-    again = jobs.predicted(rows_log)[before:]
-    assert sorted(r for a, b in again for r in range(a, b)) == list(range(1200, 1400))
+    assert rerun.resumed and rerun.progress()["resumed_units"] == committed
+    # a committed row is never predicted again; every other one is (a unit of the failed
+    # job still in flight at its end may log its rows here too)
+    again = {r for a, b in jobs.predicted(rows_log)[before:] for r in range(a, b)}
+    assert not again & set(ids) and again >= set(range(1800)) - set(ids)
 
 
 @pytest.mark.timeout(120)
