@@ -1,7 +1,7 @@
 """The collection examples, run at a small size on real LocalClusters (2 threads per
 worker): the tabular ETL + MLP with async closures, the images with a CNN, sync
-training and a SIGKILL mid-epoch, and a GPT sharded with FSDP2 on token ids through a
-SIGKILL."""
+training and a SIGKILL mid-epoch, a GPT sharded with FSDP2 on token ids through a
+SIGKILL, and embeddings of a lazy frame by batch inference, resumed."""
 
 from __future__ import annotations
 
@@ -51,6 +51,23 @@ def test_tabular_dataframe_example_trains_every_row_once_per_epoch():
             counts = Counter(r["ids"])
             assert r["rows"] == kept == len(counts) and set(counts.values()) == {1}
             assert np.isfinite(r["loss"])
+        coord.close()
+
+
+def test_batch_inference_example_embeds_every_row_once_and_resumes(tmp_path):
+    from distributed import Client
+
+    example = load("batch_inference")
+    with make_cluster(2, threads=2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="embeddings")
+        wait_for_workers(client, coord, 2)
+        out = str(tmp_path / "emb")
+        r = example.run(coord, out, partitions=6, rows=400, batch_size=128)
+        assert r["rows"] == r["distinct"] == 2400 and r["units"] == r["files"] == 6
+        emb = example.make_frame(1, 1)  # the ids' frame is the example's own
+        assert list(emb.columns)[0] == "id"
+        again = example.run(coord, out, partitions=6, rows=400, batch_size=128)
+        assert again["rows"] == 2400 and again["resumed_units"] == 6  # done: nothing ran
         coord.close()
 
 

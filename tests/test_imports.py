@@ -37,7 +37,8 @@ def loaded_after(statement: str) -> set[str]:
 def test_the_state_machines_are_among_the_pure_modules():
     assert {"daskdist.core.queue", "daskdist.core.leases.table", "daskdist.core.leases.commits",
             "daskdist.core.gang", "daskdist.core.membership", "daskdist.core.backends",
-            "daskdist.core.protocol", "daskdist.core.intervals"} <= set(PURE)
+            "daskdist.core.protocol", "daskdist.core.intervals",
+            "daskdist.core.inference"} <= set(PURE)
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -59,7 +60,7 @@ def test_the_scheduler_side_never_imports_torch_or_the_other_sides():
     assert "daskdist.plugins.scheduler.plugin" in loaded
     assert not [m for m in loaded if m.split(".")[0] in ("torch", "pyarrow")]
     others = ("daskdist.client", "daskdist.plugins.worker", "daskdist.data",
-              "daskdist.collective")
+              "daskdist.collective", "daskdist.inference")
     assert not [m for m in loaded if m.startswith(others)], sorted(loaded)
 
 
@@ -159,19 +160,24 @@ RULES = {  # room -> rooms it must not import (anywhere in the file, lazily too)
                          "daskdist.collective", "daskdist.cli", "daskdist.observe"),
     "daskdist.plugins.scheduler": ("daskdist.client", "daskdist.plugins.worker",
                                    "daskdist.data", "daskdist.collective", "daskdist.cli",
-                                   "daskdist.asynchronous", *WORKER_OBSERVE),
+                                   "daskdist.asynchronous", "daskdist.inference",
+                                   *WORKER_OBSERVE),
     "daskdist.plugins.worker": ("daskdist.client", "daskdist.plugins.scheduler",
                                 "daskdist.cli"),
     "daskdist.client": ("daskdist.plugins.scheduler", "daskdist.plugins.worker",
                         "daskdist.collective", "daskdist.cli"),
     "daskdist.data": ("daskdist.collective", "daskdist.plugins", "daskdist.client",
-                      "daskdist.cli"),
+                      "daskdist.cli", "daskdist.inference"),
     "daskdist.collective": ("daskdist.data", "daskdist.plugins", "daskdist.client",
-                            "daskdist.cli"),
+                            "daskdist.cli", "daskdist.inference"),
     # one model trained asynchronously: its workers' side (replicas, holder, standby),
     # below the plugins that route to it and the client that makes it
     "daskdist.asynchronous": ("daskdist.client", "daskdist.plugins", "daskdist.data",
-                              "daskdist.cli"),
+                              "daskdist.cli", "daskdist.inference"),
+    # batch inference's worker side and output: above the data layer, beside the
+    # collective one, never the client's, the plugins' or the scheduler's
+    "daskdist.inference": ("daskdist.collective", "daskdist.plugins", "daskdist.client",
+                           "daskdist.cli", "daskdist.asynchronous"),
     # the step clock the data and collective layers call: theirs, and nobody's above
     "daskdist.observe": ("daskdist.data", "daskdist.collective", "daskdist.plugins",
                          "daskdist.client", "daskdist.cli"),

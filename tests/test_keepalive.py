@@ -9,10 +9,14 @@
 - A keep-alive owner nobody attaches to closes after ``keep-alive-timeout``.
 - With no client attached, values nobody read hold the owner's queue past
   ``keep-results`` (none is dropped); a client attaching lets it go on.
+- A keep-alive owner's batch-inference job goes on past ``client-grace`` (a plain
+  owner's is cancelled then), and the same ``map_batches`` call of an attached client
+  takes it up.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -178,3 +182,40 @@ def test_with_no_client_unread_values_past_keep_results_hold_the_queue(cluster, 
         assert coord.status()["done"] == 40
     finally:
         coord.close()
+
+
+def test_a_keep_alive_owners_inference_job_goes_on_and_an_attached_client_takes_it_up(
+        cluster, client, tmp_path):
+    from tests import inference_jobs as jobs
+
+    gate = str(tmp_path / "gate")  # every batch waits for it: the jobs run, commit nothing
+    glob = jobs.write_files(str(tmp_path / "in"), files=3, rows=200, group=100)
+
+    def start(coord, name):
+        return coord.map_batches(functools.partial(jobs.predict, gate=gate), glob,
+                                 output=str(tmp_path / name), model=jobs.model, keep=["id"],
+                                 unit_rows=200, name=name)
+
+    try:
+        with dask.config.set({"daskdist.coordinator.client-grace": "1s"}):
+            other = Client(cluster)
+            kept = dd.Coordinator(other, name="inferring", keep_alive=True)
+            plain = dd.Coordinator(other, name="inferring")  # a second owner, not kept
+            wait_for_workers(other, kept, 3)
+            start(kept, "kept")
+            start(plain, "plain")
+            other.close()  # the kernel restarts
+            wait_until(lambda: _status(client, "inferring")["inference"]["plain"]["state"]
+                       == "cancelled", 30, "the plain owner's job to end past client-grace")
+        jobs_now = _status(client, "inferring")["inference"]
+        assert jobs_now["kept"]["state"] == "running" and jobs_now["kept"]["rows"] == 0
+        coord = dd.Coordinator.attach(client, "inferring")
+        try:
+            job = start(coord, "kept")  # the same call: the running job's handle
+            assert job.attached and job.state == "running"
+            open(gate, "w").close()
+            jobs.exactly_once(job.result(timeout=60), 600)
+        finally:
+            coord.close()
+    finally:
+        open(gate, "w").close()

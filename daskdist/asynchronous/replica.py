@@ -84,7 +84,7 @@ class ModelClient:
     def locate(self, services: Any, deadline: float) -> str:
         """The holder's address, from the scheduler's book (waits while it moves)."""
         while True:
-            where = services.request("daskdist_async_where", model=self.model_id)
+            where = services.call("daskdist_async_where", model=self.model_id)
             if where is None:
                 raise RuntimeError(f"asynchronous model {self.model_id}: this worker's "
                                    "session ended")
@@ -239,7 +239,7 @@ class Replica:
         """Give up ``push``: unless a holder staged it (then the book decides), its rows
         go back from this session, at the book, in one step."""
         if push.tokens:
-            services.request("daskdist_async_abandon", model=push.model, pid=push.pid,
+            services.call("daskdist_async_abandon", model=push.model, pid=push.pid,
                              tokens=list(push.tokens))
 
     def suggested_steps(self, steps: int) -> int:

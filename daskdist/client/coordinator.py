@@ -7,7 +7,7 @@ group, per-worker resources and datasets, status, and ``close()``, which ends ev
 wait at once (SPEC §2.5b). ``schedule`` / ``join`` / ``done`` / ``fetch`` and the
 client loop that runs them are ``ClosureClient``'s (``client/closures.py``);
 ``attach``, ``pending``, ``datasets`` and ``notify_preemption`` are ``JobLife``'s
-(``client/lifetime.py``).
+(``client/lifetime.py``); ``map_batches`` is ``BatchInference``'s (``client/inference.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from daskdist.client.closures import (
 )
 from daskdist.client.datasets import DistributedDataset, LoaderFactory, PerWorkerDataset
 from daskdist.client.group import CollectiveGroup
+from daskdist.client.inference import BatchInference
 from daskdist.client.lifetime import JobLife
 from daskdist.client.notices import NoticeListener
 from daskdist.client.report import Report
@@ -54,7 +55,7 @@ class _SchedulerPluginRef(SchedulerPlugin):
         return (instantiate, (SCHEDULER_PLUGIN, {}))
 
 
-class Coordinator(ClosureClient, JobLife):
+class Coordinator(ClosureClient, JobLife, BatchInference):
     """Schedule closures on a Dask cluster's workers, at least once each, surviving worker loss.
 
     ``Coordinator(client, name="default")`` registers the scheduler plugin (which

@@ -245,6 +245,43 @@ class EpochLedger(NamedTuple):
     lengths: list | None = None
 
 
+class InferenceJobDef(NamedTuple):
+    """A batch-inference job as its client starts it (``daskdist_infer_start``): its name
+    and output, its source's fingerprint, the source's units as the lease table defines
+    them (a :class:`DatasetDef`), the id and factory of its per-worker engine and the
+    payloads of the job's two closures (opaque to the scheduler), and
+    what the output's ledger holds from earlier runs."""
+
+    name: str
+    output: str
+    fingerprint: str
+    dataset: Any  # a DatasetDef (a list on the wire)
+    resource: str  # the engine's per-worker resource id
+    engine: bytes  # the engine's ResourceSpec, pickled
+    run: Any  # [function bytes, argument bytes]: one unit
+    finish: Any  # [function bytes, argument bytes]: the output's manifest and _SUCCESS
+    committed: list  # [(start, stop), ...] rows committed by earlier runs
+    lengths: list | None  # partitions' lengths they learned, as EpochLedger.lengths
+    units: int  # units committed by earlier runs
+    out_rows: int  # and the rows of their output
+
+
+class UnitReport(NamedTuple):
+    """A unit a job's closure ran (``daskdist_infer_unit``): its output staged (or, for a
+    job whose output is returned in memory, as Arrow IPC ``data``), asking to be
+    committed, or its failure (``error``)."""
+
+    job: str
+    attempt: str  # "<closure id>#<attempt>"
+    tokens: list  # the unit's lease tokens: a commit acknowledges them
+    staged: str  # where its output is staged ("" when it failed)
+    out_rows: int
+    lengths: list  # [(partition, rows), ...] learned by reading it
+    unit: str  # how the unit is named: its file (row groups) or partition, and rows
+    error: str = ""  # why it failed ("" when staged)
+    data: bytes = b""  # the output itself, when the job returns it in memory
+
+
 class Preemption(NamedTuple):
     """A worker will be taken away: ``deadline`` (epoch seconds, ``time.time()``) and
     why (``"SIGTERM"``, ``"SIGUSR1"``, ``"aws-spot"``, ``"notify_preemption"``, ...).

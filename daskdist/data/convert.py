@@ -28,6 +28,7 @@ from daskdist.core.nest import map_instances
 __all__ = [
     "Chunk",
     "Columns",
+    "arrow_column",
     "concat_cols",
     "convert_chunk",
     "convert_table",
@@ -225,6 +226,18 @@ def convert_chunk(table: pa.Table, fill_null: Any = None,
     if other:
         rest.update(convert_table(table.select(other).take(pa.array(index)), fill_null))
     return Chunk(names, rest, stacks, len(idx))
+
+
+def arrow_column(x: np.ndarray) -> pa.Array:
+    """An array's rows as an Arrow column (N-D rows as nested fixed-size lists): the
+    way back from a batch's N-D tensors (a collection's array chunks, a model's
+    outputs) to Arrow."""
+    if x.ndim == 1:
+        return pa.array(x)
+    flat = pa.array(np.ascontiguousarray(x).reshape(-1))
+    for size in reversed(x.shape[1:]):
+        flat = pa.FixedSizeListArray.from_arrays(flat, size)
+    return flat
 
 
 def num_rows(cols: Columns | Chunk | pa.Table) -> int:

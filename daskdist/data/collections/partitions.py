@@ -31,7 +31,7 @@ from daskdist.core.intervals import Interval
 from daskdist.core.leases.partitions import STRIDE
 from daskdist.data import batching
 from daskdist.data.collections.compute import Computed, Interrupt, Interrupted, make_computer
-from daskdist.data.convert import Chunk, convert_chunk
+from daskdist.data.convert import Chunk, arrow_column, convert_chunk
 from daskdist.data.sharding import Piece
 from daskdist.data.sources import ChunkItem, Pending, ReadSpec, SourceReader, UnitFailure
 from daskdist.errors import InputError
@@ -57,16 +57,6 @@ def _as_tensor(x: np.ndarray, copy: bool) -> Any:
     if x.dtype.kind == "M" or x.dtype.kind == "m":
         return torch.from_numpy(x.astype(np.int64))
     return x.tolist()
-
-
-def _arrow_column(x: np.ndarray) -> pa.Array:
-    """An array's rows as an Arrow column (N-D rows as nested fixed-size lists)."""
-    if x.ndim == 1:
-        return pa.array(x)
-    flat = pa.array(np.ascontiguousarray(x).reshape(-1))
-    for size in reversed(x.shape[1:]):
-        flat = pa.FixedSizeListArray.from_arrays(flat, size)
-    return flat
 
 
 def _frame_table(frame: Any, columns: Sequence[Any]) -> pa.Table:
@@ -125,7 +115,7 @@ def convert_part(coll: Partitioned, data: Any, rows: np.ndarray | None,
         arrays = {k: np.take(v, rows, axis=0) for k, v in arrays.items()}
         shared = False  # the gather copied
     if collate:
-        return pa.table({k: _arrow_column(v) for k, v in arrays.items()})
+        return pa.table({k: arrow_column(v) for k, v in arrays.items()})
     return Chunk(columns, {k: _as_tensor(v, shared) for k, v in arrays.items()})
 
 

@@ -33,6 +33,7 @@ from daskdist.core.protocol import (
     Route,
 )
 from daskdist.core.queue import ClosureQueue
+from daskdist.plugins.scheduler.inference.jobs import JOB_OWNER
 from daskdist.plugins.scheduler.polls import (
     Outbox,
     Owners,
@@ -56,6 +57,9 @@ class ClosureCoordinator(PollCoordinator, Protocol):
 
     def member_finished(self, outcome: Outcome) -> None:
         """A gang member's closure ended (the group book judges the gang)."""
+
+    def job_closure_finished(self, outcome: Outcome) -> None:
+        """A batch-inference job's closure ended (the inference book drives its job)."""
 
     def settle_tokens(self, session: str, tokens: list, ack: bool) -> bool:
         """Acknowledge (``ack``) or release a closure's lease tokens; ``False`` when an
@@ -146,10 +150,14 @@ class ClosureBook:
                 self.hold_owner(owner, False)
 
     def deliver(self, outcomes: list[Outcome]) -> None:
-        """Route final outcomes: gang members to the group book, the rest to outboxes."""
+        """Route final outcomes: gang members to the group book, batch-inference jobs'
+        closures to the inference book, the rest to outboxes."""
         for o in outcomes:
             if o.owner == GANG_OWNER:
                 self.co.member_finished(o)
+            elif o.owner.startswith(JOB_OWNER):  # a batch-inference job's closure
+                self.queue.take_error(o.owner)  # its error is its job's, no owner's to raise
+                self.co.job_closure_finished(o)
             else:
                 self.owners.push(o)
 
@@ -209,6 +217,12 @@ class ClosureBook:
         for member_cid, session, _rank in members:
             self.queue.put(member_cid, GANG_OWNER, payload, pinned=session)
         self.wake_sessions([session for _, session, _ in members])
+
+    def put_job(self, cid: str, owner: str, payload: list, tag: str | None) -> None:
+        """A batch-inference job's closure (``owner``: the job's own; ``tag``: the
+        dataset it reads) is queued, and a long-poll woken."""
+        if self.queue.put(cid, owner, payload, tag=tag):
+            self.wake(1)
 
     def deliver_gang(self, g: Outcome) -> None:
         """A gang's outcome to its owner; a failure is that owner's error to raise."""

@@ -199,10 +199,17 @@ class LeaseBook:
         if checks.integer(led.total, "total", 0, checks.MAX_ROWS) != total:
             raise ValueError(f"the ledger is of {led.total} rows; dataset {dataset_id!r} "
                              f"has {total}")
+        self.resume(dataset_id, epoch, acked, lengths)
+        return self.leases.progress(dataset_id, epoch)
+
+    def resume(self, dataset_id: str, epoch: int, acknowledged: list,
+               lengths: list | None = None) -> None:
+        """Start ``epoch`` with ``acknowledged`` rows (checked), a collection's
+        ``lengths`` learned first; ``ValueError`` when they do not fit the dataset or
+        the epoch has started."""
         if lengths:
             resume.learn_lengths(self.leases, dataset_id, lengths)
-        resume.start_epoch(self.leases, dataset_id, epoch, acked)
-        return self.leases.progress(dataset_id, epoch)
+        resume.start_epoch(self.leases, dataset_id, epoch, acknowledged)
 
     # -- durable commits: checkpoint ledgers (SPEC §4.3) ----------------------------------
     def owner_datasets(self, owner: str, token: str) -> list[tuple[str, str, int]]:

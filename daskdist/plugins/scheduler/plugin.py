@@ -3,7 +3,7 @@
 A ``SchedulerPlugin`` that holds one :class:`CoordinatorState` per coordinator name
 (its sessions, and its books: closures, gangs and commits, dynamic datasets, per-worker
 resources, per-rank observation, keep-alive owners, preemption deadlines, asynchronous
-models), registers their RPC handlers on the scheduler (the pattern of
+models, batch-inference jobs), registers their RPC handlers on the scheduler (the pattern of
 ``distributed/semaphore.py``), and reacts to Dask's own ``remove_worker`` and
 worker-status events, so preemption is handled the moment Dask notices it.
 
@@ -44,6 +44,7 @@ from daskdist.plugins.scheduler.closures import CLOSURE_ROUTES
 from daskdist.plugins.scheduler.datasets import LEASE_ROUTES
 from daskdist.plugins.scheduler.gangs import GROUP_ROUTES
 from daskdist.plugins.scheduler.groups import GroupDriver
+from daskdist.plugins.scheduler.inference.book import INFER_ROUTES
 from daskdist.plugins.scheduler.lifetime.keepalive import KEEP_ROUTES
 from daskdist.plugins.scheduler.lifetime.preemptions import PREEMPT_ROUTES
 from daskdist.plugins.scheduler.locality import Locality
@@ -64,6 +65,7 @@ BOOK_ROUTES = {
     "keep_book": KEEP_ROUTES,
     "preempt_book": PREEMPT_ROUTES,
     "async_book": ASYNC_ROUTES,
+    "infer_book": INFER_ROUTES,
 }
 # ... and those of messages on a worker's own stream (one-way; Dask adds worker=)
 BOOK_STREAM_ROUTES = {"rank_book": RANK_STREAM_ROUTES, "async_book": ASYNC_STREAM_ROUTES}

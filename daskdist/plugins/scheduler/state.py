@@ -21,13 +21,16 @@ driving small policy objects):
 - :class:`~daskdist.plugins.scheduler.lifetime.keepalive.KeepBook`: keep-alive owners
   (their unread values, their clients' absences, attaching);
 - :class:`~daskdist.plugins.scheduler.lifetime.preemptions.PreemptBook`: workers'
-  preemption deadlines.
+  preemption deadlines;
+- :class:`~daskdist.plugins.scheduler.inference.book.InferBook`: batch-inference jobs
+  (``map_batches``).
 
 The books never reach each other: each declares a ``Protocol`` of what it asks its
 coordinator, and the coordinator routes every such call to the book that holds the
-answer (its methods from :class:`BookRouting`). Talks to workers only through the
-``send`` callable the plugin provides (a message on the worker's stream), and forms
-groups through the scheduler the plugin attaches, so it imports nothing from Dask.
+answer (:class:`BookSeams`, the half of the coordinator that joins its books). Talks
+to workers only through the ``send`` callable the plugin provides (a message on the
+worker's stream), and forms groups through the scheduler the plugin attaches, so it
+imports nothing from Dask.
 """
 
 from __future__ import annotations
@@ -42,13 +45,15 @@ from daskdist.core.gang import GangBook
 from daskdist.core.leases.ledgers import Ledgers
 from daskdist.core.leases.table import LeaseTable
 from daskdist.core.membership import LivenessTable, Membership
-from daskdist.core.protocol import RETIRING, SESSION, Outcome, Route
+from daskdist.core.protocol import RETIRING, SESSION, DatasetDef, Outcome, Route
+from daskdist.core.queue import ClosureQueue
 from daskdist.observe.book import RankBook
 from daskdist.plugins.scheduler.asynchronous.book import AsyncBook
 from daskdist.plugins.scheduler.closures import ClosureBook
 from daskdist.plugins.scheduler.datasets import LeaseBook
 from daskdist.plugins.scheduler.gangs import GroupBook
 from daskdist.plugins.scheduler.groups import GroupDriver
+from daskdist.plugins.scheduler.inference.book import InferBook
 from daskdist.plugins.scheduler.lifetime.keepalive import KeepBook
 from daskdist.plugins.scheduler.lifetime.preemptions import PreemptBook
 from daskdist.plugins.scheduler.locality import Locality
@@ -59,16 +64,21 @@ from daskdist.plugins.scheduler.stats import CoordinatorStats
 logger = logging.getLogger(__name__)
 
 
-class BookRouting:
-    """What the books ask of each other: the half of a coordinator that answers every
-    book's ``Protocol``, each method routing one need to the book that holds the answer
-    (the books never reach each other; :class:`CoordinatorState` holds them)."""
+class BookSeams:
+    """What the books ask their coordinator, each call routed to the book that holds the
+    answer: what each book's ``Protocol`` declares (``ClosureCoordinator``,
+    ``GroupCoordinator``, ``LeaseCoordinator``, ``InferenceCoordinator``,
+    ``AsyncCoordinator``, ...); the half of :class:`CoordinatorState` that joins its
+    books."""
 
     closure_book: ClosureBook
     group_book: GroupBook
     lease_book: LeaseBook
+    resource_book: ResourceBook
+    infer_book: InferBook
     preempt_book: PreemptBook
     stats: CoordinatorStats
+    queue: ClosureQueue  # the closure book's
     gangs: GangBook  # the group book's
     leases: LeaseTable  # the lease book's
     ledgers: Ledgers  # the lease book's
@@ -175,8 +185,47 @@ class BookRouting:
         """Whether ``session``'s worker has a preemption deadline within the horizon."""
         return self.preempt_book.leaving(session)
 
+    def job_closure_finished(self, outcome: Outcome) -> None:
+        """A batch-inference job's closure ended: the inference book drives its job."""
+        self.infer_book.closure_finished(outcome)
 
-class CoordinatorState(BookRouting):
+    def put_job_closure(self, cid: str, owner: str, payload: list, tag: str | None) -> None:
+        """A batch-inference job's closure to the queue (the closure book)."""
+        self.closure_book.put_job(cid, owner, payload, tag)
+
+    def cancel_closures(self, owner: str) -> None:
+        """Cancel the queued closures of ``owner`` (a job's own: nobody reads their
+        outcomes)."""
+        self.queue.cancel_pending(owner)
+
+    def define_dataset(self, dataset: DatasetDef, owner: str) -> None:
+        """Define a dynamic dataset's units for ``owner`` (the lease book)."""
+        self.lease_book.dataset_define(tuple(dataset), owner=owner)
+
+    def resume_dataset(self, dataset_id: str, epoch: int, acknowledged: list,
+                       lengths: list | None) -> None:
+        """Start an epoch of a dataset from what a ledger holds (the lease book)."""
+        self.lease_book.resume(dataset_id, epoch, acknowledged, lengths)
+
+    def epoch_progress(self, dataset_id: str, epoch: int) -> dict:
+        """An epoch's counts (the lease table's; read-only)."""
+        return self.leases.progress(dataset_id, epoch)
+
+    def ack_tokens(self, session: str, tokens: list) -> bool:
+        """The rows of a session's lease tokens acknowledged, all or none (the lease
+        table)."""
+        return self.leases.ack_tokens(session, tokens)
+
+    def add_resource(self, owner: str, rid: str, payload: bytes) -> None:
+        """A per-worker resource of ``owner`` (the resource book)."""
+        self.resource_book.add(owner, rid, payload)
+
+    def release_resources(self, rids: list[str]) -> None:
+        """Release per-worker resources here and on every worker (the resource book)."""
+        self.resource_book.release(rids)
+
+
+class CoordinatorState(BookSeams):
     """One named coordinator: its sessions, and the books it routes between."""
 
     def __init__(self, name: str, max_worker_failures: int = 3,
@@ -207,6 +256,7 @@ class CoordinatorState(BookRouting):
         self.keep_book = KeepBook(self, expire or self.drop_owner)
         self.preempt_book = PreemptBook(self)  # workers' preemption deadlines (SPEC §4.6)
         self.async_book = AsyncBook(self)  # one model trained asynchronously (SPEC §2.8)
+        self.infer_book = InferBook(self, max_worker_failures)  # batch inference (SPEC §7)
         # the books' pure state machines, by the names tests and the dashboard read
         self.queue = self.closure_book.queue
         self.outboxes = self.closure_book.outboxes
@@ -258,8 +308,9 @@ class CoordinatorState(BookRouting):
         self.keep_book.client_away(client, away)
 
     def drop_owner(self, owner: str) -> list:
-        """An owner closed (or its client is gone): cancel its queued closures and pending
-        gangs, release its per-worker resources on every worker and forget its error.
+        """An owner closed (or its client is gone): cancel its queued closures, pending
+        gangs, asynchronous models and the batch-inference jobs only it held, release its
+        per-worker resources on every worker and forget its error.
         Returns the outcomes it had not yet read (its finished closures among them);
         a long-poll of it returns at once. Closures already running finish on their
         workers, their results dropped; workers give back the ones they had not started
@@ -267,6 +318,7 @@ class CoordinatorState(BookRouting):
         self.group_book.cancel_gangs(owner)
         self.keep_book.forget(owner)
         self.async_book.drop_owner(owner)  # its models' open rows go back first
+        self.infer_book.owner_dropped(owner)  # the jobs no other owner holds: cancelled
         self.resource_book.release_owner(owner)
         self.forget_datasets(  # its datasets go with it
             [d for d, ds in self.leases.datasets.items() if ds.owner == owner])
@@ -288,7 +340,7 @@ class CoordinatorState(BookRouting):
         raises, commits). The plugin drops it and unregisters its worker plugin."""
         self.closed = True
         for book in (self.closure_book, self.group_book, self.rank_book, self.keep_book,
-                     self.preempt_book, self.async_book):
+                     self.preempt_book, self.async_book, self.infer_book):
             book.close()
 
     # -- what the dashboard reads -------------------------------------------------------
@@ -312,6 +364,9 @@ class CoordinatorState(BookRouting):
     def async_reports(self) -> list[dict]:
         """Every asynchronous model's report (SPEC §2.8)."""
         return self.async_book.reports()
+    def inference_report(self) -> list[dict]:
+        """Every batch-inference job's progress, newest last (SPEC §7)."""
+        return self.infer_book.report()
 
     # -- workers ---------------------------------------------------------------------
     def broadcast(self, msg: dict, sessions: Iterable[str] | None = None,
@@ -451,6 +506,7 @@ class CoordinatorState(BookRouting):
         self.group_book.session_lost(session, expected)  # a member's loss tells the rest
         self.membership_changed()  # (so this sends nothing more to them)
         self.closure_book.session_ended(session, expected)
+        self.infer_book.session_ended(session)  # its rows are free: jobs queue for them
 
     def expire_sessions(self, now: float) -> list[str]:
         """End every session silent for ``lease-timeout`` like a lost worker (fenced: its
@@ -498,6 +554,7 @@ class CoordinatorState(BookRouting):
             **self.group_book.status(),
             "preemptions": self.preempt_book.listing(),  # deadlines, soonest first
             "async_models": self.async_book.status(),  # each model's few counts
+            "inference": self.infer_book.summary(),  # batch-inference jobs, by name
         }
 
 

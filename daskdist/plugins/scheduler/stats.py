@@ -286,6 +286,8 @@ def snapshot(co: Any, group: dict | None = None) -> dict[str, Any]:
         "ranks": co.rank_report(limit=TOP_RANKS),
         # asynchronously trained models: versions, staleness, per-worker rounds (§2.8)
         "async_models": co.async_reports(),
+        # batch-inference jobs: units, rows, rows/s, per worker (SPEC §7)
+        "inference": co.inference_report(),
     }
 
 

@@ -129,13 +129,13 @@ class SessionServices:
         reply.add_done_callback(done)
         return out
 
-    def request(self, op: str, **kwargs: Any) -> Any:
-        """Call scheduler handler ``op`` for this session and wait (at most
-        ``worker.rpc-timeout``): its reply, or ``None`` once the session ended (a
-        feature's own route, such as an asynchronous model's ``daskdist_async_where``)."""
+    def call(self, op: str, ended: Any = None, **kwargs: Any) -> Any:
+        """Call handler ``op`` of this coordinator as this session and wait (at most
+        ``timeout``): its reply, or ``ended`` once the session ended. The way in for a
+        feature whose routes are its own (batch inference's commits)."""
         if self.ended:
-            return None
-        return self._call(op, ended=None, **kwargs)
+            return ended
+        return self._call(op, ended=ended, **kwargs)
 
     def ready(self) -> None:
         """This session built its per-worker resources: it may join the group."""

@@ -54,7 +54,7 @@ class StatusPage(RequestHandler):
                  "<a href='daskdist/status.json'>status.json</a></p>"]
         for name, snap in snapshots(self.plugin).items():
             status = [{"counter": k, "value": v} for k, v in snap["status"].items()
-                      if not isinstance(v, (list, dict))]
+                      if not isinstance(v, (dict, list))]
             group = [{"field": k, "value": v} for k, v in snap["group"].items()]
             parts += [f"<h3>{html.escape(name)}</h3>",
                       _table(status, ["counter", "value"]),
@@ -76,7 +76,15 @@ class StatusPage(RequestHandler):
                       _table(_rank_rows(snap["ranks"]), ["rank", "worker", "steps",
                                                          "median", *PHASES, "straggler"]),
                       "<h4>asynchronous models</h4>",
-                      _table(_async_rows(snap["async_models"]), list(ASYNC_COLUMNS))]
+                      _table(_async_rows(snap["async_models"]), list(ASYNC_COLUMNS)),
+                      "<h4>batch-inference jobs</h4>",
+                      _table(snap["inference"], ["name", "state", "units", "rows", "total",
+                                                 "out_rows", "rows_per_second",
+                                                 "units_per_second", "output", "error"]),
+                      "<h4>batch inference per worker</h4>",
+                      _table(_infer_rows(snap["inference"]), ["job", "address", "units",
+                                                              "rows", "rows_per_second",
+                                                              "failures"])]
         if not self.plugin.coordinators:
             parts.append("<p>No coordinator yet.</p>")
         parts.append("</body></html>")
@@ -109,6 +117,11 @@ def _async_rows(reports: list[dict]) -> list[dict]:
                   "rows": w["rows"], "refused": w["refused"],
                   "MB/round": w["bytes_per_round"] / 1e6} for w in r["workers"]]
     return rows
+
+
+def _infer_rows(jobs: list[dict]) -> list[dict]:
+    """Each batch-inference job's workers as rows of the plain page."""
+    return [{"job": j["name"], **w} for j in jobs for w in j["workers"]]
 
 
 class StatusJSON(RequestHandler):
@@ -208,6 +221,7 @@ class MetricsCollector:
                 ck_bytes.add_metric([name], ck["nbytes"])
         yield from self._ranks()
         yield from self._async_models()
+        yield from self._inference()
         yield from fams.values()
         yield from (recoveries, reformations, losses, formation, expiries, lost,
                     w_closures, w_rows, d_rows, d_epoch, ck_total, ck_step, ck_age, ck_secs,
@@ -293,6 +307,43 @@ class MetricsCollector:
                     w_rows.add_metric([*values, w["address"]], w["rows"])
         return (version, rate, stale, applied, refused, losses, handovers, per_round,
                 w_rounds, w_rows)
+    def _inference(self):
+        """Per batch-inference job (SPEC §7): units and rows committed, rows a second,
+        whether it runs; per worker its units, rows and unit failures."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["coordinator", "job"]
+        fams = {}
+        for key, name, text, counter, per_worker in INFER_METRICS:
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            fams[key] = family(f"daskdist_infer_{name}", text,
+                               labels=labels + ["worker"] * per_worker)
+        for name, co in sorted(self.plugin.coordinators.items()):
+            for j in co.inference_report():
+                values = [name, j["name"]]
+                running = float(j["state"] in ("running", "finalizing"))
+                for key in ("units", "rows", "out_rows", "rows_per_second"):
+                    fams[key].add_metric(values, j[key])
+                fams["running"].add_metric(values, running)
+                for w in j["workers"]:
+                    for key in ("units", "rows", "failures"):
+                        fams[f"worker_{key}"].add_metric([*values, w["address"]], w[key])
+        return tuple(fams.values())
+
+
+# daskdist_infer_* metrics: (key, name, help, a counter (else a gauge), per worker)
+INFER_METRICS = (
+    ("units", "units", "Units a batch-inference job committed", True, False),
+    ("rows", "rows", "Input rows a batch-inference job committed", True, False),
+    ("out_rows", "output_rows", "Output rows a batch-inference job committed", True, False),
+    ("rows_per_second", "rows_per_second", "Rows a second a batch-inference job commits",
+     False, False),
+    ("running", "running", "1 while a batch-inference job runs, else 0", False, False),
+    ("worker_units", "worker_units", "Units committed, per worker", True, True),
+    ("worker_rows", "worker_rows", "Input rows committed, per worker", True, True),
+    ("worker_failures", "unit_failures", "Units whose read or predict raised, per worker",
+     True, True),
+)
 
 
 class Sampler:
