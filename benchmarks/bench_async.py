@@ -11,9 +11,10 @@ asynchronous rounds do not wait for anyone (dynamic local updates: the slow work
 fewer inner steps a round). Figures, each for the slow run and for the run with no slow
 worker:
 
-- time to the target loss (the evaluation set's MSE: ``--target``, by default 1.1x the
-  loss the gang ends its epoch at): asynchronous / gang (target with a worker 3x slower:
-  <= 0.6x);
+- time to the target loss (the evaluation set's MSE: ``--target``, by default the loss
+  the gang ends its epoch at): asynchronous / gang (target with a worker 3x slower:
+  <= 0.6x). The gang trains one epoch first; the asynchronous side then trains epoch
+  after epoch until it reaches the target, for at most 3x the gang's time;
 - the final loss after one epoch: asynchronous / gang (target <= 1.1x); the inner
   optimizer is AdamW on both sides (the gang's steps on averaged gradients);
 - bytes a worker moves per inner step: the gang's ring allreduce of the gradients
@@ -100,34 +101,51 @@ def local_round(replica, it, steps: int, f: Factory) -> dict:
     return {**replica.push(), "steps": taken}
 
 
-def run_async(coord, ds, f: Factory, steps: int, ev, outer) -> dict:
+def run_async(coord, ds, f: Factory, steps: int, ev, outer, target: float,
+              cap: float) -> dict:
+    """Rounds, two a worker in flight, epoch after epoch until the evaluation loss reaches
+    ``target`` or ``cap`` seconds passed; the loss at the end of the first epoch is its
+    ``final``."""
     am = coord.async_model(model=f.model, optimizer=f.optimizer, outer=outer,
                            max_staleness=16)
-    it = iter(ds)
     in_flight = 2 * coord.num_workers
     trace, taken, pending = [], 0, []
     t0 = time.perf_counter()
-    last_eval = 0.0
-    while not ds.progress()["complete"]:
-        while len(pending) < in_flight:
-            pending.append(coord.schedule(local_round, args=(am.replica, it, steps, f)))
-        done = [rv for rv in pending if rv.done()]
-        for rv in done:
-            pending.remove(rv)
-            taken += rv.fetch()["steps"]
-        now = time.perf_counter()
-        if now - last_eval > 0.25:
-            last_eval = now
-            trace.append((now - t0, evaluate(am.state_dict(), f, ev)))
-        if not done:
-            time.sleep(0.005)
+    last_eval, epoch, begun, first_epoch = 0.0, 0, 0, None
+
+    def reached() -> bool:
+        return bool(trace) and (trace[-1][1] <= target or trace[-1][0] > cap)
+
+    while not reached():
+        ds.set_epoch(epoch)
+        it = iter(ds)
+        while not ds.progress(epoch)["complete"] and not reached():
+            while len(pending) < in_flight:
+                pending.append(coord.schedule(local_round, args=(am.replica, it, steps, f)))
+            done = [rv for rv in pending if rv.done()]
+            for rv in done:
+                pending.remove(rv)
+                taken += rv.fetch()["steps"]
+            now = time.perf_counter()
+            if now - last_eval > 0.25:
+                last_eval = now
+                trace.append((now - t0, evaluate(am.state_dict(), f, ev)))
+            if not done:
+                time.sleep(0.005)
+        begun = epoch + 1
+        if ds.progress(epoch)["complete"]:
+            trace.append((time.perf_counter() - t0, evaluate(am.state_dict(), f, ev)))
+            if first_epoch is None:  # every row of the epoch learned: its deltas applied
+                first_epoch = trace[-1]
+            epoch += 1
     seconds = time.perf_counter() - t0
     taken += sum(r["steps"] for r in coord.fetch(pending))
-    final = evaluate(am.state_dict(), f, ev)
-    trace.append((seconds, final))
     report = am.report()
     moved = sum(w["bytes_per_round"] * w["rounds"] for w in report["workers"])
-    return {"trace": trace, "final": final, "seconds": seconds, "steps": taken,
+    if first_epoch is None:  # the target reached inside the first epoch: train it out
+        first_epoch = (seconds, trace[-1][1])
+    return {"trace": trace, "final": first_epoch[1], "epoch_seconds": first_epoch[0],
+            "seconds": seconds, "epochs": begun, "steps": taken,
             "bytes_per_step": moved / max(1, taken), "report": report}
 
 
@@ -209,12 +227,14 @@ def one_run(client, coord, data: str, args, slowdown: float) -> tuple[dict, dict
              "nesterov": lambda: dd.asynchronous.Nesterov(lr=args.outer_lr,
                                                           momentum=args.momentum),
              "average": dd.asynchronous.Average}[args.outer]()
-    ours = run_async(coord, ds_async, f, args.steps, ev, outer)
     ds_gang = coord.distribute_dataset(f"{data}/*.parquet", global_batch_size=batch,
                                        policy="dynamic", shuffle=True, seed=2)
     theirs = run_gang(coord, ds_gang, f, ev)
-    # the target: the given MSE, else the loss the gang ends its epoch at (x 1.1)
-    target = args.target or 1.1 * theirs["final"]
+    # the target: the given MSE, else the loss the gang ends its epoch at; the
+    # asynchronous side trains until it reaches it, or for 3x the gang's epoch at most
+    target = args.target or theirs["final"]
+    ours = run_async(coord, ds_async, f, args.steps, ev, outer, target,
+                     cap=3 * theirs["seconds"])
     for side in (ours, theirs):
         side["target"] = target
         side["to_target"] = first_below(side["trace"], target)
@@ -237,7 +257,7 @@ def main() -> None:
     ap.add_argument("--only-slow", action="store_true", help="skip the run with no slow "
                     "worker")
     ap.add_argument("--target", type=float, default=0.0,
-                    help="the target MSE (0: 1.1x the loss the gang ends its epoch at)")
+                    help="the target MSE (0: the loss the gang ends its epoch at)")
     args = ap.parse_args()
 
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
@@ -252,7 +272,7 @@ def main() -> None:
             slow = (f"one of {args.workers} workers {slowdown:g}x slower" if slowdown != 1
                     else f"{args.workers} workers, none slower")
             size = f"{args.rows:,} rows, {args.step_ms:g} ms steps"
-            # not reached within its epoch: its whole epoch, a bound the time is above
+            # not reached within 3x the gang's epoch: that time, a bound the time is above
             reached = not math.isnan(ours["to_target"])
             took = ours["to_target"] if reached else ours["seconds"]
             ratio = took / theirs["to_target"]
@@ -261,19 +281,22 @@ def main() -> None:
                 print(f"time to MSE {ours['target']:.3g}, {slow}: reached by neither side")
             else:
                 record(f"time to MSE {ours['target']:.3g}, {slow}: asynchronous "
-                       f"{took:.2f} s{'' if reached else ' (not reached in its epoch)'} | gang "
+                       f"{took:.2f} s in {ours['epochs']} epochs"
+                       f"{'' if reached else ' (not reached)'} | gang "
                        f"{theirs['to_target']:.2f} s | ratio "
                        f"{ratio:.2f}x" + (f" (target <= {goal}x)" if goal else ""),
                        what=f"time to the loss the gang ends its epoch at, {slow}, "
                             f"H={args.steps}, {size}"
-                            + ("" if reached else " (not reached: the whole epoch)"),
+                            + ("" if reached else " (not reached in 3x the gang's time)"),
                        ours=took, unit="s",
                        anchor="the synchronous gang (`schedule_on_all` + `synced`)",
                        anchor_value=theirs["to_target"], target=f"≤ {goal}x" if goal else None,
                        met=reached and ratio <= goal if goal else None)
             final = ours["final"] / theirs["final"]
-            record(f"final loss after an epoch, {slow}: asynchronous {ours['final']:.4f} | "
-                   f"gang {theirs['final']:.4f} | ratio {final:.2f}x (target <= 1.1x)",
+            record(f"final loss after an epoch, {slow}: asynchronous {ours['final']:.4f} "
+                   f"({ours['epoch_seconds']:.2f} s) | gang {theirs['final']:.4f} "
+                   f"({theirs['seconds']:.2f} s) | "
+                   f"ratio {final:.2f}x (target <= 1.1x)",
                    what=f"the loss after one epoch, {slow}, {size}", ours=ours["final"],
                    unit="MSE",
                    anchor="the synchronous gang", anchor_value=theirs["final"],

@@ -231,6 +231,29 @@ def test_a_model_factory_that_differs_between_workers_names_the_parameter(cl, tm
     assert np.all(am.state_dict()["counts"].numpy() == 0)  # nothing was applied
 
 
+def pull_after_local_steps(replica) -> tuple[int, int, float]:
+    """Pull, move the weights as inner steps would, pull the same version again: the
+    versions and what the counts hold after the second pull."""
+    import torch
+
+    first = replica.pull()
+    with torch.no_grad():
+        replica.model.counts.add_(1.0)
+    second = replica.pull()
+    return first, second, float(replica.model.counts.abs().sum())
+
+
+def test_a_pull_of_the_version_held_restores_the_pulled_weights(cl):
+    """A worker whose version is current fetches nothing, yet its module goes back to
+    the weights pulled: a delta is measured from them (never twice the same steps)."""
+    cluster, client, coord, threads = cl
+    am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average())
+    first, second, moved = coord.schedule(pull_after_local_steps,
+                                          args=(am.replica,)).fetch(timeout=60)
+    assert first == second == am.version
+    assert moved == 0.0
+
+
 def test_a_holder_with_a_deadline_hands_the_model_over_first(cl, rows_dir):
     """``notify_preemption`` to the holder's worker mid-epoch: its standby takes the
     model from the holder's last copy (no holder lost, no applied delta lost) and the

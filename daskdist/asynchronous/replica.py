@@ -182,12 +182,14 @@ class Replica:
         services = _services("replica.pull()")
         fetched, nbytes = self.client.fetch(services)
         flat.check_layout(fetched.param_layout, self.layout, "replica.pull()")
-        if self._base is not fetched:
-            with torch.no_grad():
-                for p, t in zip(self.model.parameters(), fetched.params, strict=True):
-                    p.copy_(t)
-                for b, t in zip(self.model.buffers(), fetched.buffers, strict=True):
-                    b.copy_(t)
+        # always copied, the cached version too: the module trained since its last pull
+        # (a push not yet applied leaves the version where it was), and a delta is
+        # measured from the weights pulled
+        with torch.no_grad():
+            for p, t in zip(self.model.parameters(), fetched.params, strict=True):
+                p.copy_(t)
+            for b, t in zip(self.model.buffers(), fetched.buffers, strict=True):
+                b.copy_(t)
         self._base = fetched
         self.version = fetched.version
         self._steps, self._t0, self._fetched = 0, time.perf_counter(), nbytes
