@@ -1,6 +1,5 @@
 """What an asynchronous model is made of, as the client pickles it once: the model
-factory, the inner optimizer's, the outer optimizer and the staleness bound; and the
-per-worker factory that builds a worker's replicas (``am.replica``).
+factory, the inner optimizer's, the outer optimizer and the staleness bound.
 
 Loads no torch: the client makes these, the workers unpickle them.
 """
@@ -26,16 +25,3 @@ class AsyncSpec:
     optimizer: Callable[[Any], Any]
     outer: OuterOptimizer
     max_staleness: int
-
-
-class ReplicaFactory:
-    """The per-worker resource behind ``am.replica``: ``factory(ctx)`` is the worker's
-    :class:`~daskdist.asynchronous.replica.ReplicaPool` (a replica per closure thread)."""
-
-    def __init__(self, spec: AsyncSpec) -> None:
-        self.spec = spec
-
-    def __call__(self, ctx: Any) -> Any:
-        from daskdist.asynchronous.replica import ReplicaPool
-
-        return ReplicaPool(self.spec, ctx)

@@ -19,8 +19,9 @@ from typing import Any
 
 import cloudpickle
 
+from daskdist.asynchronous.factory import ReplicaFactory
 from daskdist.asynchronous.outer import Nesterov, OuterOptimizer
-from daskdist.asynchronous.spec import AsyncSpec, ReplicaFactory
+from daskdist.asynchronous.spec import AsyncSpec
 from daskdist.client.reprs import STYLE
 from daskdist.core import checks
 from daskdist.core.asynchronous import protocol as async_protocol

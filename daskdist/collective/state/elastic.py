@@ -485,8 +485,7 @@ class State:
 
     def _checkpoint_last(self) -> None:
         """Every member leaving (a preemption notice, a retirement of all): the newest
-        commit, settled, is written now and waited for, so the next job resumes from it
-        and not from an older checkpoint."""
+        commit, settled, is written now and waited for: the next job resumes from it."""
         self._settle_pending()
         if self._durable.newest() < self._commits:
             self._keeper.write_durable(self._durable, self._id, self._commits, _services(),
