@@ -261,63 +261,24 @@ class MetricsCollector:
         staleness, deltas applied and refused, holder losses and hand-overs, bytes per
         round; per worker, its rounds and rows. Labelled by coordinator and model (and
         worker)."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        labels = ["coordinator", "model"]
-        version = GaugeMetricFamily("daskdist_async_version",
-                                    "The global model's newest version", labels=labels)
-        rate = GaugeMetricFamily("daskdist_async_versions_per_second",
-                                 "Versions applied per second (recent)", labels=labels)
-        stale = GaugeMetricFamily("daskdist_async_staleness",
-                                  "Staleness of applied deltas (versions since their pull)",
-                                  labels=[*labels, "quantile"])
-        applied = CounterMetricFamily("daskdist_async_deltas_applied",
-                                      "Deltas applied to the global model", labels=labels)
-        refused = CounterMetricFamily("daskdist_async_deltas_refused",
-                                      "Deltas refused (staleness over max_staleness)",
-                                      labels=labels)
-        losses = CounterMetricFamily("daskdist_async_holder_losses",
-                                     "Holders of the global model lost", labels=labels)
-        handovers = CounterMetricFamily("daskdist_async_handovers",
-                                        "Moves to the standby before a holder's preemption "
-                                        "deadline", labels=labels)
-        per_round = GaugeMetricFamily("daskdist_async_bytes_per_round",
-                                      "Bytes a round moves (its pull and its push)",
-                                      labels=labels)
-        w_rounds = CounterMetricFamily("daskdist_async_worker_rounds",
-                                       "Rounds (pushes decided), per worker",
-                                       labels=[*labels, "worker"])
-        w_rows = CounterMetricFamily("daskdist_async_worker_rows",
-                                     "Rows of applied deltas, per worker",
-                                     labels=[*labels, "worker"])
+        fams = _families("daskdist_async_", ASYNC_METRICS, ["coordinator", "model"])
         for name, co in sorted(self.plugin.coordinators.items()):
             for r in co.async_reports():
                 values = [name, r["model"]]
-                version.add_metric(values, r["version"])
-                rate.add_metric(values, r["versions_per_second"])
+                for key in ("version", "versions_per_second", "applied", "refused",
+                            "holder_losses", "handovers", "bytes_per_round"):
+                    fams[key].add_metric(values, r[key])
                 for q in ("median", "p90", "max"):
-                    stale.add_metric([*values, q], r["staleness"][q])
-                applied.add_metric(values, r["applied"])
-                refused.add_metric(values, r["refused"])
-                losses.add_metric(values, r["holder_losses"])
-                handovers.add_metric(values, r["handovers"])
-                per_round.add_metric(values, r["bytes_per_round"])
+                    fams["staleness"].add_metric([*values, q], r["staleness"][q])
                 for w in r["workers"]:
-                    w_rounds.add_metric([*values, w["address"]], w["rounds"])
-                    w_rows.add_metric([*values, w["address"]], w["rows"])
-        return (version, rate, stale, applied, refused, losses, handovers, per_round,
-                w_rounds, w_rows)
+                    for key in ("rounds", "rows"):
+                        fams[f"worker_{key}"].add_metric([*values, w["address"]], w[key])
+        return tuple(fams.values())
+
     def _inference(self):
         """Per batch-inference job (SPEC §7): units and rows committed, rows a second,
         whether it runs; per worker its units, rows and unit failures."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        labels = ["coordinator", "job"]
-        fams = {}
-        for key, name, text, counter, per_worker in INFER_METRICS:
-            family = CounterMetricFamily if counter else GaugeMetricFamily
-            fams[key] = family(f"daskdist_infer_{name}", text,
-                               labels=labels + ["worker"] * per_worker)
+        fams = _families("daskdist_infer_", INFER_METRICS, ["coordinator", "job"])
         for name, co in sorted(self.plugin.coordinators.items()):
             for j in co.inference_report():
                 values = [name, j["name"]]
@@ -331,18 +292,49 @@ class MetricsCollector:
         return tuple(fams.values())
 
 
-# daskdist_infer_* metrics: (key, name, help, a counter (else a gauge), per worker)
+def _families(prefix: str, table: tuple, labels: list[str]) -> dict:
+    """A metric family per row of ``table`` (key, name, help, a counter (else a gauge),
+    the label it adds or ``None``), by key."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    return {key: (CounterMetricFamily if counter else GaugeMetricFamily)(
+                f"{prefix}{name}", text, labels=labels + ([extra] if extra else []))
+            for key, name, text, counter, extra in table}
+
+
+# daskdist_async_* metrics: (key, name, help, a counter (else a gauge), label added)
+ASYNC_METRICS = (
+    ("version", "version", "The global model's newest version", False, None),
+    ("versions_per_second", "versions_per_second", "Versions applied per second (recent)",
+     False, None),
+    ("staleness", "staleness", "Staleness of applied deltas (versions since their pull)",
+     False, "quantile"),
+    ("applied", "deltas_applied", "Deltas applied to the global model", True, None),
+    ("refused", "deltas_refused", "Deltas refused (staleness over max_staleness)", True,
+     None),
+    ("holder_losses", "holder_losses", "Holders of the global model lost", True, None),
+    ("handovers", "handovers", "Moves to the standby before a holder's preemption deadline",
+     True, None),
+    ("bytes_per_round", "bytes_per_round", "Bytes a round moves (its pull and its push)",
+     False, None),
+    ("worker_rounds", "worker_rounds", "Rounds (pushes decided), per worker", True,
+     "worker"),
+    ("worker_rows", "worker_rows", "Rows of applied deltas, per worker", True, "worker"),
+)
+
+
+# daskdist_infer_* metrics: (key, name, help, a counter (else a gauge), label added)
 INFER_METRICS = (
-    ("units", "units", "Units a batch-inference job committed", True, False),
-    ("rows", "rows", "Input rows a batch-inference job committed", True, False),
-    ("out_rows", "output_rows", "Output rows a batch-inference job committed", True, False),
+    ("units", "units", "Units a batch-inference job committed", True, None),
+    ("rows", "rows", "Input rows a batch-inference job committed", True, None),
+    ("out_rows", "output_rows", "Output rows a batch-inference job committed", True, None),
     ("rows_per_second", "rows_per_second", "Rows a second a batch-inference job commits",
-     False, False),
-    ("running", "running", "1 while a batch-inference job runs, else 0", False, False),
-    ("worker_units", "worker_units", "Units committed, per worker", True, True),
-    ("worker_rows", "worker_rows", "Input rows committed, per worker", True, True),
+     False, None),
+    ("running", "running", "1 while a batch-inference job runs, else 0", False, None),
+    ("worker_units", "worker_units", "Units committed, per worker", True, "worker"),
+    ("worker_rows", "worker_rows", "Input rows committed, per worker", True, "worker"),
     ("worker_failures", "unit_failures", "Units whose read or predict raised, per worker",
-     True, True),
+     True, "worker"),
 )
 
 
