@@ -130,7 +130,9 @@ def lost_steps(root: str, told: bool, a: argparse.Namespace) -> list[int]:
             LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                          dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
             Client(cluster) as client:
-        coord = dd.Coordinator(client, name="preempted", torch_threads=1)
+        # each untold preemption kills the gang's ranks: that many losses are expected
+        coord = dd.Coordinator(client, name="preempted", torch_threads=1,
+                               max_worker_failures=2 * a.rounds + 1)
         coord.wait_for_workers(2, timeout=120)
         coord.collective_group(backend="gloo", timeout=60)
         state = coord.create_per_worker_resource(MakeState(f"{root}/ckpt", a.every))
