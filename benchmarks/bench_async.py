@@ -14,9 +14,17 @@ worker:
 - time to the target loss (the evaluation set's MSE: ``--target``, by default the loss
   the gang ends its epoch at): asynchronous / gang (target with a worker 3x slower:
   <= 0.6x). The gang trains one epoch first; the asynchronous side then trains epoch
-  after epoch until it reaches the target, for at most 3x the gang's time;
+  after epoch until it reaches the target, for at most 3x the gang's time. Both curves
+  are smoothed alike (the mean of the last 4 evaluations, about 1 s): the loss of one
+  step is noisy near the inner optimizer's floor, and the first crossing of a noisy
+  curve says more of the noise than of the training;
 - the final loss after one epoch: asynchronous / gang (target <= 1.1x); the inner
-  optimizer is AdamW on both sides (the gang's steps on averaged gradients);
+  optimizer is AdamW on both sides (the gang's steps on averaged gradients). The outer
+  step is ``DelayedNesterov(lr=1, momentum=0)``: each push a plain step of its delta
+  over the N workers, so a round of pushes by all of them moves the model by their
+  average. With a few dozen versions an epoch, an outer momentum amplifies stale
+  deltas here (0.5 left identical runs between 0.17 and 0.8 MSE); the papers' outer
+  momentum pays over thousands of outer steps (``--momentum``);
 - bytes a worker moves per inner step: the gang's ring allreduce of the gradients
   (2 (N-1)/N of the model a step) / the asynchronous rounds' pull and push (twice the
   model a round of H steps) (target at H = 50: >= 20x), and the scheduler's share of
@@ -102,19 +110,19 @@ def local_round(replica, it, steps: int, f: Factory) -> dict:
 
 
 def run_async(coord, ds, f: Factory, steps: int, ev, outer, target: float,
-              cap: float) -> dict:
+              cap: float, max_staleness: int) -> dict:
     """Rounds, two a worker in flight, epoch after epoch until the evaluation loss reaches
     ``target`` or ``cap`` seconds passed; the loss at the end of the first epoch is its
     ``final``."""
     am = coord.async_model(model=f.model, optimizer=f.optimizer, outer=outer,
-                           max_staleness=16)
+                           max_staleness=max_staleness)
     in_flight = 2 * coord.num_workers
     trace, taken, pending = [], 0, []
     t0 = time.perf_counter()
     last_eval, epoch, begun, first_epoch = 0.0, 0, 0, None
 
     def reached() -> bool:
-        return bool(trace) and (trace[-1][1] <= target or trace[-1][0] > cap)
+        return bool(trace) and (smoothed(trace)[-1][1] <= target or trace[-1][0] > cap)
 
     while not reached():
         ds.set_epoch(epoch)
@@ -155,8 +163,23 @@ def evaluate(state: dict, f: Factory, ev) -> float:
     return mse(model, *ev)
 
 
+SMOOTH = 4  # evaluations (about 1 s of either side's training) a point of the curve spans
+
+
+def smoothed(trace: list) -> list:
+    """``(t, the mean of the losses of the last SMOOTH evaluations up to t)``: the loss
+    at a step is noisy (each side sits at its inner AdamW's noise floor by the epoch's
+    end), and where a noisy curve first crosses a level is a lottery; both sides'
+    curves are compared smoothed alike."""
+    out = []
+    for i, (t, _) in enumerate(trace):
+        window = trace[max(0, i - SMOOTH + 1):i + 1]
+        out.append((t, sum(loss for _, loss in window) / len(window)))
+    return out
+
+
 def first_below(trace: list, target: float) -> float:
-    return next((t for t, loss in trace if loss <= target), float("nan"))
+    return next((t for t, loss in smoothed(trace) if loss <= target), float("nan"))
 
 
 # -- synchronous: the gang at its slowest member's pace --------------------------------------
@@ -230,11 +253,12 @@ def one_run(client, coord, data: str, args, slowdown: float) -> tuple[dict, dict
     ds_gang = coord.distribute_dataset(f"{data}/*.parquet", global_batch_size=batch,
                                        policy="dynamic", shuffle=True, seed=2)
     theirs = run_gang(coord, ds_gang, f, ev)
-    # the target: the given MSE, else the loss the gang ends its epoch at; the
-    # asynchronous side trains until it reaches it, or for 3x the gang's epoch at most
-    target = args.target or theirs["final"]
+    # the target: the given MSE, else the loss the gang ends its epoch at (its smoothed
+    # curve's end); the asynchronous side trains until its smoothed curve reaches it, or
+    # for 3x the gang's epoch at most
+    target = args.target or smoothed(theirs["trace"])[-1][1]
     ours = run_async(coord, ds_async, f, args.steps, ev, outer, target,
-                     cap=3 * theirs["seconds"])
+                     cap=3 * theirs["seconds"], max_staleness=args.max_staleness)
     for side in (ours, theirs):
         side["target"] = target
         side["to_target"] = first_below(side["trace"], target)
@@ -253,7 +277,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3, help="the inner AdamW's")
     ap.add_argument("--outer", choices=("delayed", "nesterov", "average"), default="delayed")
     ap.add_argument("--outer-lr", type=float, default=1.0)
-    ap.add_argument("--momentum", type=float, default=0.5, help="the outer momentum")
+    ap.add_argument("--momentum", type=float, default=0.0, help="the outer momentum")
+    ap.add_argument("--max-staleness", type=int, default=16)
     ap.add_argument("--only-slow", action="store_true", help="skip the run with no slow "
                     "worker")
     ap.add_argument("--target", type=float, default=0.0,

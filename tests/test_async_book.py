@@ -57,9 +57,11 @@ def lease(co, session: str, rows: int = 10) -> list:
     return [tuple(LeaseToken.of("ds", 0, got))]
 
 
-def stage(co, holder: str, pid: str, pusher: str, tokens: list) -> dict:
+def stage(co, holder: str, pid: str, pusher: str, tokens: list, steps: int = 3,
+          seconds: float = 0.1) -> dict:
     return route(co, "daskdist_async_stage")(
-        session=holder, stage=["m", 0, pid, pusher, f"w{pusher[-1]}", tokens, 0])
+        session=holder, stage=["m", 0, pid, pusher, f"w{pusher[-1]}", tokens, 0, steps,
+                               seconds])
 
 
 def test_a_holder_and_a_standby_on_two_members(book):
@@ -69,6 +71,22 @@ def test_a_holder_and_a_standby_on_two_members(book):
     assert ("w1", STANDBY, "same") in kinds and ("w0", HOLDER, "same") in kinds
 
 
+def test_a_push_is_answered_with_its_workers_pace_this_round_included(book):
+    """Dynamic local updates: the answer to a worker's first push already scales its
+    next round by the pace that round measured, against the fastest worker's; a pace
+    that changes moves the answer (the fastest kept as paces change)."""
+    co, _, _ = book
+    assert stage(co, "s0", "p1", "s1", lease(co, "s1"), 50, 0.5)["speed"] == 1.0
+    assert stage(co, "s0", "p2", "s2", lease(co, "s2"), 50, 1.5)["speed"] == \
+        pytest.approx(1 / 3)
+    # the fast worker slows (smoothed: from 100 to 60 steps/s), still the fastest: the
+    # slow one's share is of 60 now, not of the 100 it was
+    assert stage(co, "s0", "p3", "s1", lease(co, "s1"), 50, 2.5)["speed"] == 1.0
+    assert stage(co, "s0", "p4", "s2", lease(co, "s2"), 50, 1.5)["speed"] == \
+        pytest.approx((100 / 3) / 60)
+    assert co.async_book.models["m"].paces.share("w1") == 1.0
+
+
 def test_a_staged_push_outlives_its_worker_and_is_acknowledged_at_the_copy(book):
     co, sent, _ = book
     tokens = lease(co, "s2")
@@ -76,8 +94,7 @@ def test_a_staged_push_outlives_its_worker_and_is_acknowledged_at_the_copy(book)
     assert leased_to(co.leases, "s2", "ds", 0) == []  # the model's now
     co.end_session("s2")  # the pusher is lost: its rows stay with the push
     assert leased_to(co.leases, "async:m", "ds", 0) == [(0, 10)]
-    co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p1", True, 1, 0, "", 3,
-                                                  0.1, 80)))
+    co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p1", True, 1, 0, "", 80)))
     assert co.leases.progress("ds", 0)["acknowledged"] == 0  # not durable yet
     co.async_book.on_copied("s1", tuple(Copied("m", "s1", 0, 1, [["p1", 1]])))
     assert co.leases.progress("ds", 0)["acknowledged"] == 10
@@ -91,7 +108,7 @@ def test_a_refused_push_gives_its_rows_back(book):
     tokens = lease(co, "s2")
     assert stage(co, "s0", "p1", "s2", tokens)["staged"]
     co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p1", False, 0, 3,
-                                                  "stale", 3, 0.1, 80)))
+                                                  "stale", 80)))
     p = co.leases.progress("ds", 0)
     assert p["leased"] == 0 and p["free"] == 100
     assert co.async_book.report("m")["refused"] == 1
@@ -173,8 +190,8 @@ def test_a_holder_with_a_deadline_hands_the_model_to_its_standby_losing_nothing(
                      standby="w1") == {"moved": "w1"}
     address, role = roles(sent)[-1]
     assert (address, role.role, role.source, role.incarnation) == ("w1", HOLDER, "copy", 1)
-    co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p1", True, 1, 0, "", 3,
-                                                  0.1, 80)))  # late: counted, not settled
+    # late: counted, not settled
+    co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p1", True, 1, 0, "", 80)))
     co.async_book.on_copied("s1", tuple(Copied("m", "s1", 0, 1, [["p1", 1]])))
     co.async_book.on_ready("s1", tuple(Ready("m", "s1", 1, 2, 1, "copy", 40, {}, [])))
     assert co.leases.progress("ds", 0)["acknowledged"] == 10  # p1 is in the new holder

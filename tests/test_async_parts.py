@@ -118,4 +118,7 @@ def test_a_push_or_pull_outside_a_closure_names_the_call():
     with pytest.raises(RuntimeError, match=r"replica.pull\(\) must run inside a closure"):
         pool.pull()
     assert pool.replicas == 1 and isinstance(pool.model, torch.nn.Sequential)
-    assert pool.suggested_steps(50) == 50  # no speed measured: every worker alike
+    # no pace measured yet: a short first round (it measures it; its delta stays small)
+    assert pool.suggested_steps(50) == 12 and pool.suggested_steps(2) == 1
+    pool.client.speed, pool.client.paced = 0.5, True  # as a push's answer sets them
+    assert pool.suggested_steps(50) == 25

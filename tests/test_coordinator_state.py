@@ -4,6 +4,7 @@ the scheduler plugin's handlers only look the coordinator up and call these."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import dask
 import pytest
@@ -649,6 +650,37 @@ def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
     check_queue(co.queue)
 
 
+def test_a_closure_set_aside_at_the_tail_wakes_a_waiting_worker_once_the_epoch_completes():
+    """s2 holds the epoch's last rows, so a closure reading the dataset is set aside for
+    it; s1 waits idle in its long-poll. When s2's rows are acknowledged (the epoch
+    complete) s1's long-poll gets the closure at once, not after the poll interval."""
+    co = make([])
+    book = co.closure_book
+    book.add_owner("me", None, "t")
+    for s, w in (("s1", "w1"), ("s2", "w2")):
+        start(co, s, w)
+    co.leases.define("ds", [(10, 2)])
+    rows = []
+    while co.leases.progress("ds", 0)["free"]:
+        rows += co.leases.acquire("s2", "ds", 0, 20)
+    book.put("me", "t", [("me-0", (b"f", None), 0, "ds")])
+    co.members.poll_base = 30.0
+
+    async def run():
+        assert (await book.exchange(_Comm(), "s1", [], [], 5, False))["closures"] == []
+        waiting = asyncio.ensure_future(book.exchange(_Comm(), "s1", [], [], 5, True))
+        await asyncio.sleep(0)  # s1 parks in its long-poll
+        assert not waiting.done()
+        t0 = time.monotonic()
+        co.leases.ack("s2", "ds", 0, rows)
+        got = await asyncio.wait_for(waiting, 5)
+        assert [d[0] for d in got["closures"]] == ["me-0"]
+        assert time.monotonic() - t0 < 1.0
+
+    asyncio.run(run())
+    check_queue(co.queue)
+
+
 def test_a_closure_reading_a_per_worker_iterator_names_its_dataset():
     """The client tags a closure whose argument is a dataset's per-worker iterator with
     the dataset's id (Submission.dataset), whichever argument it is; else ''."""
@@ -701,7 +733,7 @@ def test_every_session_route_answers_an_ended_session_with_one_reply():
         "daskdist_infer_finalized": dict(job="none", ok=True),
         "daskdist_preemption": dict(deadline=2e9, reason="a test"),
         "daskdist_async_where": dict(model="m"),
-        "daskdist_async_stage": dict(stage=["m", 0, "p", "s", "w", [], 0]),
+        "daskdist_async_stage": dict(stage=["m", 0, "p", "s", "w", [], 0, 1, 0.1]),
         "daskdist_async_ledger": dict(model="m", version=0, applied=[]),
         "daskdist_async_abandon": dict(model="m", pid="p", tokens=[]),
         "daskdist_async_hand_over": dict(model="m", incarnation=0, version=0, standby="w"),

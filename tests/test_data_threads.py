@@ -179,11 +179,11 @@ class GatedLeases(LocalLeaseService):
         self.free = free
         self.calls = 0
 
-    def acquire(self, dataset_id, epoch, rows, least=1):
+    def acquire(self, dataset_id, epoch, rows, least=1, rate=None):
         self.calls += 1
         if self.calls > self.free:
             assert self.gate.wait(30), "gate never opened"
-        return super().acquire(dataset_id, epoch, rows, least)
+        return super().acquire(dataset_id, epoch, rows, least, rate)
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

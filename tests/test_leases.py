@@ -520,3 +520,60 @@ def test_takes_sends_a_tail_closure_to_a_holder_of_the_rows():
     t.ack("s2", "ds", 0, [(0, 10)])
     t.ack("s3", "ds", 0, lease)  # every row acknowledged: nothing held, anyone
     assert t.takes("ds", "s1") and list(t.holders("ds")) == []
+
+
+def _finish_ticks(rated: bool, shuffle: bool) -> dict[str, int]:
+    """Three readers of one epoch of 120 units of 100 rows, two taking 30 rows a tick
+    and one 10, each asking for a lease every tick (at least 32 rows) and acknowledging
+    what it took: the tick each took its last rows. ``rated``: each says its pace."""
+    t = LeaseTable()
+    t.define(DS, unit_runs([100] * 120), seed=3, shuffle=shuffle)
+    speed = {"fast1": 30, "fast2": 30, "slow": 10}
+    held: dict[str, list] = {s: [] for s in speed}
+    last = dict.fromkeys(speed, 0)
+    for tick in range(1, 10_000):
+        if t.is_complete(DS, 0):
+            break
+        for s, v in speed.items():
+            got = t.acquire(s, DS, 0, 65536, parts=3, least=32, tail=True,
+                            rate=float(v) if rated else None)
+            held[s] += got or []
+            taken, left = [], v
+            while held[s] and left:
+                a, b = held[s].pop(0)
+                c = min(b, a + left)
+                taken.append((a, c))
+                left -= c - a
+                if c < b:
+                    held[s].insert(0, (c, b))
+            if taken:
+                assert t.ack(s, DS, 0, taken)
+                last[s] = tick
+        check_leases(t)
+    assert t.is_complete(DS, 0)
+    return last
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_readers_that_say_their_pace_run_out_together(shuffle):
+    """Weighed by the rates the loaders measure, a reader three times slower holds a
+    third as many rows: the epoch's last rows are not left with it while the others
+    idle (equal shares leave it a long tail)."""
+    rated = _finish_ticks(True, shuffle)
+    equal = _finish_ticks(False, shuffle)
+    ideal = 12_000 / 70  # every reader busy to the end
+    assert max(rated.values()) <= 1.08 * ideal, rated
+    assert max(rated.values()) - min(rated.values()) <= 12, rated
+    assert equal["slow"] - max(equal["fast1"], equal["fast2"]) > 60, equal
+
+
+def test_a_lost_readers_rate_goes_with_it():
+    """A dropped session's rate weighs no one's share any more."""
+    t = table([100] * 10)
+    t.acquire("a", DS, 0, 10, rate=5.0)
+    t.acquire("b", DS, 0, 10, rate=15.0)
+    rates = t.datasets[DS].rates
+    assert rates.weight("a", 2) == pytest.approx(0.25)
+    t.drop_session("b")
+    assert rates.of == {"a": 5.0} and rates.weight("a", 2) == pytest.approx(0.5)
+    assert rates.weight("c", 2) is None  # never said: an equal share

@@ -113,6 +113,7 @@ def test_a_closure_path():
 BATCH = 32  # rows a batch
 BLOCK = 8 * BATCH  # a row group: a block, read whole
 LEASE = 4 * BLOCK  # a lease: its blocks are read in order, the next lease asked ahead
+# (a loader's first lease, before its pace is measured, is the least: a batch's block)
 FILES, FILE_ROWS = 4, 16 * BLOCK
 
 # beyond the closure's files, a batch from a block already read: the cut (loader,
@@ -147,11 +148,13 @@ def _write(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_a_dynamic_batch_path(tmp_path):
     """One worker of two threads (so the batch positions are known) reading row groups of
-    8 batches, leased 4 at a time, with the loader's reads in the closure's thread
-    (``prefetch=0``): a batch from the block read at the lease's first batch, then the
-    first batch of the lease's second block."""
+    8 batches, leased 4 at a time once its pace is measured (from its second batch here),
+    with the loader's reads in the closure's thread (``prefetch=0``): in the second lease,
+    a batch from the block read at its first batch, then the first batch of its second
+    block."""
     _write(tmp_path)
-    with traced_cluster(1, 2, **{"daskdist.data.lease-rows": LEASE}) as (_, client), \
+    with traced_cluster(1, 2, **{"daskdist.data.lease-rows": LEASE,
+                                 "daskdist.data.pace-span": 0}) as (_, client), \
             dd.Coordinator(client, name="lease-path") as coord:
         ds = coord.distribute_dataset(str(tmp_path / "*.parquet"), global_batch_size=BATCH,
                                       policy="dynamic", prefetch=0)
@@ -160,17 +163,19 @@ def test_a_dynamic_batch_path(tmp_path):
         def batch() -> int:
             return coord.fetch(coord.schedule(_take, args=(it,)))
 
-        assert [batch() for _ in range(2)] == [0, BATCH]  # the first lease, its 1st block
-        # the lease asked ahead when the first came is answered: 2 leases out, 2 batches in
-        wait_until(lambda: ds.progress()["free"] == FILES * FILE_ROWS - 2 * LEASE, 30,
-                   "the lease asked ahead")
+        # the first lease (the least: one block), then the second's first two batches
+        start = BLOCK // BATCH + 2
+        assert [batch() for _ in range(start)] == [i * BATCH for i in range(start)]
+        # the lease asked ahead when the second came is answered: 3 leases out
+        wait_until(lambda: ds.progress()["free"] == FILES * FILE_ROWS - BLOCK - 2 * LEASE,
+                   30, "the lease asked ahead")
         first: list[int] = []
         in_block = trace(client, lambda: first.append(batch()))
-        assert first == [2 * BATCH]
-        for i in range(3, BLOCK // BATCH):  # to the block's end
+        assert first == [start * BATCH]
+        for i in range(start + 1, 2 * BLOCK // BATCH):  # to the block's end
             assert batch() == i * BATCH
         crossing = trace(client, lambda: first.append(batch()))
-        assert first[-1] == BLOCK  # the second block's first row
+        assert first[-1] == 2 * BLOCK  # the second lease's second block's first row
     print("a batch from a block read:", len(in_block), sorted(in_block))
     print("a batch crossing into the next block:", len(crossing), sorted(crossing))
     expected = CLOSURE_PATH | BATCH_PATH
@@ -238,8 +243,8 @@ def gang_held_at_step_2(tmp_path: Path, members: int, threads: int, name: str, l
     """A traced cluster of ``members`` workers running :func:`_train` as a gang over a
     dynamic dataset of 32-row batches a rank (:func:`_write`'s files, read in the
     closure's thread), every rank held after step 2's commit (and at step 3's), every
-    rank's first lease and the one it asked ahead out (no reply is due): the traced
-    steps read from the first block of each rank's lease. Yields ``(cluster, client,
+    rank's first lease out (the least, one block: its pace not measured yet) and no
+    other asked (no reply is due): the traced steps read from that block. Yields ``(cluster, client,
     coord, gang, gates, held)``, ``held`` the ranks at step 2 (:func:`_at`)."""
     (tmp_path / "data").mkdir()
     _write(tmp_path / "data")
@@ -256,8 +261,8 @@ def gang_held_at_step_2(tmp_path: Path, members: int, threads: int, name: str, l
         gang = coord.schedule_on_all(_train, args=(state, iter(ds), str(gates), last))
         held = wait_until(lambda: len(_at(gates, 2)) == members and _at(gates, 2), 60,
                           "every rank at step 2")
-        wait_until(lambda: ds.progress()["free"] == FILES * FILE_ROWS - 2 * members * LEASE,
-                   30, "the leases asked ahead")
+        wait_until(lambda: ds.progress()["free"] == FILES * FILE_ROWS - members * BLOCK,
+                   30, "every rank's first lease")
         yield cluster, client, coord, gang, gates, held
 
 

@@ -178,7 +178,7 @@ class Held:
 
     async def _stage(self, p: Push) -> dict:
         stage = Stage(self.model, self.gm.incarnation, p.pid, p.pusher, p.address,
-                      list(p.tokens), int(p.base))
+                      list(p.tokens), int(p.base), int(p.steps), float(p.seconds))
         return await self.svc.worker.scheduler.daskdist_async_stage(
             name=self.svc.name, session=self.session, stage=tuple(stage))
 
@@ -230,8 +230,7 @@ class Held:
 
     def _report(self, p: Push, applied: bool, version: int, staleness: int, reason: str) -> None:
         d = Decision(self.model, self.session, self.gm.incarnation, p.pid, applied,
-                     int(version), int(staleness), reason[:4000], int(p.steps),
-                     float(p.seconds), int(p.round_bytes))
+                     int(version), int(staleness), reason[:4000], int(p.round_bytes))
         self.svc.send("daskdist-async-decided", self.session, decision=tuple(d))
 
     # -- pulls ------------------------------------------------------------------------------

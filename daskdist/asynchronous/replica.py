@@ -43,6 +43,10 @@ from daskdist.core.leases.table import group_tokens, merge_tokens
 from daskdist.session.scope import closure_scope_now
 from daskdist.session.tokens import take_consumed
 
+# a worker's share of a round's suggested steps until its pace is measured (its first
+# push answered): a short first round measures it, and keeps the first deltas small
+UNPACED_SHARE = 0.25
+
 
 class Fetched(NamedTuple):
     """A version of the global model as this worker fetched it (never changed)."""
@@ -75,6 +79,7 @@ class ModelClient:
         self.holder: str | None = None
         self.cache: Fetched | None = None
         self.speed = 1.0  # this worker's inner steps/s over the fastest worker's
+        self.paced = False  # a push's answer said its speed
         self.timeout = config.seconds("asynchronous.push-timeout")
         self.attempt_timeout = min(self.timeout, config.seconds("worker.rpc-timeout"))
         # the first try of a call is short: a lost holder's address refuses connections
@@ -228,7 +233,8 @@ class Replica:
             self._abandon(services, push)  # staged: the book gave its rows back
         if reply.get("error"):
             raise ValueError(reply["error"])
-        self.client.speed = float(reply.get("speed", self.client.speed))
+        if "speed" in reply:
+            self.client.speed, self.client.paced = float(reply["speed"]), True
         self._fetched = 0
         out = {"applied": bool(reply.get("applied")), "version": int(reply["version"]),
                "staleness": int(reply.get("staleness", 0)), "rows": rows}
@@ -248,8 +254,11 @@ class Replica:
         """Dynamic local updates (Asynchronous Local-SGD, arXiv 2401.09135): ``steps``
         scaled by this worker's measured speed over the fastest worker's,
         ``max(1, floor(share * steps))``, so a slow worker's rounds take as long as a
-        fast one's and its deltas are no staler."""
-        return max(1, math.floor(self.client.speed * int(steps)))
+        fast one's and its deltas are no staler. Before its first push is answered the
+        share is ``UNPACED_SHARE``: a round of unknown length would make the first,
+        largest deltas (from the untrained model) the stalest."""
+        share = self.client.speed if self.client.paced else UNPACED_SHARE
+        return max(1, math.floor(share * int(steps)))
 
 
 class ReplicaPool:

@@ -375,6 +375,10 @@ class ClosureQueue:
             self._victims.grew(session)
         return out
 
+    def set_aside(self, tag: str) -> int:
+        """How many closures are set aside for ``tag``'s holders (stale ones included)."""
+        return len(self._aside.by_tag.get(tag, ()))
+
     def _take(self, tag: str, session: str, running: dict[str, None], budget: int,
               out: list[Closure]) -> int:
         """Lease closures set aside for ``tag`` to ``session``, oldest first; the budget

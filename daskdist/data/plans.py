@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from daskdist import config
+from daskdist.data.leased.held import ConsumptionRate
 from daskdist.data.leased.passes import LeasedPass
 from daskdist.data.sharding import Piece, assign
 from daskdist.data.sources import ChunkSource, Source, SourceReader
@@ -99,6 +101,8 @@ class LeasedPlan:
         self.source = source
         self.services = services
         self.pipeline = pipeline
+        # this loader's consumption, across its epochs
+        self.rate = ConsumptionRate(config.seconds("data.pace-span"))
 
     def split(self, pipeline: tuple[int, int], before: Callable[[], None] = lambda: None
               ) -> None:
@@ -120,7 +124,7 @@ class LeasedPlan:
         """A pass over rows leased now (``define``: the loader's dataset definition,
         once; ``outside``: no coordinator runs the closures that take its batches)."""
         return LeasedPass(reader.spec, epoch, lambda drop: reader.unit_reads(epoch, drop),
-                          define, outside)
+                          define, outside, self.rate)
 
     def position(self, consumed: int) -> int:
         return 0  # the lease table holds the epoch's ledger

@@ -34,6 +34,7 @@ Imports nothing from Dask, torch or the rest of the package.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 import time
 from collections import OrderedDict, deque
@@ -98,7 +99,38 @@ class WorkerTally:
     rows: int = 0  # rows of its applied pushes
     refused: int = 0
     bytes: int = 0  # bytes its rounds moved (pull fetches and pushes)
-    rate: float = 0.0  # inner steps per second, smoothed (dynamic local updates)
+
+
+class Paces:
+    """Each worker's inner steps a second (smoothed over its rounds) and the fastest's:
+    dynamic local updates scale a worker's suggested steps by its share of the fastest.
+    The fastest is kept in a lazy max-heap: O(log workers) a round, whatever changes."""
+
+    def __init__(self) -> None:
+        self.of: dict[str, float] = {}
+        self._fastest: list[tuple[float, str]] = []  # (-pace, worker), stale ones too
+
+    def measured(self, address: str, steps: int, seconds: float) -> None:
+        """A round of ``steps`` inner steps took ``seconds`` on worker ``address``."""
+        if steps <= 0 or seconds <= 0:
+            return
+        old = self.of.get(address, 0.0)
+        pace = steps / seconds if old == 0 else 0.5 * old + 0.5 * steps / seconds
+        self.of[address] = pace
+        heapq.heappush(self._fastest, (-pace, address))
+        if len(self._fastest) > 4 * len(self.of) + 16:  # mostly stale entries: rebuilt
+            self._fastest = [(-v, a) for a, v in self.of.items()]
+            heapq.heapify(self._fastest)
+
+    def share(self, address: str) -> float:
+        """``address``'s pace over the fastest worker's (1.0 when not measured)."""
+        heap = self._fastest
+        while heap and self.of.get(heap[0][1]) != -heap[0][0]:
+            heapq.heappop(heap)  # its worker's pace changed since
+        pace = self.of.get(address, 0.0)
+        if not heap or pace <= 0:
+            return 1.0
+        return min(1.0, pace / -heap[0][0])
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -148,6 +180,7 @@ class ModelLedger:
         self.handovers = 0  # moves to the standby before a holder's deadline
         self.handed: tuple[str, int] | None = None  # the last (holder, incarnation) that did
         self.workers: dict[str, WorkerTally] = {}
+        self.paces = Paces()  # the workers' inner steps a second (dynamic local updates)
         self.staleness: deque[int] = deque(maxlen=4096)
         self.max_seen_staleness = 0
         self.times: deque[tuple[float, int]] = deque(maxlen=256)  # (when, version) applied
@@ -182,17 +215,16 @@ class ModelLedger:
         self._prune()
 
     def decided(self, holder: str, incarnation: int, pid: str, applied: bool, version: int,
-                staleness: int, alone: bool, steps: int = 0, seconds: float = 0.0,
-                round_bytes: int = 0) -> Settle:
+                staleness: int, alone: bool, round_bytes: int = 0) -> Settle:
         """The holder applied push ``pid`` as ``version``, or refused it. ``alone``: no
         other worker can keep a copy, so an applied push is durable at once."""
         rec = self.pushes.get(pid)
         if rec is None or holder != self.holder or incarnation != self.incarnation:
             if rec is not None and (holder, incarnation) == self.handed:
                 # decided before its holder handed over: the copy settles its rows
-                self._count(rec, applied, staleness, steps, seconds, round_bytes)
+                self._count(rec, applied, staleness, round_bytes)
             return Settle()
-        self._count(rec, applied, staleness, steps, seconds, round_bytes)
+        self._count(rec, applied, staleness, round_bytes)
         if rec.state != STAGED:
             return Settle()  # a standby's copy named it first
         if not applied:
@@ -206,19 +238,14 @@ class ModelLedger:
             self.durable = max(self.durable, version)
         return self._settle_through(self.durable)
 
-    def _count(self, rec: PushRecord, applied: bool, staleness: int, steps: int,
-               seconds: float, round_bytes: int) -> None:
+    def _count(self, rec: PushRecord, applied: bool, staleness: int,
+               round_bytes: int) -> None:
         if rec.counted:
             return
         rec.counted = True
-        w = self.workers.get(rec.address)
-        if w is None:
-            w = self.workers[rec.address] = WorkerTally()
+        w = self._tally(rec.address)
         w.rounds += 1
         w.bytes += round_bytes
-        if seconds > 0 and steps > 0:
-            rate = steps / seconds
-            w.rate = rate if w.rate == 0 else 0.5 * w.rate + 0.5 * rate
         if applied:
             w.rows += rec.rows
             self.applied += 1
@@ -439,15 +466,11 @@ class ModelLedger:
                 continue
             del self.pushes[pid]
 
-    # -- what it reports ----------------------------------------------------------------------
-    def rate_share(self, address: str) -> float:
-        """A worker's inner steps per second over the fastest worker's (1.0 when not
-        measured): dynamic local updates scale its steps by it."""
-        top = max((w.rate for w in self.workers.values()), default=0.0)
+    def _tally(self, address: str) -> WorkerTally:
         w = self.workers.get(address)
-        if top <= 0 or w is None or w.rate <= 0:
-            return 1.0
-        return min(1.0, w.rate / top)
+        if w is None:
+            w = self.workers[address] = WorkerTally()
+        return w
 
     def versions_per_second(self) -> float:
         if len(self.times) < 2:
@@ -497,6 +520,7 @@ class ModelLedger:
             "workers": [{"address": a, "rounds": w.rounds, "rows": w.rows,
                          "refused": w.refused,
                          "bytes_per_round": w.bytes / w.rounds if w.rounds else 0.0,
-                         "steps_per_second": w.rate, "speed_share": self.rate_share(a)}
+                         "steps_per_second": self.paces.of.get(a, 0.0),
+                         "speed_share": self.paces.share(a)}
                         for a, w in sorted(self.workers.items())],
         }

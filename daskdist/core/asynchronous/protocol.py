@@ -64,8 +64,7 @@ class Ready(NamedTuple):
 
 class Decision(NamedTuple):
     """A push decided by the holder (holder → scheduler, ``daskdist-async-decided``):
-    applied as ``version``, or refused (``reason``); with the round's measures from
-    the worker that pushed it."""
+    applied as ``version``, or refused (``reason``); with the bytes the round moved."""
 
     model: str
     session: str  # the holder's
@@ -75,8 +74,6 @@ class Decision(NamedTuple):
     version: int
     staleness: int
     reason: str
-    steps: int  # inner steps of the round (optimizer steps since its pull)
-    seconds: float  # the round's wall time (pull to push)
     round_bytes: int  # bytes the round moved: the pull's fetch and the push
 
 
@@ -106,7 +103,8 @@ class Checkpointed(NamedTuple):
 class Stage(NamedTuple):
     """A push the holder received, before it applies it (holder → scheduler,
     ``daskdist_async_stage``): the rows it consumed move from the pusher's session to
-    the model's, so losing the pusher no longer gives them back."""
+    the model's, so losing the pusher no longer gives them back. With the round's
+    measures: its worker's pace (dynamic local updates), answered with the push."""
 
     model: str
     incarnation: int
@@ -115,6 +113,8 @@ class Stage(NamedTuple):
     address: str  # its worker
     tokens: list  # its lease tokens
     base: int  # the version it pulled
+    steps: int  # inner steps of the round (optimizer steps since its pull)
+    seconds: float  # the round's wall time (pull to push)
 
 
 class Push(NamedTuple):
@@ -175,8 +175,6 @@ def decision(value: Any, op: str) -> Decision:
     checks.integer(d.version, f"{op}: version", 0, 1 << 62)
     checks.integer(d.staleness, f"{op}: staleness", 0, 1 << 62)
     checks.text(d.reason, f"{op}: reason", 4096, empty=True)
-    checks.integer(d.steps, f"{op}: steps", 0, 1 << 40)
-    checks.number(d.seconds, f"{op}: seconds", 0.0, 1e9)
     checks.integer(d.round_bytes, f"{op}: round_bytes", 0, MAX_BYTES)
     return d
 
@@ -218,4 +216,6 @@ def stage(value: Any, op: str) -> Stage:
     checks.items(s.tokens, f"{op}: tokens")
     checks.integer(s.base, f"{op}: base", 0, 1 << 62)
     checks.integer(s.incarnation, f"{op}: incarnation", 0, 1 << 62)
+    checks.integer(s.steps, f"{op}: steps", 0, 1 << 40)
+    checks.number(s.seconds, f"{op}: seconds", 0.0, 1e9)
     return s

@@ -28,7 +28,39 @@ from daskdist.core.intervals import (
 from daskdist.core.leases.partitions import Permutation
 from daskdist.core.leases.units import Units
 
-__all__ = ["Dataset", "Epoch"]
+__all__ = ["Dataset", "Epoch", "Rates"]
+
+
+class Rates:
+    """Rows a second each session's loader consumes from one dataset, as the loaders
+    measured them, and their sum: what weighs a reader's share of an epoch's rows.
+    Kept across epochs (a loader's pace outlives its epoch); a lost session's goes."""
+
+    __slots__ = ("of", "total")
+
+    def __init__(self) -> None:
+        self.of: dict[str, float] = {}
+        self.total = 0.0
+
+    def set(self, session: str, rate: float) -> None:
+        """``session`` consumes ``rate`` rows a second (its newest measure)."""
+        self.total += rate - self.of.get(session, 0.0)
+        self.of[session] = rate
+
+    def forget(self, session: str) -> None:
+        self.total -= self.of.pop(session, 0.0)
+        if not self.of:
+            self.total = 0.0  # no drift left behind by float sums
+
+    def weight(self, session: str, parts: int) -> float | None:
+        """``session``'s share of the ``parts`` readers' consumption: its rate over
+        their sum (a reader that measured none counts as the mean); ``None`` (an equal
+        share) while ``session`` measured none."""
+        rate = self.of.get(session)
+        known = len(self.of)
+        if rate is None or self.total <= 0:
+            return None
+        return min(1.0, rate / (self.total * max(parts, known) / known))
 
 
 @dataclass
@@ -83,6 +115,7 @@ class Dataset:
     completed: list[Interval] = field(default_factory=list)  # intervals of epochs
     shuffle: bool = False
     whole: bool = False
+    rates: Rates = field(default_factory=Rates)  # its readers' paces
 
     @property
     def defined(self) -> Units:
@@ -139,10 +172,13 @@ class Dataset:
         ep.total -= size_of(gone)
         return subtract([(a, b)], gone)
 
-    def permuted(self, ep: Epoch, epoch: int, need: int) -> list[Interval]:
+    def permuted(self, ep: Epoch, epoch: int, need: int,
+                 cap: int | None = None) -> list[Interval]:
         """Take the free rows of whole units in the order seeded by ``(seed, epoch)``
         until ``need`` rows are taken; ``[]`` once the order is walked through (rows that
-        came back since are served lowest first). O(1) amortized per unit."""
+        came back since are served lowest first). A unit's free rows beyond ``cap``
+        (the tail rule) are taken only as far as ``need``: the rest stays free, served
+        once the order is walked. O(1) amortized per unit."""
         units = self.defined
         if ep.order is None:
             ep.order = Permutation(units.units, self.seed, epoch)
@@ -151,6 +187,10 @@ class Dataset:
             a, b = units.bounds(ep.order[ep.cursor])
             ep.cursor += 1
             for lo, hi in ep.free.intersect(a, b):
+                if cap is not None and hi - lo > cap:
+                    if need <= 0:
+                        break
+                    hi = lo + need
                 ep.free.remove(lo, hi)
                 out.append((lo, hi))
                 need -= hi - lo

@@ -36,6 +36,7 @@ Dask, torch, pyarrow, numpy or the rest of the package.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from daskdist.core.intervals import Interval, RowSet, normalize
@@ -109,35 +110,49 @@ class LeaseTable(DatasetIndex):
 
     def __init__(self, max_expired: int = 4096,
                  on_ack: Callable[[str, list[tuple[str, int]]], None] | None = None,
-                 max_failures: int = 3, max_epochs: int = 1024) -> None:
+                 max_failures: int = 3, max_epochs: int = 1024,
+                 on_open: Callable[[str], None] | None = None) -> None:
         # told (dataset_id, [(session, rows), ...]) of every acknowledgement, whichever
         # path made it (a closure's result, a gang commit: one call a table), for the
         # dashboard's and the metrics' counters
         self._on_ack = on_ack
+        # told a dataset id when any session may find its rows again (rows went back to
+        # the pool, or an epoch completed): closures set aside at its tail may run anywhere
+        self._on_open = on_open
         self.max_failures = max(1, int(max_failures))
         self.max_epochs = max_epochs
         self._expired: dict[str, None] = {}  # insertion-ordered: the oldest go first
         self._max_expired = max_expired
         # session -> keys of the epochs where it holds rows now (for drop_session)
         self._session_keys: dict[str, set[tuple[str, int]]] = {}
+        # session -> the datasets whose readers' rates have its (for drop_session)
+        self._rated: dict[str, set[str]] = {}
         super().__init__()
 
     def _forgotten(self, dataset_id: str, ds: Dataset) -> None:
         for epoch, ep in ds.epochs.items():
             for session in ep.leased:
                 self._unkey(session, (dataset_id, epoch))
+        for session in ds.rates.of:
+            rated = self._rated.get(session)
+            if rated is not None:
+                rated.discard(dataset_id)
+                if not rated:
+                    del self._rated[session]
 
     # -- leases ------------------------------------------------------------------------
     def acquire(self, session: str, dataset_id: str, epoch: int, rows: int = 1,
                 parts: int | None = None, least: int = 1,
-                tail: bool = False) -> list[Interval] | None:
+                tail: bool = False, rate: float | None = None) -> list[Interval] | None:
         """Lease free rows to ``session``: the lowest free rows (a shuffled dataset's:
         whole units in its seeded order), at least ``rows`` of them rounded up to the
         end of a unit, but no more than ``free / (2 * parts)`` (``parts``: the readers
         sharing the epoch, by default the sessions holding rows of it) unless that is
         less than ``least`` (a lease worth its round trip). Rows given back by failed
         reads are served only once no other row is free. ``tail``: the tail rule
-        (:class:`~daskdist.core.leases.tail.TailRule`).
+        (:class:`~daskdist.core.leases.tail.TailRule`). ``rate``: the rows a second
+        ``session``'s loader consumes, as it measured them: the share and the tail rule
+        weigh readers by it (equal shares until a reader said).
 
         Returns the leased rows as intervals, or ``None`` when none is free right now.
         Raises :class:`SessionExpired` for a dropped session, :class:`UnknownDataset`
@@ -152,16 +167,21 @@ class LeaseTable(DatasetIndex):
             return None
         if parts is None:
             parts = len(ep.leased) + (session not in ep.leased)
-        share = -(-n_free // (2 * max(1, parts)))
+        if rate is not None and rate > 0:
+            ds.rates.set(session, float(rate))
+            self._rated.setdefault(session, set()).add(dataset_id)
+        weight = ds.rates.weight(session, parts)
+        share = (-(-n_free // (2 * max(1, parts))) if weight is None
+                 else max(1, math.ceil(n_free * weight / 2)))
         need = min(max(1, int(rows)), max(1, int(least), share))
         units = ds.defined
         if tail and TailRule.holds_back(units, ds.whole, ep.leased.get(session),
-                                        ep.n_leased, parts, need, n_free):
+                                        ep.n_leased, parts, need, n_free, weight):
             return None
         cap = TailRule.cap(ds.whole, need, share) if tail else None
         pool = ep.free if ep.free else ep.deferred
         if ds.shuffle and pool is ep.free:
-            picked = ds.permuted(ep, int(epoch), need)
+            picked = ds.permuted(ep, int(epoch), need, cap)
             if picked:
                 return self._lease(session, dataset_id, int(epoch), ds, ep, picked)
         out: list[Interval] = []
@@ -186,8 +206,10 @@ class LeaseTable(DatasetIndex):
         ep = ds.epochs.get(int(epoch)) if ds is not None else None
         if ep is None or ds is None:
             return False
+        parts = max(1, int(parts))
         return TailRule.holds_back(ds.defined, ds.whole, ep.leased.get(session),
-                                   ep.n_leased, max(1, int(parts)), 1, ep.n_free)
+                                   ep.n_leased, parts, 1, ep.n_free,
+                                   ds.rates.weight(session, parts))
 
     def acquire_unit(self, session: str, dataset_id: str, epoch: int,
                      unit: int) -> list[Interval] | None:
@@ -393,6 +415,8 @@ class LeaseTable(DatasetIndex):
         if units.absent and ep.acked.size == ep.total:  # only absent ids came back
             self.complete(dataset_id, ds, epoch)
             return moved
+        if moved:
+            self._opened(dataset_id)
         if failure is not None and moved:
             source, message = failure
             n = ep.failures[source] = ep.failures.get(source, 0) + 1
@@ -408,6 +432,10 @@ class LeaseTable(DatasetIndex):
         self._expired[session] = None
         while len(self._expired) > self._max_expired:
             del self._expired[next(iter(self._expired))]
+        for dataset_id in self._rated.pop(session, ()):
+            ds = self.datasets.get(dataset_id)
+            if ds is not None:
+                ds.rates.forget(session)
         moved = 0
         for dataset_id, epoch in self._session_keys.pop(session, set()):
             ds = self.datasets.get(dataset_id)
@@ -425,6 +453,8 @@ class LeaseTable(DatasetIndex):
             moved += held.size
             if units.absent and ep.acked.size == ep.total:
                 self.complete(dataset_id, ds, epoch)
+            elif held.size:
+                self._opened(dataset_id)
         return moved
 
     # -- the table's own bookkeeping (also used by core/leases/resume.py) -----------------------
@@ -433,6 +463,11 @@ class LeaseTable(DatasetIndex):
         ep = ds.complete(epoch)
         for session in ep.leased:
             self._unkey(session, (dataset_id, epoch))
+        self._opened(dataset_id)
+
+    def _opened(self, dataset_id: str) -> None:
+        if self._on_open is not None:
+            self._on_open(dataset_id)
 
     def unlease(self, session: str, dataset_id: str, epoch: int) -> None:
         """``session``'s lease of the epoch is empty: forget it."""

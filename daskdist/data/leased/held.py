@@ -21,6 +21,7 @@ threads remove, ``close`` (after the prefetch thread was joined) gives back the 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from daskdist.core.intervals import Interval, RowSet
@@ -28,7 +29,48 @@ from daskdist.core.protocol import LeaseToken
 from daskdist.session.scope import ClosureEndedError
 from daskdist.session.tokens import record_consumed
 
-__all__ = ["LeaseHolder"]
+__all__ = ["ConsumptionRate", "LeaseHolder"]
+
+
+class ConsumptionRate:
+    """Rows a second a loader's callers take, measured from its first batch of an epoch
+    to now (the previous epoch's figure until ``min_span`` seconds have passed,
+    ``daskdist.data.pace-span``): what weighs its share of a ``"dynamic"`` epoch's rows
+    against the other readers', so a slow worker is leased fewer. Callers' threads add,
+    the prefetch thread reads; a lock guards it.
+    """
+
+    def __init__(self, min_span: float = 0.25) -> None:
+        self.min_span = min_span
+        self._lock = threading.Lock()
+        self._t0: float | None = None  # the epoch's first batch (its rows not counted)
+        self._rows = 0
+        self._last: float | None = None  # the previous epoch's rate
+
+    def start(self) -> None:
+        """A new epoch's pass: measure afresh, the last figure standing in meanwhile."""
+        with self._lock:
+            self._last = self._measured() or self._last
+            self._t0, self._rows = None, 0
+
+    def add(self, rows: int) -> None:
+        """A batch of ``rows`` went to a caller."""
+        with self._lock:
+            if self._t0 is None:
+                self._t0 = time.monotonic()
+            else:
+                self._rows += rows
+
+    def rate(self) -> float | None:
+        """Rows a second (``None``: not measured yet)."""
+        with self._lock:
+            return self._measured() or self._last
+
+    def _measured(self) -> float | None:
+        if self._t0 is None or not self._rows:
+            return None
+        span = time.monotonic() - self._t0
+        return self._rows / span if span >= self.min_span and span > 0 else None
 
 
 class LeaseHolder:

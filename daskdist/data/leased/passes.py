@@ -3,8 +3,11 @@
 :class:`LeasedPass` asks the lease service for rows until none are free *right now*,
 has the source's :class:`~.sources.UnitReads` read them, and keeps what it holds in a
 :class:`~.held.LeaseHolder`. The next lease is asked for as soon as one arrives, so its
-round trip overlaps the reads; ``reads.ahead`` planned reads (a collection's partitions
-computing) are kept beyond the one being read.
+round trip overlaps the reads, once the loader's pace is measured: the scheduler
+weighs its share by it, so until then it asks for the least lease and only when it
+needs rows (a slow worker never starts an epoch holding a fast one's share).
+``reads.ahead`` planned reads (a collection's partitions computing) are kept beyond the
+one being read.
 
 A read that fails gives back at once what the pass holds and has not handed on: the
 failed read's rows deferred with the failure counted (the scheduler fails the epoch
@@ -24,7 +27,7 @@ from typing import Any
 
 from daskdist.core.intervals import Interval, normalize, subtract
 from daskdist.data.collections.compute import Interrupted
-from daskdist.data.leased.held import LeaseHolder
+from daskdist.data.leased.held import ConsumptionRate, LeaseHolder
 from daskdist.data.sources import ChunkItem, Pending, ReadSpec, UnitFailure, UnitReads
 from daskdist.errors import InputError
 
@@ -36,19 +39,26 @@ class LeasedPass:
 
     def __init__(self, spec: ReadSpec, epoch: int,
                  reads: Callable[[Callable[[list[Interval]], None]], UnitReads],
-                 define: Callable[[], None], outside: bool) -> None:
+                 define: Callable[[], None], outside: bool,
+                 rate: ConsumptionRate | None = None) -> None:
         self.spec = spec
         self.epoch = epoch
         self.held = LeaseHolder(spec.services, spec.dataset_id, epoch,
                                 spec.label or spec.dataset_id, outside)
+        # the loader's (kept across its epochs): weighs this worker's share of leases
+        self.rate = rate if rate is not None else ConsumptionRate()
+        self.rate.start()
         self._define = define  # the loader's definition of its dataset, once
         self._make_reads = reads
         self._reads: UnitReads | None = None
 
     def _ask(self, reads: UnitReads) -> Any:
         rows, least = reads.lease_size
+        rate = self.rate.rate()
+        if rate is None:  # pace not measured yet: the least lease (a batch), not a share
+            rows = least
         return self.spec.services.acquire_async(self.spec.dataset_id, self.epoch, rows,
-                                                least=least)
+                                                least=least, rate=rate)
 
     def chunks(self) -> Iterator[ChunkItem]:
         """Lease, read and convert rows until none are free right now."""
@@ -61,6 +71,8 @@ class LeasedPass:
         try:
             while True:
                 while not exhausted and len(pending) <= reads.ahead:
+                    if ask is None:
+                        ask = self._ask(reads)
                     ranges, ask = ask.result(), None  # ends when the RPC does (or times out)
                     if not ranges:
                         exhausted = True
@@ -68,7 +80,10 @@ class LeasedPass:
                     ranges = [(int(a), int(b)) for a, b in ranges]
                     held.hold(ranges)
                     pending.extend(reads.plan(ranges))
-                    ask = self._ask(reads)  # asked now, read after this lease
+                    if self.rate.rate() is not None:
+                        # asked now, read after this lease; a reader whose pace is not
+                        # measured yet asks when it needs rows, its share then weighed
+                        ask = self._ask(reads)
                 reads.check()
                 if not pending:
                     reads.finish()
@@ -116,6 +131,7 @@ class LeasedPass:
         raise err from f.exc
 
     def delivered(self, ranges: list[Interval]) -> None:
+        self.rate.add(sum(b - a for a, b in ranges))
         self.held.delivered(ranges)
 
     def interrupt(self) -> None:

@@ -42,16 +42,17 @@ class LeaseService(Protocol):
         """Define the dataset's units once (``ValueError`` if a definition differs)."""
         ...
 
-    def acquire(self, dataset_id: str, epoch: int, rows: int,
-                least: int = 1) -> list[Interval] | None:
+    def acquire(self, dataset_id: str, epoch: int, rows: int, least: int = 1,
+                rate: float | None = None) -> list[Interval] | None:
         """Lease ``rows`` free rows of the epoch, rounded up to whole units, to this
         worker's session (fewer near the epoch's end, not under ``least``; a unit this
-        worker holds first): the rows as intervals, or ``None`` when none is free right
-        now. ``InputError`` when the epoch failed."""
+        worker holds first; ``rate``: the rows a second the loader consumes, which
+        weighs its share against other readers'): the rows as intervals, or ``None``
+        when none is free right now. ``InputError`` when the epoch failed."""
         ...
 
-    def acquire_async(self, dataset_id: str, epoch: int, rows: int,
-                      least: int = 1) -> concurrent.futures.Future:
+    def acquire_async(self, dataset_id: str, epoch: int, rows: int, least: int = 1,
+                      rate: float | None = None) -> concurrent.futures.Future:
         """:meth:`acquire` without waiting (asked while the previous lease is read)."""
         ...
 
@@ -124,19 +125,19 @@ class LocalLeaseService:
                 self.table.define(d.dataset_id, d.runs, d.label, seed=d.seed, units=d.units,
                                   shuffle=d.shuffle, whole=d.whole)
 
-    def acquire(self, dataset_id: str, epoch: int, rows: int,
-                least: int = 1) -> list[Interval] | None:
+    def acquire(self, dataset_id: str, epoch: int, rows: int, least: int = 1,
+                rate: float | None = None) -> list[Interval] | None:
         with self._lock:
             try:
                 return self.table.acquire(self.session, dataset_id, epoch, rows,
-                                          least=least)
+                                          least=least, rate=rate)
             except EpochFailed as e:
                 raise InputError(str(e)) from None
 
-    def acquire_async(self, dataset_id: str, epoch: int, rows: int,
-                      least: int = 1) -> Any:
+    def acquire_async(self, dataset_id: str, epoch: int, rows: int, least: int = 1,
+                      rate: float | None = None) -> Any:
         """:meth:`acquire`, made when its result is asked for."""
-        return _Later(self.acquire, dataset_id, epoch, rows, least)
+        return _Later(self.acquire, dataset_id, epoch, rows, least, rate)
 
     def report_length(self, dataset_id: str, epoch: int, unit: int, length: int) -> None:
         """A computed unit's length; ``InputError`` when it differs from the one learned

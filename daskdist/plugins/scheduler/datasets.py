@@ -55,10 +55,13 @@ class LeaseBook:
 
     def __init__(self, co: LeaseCoordinator, max_worker_failures: int,
                  on_ack: Callable[[str, list[tuple[str, int]]], None] | None = None,
-                 locality: Locality | None = None) -> None:
+                 locality: Locality | None = None,
+                 on_open: Callable[[str], None] | None = None) -> None:
         self.co = co
-        # ``on_ack``: every acknowledgement, counted for the dashboard
-        self.leases = LeaseTable(on_ack=on_ack, max_failures=max_worker_failures)
+        # ``on_ack``: every acknowledgement, counted for the dashboard; ``on_open``: a
+        # dataset's rows may go to any session again (closures set aside may run)
+        self.leases = LeaseTable(on_ack=on_ack, max_failures=max_worker_failures,
+                                 on_open=on_open)
         self.ledgers = Ledgers()  # the datasets each State trained (checkpoint ledgers)
         # where persisted partitions lie (the plugin's; None when the state is driven
         # without a scheduler)
@@ -100,15 +103,17 @@ class LeaseBook:
         return {}
 
     def lease_acquire(self, session: str, dataset_id: str, epoch: int, rows: int = 1,
-                      least: int = 1) -> dict:
+                      least: int = 1, rate: float | None = None) -> dict:
         """Lease ``rows`` rows of an epoch to ``session`` (fewer, not under ``least``,
         near the epoch's end; a unit its worker holds first, for a persisted
-        collection): ``{"lease": intervals or None}``, ``SESSION_ENDED`` for an ended
+        collection; ``rate``: the rows a second its loader consumes, which weighs its
+        share): ``{"lease": intervals or None}``, ``SESSION_ENDED`` for an ended
         session, ``{"failed": why}`` when the epoch cannot complete."""
         dataset_id = checks.text(dataset_id, "dataset_id")
         epoch = checks.integer(epoch, "epoch", 0, checks.MAX_EPOCH)
         rows = checks.integer(rows, "rows", 1, checks.MAX_ROWS)
         least = checks.integer(least, "least", 1, checks.MAX_ROWS)
+        rate = checks.optional(checks.number, rate, "rate", 0.0, 1e15)
         co, table = self.co, self.leases
         parts = max(1, len(co.members))
         locality = self.locality
@@ -125,7 +130,7 @@ class LeaseBook:
                     return {"lease": lease}
                 locality.leased_elsewhere(co.name, dataset_id)
             lease = table.acquire(session, dataset_id, epoch, rows, parts=parts,
-                                  least=least, tail=True)
+                                  least=least, tail=True, rate=rate)
         except SessionExpired:
             return SESSION_ENDED
         except EpochFailed as e:

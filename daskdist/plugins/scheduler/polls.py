@@ -222,6 +222,14 @@ class WorkerPolls:
             self.wake_sessions(itertools.islice(self.co.holders(dataset), 4))
         return True
 
+    def reopened(self, dataset: str) -> None:
+        """``dataset``'s rows may go to any session again (rows came back to its pool,
+        or its epoch completed): wake as many long-polls as closures were set aside for
+        its holders, which any session may now take (O(1) when none were)."""
+        n = self.queue.set_aside(dataset)
+        if n:
+            self.wake(n)
+
     def steal_for(self, thief: str) -> None:
         """An idle session found no work: ask the session holding the most prefetched,
         unstarted closures to give half of them back (they return as ``UNSTARTED``

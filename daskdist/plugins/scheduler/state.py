@@ -249,7 +249,8 @@ class CoordinatorState(BookSeams):
             1, 2**16))
         # ``locality``: where persisted partitions lie (the plugin's; None when the state
         # is driven without a scheduler)
-        self.lease_book = LeaseBook(self, max_worker_failures, self.stats.on_rows, locality)
+        self.lease_book = LeaseBook(self, max_worker_failures, self.stats.on_rows, locality,
+                                    on_open=self.closure_book.polls.reopened)
         self.resource_book = ResourceBook(self)
         self.rank_book = RankBook(self)  # per-rank phases, stragglers, hangs (SPEC §5.1)
         # keep-alive owners (SPEC §4.6), ``expire`` dropping one nobody attached to

@@ -149,20 +149,21 @@ class SessionServices:
         if not self.ended:
             self._call("daskdist_dataset_define", ended=None, dataset=tuple(dataset))
 
-    def acquire(self, dataset_id: str, epoch: int, rows: int,
-                least: int = 1) -> list[Interval] | None:
+    def acquire(self, dataset_id: str, epoch: int, rows: int, least: int = 1,
+                rate: float | None = None) -> list[Interval] | None:
         """Lease at least ``rows`` free rows (rounded up to whole units; a unit this
-        worker holds first); ``None`` when none is free now or the session ended (its
+        worker holds first; ``rate``: the rows a second this loader consumes, which
+        weighs its share); ``None`` when none is free now or the session ended (its
         loaders are being closed). ``InputError`` when the epoch failed."""
-        return self.acquire_async(dataset_id, epoch, rows, least).result()
+        return self.acquire_async(dataset_id, epoch, rows, least, rate).result()
 
-    def acquire_async(self, dataset_id: str, epoch: int, rows: int,
-                      least: int = 1) -> concurrent.futures.Future:
+    def acquire_async(self, dataset_id: str, epoch: int, rows: int, least: int = 1,
+                      rate: float | None = None) -> concurrent.futures.Future:
         """:meth:`acquire` without waiting: a future of its result (a loader asks for its
         next lease while it reads the current one)."""
         return self._async(_lease, "daskdist_lease_acquire", _NO_LEASE,
                            dataset_id=dataset_id, epoch=int(epoch), rows=int(rows),
-                           least=int(least))
+                           least=int(least), rate=None if rate is None else float(rate))
 
     def progress(self, dataset_id: str, epoch: int) -> dict:
         """An epoch's counts (read-only: any session may ask)."""

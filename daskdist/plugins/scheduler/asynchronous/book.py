@@ -303,7 +303,8 @@ class AsyncBook:
         self.co.note_trained(s.model, s.tokens)
         led.stage(PushRecord(s.pid, s.pusher, s.address, list(s.tokens), token_rows(s.tokens),
                              s.base))
-        return {"staged": True, "speed": led.rate_share(s.address)}
+        led.paces.measured(s.address, s.steps, s.seconds)  # this round counts in its answer
+        return {"staged": True, "speed": led.paces.share(s.address)}
 
     def abandon(self, session: str, model: str, pid: str, tokens: list) -> dict:
         """A worker's push that no holder staged, as far as it knows (refused before
@@ -389,7 +390,7 @@ class AsyncBook:
         if led is None:
             return
         settle = led.decided(session, d.incarnation, d.pid, d.applied, d.version, d.staleness,
-                             self._alone(led), d.steps, d.seconds, d.round_bytes)
+                             self._alone(led), d.round_bytes)
         settle_rows(self.co, led.model, settle)
         self._ensure_standby(led)
 
