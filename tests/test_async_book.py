@@ -3,9 +3,9 @@ table, no cluster: the roles it gives, the rows a staged push takes from its wor
 session (a loss of that worker no longer frees them), acknowledged once a standby's
 copy holds the push (on the pusher's worker's count), given back when refused, and an
 abandoned push released from its worker's session in one step and fenced; a holder
-with a preemption deadline hands the model to its standby losing nothing, and no
-worker with a deadline takes a role; a keep-alive owner's model outlives its client
-and goes with the owner."""
+with a preemption deadline hands the model to its standby losing nothing, a standby
+with one is replaced ahead of it, and no worker with a deadline takes a role; a
+keep-alive owner's model outlives its client and goes with the owner."""
 
 from __future__ import annotations
 
@@ -15,7 +15,15 @@ import time
 import dask.config
 import pytest
 
-from daskdist.core.asynchronous.protocol import HOLDER, STANDBY, AsyncRole, Copied, Decision, Ready
+from daskdist.core.asynchronous.protocol import (
+    HOLDER,
+    NONE,
+    STANDBY,
+    AsyncRole,
+    Copied,
+    Decision,
+    Ready,
+)
 from daskdist.core.protocol import LeaseToken
 from daskdist.plugins.scheduler.state import CoordinatorState
 from tests.conftest import route
@@ -171,6 +179,22 @@ def test_a_coordinator_closed_while_a_model_is_made_is_an_answer_not_an_error():
     reply = asyncio.run(create_then_close())
     assert "its coordinator closed" in reply["closed"]
     assert [r.role for _, r in roles(sent)] == ["holder", "none"]
+
+
+def test_a_standby_with_a_deadline_is_replaced_ahead_of_it(book):
+    """The standby's worker gets a deadline within the horizon: the model gets another
+    standby now (the holder is told to copy to it), the old one drops its copy; with no
+    other member left to take it, a standby with a deadline keeps its copy."""
+    co, sent, _ = book
+    before = len(sent)
+    co.preempt_book.notice("s1", time.time() + 60, "a test")
+    got = [(a, r.role, r.standby) for a, r in roles(sent[before:])]
+    assert ("w1", NONE, "") in got and ("w2", STANDBY, "") in got
+    assert ("w0", HOLDER, "w2") in got
+    assert co.async_book.models["m"].standby == "s2"
+    before = len(sent)
+    co.preempt_book.notice("s2", time.time() + 60, "a test")  # no member left to take it
+    assert roles(sent[before:]) == [] and co.async_book.models["m"].standby == "s2"
 
 
 def test_a_holder_with_a_deadline_hands_the_model_to_its_standby_losing_nothing(book):

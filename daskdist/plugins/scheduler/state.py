@@ -185,6 +185,11 @@ class BookSeams:
         """Whether ``session``'s worker has a preemption deadline within the horizon."""
         return self.preempt_book.leaving(session)
 
+    def member_leaving(self, session: str) -> None:
+        """``session``'s deadline came within the horizon: the asynchronous models it is
+        the standby of get another (the preemption book)."""
+        self.async_book.standby_leaving(session)
+
     def job_closure_finished(self, outcome: Outcome) -> None:
         """A batch-inference job's closure ended: the inference book drives its job."""
         self.infer_book.closure_finished(outcome)

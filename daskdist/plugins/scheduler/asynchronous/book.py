@@ -430,6 +430,20 @@ class AsyncBook:
                 led.standby_lost()
             self._ensure_standby(led)
 
+    def standby_leaving(self, session: str) -> None:
+        """``session``'s worker got a preemption deadline: a model whose standby it is
+        gets another now, ahead of the deadline (the holder copies to it at once; a
+        holder lost meanwhile recovers from a checkpoint as with no standby), and the
+        old one drops its copy. With no other member to take it, it keeps it."""
+        for led in list(self.models.values()):
+            if led.phase != READY or session != led.standby:
+                continue
+            if self._pick((led.holder, session)) is None:
+                continue
+            led.standby_lost()
+            self._role(led, session, NONE)
+            self._ensure_standby(led)
+
     def member_joined(self) -> None:
         """A session joined: a model without a standby (or waiting for a member to
         recover on) gets it."""

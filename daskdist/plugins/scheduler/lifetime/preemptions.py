@@ -41,6 +41,10 @@ class PreemptCoordinator(Protocol):
     def membership_changed(self) -> None:
         """The group's members are told of a change (its next formation)."""
 
+    def member_leaving(self, session: str) -> None:
+        """``session``'s deadline came within the horizon: what it keeps for others (a
+        model's standby copy) moves to a member staying."""
+
 
 class PreemptBook:
     """The deadlines of a coordinator's worker sessions."""
@@ -99,6 +103,8 @@ class PreemptBook:
                        notice.reason)
         self._schedule(session, notice)
         self.co.membership_changed()  # the group's next formation leaves it out
+        if self.leaving(session):
+            self.co.member_leaving(session)
 
     def _schedule(self, session: str, notice: Preemption) -> None:
         """Re-check the group when the deadline comes within the horizon."""
@@ -111,7 +117,13 @@ class PreemptBook:
         except RuntimeError:  # no event loop (the state driven directly): nothing to wake
             return
         if wait > 0:
-            self._timers[session] = loop.call_later(wait, self.co.membership_changed)
+            self._timers[session] = loop.call_later(wait, self._within_horizon, session)
+
+    def _within_horizon(self, session: str) -> None:
+        self._timers.pop(session, None)
+        self.co.membership_changed()
+        if self.leaving(session):
+            self.co.member_leaving(session)
 
     def notify(self, owner: str, token: str, worker: str, deadline: float,
                reason: str = "notify_preemption") -> None:
