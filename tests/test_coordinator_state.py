@@ -614,21 +614,28 @@ def test_a_gang_commit_in_one_message_from_rank_0():
     assert co.group_book.state_commits("s1", "st") == 1
 
 
-def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
-    """A closure reading a dynamic dataset (Submission.dataset) at the epoch's tail (no
-    free rows; s2 holds the last leased rows): s1's exchange sets it aside, steals
-    nothing from s2 and gets the untagged closure behind it; s2's takes it; once s2's
-    rows are acknowledged, anyone would."""
-    sent: list = []
+def _s2_holds_the_tail(sent: list):
+    """A coordinator of sessions s1 and s2, an owner "me", and dataset "ds" whose rows
+    are all leased to s2 (the epoch's tail): ``(co, s2's rows)``."""
     co = make(sent)
-    book = co.closure_book
-    book.add_owner("me", None, "t")
+    co.closure_book.add_owner("me", None, "t")
     for s, w in (("s1", "w1"), ("s2", "w2")):
         start(co, s, w)
     co.leases.define("ds", [(10, 2)])
     rows = []
     while co.leases.progress("ds", 0)["free"]:
         rows += co.leases.acquire("s2", "ds", 0, 20)
+    return co, rows
+
+
+def test_a_tail_closure_goes_to_the_worker_holding_its_datasets_rows():
+    """A closure reading a dynamic dataset (Submission.dataset) at the epoch's tail (no
+    free rows; s2 holds the last leased rows): s1's exchange sets it aside, steals
+    nothing from s2 and gets the untagged closure behind it; s2's takes it; once s2's
+    rows are acknowledged, anyone would."""
+    sent: list = []
+    co, rows = _s2_holds_the_tail(sent)
+    book = co.closure_book
     book.put("me", "t", [("me-0", (b"f", None), 0, "ds"), ("me-1", (b"f", None), 0, ""),
                          ("me-2", (b"f", None), 0, "ds")])
 
@@ -654,15 +661,8 @@ def test_a_closure_set_aside_at_the_tail_wakes_a_waiting_worker_once_the_epoch_c
     """s2 holds the epoch's last rows, so a closure reading the dataset is set aside for
     it; s1 waits idle in its long-poll. When s2's rows are acknowledged (the epoch
     complete) s1's long-poll gets the closure at once, not after the poll interval."""
-    co = make([])
+    co, rows = _s2_holds_the_tail([])
     book = co.closure_book
-    book.add_owner("me", None, "t")
-    for s, w in (("s1", "w1"), ("s2", "w2")):
-        start(co, s, w)
-    co.leases.define("ds", [(10, 2)])
-    rows = []
-    while co.leases.progress("ds", 0)["free"]:
-        rows += co.leases.acquire("s2", "ds", 0, 20)
     book.put("me", "t", [("me-0", (b"f", None), 0, "ds")])
     co.members.poll_base = 30.0
 
