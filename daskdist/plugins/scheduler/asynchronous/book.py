@@ -39,6 +39,7 @@ from daskdist.core.asynchronous.ledger import (
 )
 from daskdist.core.asynchronous.protocol import COPY, FRESH, HOLDER, NONE, SAME, STANDBY, AsyncRole
 from daskdist.core.protocol import ANY, OWNER, SESSION, SESSION_ENDED, Route
+from daskdist.plugins.scheduler.asynchronous.placement import least_busy
 from daskdist.plugins.scheduler.asynchronous.rows import (
     ModelRows,
     checkpoint_ledger,
@@ -85,21 +86,7 @@ class AsyncBook:
         return session in self.co.members
 
     def _pick(self, exclude: tuple) -> str | None:
-        """The member with the fewest model roles (then the lowest index), neither
-        retiring nor with a preemption deadline near."""
-        roles: dict[str, int] = {}
-        for led in self.models.values():
-            for s in (led.holder, led.standby, led.target):
-                if s:
-                    roles[s] = roles.get(s, 0) + 1
-        best = None
-        for m in self.co.members.members.values():
-            if m.draining or m.session in exclude or self.co.leaving(m.session):
-                continue
-            key = (roles.get(m.session, 0), m.index)
-            if best is None or key < best[0]:
-                best = (key, m.session)
-        return None if best is None else best[1]
+        return least_busy(self.models.values(), self.co.members, self.co.leaving, exclude)
 
     def _role(self, led: ModelLedger, session: str, role: str, source: str = SAME,
               version: int = 0, spec: bool = False, standby: str = "") -> None:
