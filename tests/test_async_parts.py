@@ -120,5 +120,5 @@ def test_a_push_or_pull_outside_a_closure_names_the_call():
     assert pool.replicas == 1 and isinstance(pool.model, torch.nn.Sequential)
     # no pace measured yet: a short first round (it measures it; its delta stays small)
     assert pool.suggested_steps(50) == 12 and pool.suggested_steps(2) == 1
-    pool.client.speed, pool.client.paced = 0.5, True  # as a push's answer sets them
+    pool.client.speed = 0.5  # as a push's answer sets it
     assert pool.suggested_steps(50) == 25

@@ -669,8 +669,10 @@ def test_a_closure_set_aside_at_the_tail_wakes_a_waiting_worker_once_the_epoch_c
     async def run():
         assert (await book.exchange(_Comm(), "s1", [], [], 5, False))["closures"] == []
         waiting = asyncio.ensure_future(book.exchange(_Comm(), "s1", [], [], 5, True))
-        await asyncio.sleep(0)  # s1 parks in its long-poll
-        assert not waiting.done()
+        deadline = time.monotonic() + 5
+        while "s1" not in book.polls.parked:  # s1 parks in its long-poll
+            assert time.monotonic() < deadline and not waiting.done()
+            await asyncio.sleep(0)
         t0 = time.monotonic()
         co.leases.ack("s2", "ds", 0, rows)
         got = await asyncio.wait_for(waiting, 5)

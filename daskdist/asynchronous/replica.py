@@ -78,8 +78,8 @@ class ModelClient:
         self.lock = threading.Lock()  # one fetch at a time
         self.holder: str | None = None
         self.cache: Fetched | None = None
-        self.speed = 1.0  # this worker's inner steps/s over the fastest worker's
-        self.paced = False  # a push's answer said its speed
+        # this worker's inner steps/s over the fastest worker's (None: no push answered)
+        self.speed: float | None = None
         self.timeout = config.seconds("asynchronous.push-timeout")
         self.attempt_timeout = min(self.timeout, config.seconds("worker.rpc-timeout"))
         # the first try of a call is short: a lost holder's address refuses connections
@@ -234,7 +234,7 @@ class Replica:
         if reply.get("error"):
             raise ValueError(reply["error"])
         if "speed" in reply:
-            self.client.speed, self.client.paced = float(reply["speed"]), True
+            self.client.speed = float(reply["speed"])
         self._fetched = 0
         out = {"applied": bool(reply.get("applied")), "version": int(reply["version"]),
                "staleness": int(reply.get("staleness", 0)), "rows": rows}
@@ -257,7 +257,8 @@ class Replica:
         fast one's and its deltas are no staler. Before its first push is answered the
         share is ``UNPACED_SHARE``: a round of unknown length would make the first,
         largest deltas (from the untrained model) the stalest."""
-        share = self.client.speed if self.client.paced else UNPACED_SHARE
+        speed = self.client.speed
+        share = UNPACED_SHARE if speed is None else speed
         return max(1, math.floor(share * int(steps)))
 
 

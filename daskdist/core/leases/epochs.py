@@ -48,6 +48,7 @@ class Rates:
         self.of[session] = rate
 
     def forget(self, session: str) -> None:
+        """``session`` was lost: its rate weighs no share any more."""
         self.total -= self.of.pop(session, 0.0)
         if not self.of:
             self.total = 0.0  # no drift left behind by float sums

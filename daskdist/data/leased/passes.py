@@ -39,15 +39,14 @@ class LeasedPass:
 
     def __init__(self, spec: ReadSpec, epoch: int,
                  reads: Callable[[Callable[[list[Interval]], None]], UnitReads],
-                 define: Callable[[], None], outside: bool,
-                 rate: ConsumptionRate | None = None) -> None:
+                 define: Callable[[], None], outside: bool, rate: ConsumptionRate) -> None:
         self.spec = spec
         self.epoch = epoch
         self.held = LeaseHolder(spec.services, spec.dataset_id, epoch,
                                 spec.label or spec.dataset_id, outside)
         # the loader's (kept across its epochs): weighs this worker's share of leases
-        self.rate = rate if rate is not None else ConsumptionRate()
-        self.rate.start()
+        self.rate = rate
+        rate.start()
         self._define = define  # the loader's definition of its dataset, once
         self._make_reads = reads
         self._reads: UnitReads | None = None
