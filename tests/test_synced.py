@@ -6,6 +6,8 @@ over Parquet on an in-process lease table (``LocalLeaseService``)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -232,7 +234,7 @@ def three(request, tmp_path_factory):
 
 def _tail_epoch(client, root, n, name, on_run=None, riding=0):
     """A dynamic epoch trained under synced, the driver looping schedule_on_all until
-    the epoch is complete: the gang runs it took. ``riding``: the counts are gradients
+    the epoch is complete: the gang runs it took and the steps of the last. ``riding``: the counts are gradients
     summed by ``allreduce_gradients`` (synced's agreement and the commit heads ride it)
     and committed every ``riding`` steps; else a commit a step, each call its own."""
     import functools
@@ -275,16 +277,21 @@ def _tail_epoch(client, root, n, name, on_run=None, riding=0):
         runs += 1
     assert_every_row_once(coord.fetch(coord.schedule_on_all(final, args=(state,))), n)
     coord.close()
-    return runs
+    return runs, outs[0][1]
 
 
 @pytest.mark.parametrize("riding", [0, 1], ids=["own-calls", "riding"])
 def test_a_fault_free_dynamic_epoch_is_one_gang_run(three, riding):
     """Ranks' leases run dry at different steps: the tail's steps pool the rows the
     others still hold and go on, so the gang ends once, when the epoch's rows are all
-    trained (not at the first dry rank: a run per lease, tens an epoch)."""
+    trained (not at the first dry rank: a run per lease, tens an epoch). The ranks that
+    still hold rows take the dry ranks' batches too, so the steps stay whole: the epoch
+    takes as many steps as its rows make global batches (with leases of 600 rows, a
+    tail split only over what each rank took would take tens of steps more)."""
     client, root, n = three
-    assert _tail_epoch(client, root, n, "tail-one-run", riding=riding) == 1
+    runs, steps = _tail_epoch(client, root, n, "tail-one-run", riding=riding)
+    assert runs == 1
+    assert math.ceil(n / 48) <= steps <= math.ceil(n / 48) + 2
 
 
 @pytest.mark.parametrize("riding", [0, 3, 1], ids=["own-calls", "riding-every-3",
@@ -314,7 +321,7 @@ def test_a_sigkill_mid_epoch_serves_its_rows_to_the_survivors_in_the_same_gang_r
             killed.append(pid)
 
     client.wait_for_workers(3)
-    runs = _tail_epoch(client, root, n, "tail-kill", on_run=kill, riding=riding)
+    runs, _ = _tail_epoch(client, root, n, "tail-kill", on_run=kill, riding=riding)
     assert killed and runs <= 2
 
 

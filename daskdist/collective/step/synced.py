@@ -11,8 +11,10 @@ commit's message to the scheduler goes out when the loop is next asked for a bat
 
 - Every rank got a batch: yield it.
 - Some ranks got one, others found no free rows (the tail of the epoch): the batches
-  taken are pooled and split evenly over the ranks (one ``allgather_object``), the step
-  is yielded, and the loop goes on: a rank that ran dry asks its iterator again at
+  taken are pooled, the ranks that got one take as many more as the dry ranks lack
+  (so the step keeps its global batch while rows last), and the rows are split evenly
+  over the ranks (two ``allgather_object`` calls); the step is yielded, and the loop
+  goes on: a rank that ran dry asks its iterator again at
   every step (rows given back meanwhile, by a failed or lost rank, are served to it).
   Each row's lease token stays with the rank that leased it, so the next
   ``State.commit()`` acknowledges it as usual. When fewer rows than ranks are left,
@@ -100,6 +102,10 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                 tail.reset()
                 if not every:
                     pooled = g.allgather_object(None if item is END else to_cpu(item))
+                    mark = consumed_mark()
+                    more = _more(it, pooled, g.rank) if item is not END else []
+                    mine = mine + consumed_since(mark)
+                    pooled += [b for extra in g.allgather_object(more) for b in extra]
                     item = _share([b for b in pooled if b is not None], g.rank,
                                   g.world_size, g.device)
                 waited.rows(phases.batch_rows(item))
@@ -115,6 +121,22 @@ def synced(iterable: Iterable[T]) -> Iterator[T]:
                     _give_back(g, mine)  # taken, not trained: back to the pool
     finally:
         ahead.close(g)
+
+
+def _more(it: Iterator, pooled: list, rank: int) -> list:
+    """A tail step where some ranks ran dry: the batches this rank takes besides its own
+    so that the ranks with rows fill the step's global batch (the dry ranks' batches
+    split over them, in rank order), fewer where its iterator runs dry too."""
+    haves = [r for r, b in enumerate(pooled) if b is not None]
+    need = len(pooled) - len(haves)
+    mine = need // len(haves) + (haves.index(rank) < need % len(haves))
+    out = []
+    for _ in range(mine):
+        batch = next(it, END)
+        if batch is END:
+            break
+        out.append(to_cpu(batch))
+    return out
 
 
 def _give_back(g: Any, tokens: list) -> None:
