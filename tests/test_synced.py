@@ -234,9 +234,10 @@ def three(request, tmp_path_factory):
 
 def _tail_epoch(client, root, n, name, on_run=None, riding=0):
     """A dynamic epoch trained under synced, the driver looping schedule_on_all until
-    the epoch is complete: the gang runs it took and the steps of the last. ``riding``: the counts are gradients
-    summed by ``allreduce_gradients`` (synced's agreement and the commit heads ride it)
-    and committed every ``riding`` steps; else a commit a step, each call its own."""
+    the epoch is complete: the gang runs it took and the steps of the last. ``riding``:
+    the counts are gradients summed by ``allreduce_gradients`` (synced's agreement and
+    the commit heads ride it) and committed every ``riding`` steps; else a commit a
+    step, each call its own."""
     import functools
 
     import daskdist as dd
