@@ -20,11 +20,11 @@ worker:
   curve says more of the noise than of the training;
 - the final loss after one epoch: asynchronous / gang (target <= 1.1x); the inner
   optimizer is AdamW on both sides (the gang's steps on averaged gradients). The outer
-  step is ``DelayedNesterov(lr=1, momentum=0)``: each push a plain step of its delta
-  over the N workers, so a round of pushes by all of them moves the model by their
-  average. With a few dozen versions an epoch, an outer momentum amplifies stale
-  deltas here (0.5 left identical runs between 0.17 and 0.8 MSE); the papers' outer
-  momentum pays over thousands of outer steps (``--momentum``);
+  step is FedAsync's ``Mixing()``: each push moves the model a third of the way to its
+  worker's weights, so a stale push does not overshoot where the versions since its
+  pull already went (``--outer delayed`` is ``DelayedNesterov(--outer-lr,
+  --momentum)``). With a few dozen versions an epoch, an outer momentum amplifies
+  stale deltas here; the papers' outer momentum pays over thousands of outer steps;
 - bytes a worker moves per inner step: the gang's ring allreduce of the gradients
   (2 (N-1)/N of the model a step) / the asynchronous rounds' pull and push (twice the
   model a round of H steps) (target at H = 50: >= 20x), and the scheduler's share of
@@ -111,23 +111,26 @@ def local_round(replica, it, steps: int, f: Factory) -> dict:
 
 def run_async(coord, ds, f: Factory, steps: int, ev, outer, target: float,
               cap: float, max_staleness: int) -> dict:
-    """Rounds, two a worker in flight, epoch after epoch until the evaluation loss reaches
-    ``target`` or ``cap`` seconds passed; the loss at the end of the first epoch is its
-    ``final``."""
+    """Rounds, two a worker in flight, epoch after epoch until the first epoch is done and
+    the evaluation loss reached ``target``, or ``cap`` seconds passed; the loss at the end
+    of the first epoch is its ``final``."""
     am = coord.async_model(model=f.model, optimizer=f.optimizer, outer=outer,
                            max_staleness=max_staleness)
     in_flight = 2 * coord.num_workers
-    trace, taken, pending = [], 0, []
+    trace, taken, pending, ends = [], 0, [], []
     t0 = time.perf_counter()
-    last_eval, epoch, begun, first_epoch = 0.0, 0, 0, None
+    last_eval, epoch, first_epoch = 0.0, 0, None
 
-    def reached() -> bool:
-        return bool(trace) and (smoothed(trace)[-1][1] <= target or trace[-1][0] > cap)
+    def finished() -> bool:
+        if not trace:
+            return False
+        return trace[-1][0] > cap or (first_epoch is not None
+                                      and not math.isnan(first_below(trace, target)))
 
-    while not reached():
+    while not finished():
         ds.set_epoch(epoch)
         it = iter(ds)
-        while not ds.progress(epoch)["complete"] and not reached():
+        while not ds.progress(epoch)["complete"] and not finished():
             while len(pending) < in_flight:
                 pending.append(coord.schedule(local_round, args=(am.replica, it, steps, f)))
             done = [rv for rv in pending if rv.done()]
@@ -140,9 +143,9 @@ def run_async(coord, ds, f: Factory, steps: int, ev, outer, target: float,
                 trace.append((now - t0, evaluate(am.state_dict(), f, ev)))
             if not done:
                 time.sleep(0.005)
-        begun = epoch + 1
         if ds.progress(epoch)["complete"]:
             trace.append((time.perf_counter() - t0, evaluate(am.state_dict(), f, ev)))
+            ends.append(trace[-1][0])
             if first_epoch is None:  # every row of the epoch learned: its deltas applied
                 first_epoch = trace[-1]
             epoch += 1
@@ -150,10 +153,12 @@ def run_async(coord, ds, f: Factory, steps: int, ev, outer, target: float,
     taken += sum(r["steps"] for r in coord.fetch(pending))
     report = am.report()
     moved = sum(w["bytes_per_round"] * w["rounds"] for w in report["workers"])
-    if first_epoch is None:  # the target reached inside the first epoch: train it out
+    if first_epoch is None:  # the cap came inside the first epoch
         first_epoch = (seconds, trace[-1][1])
+    at = first_below(trace, target)
     return {"trace": trace, "final": first_epoch[1], "epoch_seconds": first_epoch[0],
-            "seconds": seconds, "epochs": begun, "steps": taken,
+            "seconds": seconds, "steps": taken,
+            "epochs": 1 + sum(t < at for t in ends) if at == at else 1 + len(ends),
             "bytes_per_step": moved / max(1, taken), "report": report}
 
 
@@ -224,9 +229,14 @@ def run_gang(coord, ds, f: Factory, ev) -> dict:
     return {"trace": trace, "final": trace[-1][1], "seconds": time.time() - t0}
 
 
+def first_batch(it) -> int:
+    return len(next(it)["y"])
+
+
 def warm(f: Factory) -> None:
     """A step of the model on a worker: its first optimizer imports what a step needs
-    (seconds, once per process), before either side is timed."""
+    (seconds, once per process), before either side is timed (:func:`one_run` reads a
+    batch on every worker too, for the data pipeline's imports)."""
     import torch
 
     model = f.model()
@@ -238,6 +248,9 @@ def warm(f: Factory) -> None:
 def one_run(client, coord, data: str, args, slowdown: float) -> tuple[dict, dict]:
     f = Factory(args.width, args.lr, args.step_ms / 1e3, slowdown)
     client.run(warm, f)
+    warm_ds = coord.distribute_dataset(f"{data}/*.parquet", global_batch_size=args.workers,
+                                       policy="dynamic")
+    coord.fetch(coord.schedule_on_all(first_batch, args=(iter(warm_ds),)))
     rng = np.random.default_rng(1)
     w = np.random.default_rng(0).standard_normal(FEATURES).astype(np.float32)
     x = rng.standard_normal((2000, FEATURES)).astype(np.float32)
@@ -249,6 +262,7 @@ def one_run(client, coord, data: str, args, slowdown: float) -> tuple[dict, dict
                                                                  momentum=args.momentum),
              "nesterov": lambda: dd.asynchronous.Nesterov(lr=args.outer_lr,
                                                           momentum=args.momentum),
+             "mixing": dd.asynchronous.Mixing,
              "average": dd.asynchronous.Average}[args.outer]()
     ds_gang = coord.distribute_dataset(f"{data}/*.parquet", global_batch_size=batch,
                                        policy="dynamic", shuffle=True, seed=2)
@@ -275,9 +289,11 @@ def main() -> None:
     ap.add_argument("--slowdown", type=float, default=3.0)
     ap.add_argument("--width", type=int, default=256, help="hidden units (model size)")
     ap.add_argument("--lr", type=float, default=1e-3, help="the inner AdamW's")
-    ap.add_argument("--outer", choices=("delayed", "nesterov", "average"), default="delayed")
+    ap.add_argument("--outer", choices=("mixing", "delayed", "nesterov", "average"),
+                    default="mixing")
     ap.add_argument("--outer-lr", type=float, default=1.0)
-    ap.add_argument("--momentum", type=float, default=0.0, help="the outer momentum")
+    ap.add_argument("--momentum", type=float, default=0.0,
+                    help="the outer momentum (delayed, nesterov)")
     ap.add_argument("--max-staleness", type=int, default=16)
     ap.add_argument("--only-slow", action="store_true", help="skip the run with no slow "
                     "worker")

@@ -2,7 +2,8 @@
 worker processes, 1 and 2 threads each, over real Parquet files with a ``"dynamic"``
 dataset: the model reaches its target loss and learns every row exactly once (its
 ``counts`` parameter, tests/async_rounds.py); a staleness bound refuses deltas and
-their rows go back; SIGKILLs of a non-holder and of the holder mid-epoch lose nothing,
+their rows go back; FedAsync's mixing steps each push from the version it pulled;
+SIGKILLs of a non-holder and of the holder mid-epoch lose nothing,
 and the replacement that joins contributes; every holder lost without a checkpoint is a
 clear error, never a fresh start; a holder given a preemption deadline hands the model
 to its standby first, losing no delta."""
@@ -84,6 +85,29 @@ def assert_every_row_once(am) -> dict:
     assert (c == 1).all(), (f"rows learned 0 times: {int((c == 0).sum())}, more than "
                             f"once: {int((c > 1).sum())}")
     return sd
+
+
+def test_mixing_steps_from_the_versions_pulled_and_reaches_the_target_loss(cl, rows_dir):
+    """FedAsync's mixing on real workers: the holder serves pulls, keeps the versions
+    pulled while they can be pushed to, and steps each push from its own base; the model
+    reaches the target loss and every row's delta is applied once (the row ledger)."""
+    cluster, client, coord, threads = cl
+    am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Mixing(),
+                           max_staleness=50)
+    ds = coord.distribute_dataset(str(rows_dir), global_batch_size=60, shuffle=True,
+                                  policy="dynamic")
+    before = after = mse_of(am.state_dict(), rows_dir)
+    rounds, epochs = [], 0
+    while after >= 0.05:  # a push moves the model a third of its way: epochs, not one
+        assert epochs < 12, (before, after)
+        ds.set_epoch(epochs)
+        rounds += drain(coord, ds, am)
+        epochs += 1
+        after = mse_of(am.state_dict(), rows_dir)
+    report = am.report()
+    assert report["rows"] == epochs * ROWS and report["refused"] == 0
+    assert report["applied"] == am.version == sum(r["applied"] for r in rounds)
+    assert report["staleness"]["max"] >= 1  # pushes stepped from a version since replaced
 
 
 def test_one_model_reaches_its_target_loss_with_every_row_once(cl, rows_dir):

@@ -1,5 +1,6 @@
 """The worker-side parts of an asynchronous model, in one process: the outer optimizers'
-steps (DiLoCo's Nesterov, Average, Asynchronous Local-SGD's delayed Nesterov), the flat
+steps (DiLoCo's Nesterov, Average, Asynchronous Local-SGD's delayed Nesterov, FedAsync's
+mixing from the version pulled, which the global model keeps while it can be pushed to), the flat
 bytes a pull and a push carry, the global model's staleness bound and buffers, a model
 of other parameters named, and a push outside a closure refused by name."""
 
@@ -47,6 +48,44 @@ def test_delayed_nesterov_steps_plainly_and_moves_momentum_every_n_pushes():
     assert opt.state_dict()["count"] == 2
 
 
+def test_mixing_moves_the_model_a_share_of_the_way_to_the_pushed_weights():
+    opt = dd.asynchronous.Mixing()
+    p = [torch.tensor([3.0])]
+    # the worker pulled 1.0 and ended at 0.0 (delta 1): the model goes a third of the way
+    opt.step(p, [torch.tensor([1.0])], workers=3, base=[torch.tensor([1.0])])
+    assert p[0].item() == pytest.approx(2.0)
+    # no base kept: the current model is the base (a step of alpha * delta)
+    dd.asynchronous.Mixing(alpha=0.5).step(p, [torch.tensor([1.0])], workers=3)
+    assert p[0].item() == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="alpha"):
+        dd.asynchronous.Mixing(alpha=0)
+
+
+def test_mixing_pushes_stale_by_two_versions_step_from_the_version_they_pulled():
+    """Three pushes, each from a version two behind, all of whose workers ended at the
+    same weights: mixing goes to those weights (no overshoot), whatever the staleness;
+    a delta step from the current model would overshoot them."""
+    gm = GlobalModel(AsyncSpec("m", net, lambda p: torch.optim.SGD(p, lr=0.1),
+                               dd.asynchronous.Mixing(alpha=0.5), 4))
+    target = [torch.full_like(p, 7.0) for p in gm.params]
+    bases = {}
+    for v in range(2):  # two workers pull versions 0 and 1 as they are made
+        gm.pulled(v)
+        bases[v] = [p.detach().clone() for p in gm.params]
+        deltas = [b - t for b, t in zip(bases[v], target, strict=True)]
+        assert gm.apply(push_of(gm, v, deltas, list(gm.buffers)))[0]
+    for v in range(2):  # pulled again, pushed two versions late from what they pulled
+        deltas = [b - t for b, t in zip(bases[v], target, strict=True)]
+        applied, _, staleness, _ = gm.apply(push_of(gm, v, deltas, list(gm.buffers)))
+        assert applied and staleness == 2
+    # 1 - 0.5 ** 4 of the way from the start: no step past the target
+    assert all(((p - 7.0).abs() <= (b - 7.0).abs() / 16 + 1e-5).all()
+               for p, b in zip(gm.params, bases[0], strict=True))
+    assert set(gm._bases) == {0, 1}  # noqa: SLF001 - what it keeps, and no more
+    gm.apply(push_of(gm, 3, [torch.zeros_like(p) for p in gm.params], list(gm.buffers)))
+    assert set(gm._bases) == {1}  # version 0 can no longer be pushed to (max_staleness 4)
+
+
 @pytest.mark.parametrize("bad", [{"lr": 0}, {"lr": -1.0}, {"momentum": 1.0},
                                  {"momentum": "0.9"}])
 def test_outer_settings_are_checked(bad):
@@ -87,7 +126,7 @@ def spec(max_staleness=1):
 
 
 def push_of(gm, base, deltas, buffers, workers=2):
-    return Push("m", "p", "s", "w", base, gm.param_layout, flat.pack(deltas),
+    return Push("m", "p", "s", "w", base, gm.incarnation, gm.param_layout, flat.pack(deltas),
                 flat.pack(buffers), [], 1, 0.1, 0, workers)
 
 

@@ -237,9 +237,10 @@ class Held:
     async def pull(self, incarnation: int, version: int) -> tuple:
         gm = self.gm
         if (incarnation, version) == (gm.incarnation, gm.version):
+            gm.pulled(version)
             return tuple(Pulled(self.model, gm.incarnation, gm.version, True, [], 0, b"", b""))
         loop = asyncio.get_running_loop()
-        v, params, buffers = await loop.run_in_executor(self.executor, gm.packed)
+        v, params, buffers = await loop.run_in_executor(self.executor, gm.served)
         return tuple(Pulled(self.model, gm.incarnation, v, False, gm.layout,
                             len(gm.param_layout), params, buffers))
 

@@ -39,6 +39,11 @@ class GlobalModel:
         self.version = 0
         self.incarnation = 0
         self._packed: tuple[int, bytes, bytes] | None = None
+        # versions pulled, and the parameters of those since replaced, for an outer
+        # optimizer that steps from a push's base (``uses_base``); none kept otherwise
+        self.keeps_bases = bool(getattr(self.outer, "uses_base", False))
+        self._pulled: set[int] = set()
+        self._bases: dict[int, bytes] = {}
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +61,35 @@ class GlobalModel:
             self._packed = (self.version, flat.pack(self.params), flat.pack(self.buffers))
         return self._packed
 
+    def served(self) -> tuple[int, bytes, bytes]:
+        """:meth:`packed`, for a pull: its version kept as a base (:meth:`pulled`)."""
+        out = self.packed()
+        self.pulled(out[0])
+        return out
+
+    def pulled(self, version: int) -> None:
+        """A worker pulled ``version``: kept as a base while a push from it can apply."""
+        if self.keeps_bases:
+            self._pulled.add(int(version))
+
+    def _base(self, version: int) -> list | None:
+        """The parameters of ``version`` (``None``: the current ones, or not kept: a
+        push's base that is not kept counts as the current model)."""
+        kept = self._bases.get(version)
+        return None if kept is None else flat.unpack(kept, self.param_layout)
+
+    def _replacing(self) -> None:
+        """Before a step: keep the current version if it was pulled, and forget what no
+        push can apply to any more."""
+        if self.version in self._pulled:
+            self._bases[self.version] = self.packed()[1]
+        oldest = self.version + 1 - self.max_staleness
+        for v in [v for v in self._bases if v < oldest]:
+            del self._bases[v]
+        for v in list(self._pulled):  # list(): one step under the GIL (pulls add to it)
+            if v < oldest:
+                self._pulled.discard(v)
+
     def apply(self, push: Push) -> tuple[bool, int, int, str]:
         """Apply one delta: ``(applied, version, staleness, why refused)``. A delta older
         than ``max_staleness`` versions is refused; one of another model raises
@@ -68,11 +102,18 @@ class GlobalModel:
         flat.check_layout(self.param_layout, push.layout, "push")
         deltas = flat.unpack(push.params, self.param_layout)
         pushed = flat.unpack(push.buffers, self.buffer_layout)
+        workers = max(1, int(push.workers))
         with torch.no_grad():
-            self.outer.step(self.params, deltas, max(1, int(push.workers)))
+            if self.keeps_bases:
+                base = (self._base(int(push.base))
+                        if int(push.incarnation) == self.incarnation else None)
+                self._replacing()
+                self.outer.step(self.params, deltas, workers, base=base)
+            else:
+                self.outer.step(self.params, deltas, workers)
             for b, new in zip(self.buffers, pushed, strict=True):
                 if b.dtype.is_floating_point:  # averaged over the workers pushing
-                    b.add_(new.to(b.dtype) - b, alpha=1.0 / max(1, int(push.workers)))
+                    b.add_(new.to(b.dtype) - b, alpha=1.0 / workers)
                 else:  # counters (BatchNorm's batches seen): the furthest along
                     torch.maximum(b, new.to(b.dtype), out=b)
         self.version += 1

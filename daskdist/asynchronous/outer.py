@@ -16,6 +16,16 @@ inner steps).
   ``w -= lr * momentum * m``. ``N`` (``delay``) defaults to the number of workers when
   the push arrives, so a round of pushes by every worker moves the model as one
   synchronous DiLoCo step would.
+- :class:`Mixing`: FedAsync's mixing (Xie, Koyejo and Gupta, "Asynchronous Federated
+  Optimization", arXiv 1903.03934): the model moves a share ``alpha`` of the way to the
+  worker's weights after its round, ``w = (1 - alpha) * w + alpha * (base - delta)``,
+  where ``base`` is the version the worker pulled. ``alpha`` defaults to ``1 / N``.
+  Unlike a step by the delta, a stale push does not add again what the versions since
+  its pull already moved: while the loss falls fast (every worker's round ends near the
+  same point) the model goes there instead of overshooting it. The holder keeps the
+  versions workers pulled for as long as a push from them can be applied
+  (``max_staleness``); a base it does not hold (a new holder's first pushes) counts
+  as the current model, which makes this step ``w -= alpha * delta``.
 
 An outer optimizer is pickled to the holder, where it keeps its state (momentum
 buffers); that state travels with the standby copy and the checkpoint. Importing this
@@ -40,7 +50,11 @@ def _number(value: Any, what: str, lo: float, hi: float, hi_open: bool = False) 
 class OuterOptimizer:
     """The seam: how a delta becomes a step of the global model. A subclass implements
     :meth:`step` (in place, under ``torch.no_grad``) and keeps its state in
-    :meth:`state_dict` / :meth:`load_state_dict` (tensors on the CPU)."""
+    :meth:`state_dict` / :meth:`load_state_dict` (tensors on the CPU). One that sets
+    ``uses_base = True`` is also given ``base=``: the parameters of the version the
+    worker pulled (the holder then keeps pulled versions while they can be pushed to)."""
+
+    uses_base = False
 
     def step(self, params: list, deltas: list, workers: int) -> None:
         raise NotImplementedError
@@ -145,3 +159,28 @@ class DelayedNesterov(OuterOptimizer):
         self._m = [m.clone() for m in state.get("m", [])]
         self._acc = [a.clone() for a in state.get("acc", [])]
         self._count = int(state.get("count", 0))
+
+
+class Mixing(OuterOptimizer):
+    """FedAsync's mixing, ``w = (1 - alpha) * w + alpha * (base - delta)`` (see the
+    module doc); ``alpha=None`` is ``1 / N`` for the ``N`` workers when the push
+    arrives."""
+
+    uses_base = True
+
+    def __init__(self, alpha: float | None = None) -> None:
+        if alpha is not None:
+            alpha = _number(alpha, "Mixing: alpha", 0.0, 1.0)
+            if alpha <= 0:
+                raise ValueError(f"Mixing: alpha must be in (0, 1], got {alpha!r}")
+        self.alpha = alpha
+
+    def step(self, params: list, deltas: list, workers: int, base: list | None = None) -> None:
+        import torch
+
+        a = self.alpha or 1.0 / max(1, int(workers))
+        with torch.no_grad():
+            for p, d, b in zip(params, deltas, base or params, strict=True):
+                p32 = p.to(torch.float32)
+                pushed = b.to(torch.float32) - d.to(torch.float32)  # the worker's weights
+                p.copy_(p32.add_(pushed - p32, alpha=a).to(p.dtype))

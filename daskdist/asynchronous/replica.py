@@ -220,7 +220,8 @@ class Replica:
         ctx = closure_scope_now().context
         seconds = time.perf_counter() - self._t0
         push = Push(self.client.model_id, uuid.uuid4().hex, services.session,
-                    services.worker.address, base.version, self.layout, params, buffers,
+                    services.worker.address, base.version, base.incarnation, self.layout,
+                    params, buffers,
                     merge_tokens(tokens) if tokens else [], self._steps, seconds,
                     self._fetched + len(params) + len(buffers),
                     int(getattr(ctx, "num_workers", 1) or 1))

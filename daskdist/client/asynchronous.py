@@ -159,7 +159,7 @@ def create(model: Any, optimizer: Any, outer: Any, max_staleness: Any, *,
         outer = Nesterov()
     if not isinstance(outer, OuterOptimizer):
         raise TypeError(f"async_model: outer must be an outer optimizer "
-                        f"(dd.asynchronous.Nesterov, Average, DelayedNesterov or an "
+                        f"(dd.asynchronous.Nesterov, Average, DelayedNesterov, Mixing or an "
                         f"OuterOptimizer), got {type(outer).__name__} {outer!r:.60}")
     max_staleness = async_protocol.max_staleness(max_staleness, "async_model: max_staleness")
     model_id = f"async-{uuid.uuid4().hex[:12]}"

@@ -126,6 +126,7 @@ class Push(NamedTuple):
     pusher: str
     address: str
     base: int  # the version pulled
+    incarnation: int  # of the holder it was pulled from (a new holder's versions differ)
     layout: list  # [(name, dtype, shape), ...] of the parameters (checked by name)
     params: bytes
     buffers: bytes
