@@ -9,9 +9,11 @@ long per inner step (a ``sleep`` stands for an older accelerator). Each closure 
 round: pull the global model, ``replica.suggested_steps(H)`` inner steps (Asynchronous
 Local-SGD's dynamic local updates: the slow worker takes fewer, so its rounds last as
 long and its deltas are no staler), push the delta; the holder applies it with
-``DelayedNesterov``. Nothing waits for the slow worker: the driver keeps two rounds per
-worker in flight and schedules the next one as each finishes. Every row of every epoch
-is learned exactly once; the per-worker table at the end shows who did what.
+FedAsync's ``Mixing`` (a third of the way to the worker's weights, from the version it
+pulled: a stale push does not overshoot). Nothing waits for the slow worker: the driver
+keeps two rounds per worker in flight and schedules the next one as each finishes.
+Every row of every epoch is learned exactly once; the per-worker table at the end shows
+who did what.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def main() -> None:
         ds = coord.distribute_dataset(f"{data}/*.parquet", policy="dynamic", shuffle=True,
                                       global_batch_size=args.batch_size * args.workers)
         am = coord.async_model(model=make_model, optimizer=make_optimizer,
-                               outer=dd.asynchronous.DelayedNesterov(lr=1.0, momentum=0.5),
+                               outer=dd.asynchronous.Mixing(),
                                max_staleness=16)
         t = time.perf_counter()
         rounds = run_epochs(coord, am, ds, args.epochs, args.steps, args.step_ms / 1e3,

@@ -301,3 +301,27 @@ def test_a_holder_with_a_deadline_hands_the_model_over_first(cl, rows_dir):
     report = am.report()
     assert (report["handovers"], report["holder_losses"], report["rows_lost"]) == (1, 0, 0)
     assert am.holders()[0] == moved["standby"] and moved["holder"] not in am.holders()
+
+
+def test_the_mixed_speed_example_trains_one_model_on_this_cluster(cl):
+    """``examples/async_mixed_speed.py`` against a running scheduler, at a small size:
+    one model, every epoch's rows acknowledged, no delta refused, the loss down."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    cluster, client, coord, threads = cl
+    example = pathlib.Path(__file__).resolve().parent.parent / "examples" / \
+        "async_mixed_speed.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--scheduler", cluster.scheduler_address,
+         "--rows", "3000", "--epochs", "2", "--step-ms", "1", "--steps", "10"],
+        capture_output=True, text=True, timeout=90, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = re.search(r"2 epochs of 3,000 rows .* (\d+) refused.*loss ([\d.]+) -> ([\d.]+)",
+                  out.stdout)
+    assert m, out.stdout
+    assert int(m[1]) == 0 and float(m[3]) < float(m[2]) / 4, out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("tcp://")]
+    assert len(rows) == 3 and sum(int(r[2]) for r in rows) == 2 * 3000, out.stdout
