@@ -110,6 +110,34 @@ def test_mixing_steps_from_the_versions_pulled_and_reaches_the_target_loss(cl, r
     assert report["staleness"]["max"] >= 1  # pushes stepped from a version since replaced
 
 
+@pytest.mark.slow
+def test_mixing_goes_on_through_a_sigkill_of_its_holder(cl, rows_dir):
+    """The holder that kept the pulled versions is SIGKILLed mid-epoch: its standby takes
+    over with none kept (a new incarnation), the pushes of rounds pulled from the lost
+    holder step from the current model, and the epoch completes and trains on."""
+    cluster, client, coord, threads = cl
+    am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Mixing(),
+                           max_staleness=50)
+    ds = coord.distribute_dataset(str(rows_dir), global_batch_size=30, policy="dynamic")
+    killed: list[str] = []
+
+    def during(p):
+        if not killed and p["acknowledged"] > ROWS // 3:
+            holder = am.holders()[0]
+            os.kill(worker_pids(client)[holder], signal.SIGKILL)
+            killed.append(holder)
+
+    before = mse_of(am.state_dict(), rows_dir)
+    drain(coord, ds, am, steps=2, during=during, pause=0.01, deadline=90)
+    ds.set_epoch(1)
+    drain(coord, ds, am, steps=2, deadline=90)
+    report = am.report()
+    assert killed and report["holder_losses"] == 1 and report["incarnation"] >= 1
+    assert am.holders()[0] != killed[0]
+    assert mse_of(am.state_dict(), rows_dir) < before / 2
+    wait_for_workers(client, coord, 3)
+
+
 def test_one_model_reaches_its_target_loss_with_every_row_once(cl, rows_dir):
     cluster, client, coord, threads = cl
     am = coord.async_model(model=make(pad=PAD), optimizer=sgd,
