@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import daskdist as dd
 from daskdist.asynchronous import flat
@@ -84,6 +86,52 @@ def test_mixing_pushes_stale_by_two_versions_step_from_the_version_they_pulled()
     assert set(gm._bases) == {0, 1}  # noqa: SLF001 - what it keeps, and no more
     gm.apply(push_of(gm, 3, [torch.zeros_like(p) for p in gm.params], list(gm.buffers)))
     assert set(gm._bases) == {1}  # version 0 can no longer be pushed to (max_staleness 4)
+
+
+class _Recording(dd.asynchronous.OuterOptimizer):
+    """An outer optimizer that wants the base: records it, steps by the delta."""
+
+    uses_base = True
+
+    def __init__(self):
+        self.bases = []
+
+    def step(self, params, deltas, workers, base=None):
+        self.bases.append(None if base is None else [b.clone() for b in base])
+        for p, d in zip(params, deltas, strict=True):
+            p.sub_(d)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 6)), min_size=1, max_size=40),
+       st.integers(0, 4))
+def test_a_push_gets_the_version_it_pulled_while_it_can_apply(ops, max_staleness):
+    """Pulls of the current version and pushes from any version pulled before, in any
+    order: a push that applies is given exactly the parameters of the version its worker
+    pulled (or none when that is the current one), and the holder keeps no version that
+    no push can apply to any more."""
+    outer = _Recording()
+    gm = GlobalModel(AsyncSpec("m", net, lambda p: torch.optim.SGD(p, lr=0.1), outer,
+                               max_staleness))
+    pulled: dict[int, list] = {}
+    for pull, back in ops:
+        if pull or not pulled:
+            gm.pulled(gm.version)
+            pulled[gm.version] = [p.detach().clone() for p in gm.params]
+            continue
+        base = sorted(pulled)[max(0, len(pulled) - 1 - back)]
+        deltas = [torch.full_like(p, 0.5) for p in gm.params]
+        current = gm.version
+        applied = gm.apply(push_of(gm, base, deltas, list(gm.buffers)))[0]
+        assert applied == (current - base <= max_staleness)
+        if applied:
+            got = outer.bases[-1]
+            if base == current:
+                assert got is None
+            else:
+                assert got is not None and all(
+                    torch.equal(a, b) for a, b in zip(got, pulled[base], strict=True))
+        kept = set(gm._bases)  # noqa: SLF001 - what the holder keeps
+        assert all(gm.version - v <= max_staleness and v in pulled for v in kept)
 
 
 @pytest.mark.parametrize("bad", [{"lr": 0}, {"lr": -1.0}, {"momentum": 1.0},
