@@ -82,7 +82,8 @@ def test_a_holder_and_a_standby_on_two_members(book):
 def test_a_push_is_answered_with_its_workers_pace_this_round_included(book):
     """Dynamic local updates: the answer to a worker's first push already scales its
     next round by the pace that round measured, against the fastest worker's; a pace
-    that changes moves the answer (the fastest kept as paces change)."""
+    that changes moves the answer (the fastest kept as paces change); a lost worker's
+    pace goes with it."""
     co, _, _ = book
     assert stage(co, "s0", "p1", "s1", lease(co, "s1"), 50, 0.5)["speed"] == 1.0
     assert stage(co, "s0", "p2", "s2", lease(co, "s2"), 50, 1.5)["speed"] == \
@@ -93,6 +94,8 @@ def test_a_push_is_answered_with_its_workers_pace_this_round_included(book):
     assert stage(co, "s0", "p4", "s2", lease(co, "s2"), 50, 1.5)["speed"] == \
         pytest.approx((100 / 3) / 60)
     assert co.async_book.models["m"].paces.share("w1") == 1.0
+    co.end_session("s1")  # the fastest is lost: the slow one is the fastest left
+    assert stage(co, "s0", "p5", "s2", lease(co, "s2"), 50, 1.5)["speed"] == 1.0
 
 
 def test_a_staged_push_outlives_its_worker_and_is_acknowledged_at_the_copy(book):

@@ -81,8 +81,10 @@ class GlobalModel:
     def _replacing(self) -> None:
         """Before a step: keep the current version if it was pulled, and forget what no
         push can apply to any more."""
-        if self.version in self._pulled:
-            self._bases[self.version] = self.packed()[1]
+        if self.version in self._pulled:  # the pull's bytes, or the parameters alone
+            packed = self._packed
+            self._bases[self.version] = (packed[1] if packed and packed[0] == self.version
+                                         else flat.pack(self.params))
         oldest = self.version + 1 - self.max_staleness
         for v in [v for v in self._bases if v < oldest]:
             del self._bases[v]

@@ -122,6 +122,11 @@ class Paces:
             self._fastest = [(-v, a) for a, v in self.of.items()]
             heapq.heapify(self._fastest)
 
+    def forget(self, address: str) -> None:
+        """Worker ``address`` is gone: its pace scales no one's steps any more (its heap
+        entries are stale now, dropped as they surface)."""
+        self.of.pop(address, None)
+
     def share(self, address: str) -> float:
         """``address``'s pace over the fastest worker's (1.0 when not measured)."""
         heap = self._fastest

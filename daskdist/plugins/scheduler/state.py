@@ -503,11 +503,12 @@ class CoordinatorState(BookSeams):
         # a retiring worker outside the group (it left at a commit, or never joined it)
         # changes nothing for the group's members: no second re-formation
         member = self.members.members.get(session)
+        address = member.address if member is not None else ""
         self.members.leave(session, counted=not (member is not None and member.draining
                                                  and session not in self.gangs.group.ranks))
         self.workers_lost += not expected
         self.leases.drop_session(session)
-        self.async_book.session_lost(session)  # a lost holder's model recovers
+        self.async_book.session_lost(session, address)  # a lost holder's model recovers
         self.rank_book.session_ended(session)
         self.group_book.session_lost(session, expected)  # a member's loss tells the rest
         self.membership_changed()  # (so this sends nothing more to them)

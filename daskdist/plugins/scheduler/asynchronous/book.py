@@ -398,10 +398,12 @@ class AsyncBook:
             c.version, "daskdist-async-checkpointed: version", 0, 1 << 62)))
 
     # -- the coordinator's events -----------------------------------------------------------
-    def session_lost(self, session: str) -> None:
+    def session_lost(self, session: str, address: str) -> None:
         """A member's session ended (the coordinator calls this after the membership
-        dropped it): a lost holder's model recovers, a lost standby is replaced."""
+        dropped it): a lost holder's model recovers, a lost standby is replaced, and its
+        worker's pace (``address``) no longer scales the others' steps."""
         for led in list(self.models.values()):
+            led.paces.forget(address)
             if led.phase == FAILED:
                 continue
             if session == led.holder or (session == led.target and led.phase == MOVING):
