@@ -208,7 +208,7 @@ class TestAStraggler:
 
 # -- a data stall -------------------------------------------------------------------------
 def slow_partition(df):
-    time.sleep(0.3)  # preprocessing: Dask computes each partition in 0.3 s
+    time.sleep(0.15)  # preprocessing: Dask computes each partition in 0.15 s
     return df
 
 
@@ -227,9 +227,9 @@ def test_a_lazy_frame_of_slow_partitions_makes_every_rank_wait_on_data(gang):
     pd = pytest.importorskip("pandas")
     ddf = pytest.importorskip("dask.dataframe")
     coord = gang["coord"]
-    rows = np.arange(1200)
+    rows = np.arange(1200)  # a partition a rank's batch: every step, even the last
     frame = ddf.from_pandas(pd.DataFrame({"x": rows.astype(np.float32), "y": rows}),
-                            npartitions=60).map_partitions(slow_partition)
+                            npartitions=120).map_partitions(slow_partition)
     ds = coord.distribute_dataset(frame, global_batch_size=30, policy="dynamic",
                                   name="lazy")
     assert coord.fetch(coord.schedule_on_all(consume, args=(iter(ds), 30))) == [30] * 3

@@ -125,7 +125,7 @@ def test_a_hang_collects_the_stacks_names_the_odd_rank_and_a_step_clears_them():
         assert sorted(book.report()["stacks"]) == [0, 1, 2]
         assert await book.stuck("s0") == notice["message"].split("; ", 1)[1]
         assert max(w.asked for w in sched.workers_rpc.values()) == 1  # shared, recent
-        book.on_window("w0", window(0, 1, steps=2, since=0.01))  # a step: stacks go
+        book.on_window("w0", window(0, 1, steps=2, since=0.0))  # a step now: stacks go
         assert book.report()["stacks"] is None
         book.on_window("w0", window(0, 2, ended=True))
         assert book.hang.run == ()
