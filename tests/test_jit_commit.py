@@ -65,6 +65,20 @@ class MakeSlowCounts:
             self.url, every=10**6)
 
 
+def rows_held_and_acknowledged(url, commits: int) -> tuple[int, int]:
+    """Checkpoint ``commits``'s rows: those its State trained (its ``counts``) and those
+    its ledger says the scheduler acknowledged. A resume trains every row once only when
+    they are the same."""
+    from daskdist.collective.state.checkpoint import CheckpointInfo, CheckpointStore
+
+    store = CheckpointStore(str(url))
+    info = CheckpointInfo(store.url_of(store.dir_of(commits)), commits)
+    _, extra = store.load(info, None)
+    trained = int(torch.as_tensor(extra["objects"]["counts"]).sum())
+    (ledger,) = extra["record"]["ledger"].values()
+    return trained, sum(hi - lo for lo, hi in ledger["acknowledged"])
+
+
 def _members(coord) -> list[str]:
     return coord._call("daskdist_group_info")["members"]
 
@@ -131,6 +145,10 @@ def test_a_deadline_commits_just_in_time_and_survivors_never_wait_past_it(tmp_pa
         # 1: written while the member had its deadline ahead; it left, the others went on
         assert seen["first_written"] < seen["first_deadline"]
         assert seen["first"][-1] > 0
+        # it holds the commit whose rows were acknowledged as the member left, the one
+        # the commit that decided the leave sent included
+        trained, acknowledged = rows_held_and_acknowledged(url, seen["first"][-1])
+        assert trained == acknowledged == seen["first"][-1] * BATCH, (trained, acknowledged)
         notices = {p["worker"]: p for p in seen["status"]["preemptions"]}
         assert notices[seen["leaving"]]["deadline"] == pytest.approx(seen["first_deadline"])
         assert notices[seen["leaving"]]["reason"] == "notify_preemption"

@@ -302,6 +302,10 @@ class State:
         if writes and act.last:
             self._checkpoint_last()  # every member leaves: none would hold the state
         elif writes and act.write:
+            # the commit just sent first, as the scheduler applied it: its rows count as
+            # acknowledged, so the copy written must hold them (a survivor leaving right
+            # after may commit nothing more)
+            self._settle_pending()
             deadline.write_now(durable, self._commits, act.wait, lambda: keeper.write_durable(
                 durable, self._id, self._commits, _services(), wait=False))
         if act.leave:
