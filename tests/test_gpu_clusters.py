@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import dask
 import numpy as np
 import pytest
 from distributed import Client, Nanny, Scheduler, SpecCluster
@@ -52,9 +53,13 @@ def mixed(tmp_path_factory):
     spec = {"cuda-1": worker(ROTATED), "cuda-mig": worker(MIG),
             "plain": worker("", preload=["daskdist.plugins.gpu_pin"])}
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
-    with SpecCluster(workers=spec, scheduler=scheduler, silence_logs=logging.ERROR) as cluster, \
+    # Dask's work stealing may move a partition from the helper daskdist prefers (a
+    # loose restriction) to an idle member: off, so where partitions run is daskdist's
+    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
+            SpecCluster(workers=spec, scheduler=scheduler, silence_logs=logging.ERROR) as cluster, \
             Client(cluster) as client:
         client.wait_for_workers(3)
+        assert "stealing" not in cluster.scheduler.extensions
         info = client.scheduler_info(n_workers=-1)["workers"]
         yield client, {w["name"]: a for a, w in info.items()}, slots
 

@@ -292,20 +292,16 @@ class State:
         self._check(version, joins, self._leaves(g, keeper, [h.leaving for h in heads]))
 
     def _leaves(self, g: Group, keeper: Keeper, flags: list[int]) -> bool:
-        """Members leaving at this commit (every rank's ``CommitHead.leaving``): every
-        one, the last holder's checkpoint; one on its preemption deadline, a just-in-time
-        one (:mod:`~daskdist.collective.state.deadline`). Whether every rank is
-        interrupted for it."""
+        """Members leaving at this commit (every rank's ``CommitHead.leaving``): all, the
+        last holder's checkpoint; some on a preemption deadline, a just-in-time one of
+        this commit (:mod:`~daskdist.collective.state.deadline`). Whether all interrupt."""
         durable = self._durable
         writes = durable is not None and keeper.writes_durable(g.rank)
         act = deadline.at_commit(flags, g.rank, writes)
         if writes and act.last:
             self._checkpoint_last()  # every member leaves: none would hold the state
         elif writes and act.write:
-            # the commit just sent first, as the scheduler applied it: its rows count as
-            # acknowledged, so the copy written must hold them (a survivor leaving right
-            # after may commit nothing more)
-            self._settle_pending()
+            self._settle_pending()  # the commit just sent: its acknowledged rows in the copy
             deadline.write_now(durable, self._commits, act.wait, lambda: keeper.write_durable(
                 durable, self._id, self._commits, _services(), wait=False))
         if act.leave:
