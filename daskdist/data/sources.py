@@ -157,7 +157,8 @@ class UnitReads(Protocol):
         ...
 
     def finish(self) -> None:
-        """The pass ends: wait for those reports."""
+        """Wait for those reports (the pass ends, or asks for rows with none left to
+        read: the lease table must know every unit read before it answers)."""
         ...
 
     def close(self) -> None:

@@ -82,11 +82,28 @@ class Epoch:
     # ids of leased rows that may not exist (a unit of unknown length, or the tail of one
     # learned since it was leased); ``total`` counts them
     phantom_leased: int = 0
+    # of a dataset leased in whole units (its loaders report each unit they read): per
+    # session, the leased rows its loader has not read yet, what the tail rule weighs.
+    # Rows read stay leased until the closure that took them completes, which for a loop
+    # over a whole epoch is its end: counted as held, they would keep that loader from
+    # the epoch's last units although it holds none of them to read
+    ahead: dict[str, RowSet] = field(default_factory=dict)
 
     @property
     def n_free(self) -> int:
         """Rows that may be leased (deferred ones included)."""
         return self.free.size + self.deferred.size
+
+    def not_ahead(self, session: str, a: int, b: int) -> None:
+        """Ids ``[a, b)`` of ``session``'s lease are read, acknowledged or given back:
+        no longer ahead of its loader."""
+        rows = self.ahead.get(session)
+        if rows is None:
+            return
+        for lo, hi in rows.intersect(a, b):
+            rows.remove(lo, hi)
+        if not rows:
+            del self.ahead[session]
 
     def drop_rows(self, rows: RowSet, a: int, b: int) -> None:
         """Ids ``[a, b)`` learned not to exist leave ``rows`` (one of this epoch's

@@ -21,7 +21,8 @@ __all__ = ["learn_lengths", "restore_epoch", "set_length", "start_epoch"]
 
 def set_length(table: LeaseTable, session: str, dataset_id: str, epoch: int, unit: int,
                length: int) -> str | None:
-    """``session`` read ``unit`` and found ``length`` rows.
+    """``session`` read ``unit`` and found ``length`` rows: they are no longer ahead of
+    its loader in ``epoch`` (what the tail rule weighs, :mod:`.tail`).
 
     The first time, ids past its end go from every live epoch (from the free and
     deferred rows and from ``session``'s lease; rows of the tail leased to another
@@ -46,6 +47,11 @@ def set_length(table: LeaseTable, session: str, dataset_id: str, epoch: int, uni
         if ep is not None and ep.failed is None:
             ep.failed = why
         return why
+    ep = ds.epochs.get(epoch)
+    if ep is not None and ep.ahead:
+        a, b = units.bounds(unit)
+        tail = units.tail(unit)
+        ep.not_ahead(session, a, b if tail is None else tail[1])
     _learned(table, dataset_id, ds, unit, session)
     return None
 

@@ -176,7 +176,8 @@ class LeaseTable(DatasetIndex):
         need = min(max(1, int(rows)), max(1, int(least), share))
         units = ds.defined
         if tail and TailRule.holds_back(units, ds.whole, ep.leased.get(session),
-                                        ep.n_leased, parts, need, n_free, weight):
+                                        ep.n_leased, parts, need, n_free, weight,
+                                        ep.ahead.get(session)):
             return None
         cap = TailRule.cap(ds.whole, need, share) if tail else None
         pool = ep.free if ep.free else ep.deferred
@@ -209,7 +210,7 @@ class LeaseTable(DatasetIndex):
         parts = max(1, int(parts))
         return TailRule.holds_back(ds.defined, ds.whole, ep.leased.get(session),
                                    ep.n_leased, parts, 1, ep.n_free,
-                                   ds.rates.weight(session, parts))
+                                   ds.rates.weight(session, parts), ep.ahead.get(session))
 
     def acquire_unit(self, session: str, dataset_id: str, epoch: int,
                      unit: int) -> list[Interval] | None:
@@ -243,16 +244,20 @@ class LeaseTable(DatasetIndex):
 
     def _lease(self, session: str, dataset_id: str, epoch: int, ds: Dataset, ep: Epoch,
                out: list[Interval]) -> list[Interval]:
-        """Rows taken from a pool become ``session``'s."""
+        """Rows taken from a pool become ``session``'s (and, of whole units, ahead of
+        its loader until it reports them read: :func:`~.resume.set_length`)."""
         if not out:
             return out
         held = ep.leased.get(session)
         if held is None:
             held = ep.leased[session] = RowSet()
             self._session_keys.setdefault(session, set()).add((dataset_id, epoch))
+        ahead = ep.ahead.setdefault(session, RowSet()) if ds.whole else None
         for a, c in out:
             held.add(a, c)
             ep.n_leased += c - a
+            if ahead is not None:
+                ahead.add(a, c)
         ep.phantom_leased += ds.defined.phantoms(out)
         return out
 
@@ -315,6 +320,8 @@ class LeaseTable(DatasetIndex):
                     held.remove(a, b)
                     acked.add(a, b)
                     rows += b - a
+                    if ep.ahead:
+                        ep.not_ahead(session, a, b)
                 if not held.size:
                     del leased[session]
                     self._unkey(session, key)
@@ -362,6 +369,8 @@ class LeaseTable(DatasetIndex):
             for a, b in ranges:
                 held.remove(a, b)
                 into.add(a, b)
+                if ep.ahead:  # rows a closure took: read
+                    ep.not_ahead(source, a, b)
             if not held.size:
                 del ep.leased[source]
                 self._unkey(source, key)
@@ -403,6 +412,8 @@ class LeaseTable(DatasetIndex):
         for a, b in normalize(ranges):
             for lo, hi in held.intersect(a, b):
                 held.remove(lo, hi)
+                if ep.ahead:
+                    ep.not_ahead(session, lo, hi)
                 if ep.phantom_leased:
                     ep.phantom_leased -= units.phantoms([(lo, hi)])
                 for x, y in ds.returned(ep, lo, hi):
@@ -443,6 +454,7 @@ class LeaseTable(DatasetIndex):
             held = ep.leased.pop(session, None) if ep is not None else None
             if held is None or ds is None or ep is None:
                 continue
+            ep.ahead.pop(session, None)
             units = ds.defined
             if ep.phantom_leased:
                 ep.phantom_leased -= units.phantoms(held)
@@ -473,6 +485,7 @@ class LeaseTable(DatasetIndex):
         """``session``'s lease of the epoch is empty: forget it."""
         ep = self.datasets[dataset_id].epochs[epoch]
         del ep.leased[session]
+        ep.ahead.pop(session, None)
         self._unkey(session, (dataset_id, epoch))
 
     def _unkey(self, session: str, key: tuple[str, int]) -> None:

@@ -16,7 +16,10 @@ while the others idle.
   third as many rows and every reader runs out at about the same time: a slow worker
   does not keep the epoch's last rows while the others idle. For whole partitions,
   once fewer than two are free per reader (by the mean partition), a reader holding
-  two (the one it reads, one computed ahead) waits too.
+  two it has not read yet (the one it reads, one computed ahead) waits too; partitions
+  it read wait only for their closure's acknowledgement, never for it, so a reader
+  with nothing left to read is never held back by this rule (its pass would end with
+  the epoch's last partitions left to no one).
 
 Imports nothing from Dask, torch, pyarrow or the rest of the package.
 """
@@ -39,10 +42,13 @@ class TailRule:
 
     @staticmethod
     def holds_back(units: Units, whole: bool, held: RowSet | None, n_leased: int,
-                   parts: int, need: int, n_free: int, weight: float | None = None) -> bool:
+                   parts: int, need: int, n_free: int, weight: float | None = None,
+                   ahead: RowSet | None = None) -> bool:
         """Whether a reader holding ``held`` waits now (``parts`` readers, ``n_free``
         rows free, ``n_leased`` leased to anyone, a lease of ``need`` asked; ``weight``:
-        the reader's share of the readers' consumption, ``1 / parts`` if not given)."""
+        the reader's share of the readers' consumption, ``1 / parts`` if not given;
+        ``ahead``: the rows of ``held`` it has not read yet, what the rule for whole
+        partitions counts)."""
         if held is None:
             return False
         pending = n_free + n_leased
@@ -51,6 +57,6 @@ class TailRule:
         if over and (
                 held.size >= need or n_free < parts * need):
             return True
-        if not whole or units.units_in(n_free) >= 2 * parts:
-            return False  # two partitions or more free per reader: not the tail yet
-        return units.unit_of(held.stops[-1] - 1) > units.unit_of(held.starts[0])
+        if not whole or not ahead or units.units_in(n_free) >= 2 * parts:
+            return False  # nothing to read, or two partitions or more free per reader
+        return units.unit_of(ahead.stops[-1] - 1) > units.unit_of(ahead.starts[0])

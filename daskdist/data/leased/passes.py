@@ -9,6 +9,12 @@ needs rows (a slow worker never starts an epoch holding a fast one's share).
 ``reads.ahead`` planned reads (a collection's partitions computing) are kept beyond the
 one being read.
 
+No lease is an answer about the moment it was asked: asked while reads were planned,
+it may be the tail rule holding this reader back for what it holds
+(:mod:`daskdist.core.leases.tail`), so the pass asks again once those are read. Only
+an answer to an ask made with nothing left to read, after the reads' reports reached
+the table (what it counts as read), ends the pass: none is free for this reader.
+
 A read that fails gives back at once what the pass holds and has not handed on: the
 failed read's rows deferred with the failure counted (the scheduler fails the epoch
 after ``max_worker_failures``), the rest free. Then the error is raised once, to the
@@ -66,23 +72,30 @@ class LeasedPass:
         held = self.held
         pending: deque[Pending] = deque()
         ask: Any = self._ask(reads)
+        dry = True  # the ask in flight was made with nothing left to read
         exhausted = False
+        waiting = False  # held back: ask again once the planned reads are read
         try:
             while True:
-                while not exhausted and len(pending) <= reads.ahead:
+                while not exhausted and len(pending) <= reads.ahead and not (
+                        waiting and pending):
                     if ask is None:
+                        dry = not pending
+                        if dry:  # the table counts every unit read before it answers
+                            reads.finish()
                         ask = self._ask(reads)
                     ranges, ask = ask.result(), None  # ends when the RPC does (or times out)
                     if not ranges:
-                        exhausted = True
-                        break
+                        exhausted, waiting = dry, not dry
+                        continue
+                    waiting = False
                     ranges = [(int(a), int(b)) for a, b in ranges]
                     held.hold(ranges)
                     pending.extend(reads.plan(ranges))
                     if self.rate.rate() is not None:
                         # asked now, read after this lease; a reader whose pace is not
                         # measured yet asks when it needs rows, its share then weighed
-                        ask = self._ask(reads)
+                        ask, dry = self._ask(reads), False
                 reads.check()
                 if not pending:
                     reads.finish()
