@@ -69,13 +69,11 @@ def rows_held_and_acknowledged(url, commits: int) -> tuple[int, int]:
     """Checkpoint ``commits``'s rows: those its State trained (its ``counts``) and those
     its ledger says the scheduler acknowledged. A resume trains every row once only when
     they are the same."""
-    from daskdist.collective.state.checkpoint import CheckpointInfo, CheckpointStore
+    from daskdist.collective.state.checkpoint import Durable
 
-    store = CheckpointStore(str(url))
-    info = CheckpointInfo(store.url_of(store.dir_of(commits)), commits)
-    _, extra = store.load(info, None)
-    trained = int(torch.as_tensor(extra["objects"]["counts"]).sum())
-    (ledger,) = extra["record"]["ledger"].values()
+    _, objects, record = Durable(str(url), every=1).load(commits, None)
+    trained = int(torch.as_tensor(objects["counts"]).sum())
+    (ledger,) = record["ledger"].values()
     return trained, sum(hi - lo for lo, hi in ledger["acknowledged"])
 
 
