@@ -182,6 +182,41 @@ def test_one_model_reaches_its_target_loss_with_every_row_once(cl, rows_dir):
     assert len({m for models in by_thread.values() for m in models}) == len(by_thread)
 
 
+def _copy_policy(settings: dict) -> dict:
+    """Set the holder's copy policy in this process (a worker's): the old values."""
+    import dask
+
+    old = {k: dask.config.get(k) for k in settings}
+    dask.config.set(settings)
+    return old
+
+
+def test_an_epoch_ends_with_the_copy_of_its_last_rows_not_at_an_idle_timer(cl, rows_dir):
+    """A row is acknowledged once the standby's copy holds its delta. With copies due
+    only after a minute (every timer of the copy policy), the epoch still ends at once:
+    the push of its last rows is copied as soon as it is applied; the second epoch too."""
+    cluster, client, coord, threads = cl
+    slow = {"daskdist.asynchronous.standby-idle": "60s",
+            "daskdist.asynchronous.standby-interval": "60s",
+            "daskdist.asynchronous.standby-every": 100_000}
+    old = client.run(_copy_policy, slow)
+    try:
+        am = coord.async_model(model=make(), optimizer=sgd,
+                               outer=dd.asynchronous.Average(), max_staleness=50)
+        ds = coord.distribute_dataset(str(rows_dir), global_batch_size=60, shuffle=True,
+                                      policy="dynamic")
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            t = time.monotonic()
+            drain(coord, ds, am, deadline=30)  # asserts the end within 30 s, not 60
+            took = time.monotonic() - t
+            assert ds.progress(epoch)["complete"] and took < 30, took
+            c = am.state_dict()["counts"].numpy()
+            assert (c == epoch + 1).all(), np.unique(c, return_counts=True)
+    finally:
+        client.run(lambda: _copy_policy(next(iter(old.values()))))
+
+
 def test_a_staleness_bound_refuses_deltas_and_their_rows_go_back(cl, rows_dir):
     cluster, client, coord, threads = cl
     am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average(),

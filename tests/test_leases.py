@@ -121,6 +121,29 @@ def test_ack_tokens_is_atomic_across_epochs():
     check_leases(t)
 
 
+def test_only_with_says_when_an_epochs_last_rows_are_one_sessions():
+    """An asynchronous model's staged rows are its own session's: once every row not
+    acknowledged is with it (none free, none with a reader), its holder copies at once."""
+    t = table([4, 4])
+    a = t.acquire("a", DS, 0, 4)
+    b = t.acquire("b", DS, 0, 4)
+    tok_a, tok_b = ("lease", DS, 0, a), ("lease", DS, 0, b)
+    assert t.transfer_tokens("a", "async:m", [tok_a])
+    epoch = [(DS, 0)]
+    assert not t.only_with("async:m", epoch)  # b still reads its rows
+    assert t.release_tokens("b", [tok_b]) == 4
+    assert not t.only_with("async:m", epoch)  # b's rows are free again
+    b = t.acquire("b", DS, 0, 4)
+    assert t.transfer_tokens("b", "async:m", [("lease", DS, 0, b)])
+    assert t.only_with("async:m", epoch) and not t.only_with("b", epoch)
+    assert not t.only_with("async:m", []) and not t.only_with("async:m", [(DS, 1)])
+    assert t.ack_tokens("async:m", [tok_a])
+    assert t.only_with("async:m", epoch)  # acknowledged rows count as done
+    assert t.ack_tokens("async:m", [("lease", DS, 0, b)])
+    assert not t.only_with("async:m", epoch)  # the epoch completed: nothing open
+    check_leases(t)
+
+
 def test_progress_is_read_only():
     t = LeaseTable()
     assert t.progress(DS, 0) == {

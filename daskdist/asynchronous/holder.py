@@ -9,8 +9,9 @@ stream. A push already decided (a retry) gets its first answer again. Pulls are
 served from the bytes packed once per version. The holder copies its state to its
 standby every ``daskdist.asynchronous.standby-every`` versions, or
 ``standby-interval`` after the oldest version not yet copied, or as soon as no push came
-for ``standby-idle`` (an epoch's tail waits on that copy for its last rows); the
-standby tells the scheduler, which acknowledges the rows of the pushes the copy holds.
+for ``standby-idle``, or at once after a push the scheduler says holds its epochs' last
+rows (the epoch's end waits on that copy); the standby tells the scheduler, which
+acknowledges the rows of the pushes the copy holds.
 With ``checkpoint_to``, the holder writes a checkpoint every ``every`` versions, with
 the datasets' ledger at that version. When its worker gets a preemption deadline
 (:func:`daskdist.session.preemption.on_preemption`) within
@@ -99,6 +100,7 @@ class Held:
         self.copied = -1  # the version the standby last took (-1: none)
         self.first_uncopied = 0.0  # when the oldest version not yet copied was applied
         self.last_push = time.monotonic()
+        self.urgent = -1  # a version to copy at once: it holds an epoch's last rows
         self.changed = asyncio.Event()
         self.closed = False
         self.store: CheckpointStore | None = None
@@ -214,6 +216,8 @@ class Held:
             if not self.log:
                 self.first_uncopied = self.last_push
             self.log.append((p.pid, version))
+            if st.get("last"):
+                self.urgent = version
             self.changed.set()
         self._report(p, applied, version, staleness, reason)
         if applied and self.store is not None and version - self.last_checkpoint >= self.every:
@@ -257,6 +261,7 @@ class Held:
                 await self.changed.wait()
                 continue
             due = (self.copied < 0 or self.gm.version - self.copied >= every
+                   or self.urgent > self.copied
                    or now - self.first_uncopied >= interval or now - self.last_push >= idle)
             if not due:
                 self.changed.clear()

@@ -7,7 +7,7 @@ Imports nothing from Dask, torch, pyarrow or the rest of the package.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from daskdist.core.intervals import Interval
 from daskdist.core.leases.epochs import Dataset
@@ -147,6 +147,20 @@ class DatasetIndex:
         if ds is not None:
             for ep in ds.epochs.values():
                 yield from ep.leased
+
+    def only_with(self, session: str, keys: Iterable[tuple[str, int]]) -> bool:
+        """Whether each of these ``(dataset, epoch)`` has no row left to read: every row
+        not acknowledged is ``session``'s (an asynchronous model's staged pushes, which
+        complete the epoch once durable). O(1) an epoch; ``False`` for no epoch, or one
+        not open."""
+        keys = list(keys)
+        for dataset_id, epoch in keys:
+            ds = self.datasets.get(dataset_id)
+            ep = ds.epochs.get(int(epoch)) if ds is not None else None
+            held = ep.leased.get(session) if ep is not None else None
+            if held is None or ep.n_free or ep.n_leased != held.size:
+                return False
+        return bool(keys)
 
     def is_complete(self, dataset_id: str, epoch: int) -> bool:
         """Every row of the epoch was acknowledged (its table may be dropped already)."""

@@ -43,7 +43,7 @@ from daskdist import config
 from daskdist.core import checks
 from daskdist.core.gang import GangBook
 from daskdist.core.leases.ledgers import Ledgers
-from daskdist.core.leases.table import LeaseTable
+from daskdist.core.leases.table import LeaseTable, group_tokens
 from daskdist.core.membership import LivenessTable, Membership
 from daskdist.core.protocol import RETIRING, SESSION, DatasetDef, Outcome, Route
 from daskdist.core.queue import ClosureQueue
@@ -168,6 +168,14 @@ class BookSeams:
     def hand_rows(self, source: str, target: str, tokens: list) -> bool:
         """Lease tokens' rows move from ``source``'s lease to ``target``'s, all or none."""
         return self.leases.transfer_tokens(source, target, tokens)
+
+    def rows_only_with(self, session: str, tokens: list) -> bool:
+        """Whether the epochs of lease tokens have nothing left but ``session``'s rows
+        (``False`` for none, or a malformed token)."""
+        try:
+            return self.leases.only_with(session, group_tokens(tokens))
+        except ValueError:
+            return False
 
     def release_rows(self, session: str, tokens: list) -> int:
         """Lease tokens' rows leased to ``session`` go back: rows freed."""

@@ -6,11 +6,12 @@ The scheduler holds no tensor of them: each model's pure
 pushes waiting for durability, figures). This book picks the holder and the standby
 among the members (none with a preemption deadline near), gives them their roles
 (``daskdist-async-role`` on their streams), moves a push's rows to the model when its
-holder stages it, acknowledges them once the push is durable, gives them back when it
-is refused or lost (``rows.py``), plans a lost holder's recovery, and moves the model
-to its standby when its holder's worker gets a deadline (the holder hands over first,
-:meth:`AsyncBook.hand_over`). A model goes with its owner: closed, or a keep-alive
-owner nobody attached to in time. Its routes: :data:`ASYNC_ROUTES` and
+holder stages it (telling the holder when they are their epochs' last, which it then
+copies to its standby at once), acknowledges them once the push is durable, gives them
+back when it is refused or lost (``rows.py``), plans a lost holder's recovery, and moves
+the model to its standby when its holder's worker gets a deadline (the holder hands
+over first, :meth:`AsyncBook.hand_over`). A model goes with its owner: closed, or a
+keep-alive owner nobody attached to in time. Its routes: :data:`ASYNC_ROUTES` and
 :data:`ASYNC_STREAM_ROUTES`. It asks its coordinator only what
 :class:`AsyncCoordinator` declares. Runs on the scheduler's event loop; imports
 nothing from Dask or torch.
@@ -130,9 +131,8 @@ class AsyncBook:
             return
         self.plans.pop(led.model, None)
         led.aim(target)
-        logger.info("daskdist[%s]: model %s moves to %s (from its %s, version %d)",
-                       self.co.name, led.model, self._address(target), plan.source,
-                       plan.version)
+        logger.info("daskdist[%s]: model %s moves to %s (from its %s, version %d)", self.co.name,
+                    led.model, self._address(target), plan.source, plan.version)
         self._role(led, target, HOLDER, plan.source, plan.version, spec=True)
 
     def _wake(self, led: ModelLedger) -> None:
@@ -291,7 +291,8 @@ class AsyncBook:
         led.stage(PushRecord(s.pid, s.pusher, s.address, list(s.tokens), token_rows(s.tokens),
                              s.base))
         led.paces.measured(s.address, s.steps, s.seconds)  # this round counts in its answer
-        return {"staged": True, "speed": led.paces.share(s.address)}
+        return {"staged": True, "speed": led.paces.share(s.address),
+                "last": self.co.rows_only_with(pseudo(s.model), s.tokens)}
 
     def abandon(self, session: str, model: str, pid: str, tokens: list) -> dict:
         """A worker's push that no holder staged, as far as it knows (refused before

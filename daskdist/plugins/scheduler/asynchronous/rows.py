@@ -38,6 +38,10 @@ class ModelRows(Protocol):
     def release_rows(self, session: str, tokens: list) -> int:
         """Give back the rows of lease tokens leased to ``session``: rows freed."""
 
+    def rows_only_with(self, session: str, tokens: list) -> bool:
+        """Whether every epoch these lease tokens name has no row left to read: each
+        one not acknowledged is ``session``'s."""
+
     def note_trained(self, state: str, tokens: Iterable[object]) -> None:
         """``state`` (a model) trained on the datasets these lease tokens name."""
 
