@@ -5,6 +5,7 @@ workers are dropped; every row is delivered to exactly one completed closure."""
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import dask
@@ -218,17 +219,67 @@ def test_dynamic_configuration_errors(shards):
 
 
 class CountingLeases(LocalLeaseService):
-    """Counts lease RPCs and the rows each covered."""
+    """Counts lease RPCs and the rows each covered; ``asks``: per ask (when the loader
+    makes it; the lease is made when its result is asked for), the rows and the pace
+    asked with, and the rows leased and not yet taken by the test then (``taken``: what
+    the test's consumer counts)."""
 
     def __init__(self):
         super().__init__()
         self.leases = []
+        self.asks = []
+        self.taken = 0
+        self.leased = 0
+
+    def acquire_async(self, dataset_id, epoch, rows, least=1, rate=None):
+        self.asks.append((rows, least, rate, self.leased - self.taken))  # asked now
+        return super().acquire_async(dataset_id, epoch, rows, least, rate)
 
     def acquire(self, dataset_id, epoch, rows, least=1, rate=None):
         got = super().acquire(dataset_id, epoch, rows, least, rate)
         if got is not None:
             self.leases.append(got)
+            self.leased += sum(b - a for a, b in got)
         return got
+
+
+def paced_asks(shards, lead: str) -> list[tuple[int, int, float, int]]:
+    """A loader read to its end at about 1,000 rows a second, leases of 500 ms of its
+    reading, the next asked ``lead`` before the rows held run out: the asks made once
+    its pace was measured, as :class:`CountingLeases` saw them."""
+    svc = CountingLeases()
+    settings = {"daskdist.data.pace-span": 0, "daskdist.data.lease-seconds": "500ms",
+                "daskdist.data.lease-lead": lead}
+    with dask.config.set(settings):
+        ld = make(shards, svc, batch_size=10, lease_rows=100_000, prefetch=2)
+    got = []
+    for batch in ld:
+        got += batch["id"].tolist()
+        svc.taken += len(batch["id"])
+        time.sleep(0.01)
+    assert sorted(got) == list(range(TOTAL))
+    paced = [ask for ask in svc.asks if ask[2]]
+    assert len(paced) >= 2, svc.asks
+    for rows, least, rate, _ in paced:
+        assert rows <= max(least, rate * 0.5) + 1, (rows, rate)  # never lease_rows
+    return paced
+
+
+def test_a_loader_asks_for_seconds_of_its_reading_and_asks_again_near_their_end(shards):
+    """Once its pace is measured, a lease covers at most ``lease-seconds`` of the loader's
+    reading (a slow worker does not take a large share at once), and the next is asked
+    for only once the rows held would last under ``lease-lead``: not a second lease on
+    top of a whole one, which at the epoch's end a slow reader would hold while the
+    others run dry. Asked at once instead (a lead longer than a lease), the rows held
+    at an ask exceed the bound: the bound is what the lead decides."""
+
+    def bound(rate):  # under 50 ms of rows, a batch of slack for the consumer's count,
+        return rate * 0.05 + 10 + 2 * 90  # and the prefetch: two units' blocks (90 rows)
+
+    near = paced_asks(shards, "50ms")
+    assert all(held <= bound(rate) for _, _, rate, held in near), near
+    at_once = paced_asks(shards, "10s")
+    assert any(held > bound(rate) for _, _, rate, held in at_once), at_once
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -153,8 +153,12 @@ def test_a_dynamic_batch_path(tmp_path):
     a batch from the block read at its first batch, then the first batch of its second
     block."""
     _write(tmp_path)
+    # leases of LEASE rows, each next one asked for as soon as one arrives (a lead and
+    # a lease longer than this whole run), so the path is the same at any pace
     with traced_cluster(1, 2, **{"daskdist.data.lease-rows": LEASE,
-                                 "daskdist.data.pace-span": 0}) as (_, client), \
+                                 "daskdist.data.pace-span": 0,
+                                 "daskdist.data.lease-seconds": "1h",
+                                 "daskdist.data.lease-lead": "1h"}) as (_, client), \
             dd.Coordinator(client, name="lease-path") as coord:
         ds = coord.distribute_dataset(str(tmp_path / "*.parquet"), global_batch_size=BATCH,
                                       policy="dynamic", prefetch=0)

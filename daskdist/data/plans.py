@@ -103,6 +103,8 @@ class LeasedPlan:
         self.pipeline = pipeline
         # this loader's consumption, across its epochs
         self.rate = ConsumptionRate(config.seconds("data.pace-span"))
+        self.lead = config.seconds("data.lease-lead")
+        self.lease_seconds = config.seconds("data.lease-seconds")
 
     def split(self, pipeline: tuple[int, int], before: Callable[[], None] = lambda: None
               ) -> None:
@@ -124,7 +126,7 @@ class LeasedPlan:
         """A pass over rows leased now (``define``: the loader's dataset definition,
         once; ``outside``: no coordinator runs the closures that take its batches)."""
         return LeasedPass(reader.spec, epoch, lambda drop: reader.unit_reads(epoch, drop),
-                          define, outside, self.rate)
+                          define, outside, self.rate, self.lead, self.lease_seconds)
 
     def position(self, consumed: int) -> int:
         return 0  # the lease table holds the epoch's ledger

@@ -151,6 +151,11 @@ class LeaseHolder:
         if rest:
             self.services.release(self.dataset_id, self.epoch, rest)
 
+    def unread(self) -> int:
+        """Rows held and not handed to a caller yet."""
+        with self._lock:
+            return sum(held.size for held in self._leases)
+
     def outstanding(self) -> list[Interval]:
         with self._lock:
             return [iv for held in self._leases for iv in held]

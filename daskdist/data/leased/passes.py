@@ -2,10 +2,13 @@
 
 :class:`LeasedPass` asks the lease service for rows until none are free *right now*,
 has the source's :class:`~.sources.UnitReads` read them, and keeps what it holds in a
-:class:`~.held.LeaseHolder`. The next lease is asked for as soon as one arrives, so its
-round trip overlaps the reads, once the loader's pace is measured: the scheduler
-weighs its share by it, so until then it asks for the least lease and only when it
-needs rows (a slow worker never starts an epoch holding a fast one's share).
+:class:`~.held.LeaseHolder`. Once the loader's pace is measured, the next lease is
+asked for while the rows held are read, as soon as they would last under
+``daskdist.data.lease-lead`` at that pace: its round trip overlaps the reads, and a
+slow reader does not hold a second lease's rows while the others run dry at the
+epoch's end. The scheduler weighs a reader's share by its pace, so until it is
+measured the loader asks for the least lease and only when it needs rows (a slow
+worker never starts an epoch holding a fast one's share).
 ``reads.ahead`` planned reads (a collection's partitions computing) are kept beyond the
 one being read.
 
@@ -45,7 +48,8 @@ class LeasedPass:
 
     def __init__(self, spec: ReadSpec, epoch: int,
                  reads: Callable[[Callable[[list[Interval]], None]], UnitReads],
-                 define: Callable[[], None], outside: bool, rate: ConsumptionRate) -> None:
+                 define: Callable[[], None], outside: bool, rate: ConsumptionRate,
+                 lead: float = 0.0, lease_seconds: float = 0.0) -> None:
         self.spec = spec
         self.epoch = epoch
         self.held = LeaseHolder(spec.services, spec.dataset_id, epoch,
@@ -53,6 +57,8 @@ class LeasedPass:
         # the loader's (kept across its epochs): weighs this worker's share of leases
         self.rate = rate
         rate.start()
+        self.lead = lead  # seconds of rows left unread when the next lease is asked for
+        self.lease_seconds = lease_seconds  # seconds of rows a lease covers at most
         self._define = define  # the loader's definition of its dataset, once
         self._make_reads = reads
         self._reads: UnitReads | None = None
@@ -62,8 +68,21 @@ class LeasedPass:
         rate = self.rate.rate()
         if rate is None:  # pace not measured yet: the least lease (a batch), not a share
             rows = least
+        elif self.lease_seconds:  # what it reads in ``lease_seconds``, at least ``least``
+            rows = min(rows, max(least, int(rate * self.lease_seconds)))
         return self.spec.services.acquire_async(self.spec.dataset_id, self.epoch, rows,
                                                 least=least, rate=rate)
+
+    def _ahead(self, reads: UnitReads) -> bool:
+        """Whether to ask for the next lease now, before the rows held are read: a source
+        that plans reads ahead (a collection's partitions computing) always; else once
+        the rows held and not handed on would last under ``lead`` seconds at the
+        loader's pace, so the round trip hides behind them while a slow reader holds no
+        second lease near the epoch's end (the others would run dry first)."""
+        rate = self.rate.rate()
+        if rate is None:
+            return False
+        return bool(reads.ahead) or self.held.unread() <= rate * self.lead
 
     def chunks(self) -> Iterator[ChunkItem]:
         """Lease, read and convert rows until none are free right now."""
@@ -77,6 +96,9 @@ class LeasedPass:
         waiting = False  # held back: ask again once the planned reads are read
         try:
             while True:
+                if ask is None and pending and not exhausted and not waiting \
+                        and self._ahead(reads):
+                    ask, dry = self._ask(reads), False  # read after what is held
                 while not exhausted and len(pending) <= reads.ahead and not (
                         waiting and pending):
                     if ask is None:
@@ -92,7 +114,7 @@ class LeasedPass:
                     ranges = [(int(a), int(b)) for a, b in ranges]
                     held.hold(ranges)
                     pending.extend(reads.plan(ranges))
-                    if self.rate.rate() is not None:
+                    if self._ahead(reads):
                         # asked now, read after this lease; a reader whose pace is not
                         # measured yet asks when it needs rows, its share then weighed
                         ask, dry = self._ask(reads), False
