@@ -1,6 +1,7 @@
 """The tail of a ``"dynamic"`` epoch over a lazy dask DataFrame (partition lengths unknown
 until computed) read by per-worker iterators to their end, with no acknowledgement
-meanwhile (no ``State.commit``): every partition is leased and every row read once.
+meanwhile (no ``State.commit``): every partition is leased and every row read once, in
+the first epoch and in the next (lengths known then), with no prefetch thread left.
 
 Rows a loader read stay leased to its session until the closure that took them
 completes; the tail rule must not count them as partitions the loader holds to read,
@@ -25,7 +26,7 @@ from daskdist.core.leases import resume  # noqa: E402
 from daskdist.core.leases.partitions import STRIDE  # noqa: E402
 from daskdist.core.leases.table import LeaseTable  # noqa: E402
 from daskdist.data import ArrowLoader, LocalLeaseService  # noqa: E402
-from tests.conftest import THREADS, make_cluster, wait_for_workers  # noqa: E402
+from tests.conftest import THREADS, make_cluster, wait_for_workers, wait_until  # noqa: E402
 from tests.tables import check_leases, define_collection  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,6 +159,11 @@ def read_to_end(it) -> list[int]:
     return ids
 
 
+def prefetch_threads() -> list[str]:
+    """This process's loaders' prefetch threads still running."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("daskdist-prefetch")]
+
+
 @pytest.mark.parametrize("threads", THREADS)
 def test_per_worker_iterators_over_a_lazy_frame_read_every_row_once(threads):
     from distributed import Client
@@ -169,13 +175,23 @@ def test_per_worker_iterators_over_a_lazy_frame_read_every_row_once(threads):
             coord.collective_group(timeout=30)
             ds = coord.distribute_dataset(lazy_frame(), global_batch_size=3 * ROWS,
                                           policy="dynamic", name="lazy")
-            per_worker = coord.fetch(coord.schedule_on_all(read_to_end, args=(iter(ds),)))
-            assert len(per_worker) == 3
-            ids = Counter(i for rows in per_worker for i in rows)
-            assert ids == Counter(range(PARTS * ROWS)), (
-                f"missing {sorted(set(range(PARTS * ROWS)) - set(ids))[:20]}, "
-                f"twice {sorted(i for i, n in ids.items() if n > 1)[:20]}")
-            p = ds.progress()
-            assert (p["units_known"], p["known"], p["total"]) == (PARTS, True, PARTS * ROWS)
+            for epoch in range(2):  # the second epoch: lengths known, loaders reused
+                ds.set_epoch(epoch)
+                per_worker = coord.fetch(coord.schedule_on_all(read_to_end,
+                                                               args=(iter(ds),)))
+                assert len(per_worker) == 3
+                ids = Counter(i for rows in per_worker for i in rows)
+                assert ids == Counter(range(PARTS * ROWS)), (
+                    f"epoch {epoch}: missing "
+                    f"{sorted(set(range(PARTS * ROWS)) - set(ids))[:20]}, "
+                    f"twice {sorted(i for i, n in ids.items() if n > 1)[:20]}")
+                # (a gang's rows are acknowledged by its commits: none here, so the
+                # epoch's rows go back to the pool when the closures end)
+                p = ds.progress(epoch)
+                assert (p["units_known"], p["known"], p["total"]) == (PARTS, True,
+                                                                      PARTS * ROWS)
+            # iterators read to their end leave no prefetch thread behind
+            wait_until(lambda: not any(client.run(prefetch_threads).values()), 10,
+                       "the prefetch threads of iterators read to their end ended")
         finally:
             coord.close()
