@@ -4,7 +4,8 @@ training the row ledger (a State with ``checkpoint_to``, never due: ``every`` is
 - A member that is not the writer gets a deadline (``notify_preemption``): the commit
   is written durably before the deadline (rank 0 writes it), the member leaves the
   group at that commit and the gang goes on without it (the worker itself stays,
-  showing its deadline in ``status()``).
+  showing its deadline in ``status()``). The checkpoint holds the commit that decided
+  the leave, the one the survivors resume at, with its rows in its ledger.
 - Then the writer itself gets a deadline while its write is slow, and is SIGKILLed
   mid-write: the survivor re-forms as on a loss and commits again before the deadline
   (it never waited on the leaving member's write past it), the cut-off checkpoint is
@@ -77,6 +78,22 @@ def rows_held_and_acknowledged(url, commits: int) -> tuple[int, int]:
     return trained, sum(hi - lo for lo, hi in ledger["acknowledged"])
 
 
+def train_logged(state, it, pause: float, log: str):
+    """:func:`train_rows`, each ``sync`` first (a closure's start, every re-formation's
+    re-run) logged to ``log`` as ``<time> <commits resumed at> <rank>``."""
+    g = dd.collective.get_group()
+    state.sync()
+    with open(log, "a") as f:
+        f.write(f"{time.time()} {state.commits} {g.rank}\n")
+    return train_rows(state, it, pause)
+
+
+def resumed_after(log, t0: float, t1: float) -> list[int]:
+    """The commits the members resumed at between ``t0`` and ``t1``, in time order."""
+    rows = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+    return [int(c) for t, c, _ in rows if t0 < t < t1]
+
+
 def _members(coord) -> list[str]:
     return coord._call("daskdist_group_info")["members"]
 
@@ -85,6 +102,8 @@ def _members(coord) -> list[str]:
 def test_a_deadline_commits_just_in_time_and_survivors_never_wait_past_it(tmp_path):
     data = write_rows(tmp_path / "shards")
     url, arm, saving = tmp_path / "ckpt", tmp_path / "arm", tmp_path / "saving"
+    log = tmp_path / "resumed"
+    log.touch()
     with dask.config.set({"daskdist.preemption.margin": "1s"}), \
             make_cluster(3, threads=2) as cluster, Client(cluster) as client:
         coord = dd.Coordinator(client, name="jit")
@@ -105,6 +124,7 @@ def test_a_deadline_commits_just_in_time_and_survivors_never_wait_past_it(tmp_pa
                        "a sixth of the epoch on 3 members")
             # 1. rank 1 (rank 0 writes): written before its deadline, the gang goes on
             leaving = _members(coord)[1]
+            seen["noticed"] = time.time()
             seen["first_deadline"] = time.time() + 30
             coord.notify_preemption(leaving, seen["first_deadline"])
             seen["first"] = wait_until(lambda: complete(url), 30, "a just-in-time checkpoint")
@@ -137,7 +157,8 @@ def test_a_deadline_commits_just_in_time_and_survivors_never_wait_past_it(tmp_pa
         runs = []
         while not ds.progress()["complete"]:
             assert time.monotonic() < deadline, (ds.progress(), seen)
-            runs.append(coord.fetch(coord.schedule_on_all(train_rows, args=(state, it, 0.05))))
+            runs.append(coord.fetch(coord.schedule_on_all(train_logged,
+                                                          args=(state, it, 0.05, str(log)))))
         t.join(60)
         assert "resumed" in seen, seen
         # 1: written while the member had its deadline ahead; it left, the others went on
@@ -147,6 +168,11 @@ def test_a_deadline_commits_just_in_time_and_survivors_never_wait_past_it(tmp_pa
         # the commit that decided the leave sent included
         trained, acknowledged = rows_held_and_acknowledged(url, seen["first"][-1])
         assert trained == acknowledged == seen["first"][-1] * BATCH, (trained, acknowledged)
+        # the commit whose flag decided the leave is the one the survivors resume at when
+        # they re-form without the member: the just-in-time checkpoint holds that one, not
+        # the one before it (the writer settles the commit in flight before writing)
+        after = resumed_after(log, seen["noticed"], seen["killed"])
+        assert after and after[0] == seen["first"][-1], (after, seen["first"])
         notices = {p["worker"]: p for p in seen["status"]["preemptions"]}
         assert notices[seen["leaving"]]["deadline"] == pytest.approx(seen["first_deadline"])
         assert notices[seen["leaving"]]["reason"] == "notify_preemption"
