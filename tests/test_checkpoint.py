@@ -138,6 +138,42 @@ def test_the_store_keeps_the_newest_and_loads_what_it_wrote(tmp_path):
                        want[1]["state"][0]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("failing", [1, 2], ids=["before-the-write", "in-its-step"])
+def test_a_write_survives_the_process_group_torn_down_under_it(tmp_path, monkeypatch,
+                                                              failing):
+    """DCP's logging asks torch.distributed for the default group's backend while a group
+    is up, though a ``no_dist`` write needs none; a re-formation on another thread can
+    destroy the group in between (a just-in-time checkpoint was lost so, as its member
+    left). Here a group is up and its ``failing``-th lookup fails, as in that window (the
+    save's own, or its write step's): the write runs once more, completes and loads."""
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()  # a group up in this process, as on a member
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        lookup, calls = dist.get_backend, []
+
+        def torn_down_once(group=None):
+            calls.append(group)
+            if len(calls) == failing:
+                raise ValueError("Default process group has not been initialized, please "
+                                 "make sure to call init_process_group.")
+            return lookup(group)
+
+        monkeypatch.setattr(dist, "get_backend", torn_down_once)
+        store = CheckpointStore(str(tmp_path), keep=2)
+        w = store.write(3, *_snapshot(3), {"ledger": {}}).result(60)
+        assert w.info.commits == 3 and len(calls) > failing
+        model = torch.nn.Linear(64, 8)
+        _, extra = store.load(store.latest(), model.state_dict())
+        assert extra["record"]["commits"] == 3
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in _snapshot(3)[0].items())
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
 def _write_then_stall(url: str) -> None:  # pragma: no cover - runs in a child process
     """Write commit 1, then commit 2 up to DCP's metadata and stall there (a slow store):
     the test SIGKILLs this process mid-write."""

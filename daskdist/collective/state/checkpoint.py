@@ -28,10 +28,28 @@ import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from daskdist import config
 
 logger = logging.getLogger(__name__)
+
+
+def without_group(call: Any) -> Any:
+    """A ``no_dist`` DCP save or load, ``call()``. DCP's logging still asks
+    torch.distributed for the default group's backend when one is up, and a re-formation
+    on another thread (a member leaving while a checkpoint is written) may destroy the
+    group in between: the call then fails though it needs no group. It runs once more
+    then, the group gone or a new one up."""
+    try:
+        return call()
+    except (CheckpointException, ValueError) as e:  # in a write's step, or before it
+        if "process group has not been initialized" not in str(e):
+            raise
+        logger.info("daskdist: a checkpoint call met a process group torn down meanwhile; "
+                    "once more")
+        return call()
+
 
 _PREFIX = "commit-"
 _DIGITS = 12
@@ -142,7 +160,8 @@ class CheckpointStore:
         state: dict[str, Any] = {"daskdist": b""}
         if model_state is not None:
             state["model"] = model_state
-        dcp.load(state, storage_reader=self.reader(info.url), no_dist=True)
+        without_group(lambda: dcp.load(state, storage_reader=self.reader(info.url),
+                                         no_dist=True))
         extra = torch.load(io.BytesIO(state["daskdist"]), map_location="cpu",
                            weights_only=False)
         return state.get("model"), extra
@@ -183,15 +202,19 @@ class CheckpointStore:
                objects: dict, record: dict) -> Written:
         t0 = time.perf_counter()
         path = self.dir_of(commits)
-        if self.fs.exists(path):  # a write of this commit cut off before: start afresh
-            self.fs.rm(path, recursive=True)
         blob = _blob({"optimizer": optimizer_state, "objects": objects,
                       "record": {**record, "commits": commits, "time": time.time()}})
         state: dict[str, Any] = {"daskdist": blob}
         if model_state is not None:
             state["model"] = model_state
         url = self.url_of(path)
-        dcp.save(state, storage_writer=self.writer(url), no_dist=True)
+
+        def save() -> None:
+            if self.fs.exists(path):  # a write of this commit cut off before: afresh
+                self.fs.rm(path, recursive=True)
+            dcp.save(state, storage_writer=self.writer(url), no_dist=True)
+
+        without_group(save)
         nbytes = sum(self.fs.size(p) for p in self.fs.find(path))
         self.prune()
         return Written(CheckpointInfo(url, commits), time.perf_counter() - t0, nbytes)
