@@ -49,7 +49,7 @@ class LeasedPass:
     def __init__(self, spec: ReadSpec, epoch: int,
                  reads: Callable[[Callable[[list[Interval]], None]], UnitReads],
                  define: Callable[[], None], outside: bool, rate: ConsumptionRate,
-                 lead: float = 0.0, lease_seconds: float = 0.0) -> None:
+                 lead: float, lease_seconds: float) -> None:
         self.spec = spec
         self.epoch = epoch
         self.held = LeaseHolder(spec.services, spec.dataset_id, epoch,
