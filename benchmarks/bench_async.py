@@ -28,11 +28,12 @@ worker:
   curve says more of the noise than of the training;
 - the final loss after one epoch: asynchronous / gang (target <= 1.1x); the inner
   optimizer is AdamW on both sides (the gang's steps on averaged gradients). The outer
-  step is FedAsync's ``Mixing()``: each push moves the model a third of the way to its
-  worker's weights, so a stale push does not overshoot where the versions since its
-  pull already went (``--outer delayed`` is ``DelayedNesterov(--outer-lr,
-  --momentum)``). With a few dozen versions an epoch, an outer momentum amplifies
-  stale deltas here; the papers' outer momentum pays over thousands of outer steps;
+  step is FedAsync's ``Mixing()``: each push moves the model half of the way to its
+  worker's weights (``2 / (N + 1)`` with N = 3 workers), so a stale push does not
+  overshoot where the versions since its pull already went (``--alpha`` sets another
+  share; ``--outer delayed`` is ``DelayedNesterov(--outer-lr, --momentum)``). With a
+  few dozen versions an epoch, an outer momentum amplifies stale deltas here; the
+  papers' outer momentum pays over thousands of outer steps;
 - bytes a worker moves per inner step: the gang's ring allreduce of the gradients
   (2 (N-1)/N of the model a step) / the asynchronous rounds' pull and push (twice the
   model a round of H steps) (target at H = 50: >= 20x; at a smaller H, context), and the
@@ -279,7 +280,7 @@ def one_run(client, coord, data: str, args, slowdown: float) -> tuple[list, dict
                                                                  momentum=args.momentum),
                 "nesterov": lambda: dd.asynchronous.Nesterov(lr=args.outer_lr,
                                                              momentum=args.momentum),
-                "mixing": dd.asynchronous.Mixing,
+                "mixing": lambda: dd.asynchronous.Mixing(alpha=args.alpha),
                 "average": dd.asynchronous.Average}[args.outer]()
     ds_gang = coord.distribute_dataset(f"{data}/*.parquet", global_batch_size=batch,
                                        policy="dynamic", shuffle=True, seed=2)
@@ -390,6 +391,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3, help="the inner AdamW's")
     ap.add_argument("--outer", choices=("mixing", "delayed", "nesterov", "average"),
                     default="mixing")
+    ap.add_argument("--alpha", type=float, default=None,
+                    help="Mixing's share (default 2 / (N + 1))")
     ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--momentum", type=float, default=0.0,
                     help="the outer momentum (delayed, nesterov)")

@@ -9,9 +9,10 @@ long per inner step (a ``sleep`` stands for an older accelerator). Each closure 
 round: pull the global model, ``replica.suggested_steps(H)`` inner steps (Asynchronous
 Local-SGD's dynamic local updates: the slow worker takes fewer, so its rounds last as
 long and its deltas are no staler), push the delta; the holder applies it with
-FedAsync's ``Mixing`` (a third of the way to the worker's weights, from the version it
-pulled: a stale push does not overshoot). Nothing waits for the slow worker: the driver
-keeps two rounds per worker in flight and schedules the next one as each finishes.
+FedAsync's ``Mixing`` (half of the way to the worker's weights with 3 workers, from
+the version it pulled: a stale push does not overshoot). Nothing waits for the slow
+worker: the driver keeps two rounds per worker in flight and schedules the next one as
+each finishes.
 Every row of every epoch is learned exactly once; the per-worker table at the end shows
 who did what.
 """

@@ -114,6 +114,30 @@ def test_a_staged_push_outlives_its_worker_and_is_acknowledged_at_the_copy(book)
     assert report["rows"] == 10 and report["durable"] == 1 and report["open_pushes"] == 0
 
 
+def test_a_push_durable_after_its_dataset_is_dropped_is_settled_without_a_warning(
+        book, caplog):
+    """A dataset's handle dropped (the driver moved on) while a push of its rows waits
+    for the copy: its rows count nowhere, which is no loss worth a warning; a push whose
+    dataset lives and whose rows cannot be acknowledged still warns."""
+    co, sent, _ = book
+    assert stage(co, "s0", "p1", "s2", lease(co, "s2"))["staged"]
+    co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p1", True, 1, 0, "", 80)))
+    co.forget_datasets(["ds"])
+    with caplog.at_level("WARNING", logger="daskdist"):
+        co.async_book.on_copied("s1", tuple(Copied("m", "s1", 0, 1, [["p1", 1]])))
+    assert not [r for r in caplog.records if "could not be acknowledged" in r.message]
+    assert co.async_book.report("m")["durable"] == 1
+
+    co.leases.define("ds2", [(10, 10)])
+    tokens = [tuple(LeaseToken.of("ds2", 0, co.leases.acquire("s2", "ds2", 0, 10)))]
+    assert stage(co, "s0", "p2", "s2", tokens)["staged"]
+    co.async_book.on_decided("s0", tuple(Decision("m", "s0", 0, "p2", True, 2, 0, "", 80)))
+    co.leases.release_tokens("async:m", tokens)  # the rows taken from under the push
+    with caplog.at_level("WARNING", logger="daskdist"):
+        co.async_book.on_copied("s1", tuple(Copied("m", "s1", 0, 2, [["p2", 2]])))
+    assert [r for r in caplog.records if "could not be acknowledged" in r.message]
+
+
 def test_a_refused_push_gives_its_rows_back(book):
     co, sent, _ = book
     tokens = lease(co, "s2")

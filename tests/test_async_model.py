@@ -98,7 +98,7 @@ def test_mixing_steps_from_the_versions_pulled_and_reaches_the_target_loss(cl, r
                                   policy="dynamic")
     before = after = mse_of(am.state_dict(), rows_dir)
     rounds, epochs = [], 0
-    while after >= 0.05:  # a push moves the model a third of its way: epochs, not one
+    while after >= 0.05:  # a push moves the model half of its way: epochs, not one
         assert epochs < 12, (before, after)
         ds.set_epoch(epochs)
         rounds += drain(coord, ds, am)
@@ -388,3 +388,56 @@ def test_the_mixed_speed_example_trains_one_model_on_this_cluster(cl):
     assert int(m[1]) == 0 and float(m[3]) < float(m[2]) / 2, out.stdout
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("tcp://")]
     assert len(rows) == 3 and sum(int(r[2]) for r in rows) == 2 * 6000, out.stdout
+
+
+def apply_threads(model_id: str) -> int:
+    """Threads of this worker applying pushes to model ``model_id`` (its holder's)."""
+    import threading
+
+    return sum(t.name.startswith(f"daskdist-async-apply-{model_id}")
+               for t in threading.enumerate())
+
+
+def test_a_coordinator_closed_with_rounds_in_flight_lets_its_model_go_beside_another(
+        cl, rows_dir):
+    """Two more coordinators on the same client, each with a model: the first is closed
+    while its rounds run. Its rounds end (``fetch`` raises, naming it), its holder lets
+    the model go (no apply thread of it left on any worker), and the second's model,
+    trained meanwhile, learns every row once; a new coordinator of the first's name then
+    trains a model of its own, every row once again."""
+    cluster, client, coord, threads = cl
+    first = dd.Coordinator(client, name="async-closed")
+    second = dd.Coordinator(client, name="async-beside")
+    try:
+        models = [c.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average(),
+                                max_staleness=50) for c in (first, second)]
+        sets = [c.distribute_dataset(str(rows_dir), global_batch_size=30, policy="dynamic")
+                for c in (first, second)]
+        it = iter(sets[0])
+        in_flight = [first.schedule(local_round, args=(models[0].replica, it, 3, 0.2))
+                     for _ in range(30)]  # seconds of rounds: most run or wait at close
+        wait_until(lambda: models[0].version >= 1, 60, "the first model's first version")
+        gone = models[0].model_id
+        assert sum(client.run(apply_threads, gone).values()) == 1  # its holder applies
+        beside = second.schedule(local_round, args=(models[1].replica, iter(sets[1]), 3))
+        first.close()
+        with pytest.raises(dd.CoordinatorClosedError, match="async-closed"):
+            first.fetch(in_flight)
+        wait_until(lambda: sum(client.run(apply_threads, gone).values()) == 0, 30,
+                   "the closed coordinator's holder letting its model go")
+        second.fetch(beside)
+        drain(second, sets[1], models[1])
+        assert_every_row_once(models[1])
+        assert models[1].report()["holder_losses"] == 0
+
+        again = dd.Coordinator(client, name="async-closed")
+        am = again.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average(),
+                               max_staleness=50)
+        assert am.model_id != gone
+        drain(again, again.distribute_dataset(str(rows_dir), global_batch_size=30,
+                                              policy="dynamic"), am)
+        assert_every_row_once(am)
+        again.close()
+    finally:
+        first.close()
+        second.close()

@@ -53,12 +53,16 @@ def test_delayed_nesterov_steps_plainly_and_moves_momentum_every_n_pushes():
 def test_mixing_moves_the_model_a_share_of_the_way_to_the_pushed_weights():
     opt = dd.asynchronous.Mixing()
     p = [torch.tensor([3.0])]
-    # the worker pulled 1.0 and ended at 0.0 (delta 1): the model goes a third of the way
+    # the worker pulled 1.0 and ended at 0.0 (delta 1): with 3 workers the model goes
+    # half of the way (2 / (N + 1)), with one it takes the pushed weights
     opt.step(p, [torch.tensor([1.0])], workers=3, base=[torch.tensor([1.0])])
-    assert p[0].item() == pytest.approx(2.0)
-    # no base kept: the current model is the base (a step of alpha * delta)
-    dd.asynchronous.Mixing(alpha=0.5).step(p, [torch.tensor([1.0])], workers=3)
     assert p[0].item() == pytest.approx(1.5)
+    opt.step(p, [torch.tensor([1.0])], workers=1, base=[torch.tensor([1.0])])
+    assert p[0].item() == pytest.approx(0.0)
+    p = [torch.tensor([3.0])]
+    # no base kept: the current model is the base (a step of alpha * delta)
+    dd.asynchronous.Mixing(alpha=0.25).step(p, [torch.tensor([1.0])], workers=3)
+    assert p[0].item() == pytest.approx(2.75)
     with pytest.raises(ValueError, match="alpha"):
         dd.asynchronous.Mixing(alpha=0)
 

@@ -92,7 +92,8 @@ class Held:
         self.session = role.session
         self.gm = gm
         self.standby = role.standby
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="daskdist-async-apply")
+        self.executor = ThreadPoolExecutor(  # named by its model (seen in a stack dump)
+            1, thread_name_prefix=f"daskdist-async-apply-{role.model}")
         self.order = asyncio.Lock()  # pushes in arrival order
         self.decided: OrderedDict[str, dict] = OrderedDict()
         self.inflight: dict[str, asyncio.Future] = {}

@@ -19,7 +19,11 @@ inner steps).
 - :class:`Mixing`: FedAsync's mixing (Xie, Koyejo and Gupta, "Asynchronous Federated
   Optimization", arXiv 1903.03934): the model moves a share ``alpha`` of the way to the
   worker's weights after its round, ``w = (1 - alpha) * w + alpha * (base - delta)``,
-  where ``base`` is the version the worker pulled. ``alpha`` defaults to ``1 / N``.
+  where ``base`` is the version the worker pulled. ``alpha`` defaults to
+  ``2 / (N + 1)`` for ``N`` workers: the model is then an exponential average of the
+  pushed weights whose pushes are on average as old as in a plain average of the
+  latest ``N`` (one round by every worker), ``(N - 1) / 2`` pushes; a single worker's
+  push is taken whole.
   Unlike a step by the delta, a stale push does not add again what the versions since
   its pull already moved: while the loss falls fast (every worker's round ends near the
   same point) the model goes there instead of overshooting it. The holder keeps the
@@ -163,8 +167,8 @@ class DelayedNesterov(OuterOptimizer):
 
 class Mixing(OuterOptimizer):
     """FedAsync's mixing, ``w = (1 - alpha) * w + alpha * (base - delta)`` (see the
-    module doc); ``alpha=None`` is ``1 / N`` for the ``N`` workers when the push
-    arrives."""
+    module doc); ``alpha=None`` is ``2 / (N + 1)`` for the ``N`` workers when the
+    push arrives (an exponential average spanning ``N`` pushes)."""
 
     uses_base = True
 
@@ -178,7 +182,7 @@ class Mixing(OuterOptimizer):
     def step(self, params: list, deltas: list, workers: int, base: list | None = None) -> None:
         import torch
 
-        a = self.alpha or 1.0 / max(1, int(workers))
+        a = self.alpha or 2.0 / (max(1, int(workers)) + 1)
         with torch.no_grad():
             for p, d, b in zip(params, deltas, base or params, strict=True):
                 p32 = p.to(torch.float32)

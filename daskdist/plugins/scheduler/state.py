@@ -177,6 +177,15 @@ class BookSeams:
         except ValueError:
             return False
 
+    def rows_forgotten(self, tokens: list) -> bool:
+        """Whether every dataset lease tokens name was forgotten (its handle dropped,
+        its coordinator closed): their rows have no ledger left to count them in."""
+        try:
+            keys = group_tokens(tokens)
+        except ValueError:
+            return False
+        return bool(keys) and all(ds not in self.leases.datasets for ds, _ in keys)
+
     def release_rows(self, session: str, tokens: list) -> int:
         """Lease tokens' rows leased to ``session`` go back: rows freed."""
         return self.leases.release_tokens(session, tokens)

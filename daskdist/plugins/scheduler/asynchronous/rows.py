@@ -35,6 +35,10 @@ class ModelRows(Protocol):
     def ack_sessions(self, per_session: Mapping[str, Iterable[object]]) -> bool:
         """Acknowledge lease tokens, per session, all or none."""
 
+    def rows_forgotten(self, tokens: list) -> bool:
+        """Whether every dataset these lease tokens name was forgotten (nothing to
+        acknowledge them in)."""
+
     def release_rows(self, session: str, tokens: list) -> int:
         """Give back the rows of lease tokens leased to ``session``: rows freed."""
 
@@ -81,7 +85,8 @@ def settle_rows(co: ModelRows, model: str, settle: Settle) -> None:
             continue
         if not (rec.pusher in co.members and co.hand_rows(holder, rec.pusher, rec.tokens)
                 and co.ack_sessions({rec.pusher: rec.tokens})):
-            if not co.ack_sessions({holder: rec.tokens}):
+            if not co.ack_sessions({holder: rec.tokens}) and not co.rows_forgotten(
+                    rec.tokens):  # a dropped dataset's rows count nowhere: nothing lost
                 logger.warning("daskdist[%s]: the rows of push %s of model %s could not be "
                                "acknowledged", co.name, rec.pid, model)
     for rec in settle.release:
