@@ -534,6 +534,75 @@ async def row_closures(n: int, repeat: int) -> dict[str, dict]:
     return {"no-op closure": noop, "closure with a dynamic batch": dyn, "lease acquire": acq}
 
 
+async def row_async(n: int, repeat: int) -> dict[str, dict]:
+    """An asynchronously trained model on N sessions: one push's scheduler work (staged:
+    its rows move to the model; decided: applied; made durable by the standby's copy:
+    its rows acknowledged), and the model's standby removed (Dask's remove_worker,
+    another member placed as its standby)."""
+    from daskdist.core.asynchronous.protocol import Copied, Decision, Ready, Stage
+    from daskdist.core.protocol import DatasetDef, LeaseToken
+
+    sim = Sim()
+    await sim.start()
+    await sim.grow(n)
+    handlers, streams = sim.sched.handlers, sim.sched.stream_handlers
+    address = dict(sim.sessions)
+    batch = 256
+    handlers["daskdist_dataset_define"](name=NAME, dataset=tuple(DatasetDef(
+        "ds", "bench", [[batch, 4 * (repeat + 4)]], 0)), session=sim.sessions[0][0])
+    made = asyncio.ensure_future(handlers["daskdist_async_create"](
+        name=NAME, owner=sim.owner, token=sim.token, model="m", spec=b"spec",
+        max_staleness=8))
+    book = sim.co.async_book
+    while book.models.get("m") is None or book.models["m"].target is None:
+        await asyncio.sleep(0)
+    led = book.models["m"]
+    holder = led.target
+    streams["daskdist-async-ready"](name=NAME, session=holder, worker=address[holder],
+                                    ready=tuple(Ready("m", holder, 0, 0, 0, "fresh",
+                                                      1 << 20, {}, [])))
+    await made
+    pushers = [s for s, _ in sim.sessions if s not in (holder, led.standby)][:repeat]
+    tokens, rows = [], 0  # each push's rows (a share of N), leased before the clock starts
+    for i in range(repeat):
+        got = handlers["daskdist_lease_acquire"](name=NAME, session=pushers[i % len(pushers)],
+                                                 dataset_id="ds", epoch=0, rows=batch)
+        tokens.append([tuple(LeaseToken.of("ds", 0, got["lease"]))])
+        rows += sum(b - a for a, b in got["lease"])
+
+    async def push(i: int) -> None:
+        pusher, pid, standby = pushers[i % len(pushers)], f"p{i}", led.standby
+        reply = handlers["daskdist_async_stage"](name=NAME, session=holder, stage=tuple(Stage(
+            "m", led.incarnation, pid, pusher, address[pusher], tokens[i], led.version,
+            50, 0.5)))
+        assert reply.get("staged"), reply
+        version = led.version + 1
+        streams["daskdist-async-decided"](
+            name=NAME, session=holder, worker=address[holder], decision=tuple(Decision(
+                "m", holder, led.incarnation, pid, True, version, 1, "", 2 << 20)))
+        streams["daskdist-async-copied"](
+            name=NAME, session=standby, worker=address[standby], copy=tuple(Copied(
+                "m", standby, led.incarnation, version, [[pid, version]])))
+
+    pushed = await _timed(sim, push, repeat)
+    assert sim.co.leases.progress("ds", 0)["acknowledged"] == rows  # every push durable
+    replaced = []
+    for _ in range(min(repeat, 5)):
+        standby = led.standby
+        replaced.append(await _timed(sim, lambda j, a=address[standby]: _sync(sim.remove, a),
+                                     1))
+        assert led.standby not in (None, standby)
+        sim.sessions = [(s, a) for s, a in sim.sessions if s != standby]
+        sim.sessions.append(await sim.join())
+        address.update(sim.sessions[-1:])
+        sim.flush()
+    await sim.plugin.close()
+    return {"asynchronous push (staged, applied, copied: its rows acknowledged)": pushed,
+            "asynchronous model's standby removed (another placed)": {
+                "us": statistics.median(s["us"] for s in replaced),
+                "msgs": statistics.median(s["msgs"] for s in replaced)}}
+
+
 async def row_stats(n: int, samples: int = 600) -> dict[str, dict]:
     """The dashboard history held after ``samples`` samples with N workers that each
     finished closures, and the CPU of one sample."""
@@ -920,7 +989,7 @@ def print_real(results: dict) -> None:
 # -- driver --------------------------------------------------------------------------------
 
 ROWS = [row_join_leave, row_member_removed, row_idle_exchange, row_put, row_commit,
-        row_status, row_closures, row_rank_window]
+        row_status, row_closures, row_rank_window, row_async]
 
 
 async def sim_part(sizes: list[int], repeat: int, idle_seconds: float,

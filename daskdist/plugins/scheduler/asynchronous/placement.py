@@ -1,6 +1,9 @@
 """Which member takes an asynchronous model's role (its holder, its standby): the member
-with the fewest model roles, then the lowest index, neither retiring nor with a
+with the fewest model roles, then the longest a member, neither retiring nor with a
 preemption deadline near. Pure: reads the models' ledgers and the membership.
+
+A member with no role ends the search: it costs O(models + the members passed over,
+which hold roles or are leaving), not a walk of every member, however many there are.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ def least_busy(models: Iterable[ModelLedger], members: Membership,
         for s in (led.holder, led.standby, led.target):
             if s:
                 roles[s] = roles.get(s, 0) + 1
-    best = None
-    for m in members.members.values():
+    best = None  # (roles, session): the first member (in joining order) with the fewest
+    for m in members.members.values():  # joining order
         if m.draining or m.session in exclude or leaving(m.session):
             continue
-        key = (roles.get(m.session, 0), m.index)
-        if best is None or key < best[0]:
-            best = (key, m.session)
+        busy = roles.get(m.session, 0)
+        if best is None or busy < best[0]:
+            best = (busy, m.session)
+            if not busy:
+                break
     return None if best is None else best[1]
