@@ -441,3 +441,32 @@ def test_a_coordinator_closed_with_rounds_in_flight_lets_its_model_go_beside_ano
     finally:
         first.close()
         second.close()
+
+
+def test_a_model_whose_handle_is_dropped_goes_once_the_rounds_before_finish(cl, rows_dir):
+    """A notebook's cell run again makes a new model: the old one, its handle dropped
+    (``am`` and ``am.replica`` garbage collected), goes like a per-worker resource: the
+    rounds scheduled before the drop finish and are applied, then its holder lets it go
+    (no apply thread of it left) while the coordinator's other model trains on."""
+    import gc
+
+    cluster, client, coord, threads = cl
+    kept = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average(),
+                             max_staleness=50)
+    am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average(),
+                           max_staleness=50)
+    gone = am.model_id
+    ds = coord.distribute_dataset(str(rows_dir), global_batch_size=30, policy="dynamic")
+    it = iter(ds)
+    before = [coord.schedule(local_round, args=(am.replica, it, 2, 0.05)) for _ in range(6)]
+    wait_until(lambda: sum(client.run(apply_threads, gone).values()) == 1, 60,
+               "the model's holder applying a push")
+    del am
+    gc.collect()
+    assert all(r["applied"] for r in coord.fetch(before))  # its rounds were not cut short
+    wait_until(lambda: sum(client.run(apply_threads, gone).values()) == 0, 30,
+               "the dropped model's holder letting it go")
+    assert gone not in str(coord.status()["async_models"])
+    ds2 = coord.distribute_dataset(str(rows_dir), global_batch_size=30, policy="dynamic")
+    drain(coord, ds2, kept)
+    assert_every_row_once(kept)

@@ -171,5 +171,5 @@ def create(model: Any, optimizer: Any, outer: Any, max_staleness: Any, *,
                         f"{e}") from e
     replica = resource(ReplicaFactory(spec))
     info = _served(owned("daskdist_async_create", model=model_id, spec=payload,
-                         max_staleness=max_staleness))
+                         max_staleness=max_staleness, replica=replica.rid))
     return AsyncModel(model_id, replica, info, call, owned, client, name)

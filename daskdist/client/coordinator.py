@@ -330,7 +330,9 @@ class Coordinator(ClosureClient, JobLife, BatchInference):
         pulled more than ``max_staleness`` versions ago is refused (its rows go back).
         Pass ``am.replica`` to closures: ``replica.pull()``, inner steps,
         ``replica.push()``. Returns a ``daskdist.client.asynchronous.AsyncModel`` once a
-        worker holds the model; a bad setting raises before anything is registered."""
+        worker holds the model; a bad setting raises before anything is registered. The
+        model goes when this Coordinator closes, or when the handle and its replica are
+        dropped (once every closure scheduled before has finished)."""
         from daskdist.client.asynchronous import create
 
         self._check_open()

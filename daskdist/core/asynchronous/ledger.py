@@ -152,6 +152,7 @@ class ModelLedger:
                  keep: int = 65536, clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model
         self.owner = owner
+        self.replica = ""  # the per-worker resource of its replicas: it goes with it
         self.max_staleness = max_staleness
         self.phase = STARTING
         self.failed = ""

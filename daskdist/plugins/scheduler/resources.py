@@ -5,9 +5,10 @@ spec its owner's client registers once (opaque bytes: pickled on the client, bui
 each worker); a worker asks for the spec of one it needs, and a warming session builds
 them all before it joins the group. Released when its owner drops it or leaves: then
 forgotten here and on every worker, a dataset's lease tables with it (a dataset's
-identity is its resource id). Its routes are :data:`RESOURCE_ROUTES`; what it asks its
-coordinator is :class:`ResourceCoordinator`. Runs on the scheduler's event loop;
-imports nothing from Dask.
+identity is its resource id), and an asynchronous model with its replicas. Its routes
+are :data:`RESOURCE_ROUTES`; what it asks its coordinator is
+:class:`ResourceCoordinator`. Runs on the scheduler's event loop; imports nothing from
+Dask.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class ResourceCoordinator(Protocol):
     def broadcast(self, msg: dict, sessions: Iterable[str] | None = None,
                   addressed: bool = False) -> None: ...
 
-    def forget_datasets(self, dataset_ids: list[str]) -> None:
-        """These datasets' handles were dropped: their lease tables go."""
+    def resources_released(self, rids: list[str]) -> None:
+        """These resources' handles were dropped: what is made of them goes (a dataset's
+        lease tables, an asynchronous model whose replicas they were)."""
 
 
 class ResourceBook:
@@ -55,7 +57,7 @@ class ResourceBook:
         rids = [rid for rid in rids if self.specs.pop(rid, None) is not None]
         for rid in rids:
             self.owners.pop(rid, None)
-        self.co.forget_datasets(rids)  # a dataset's identity is its resource id
+        self.co.resources_released(rids)  # a dataset's identity is its resource id
         if rids:
             self.released += len(rids)
             self.co.broadcast({"op": "daskdist-release", "name": self.co.name, "rids": rids})

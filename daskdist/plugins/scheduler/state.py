@@ -165,6 +165,12 @@ class BookSeams:
         """These datasets' handles were dropped: their lease tables and row counts go."""
         self.stats.forget_datasets(self.lease_book.forget_datasets(dataset_ids))
 
+    def resources_released(self, rids: list[str]) -> None:
+        """Per-worker resources released (their handles dropped): the datasets they are
+        go, and the asynchronous models whose replicas they were."""
+        self.forget_datasets(rids)
+        self.async_book.replicas_released(rids)
+
     def hand_rows(self, source: str, target: str, tokens: list) -> bool:
         """Lease tokens' rows move from ``source``'s lease to ``target``'s, all or none."""
         return self.leases.transfer_tokens(source, target, tokens)

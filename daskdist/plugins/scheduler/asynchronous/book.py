@@ -75,6 +75,7 @@ class AsyncBook:
         self.models: dict[str, ModelLedger] = {}
         self.specs: dict[str, bytes] = {}
         self.plans: dict[str, Recovery] = {}  # recoveries waiting for a target
+        self.by_replica: dict[str, str] = {}  # its replicas' resource id -> a model
         self._ready: dict[str, asyncio.Event] = {}  # set when its holder next serves
         self.timeout = config.seconds("asynchronous.ready-timeout")
 
@@ -82,9 +83,6 @@ class AsyncBook:
     def _address(self, session: str | None) -> str:
         m = self.co.members.members.get(session) if session else None
         return m.address if m is not None else ""
-
-    def _alive(self, session: str) -> bool:
-        return session in self.co.members
 
     def _pick(self, exclude: tuple) -> str | None:
         return least_busy(self.models.values(), self.co.members, self.co.leaving, exclude)
@@ -112,20 +110,17 @@ class AsyncBook:
         self._role(led, led.holder, HOLDER, SAME, led.version,
                    standby=self._address(session))
 
-    def _alone(self, led: ModelLedger) -> bool:
-        """No member but the holder could keep a copy."""
-        return led.standby is None and self._pick((led.holder,)) is None
-
     def _recover(self, led: ModelLedger, plan: Recovery) -> None:
         if not plan.source:
             logger.error("daskdist[%s]: %s", self.co.name, plan.reason)
             settle_rows(self.co, led.model, led.fail(plan.reason))
             self._wake(led)
             return
-        if plan.source == COPY and not (plan.target and self._alive(plan.target)):
-            self._recover(led, led.holder_lost(self._alive))  # its standby went too
+        if plan.source == COPY and not (plan.target and plan.target in self.co.members):
+            # its standby went too
+            self._recover(led, led.holder_lost(self.co.members.__contains__))
             return
-        target = plan.target if plan.target and self._alive(plan.target) else self._pick(())
+        target = plan.target if plan.target and plan.target in self.co.members else self._pick(())
         if target is None:  # no member now: the next member that asks takes it
             self.plans[led.model] = plan
             return
@@ -136,8 +131,7 @@ class AsyncBook:
         self._role(led, target, HOLDER, plan.source, plan.version, spec=True)
 
     def _wake(self, led: ModelLedger) -> None:
-        event = self._ready.get(led.model)
-        if event is not None:
+        if (event := self._ready.get(led.model)) is not None:
             event.set()
 
     async def _wait_ready(self, led: ModelLedger, what: str) -> dict | None:
@@ -169,11 +163,13 @@ class AsyncBook:
 
     # -- the client's routes --------------------------------------------------------------
     async def create(self, owner: str, token: str, model: str, spec: bytes,
-                     max_staleness: int) -> dict:
+                     max_staleness: int, replica: str = "") -> dict:
         """A new model: a member builds the global model from ``spec``; waits until it
-        serves (its first members may still be joining)."""
+        serves (its first members may still be joining). ``replica``: the per-worker
+        resource of its replicas (``am.replica``): the model goes when it is released."""
         op = "daskdist_async_create"
         checks.text(model, f"{op}: model")
+        replica = checks.text(replica, f"{op}: replica", empty=True)
         if not isinstance(spec, bytes):
             raise TypeError(f"{op}: spec must be bytes, got {type(spec).__name__}")
         max_staleness = async_protocol.max_staleness(max_staleness)
@@ -202,6 +198,7 @@ class AsyncBook:
             raise
         if closed is not None:
             return closed
+        led.replica, self.by_replica[replica] = replica, model  # the model goes with it
         self._ensure_standby(led)
         return self.info(model)
 
@@ -228,12 +225,6 @@ class AsyncBook:
             self._role(led, led.holder, HOLDER, SAME, led.version,
                        standby=self._address(led.standby))
         return self.info(model)
-
-    def drop(self, owner: str, token: str, model: str) -> None:
-        """The owner drops a model: its holders forget it, its open rows go back."""
-        led = self.models.get(checks.text(model, "daskdist_async_drop: model"))
-        if led is not None and led.owner == owner:
-            self._forget(led, "dropped by its owner")
 
     def info(self, model: str) -> dict:
         """A model's version, holders and phase (read-only)."""
@@ -377,8 +368,9 @@ class AsyncBook:
         d, led = self._arrived(decision, async_protocol.decision, "daskdist-async-decided")
         if led is None:
             return
+        alone = led.standby is None and self._pick((led.holder,)) is None  # none to copy to
         settle = led.decided(session, d.incarnation, d.pid, d.applied, d.version, d.staleness,
-                             self._alone(led), d.round_bytes)
+                             alone, d.round_bytes)
         settle_rows(self.co, led.model, settle)
         self._ensure_standby(led)
 
@@ -410,7 +402,7 @@ class AsyncBook:
             if session == led.holder or (session == led.target and led.phase == MOVING):
                 if session == led.standby:
                     led.standby_lost()
-                self._recover(led, led.holder_lost(self._alive))
+                self._recover(led, led.holder_lost(self.co.members.__contains__))
             elif session == led.target and led.phase == STARTING:
                 target = self._pick((session,))
                 if target is not None:
@@ -435,8 +427,7 @@ class AsyncBook:
             self._ensure_standby(led)
 
     def member_joined(self) -> None:
-        """A session joined: a model without a standby (or waiting for a member to
-        recover on) gets it."""
+        """A session joined: a model without a standby (or a recovery's target) gets it."""
         for led in list(self.models.values()):
             plan = self.plans.get(led.model)
             if plan is not None:
@@ -451,6 +442,7 @@ class AsyncBook:
         self.models.pop(led.model, None)
         self.specs.pop(led.model, None)
         self.plans.pop(led.model, None)
+        self.by_replica.pop(led.replica, None)
 
     def drop_owner(self, owner: str) -> None:
         """An owner was dropped (closed, its client gone past ``client-grace``, or kept
@@ -459,6 +451,14 @@ class AsyncBook:
         nothing: its models train on for whoever attaches."""
         for led in [led for led in self.models.values() if led.owner == owner]:
             self._forget(led, "its coordinator closed")
+
+    def replicas_released(self, rids: list[str]) -> None:
+        """Per-worker resources released (handles dropped, the closures before them done):
+        a model whose replicas one was goes, its open rows back to the pool."""
+        for rid in rids:
+            led = self.models.get(self.by_replica.get(rid, ""))
+            if led is not None:
+                self._forget(led, "its handle was dropped")
 
     def close(self) -> None:
         for led in list(self.models.values()):
@@ -475,7 +475,6 @@ class AsyncBook:
 ASYNC_ROUTES = {
     "daskdist_async_create": Route(AsyncBook.create, caller=OWNER),
     "daskdist_async_checkpoint": Route(AsyncBook.configure, caller=OWNER),
-    "daskdist_async_drop": Route(AsyncBook.drop, None, OWNER),
     "daskdist_async_info": Route(AsyncBook.info, caller=ANY),
     "daskdist_async_report": Route(AsyncBook.report, caller=ANY),
     "daskdist_async_where": Route(AsyncBook.where, SESSION_ENDED, SESSION),
