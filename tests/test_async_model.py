@@ -470,3 +470,58 @@ def test_a_model_whose_handle_is_dropped_goes_once_the_rounds_before_finish(cl, 
     ds2 = coord.distribute_dataset(str(rows_dir), global_batch_size=30, policy="dynamic")
     drain(coord, ds2, kept)
     assert_every_row_once(kept)
+
+
+LEASE = 3.0  # seconds: short, so the SIGSTOP test stays fast
+
+
+@pytest.mark.slow
+def test_a_sigstopped_holder_is_fenced_its_standby_takes_over_and_woken_it_serves_nothing(
+        rows_dir):
+    """The holder SIGSTOPped mid-epoch past its lease (3 workers, 2 threads each): its
+    session is fenced, its standby takes over from its copy (the deltas since go, their
+    rows back to the pool) and the rounds go on. Woken, the old holder rejoins as a new
+    session and its stale state changes nothing: every row of that epoch and of the next
+    is learned exactly once, the version never goes back."""
+    import dask
+
+    with dask.config.set({"daskdist.liveness.lease-timeout": f"{LEASE}s",
+                          "daskdist.liveness.renew-interval": "200ms"}), \
+            make_cluster(3, threads=2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="async-stop")
+        wait_for_workers(client, coord, 3)
+        pids = worker_pids(client)
+        am = coord.async_model(model=make(), optimizer=sgd, outer=dd.asynchronous.Average(),
+                               max_staleness=50)
+        ds = coord.distribute_dataset(str(rows_dir), global_batch_size=30, policy="dynamic")
+        stopped: list = []
+
+        def during(p):
+            if not stopped and p["acknowledged"] > ROWS // 4:
+                holder = am.holders()[0]
+                os.kill(pids[holder], signal.SIGSTOP)
+                stopped.append((holder, time.monotonic()))
+            elif len(stopped) == 1 and time.monotonic() > stopped[0][1] + 2 * LEASE:
+                os.kill(pids[stopped[0][0]], signal.SIGCONT)
+                stopped.append(None)
+
+        try:
+            drain(coord, ds, am, steps=2, during=during, pause=0.02, deadline=90)
+        finally:
+            if len(stopped) == 1:
+                os.kill(pids[stopped[0][0]], signal.SIGCONT)
+        assert stopped, "the epoch ended before the holder was stopped"
+        assert_every_row_once(am)
+        report = am.report()
+        assert report["holder_losses"] == 1 and report["incarnation"] >= 1, report
+        assert am.holders()[0] != stopped[0][0]
+        assert coord.status()["lease_expiries"] >= 1
+        wait_for_workers(client, coord, 3)  # the woken worker back, a new session
+        version = am.version
+        ds.set_epoch(1)
+        drain(coord, ds, am, steps=2, deadline=90)
+        counts = am.state_dict()["counts"].numpy()
+        assert (counts == 2).all(), (f"rows learned other than twice: "
+                                     f"{int((counts != 2).sum())}")
+        assert am.version > version
+        coord.close()
