@@ -525,3 +525,35 @@ def test_a_sigstopped_holder_is_fenced_its_standby_takes_over_and_woken_it_serve
                                      f"{int((counts != 2).sum())}")
         assert am.version > version
         coord.close()
+
+
+@pytest.mark.slow
+def test_the_holder_retired_mid_epoch_loses_no_row(rows_dir):
+    """``client.retire_workers`` on the holder's worker (a scale-down) mid-epoch, 3
+    workers with 2 threads each: Dask removes it as soon as its data moved, the standby
+    takes over from its copy, every row is learned once, and the next epoch trains on
+    the two left, every row once again."""
+    with make_cluster(3, threads=2) as cluster, Client(cluster) as client:
+        coord = dd.Coordinator(client, name="async-retire")
+        wait_for_workers(client, coord, 3)
+        am = coord.async_model(model=make(), optimizer=sgd,
+                               outer=dd.asynchronous.Average(), max_staleness=50)
+        ds = coord.distribute_dataset(str(rows_dir), global_batch_size=30, policy="dynamic")
+        retired: list[str] = []
+
+        def during(p):
+            if not retired and p["acknowledged"] > ROWS // 3:
+                retired.append(am.holders()[0])
+                client.retire_workers([retired[0]], close_workers=True)
+
+        drain(coord, ds, am, steps=2, during=during, pause=0.01, deadline=90)
+        assert retired and retired[0] not in am.holders()
+        assert_every_row_once(am)
+        wait_until(lambda: retired[0] not in client.scheduler_info()["workers"], 30,
+                   "the retired worker gone")
+        ds.set_epoch(1)
+        rounds = drain(coord, ds, am, steps=2, deadline=90)
+        assert retired[0] not in {r["thread"][0] for r in rounds}
+        assert (am.state_dict()["counts"].numpy() == 2).all()
+        assert len(am.holders()) == 2  # a holder and a standby on the two left
+        coord.close()
