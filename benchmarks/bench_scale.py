@@ -552,7 +552,7 @@ async def row_async(n: int, repeat: int) -> dict[str, dict]:
         "ds", "bench", [[batch, 4 * (repeat + 4)]], 0)), session=sim.sessions[0][0])
     made = asyncio.ensure_future(handlers["daskdist_async_create"](
         name=NAME, owner=sim.owner, token=sim.token, model="m", spec=b"spec",
-        max_staleness=8))
+        max_staleness=8, replica="resource-m"))
     book = sim.co.async_book
     while book.models.get("m") is None or book.models["m"].target is None:
         await asyncio.sleep(0)

@@ -48,7 +48,8 @@ def book():
 
     async def create():
         task = asyncio.ensure_future(route(co, "daskdist_async_create")(
-            owner="me", token="tok", model="m", spec=b"spec", max_staleness=1))
+            owner="me", token="tok", model="m", spec=b"spec", max_staleness=1,
+            replica="resource-m"))
         await asyncio.sleep(0.01)
         address, role = roles(sent)[-1]
         assert role.role == HOLDER and role.spec == b"spec"
@@ -198,7 +199,8 @@ def test_a_coordinator_closed_while_a_model_is_made_is_an_answer_not_an_error():
 
     async def create_then_close():
         task = asyncio.ensure_future(route(co, "daskdist_async_create")(
-            owner="me", token="tok", model="m", spec=b"spec", max_staleness=1))
+            owner="me", token="tok", model="m", spec=b"spec", max_staleness=1,
+            replica="resource-m"))
         await asyncio.sleep(0.01)
         co.drop_owner("me")  # its client pressed Ctrl-C: the owner goes
         return await task
@@ -263,7 +265,8 @@ def test_a_keep_alive_owners_model_outlives_its_client_and_goes_with_the_owner()
 
     async def create_then_leave():
         task = asyncio.ensure_future(route(co, "daskdist_async_create")(
-            owner="me", token="tok", model="m", spec=b"spec", max_staleness=1))
+            owner="me", token="tok", model="m", spec=b"spec", max_staleness=1,
+            replica="resource-m"))
         await asyncio.sleep(0.01)
         co.async_book.on_ready("s0", tuple(Ready("m", "s0", 0, 0, 0, "fresh", 40, {}, [])))
         await task

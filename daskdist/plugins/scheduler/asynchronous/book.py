@@ -163,13 +163,13 @@ class AsyncBook:
 
     # -- the client's routes --------------------------------------------------------------
     async def create(self, owner: str, token: str, model: str, spec: bytes,
-                     max_staleness: int, replica: str = "") -> dict:
+                     max_staleness: int, replica: str) -> dict:
         """A new model: a member builds the global model from ``spec``; waits until it
         serves (its first members may still be joining). ``replica``: the per-worker
         resource of its replicas (``am.replica``): the model goes when it is released."""
         op = "daskdist_async_create"
         checks.text(model, f"{op}: model")
-        replica = checks.text(replica, f"{op}: replica", empty=True)
+        replica = checks.text(replica, f"{op}: replica")
         if not isinstance(spec, bytes):
             raise TypeError(f"{op}: spec must be bytes, got {type(spec).__name__}")
         max_staleness = async_protocol.max_staleness(max_staleness)
