@@ -139,6 +139,23 @@ def test_a_push_durable_after_its_dataset_is_dropped_is_settled_without_a_warnin
     assert [r for r in caplog.records if "could not be acknowledged" in r.message]
 
 
+def test_the_model_goes_with_its_replicas_resource_and_its_open_rows_go_back(book):
+    """The client's handle dropped: its replicas' resource is released, and with it the
+    model: its holder and standby are told to let it go, a staged push's rows are free
+    again; another resource's release leaves it be."""
+    co, sent, _ = book
+    assert stage(co, "s0", "p1", "s2", lease(co, "s2"))["staged"]
+    co.resources_released(["resource-other"])
+    assert "m" in co.async_book.models
+    sent.clear()
+    co.resources_released(["resource-m"])
+    assert "m" not in co.async_book.models and not co.async_book.by_replica
+    assert sorted((a, r.role) for a, r in roles(sent)) == [("w0", NONE), ("w1", NONE)]
+    p = co.leases.progress("ds", 0)
+    assert p["leased"] == 0 and p["free"] == 100
+    check_leases(co.leases)
+
+
 def test_a_refused_push_gives_its_rows_back(book):
     co, sent, _ = book
     tokens = lease(co, "s2")
