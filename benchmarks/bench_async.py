@@ -29,11 +29,12 @@ worker:
 - the final loss after one epoch: asynchronous / gang (target <= 1.1x); the inner
   optimizer is AdamW on both sides (the gang's steps on averaged gradients). The outer
   step is FedAsync's ``Mixing()``: each push moves the model half of the way to its
-  worker's weights (``2 / (N + 1)`` with N = 3 workers), so a stale push does not
-  overshoot where the versions since its pull already went (``--alpha`` sets another
-  share; ``--outer delayed`` is ``DelayedNesterov(--outer-lr, --momentum)``). With a
-  few dozen versions an epoch, an outer momentum amplifies stale deltas here; the
-  papers' outer momentum pays over thousands of outer steps;
+  worker's weights (``2 / (N + 1)`` with N = 3 workers; a slow worker's shorter round
+  less, by its inner steps), so a stale push does not overshoot where the versions
+  since its pull already went (``--alpha`` sets another share; ``--outer delayed`` is
+  ``DelayedNesterov(--outer-lr, --momentum)``). With a few dozen versions an epoch, an
+  outer momentum amplifies stale deltas here; the papers' outer momentum pays over
+  thousands of outer steps;
 - bytes a worker moves per inner step: the gang's ring allreduce of the gradients
   (2 (N-1)/N of the model a step) / the asynchronous rounds' pull and push (twice the
   model a round of H steps) (target at H = 50: >= 20x; at a smaller H, context), and the

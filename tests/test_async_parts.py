@@ -67,6 +67,29 @@ def test_mixing_moves_the_model_a_share_of_the_way_to_the_pushed_weights():
         dd.asynchronous.Mixing(alpha=0)
 
 
+def test_mixing_weighs_a_push_by_the_inner_steps_of_its_round():
+    """A round with half the inner steps of the longest recent one moves the model half
+    as far (FedAvg's weighting by examples); the record of recent rounds travels with
+    the state (a standby's copy); a round that reports no step, or ``by_steps=False``,
+    takes the whole share."""
+    def push(opt, at: float, steps: int) -> float:  # the worker ended at 0.0
+        p = [torch.tensor([at])]
+        opt.step(p, [torch.tensor([at])], workers=3, base=[torch.tensor([at])], steps=steps)
+        return p[0].item()
+
+    opt = dd.asynchronous.Mixing(alpha=0.5)
+    assert push(opt, 4.0, 50) == pytest.approx(2.0)  # the longest round: half the way
+    assert push(opt, 4.0, 25) == pytest.approx(3.0)  # half the steps: a quarter
+    assert push(opt, 4.0, 0) == pytest.approx(2.0)  # no step reported: the whole share
+    copy = dd.asynchronous.Mixing(alpha=0.5)
+    copy.load_state_dict(opt.state_dict())
+    assert push(copy, 4.0, 10) == pytest.approx(3.6)  # 10 of the 50 it remembers
+    assert push(dd.asynchronous.Mixing(alpha=0.5, by_steps=False), 4.0, 10) == \
+        pytest.approx(2.0)
+    with pytest.raises(TypeError, match="by_steps"):
+        dd.asynchronous.Mixing(by_steps=1)
+
+
 def test_mixing_pushes_stale_by_two_versions_step_from_the_version_they_pulled():
     """Three pushes, each from a version two behind, all of whose workers ended at the
     same weights: mixing goes to those weights (no overshoot), whatever the staleness;

@@ -42,6 +42,7 @@ class GlobalModel:
         # versions pulled, and the parameters of those since replaced, for an outer
         # optimizer that steps from a push's base (``uses_base``); none kept otherwise
         self.keeps_bases = bool(getattr(self.outer, "uses_base", False))
+        self.gives_steps = bool(getattr(self.outer, "uses_steps", False))
         self._pulled: set[int] = set()
         self._bases: dict[int, bytes] = {}
 
@@ -105,14 +106,13 @@ class GlobalModel:
         deltas = flat.unpack(push.params, self.param_layout)
         pushed = flat.unpack(push.buffers, self.buffer_layout)
         workers = max(1, int(push.workers))
+        given: dict[str, Any] = {"steps": int(push.steps)} if self.gives_steps else {}
         with torch.no_grad():
             if self.keeps_bases:
-                base = (self._base(int(push.base))
-                        if int(push.incarnation) == self.incarnation else None)
+                given["base"] = (self._base(int(push.base))
+                                 if int(push.incarnation) == self.incarnation else None)
                 self._replacing()
-                self.outer.step(self.params, deltas, workers, base=base)
-            else:
-                self.outer.step(self.params, deltas, workers)
+            self.outer.step(self.params, deltas, workers, **given)
             for b, new in zip(self.buffers, pushed, strict=True):
                 if b.dtype.is_floating_point:  # averaged over the workers pushing
                     b.add_(new.to(b.dtype) - b, alpha=1.0 / workers)

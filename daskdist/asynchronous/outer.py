@@ -23,7 +23,9 @@ inner steps).
   ``2 / (N + 1)`` for ``N`` workers: the model is then an exponential average of the
   pushed weights whose pushes are on average as old as in a plain average of the
   latest ``N`` (one round by every worker), ``(N - 1) / 2`` pushes; a single worker's
-  push is taken whole.
+  push is taken whole. A push whose round took fewer inner steps than the longest
+  recent round moves the model that much less, as FedAvg (McMahan et al., arXiv
+  1602.05629) weighs a client's model by the examples it learned.
   Unlike a step by the delta, a stale push does not add again what the versions since
   its pull already moved: while the loss falls fast (every worker's round ends near the
   same point) the model goes there instead of overshooting it. The holder keeps the
@@ -56,9 +58,12 @@ class OuterOptimizer:
     :meth:`step` (in place, under ``torch.no_grad``) and keeps its state in
     :meth:`state_dict` / :meth:`load_state_dict` (tensors on the CPU). One that sets
     ``uses_base = True`` is also given ``base=``: the parameters of the version the
-    worker pulled (the holder then keeps pulled versions while they can be pushed to)."""
+    worker pulled (the holder then keeps pulled versions while they can be pushed to);
+    one that sets ``uses_steps = True`` is given ``steps=``: the inner steps of the
+    push's round."""
 
     uses_base = False
+    uses_steps = False
 
     def step(self, params: list, deltas: list, workers: int) -> None:
         raise NotImplementedError
@@ -168,23 +173,49 @@ class DelayedNesterov(OuterOptimizer):
 class Mixing(OuterOptimizer):
     """FedAsync's mixing, ``w = (1 - alpha) * w + alpha * (base - delta)`` (see the
     module doc); ``alpha=None`` is ``2 / (N + 1)`` for the ``N`` workers when the
-    push arrives (an exponential average spanning ``N`` pushes)."""
+    push arrives (an exponential average spanning ``N`` pushes). ``by_steps``: a push
+    whose round took fewer inner steps than the longest of the last ``4 N`` rounds
+    moves the model that much less (``alpha * steps / longest``), as FedAvg weighs a
+    client's model by the examples it learned: a slow worker's short round (dynamic
+    local updates) no longer pulls the model half way back to its older base. A round
+    that reports no step (a loop that steps another optimizer) takes the whole share."""
 
     uses_base = True
+    uses_steps = True
 
-    def __init__(self, alpha: float | None = None) -> None:
+    def __init__(self, alpha: float | None = None, by_steps: bool = True) -> None:
         if alpha is not None:
             alpha = _number(alpha, "Mixing: alpha", 0.0, 1.0)
             if alpha <= 0:
                 raise ValueError(f"Mixing: alpha must be in (0, 1], got {alpha!r}")
+        if not isinstance(by_steps, bool):
+            raise TypeError(f"Mixing: by_steps must be True or False, got {by_steps!r}")
         self.alpha = alpha
+        self.by_steps = by_steps
+        self._recent: list[int] = []  # the inner steps of the last rounds pushed
 
-    def step(self, params: list, deltas: list, workers: int, base: list | None = None) -> None:
+    def _share(self, workers: int, steps: int = 0) -> float:
+        """How far a push moves the model toward its worker's weights."""
+        workers = max(1, int(workers))
+        a = self.alpha or 2.0 / (workers + 1)
+        if not self.by_steps or steps <= 0:
+            return a
+        self._recent = [*self._recent[-(4 * workers - 1):], int(steps)]
+        return a * steps / max(self._recent)
+
+    def step(self, params: list, deltas: list, workers: int, base: list | None = None,
+             steps: int = 0) -> None:
         import torch
 
-        a = self.alpha or 2.0 / (max(1, int(workers)) + 1)
+        a = self._share(workers, steps)
         with torch.no_grad():
             for p, d, b in zip(params, deltas, base or params, strict=True):
                 p32 = p.to(torch.float32)
                 pushed = b.to(torch.float32) - d.to(torch.float32)  # the worker's weights
                 p.copy_(p32.add_(pushed - p32, alpha=a).to(p.dtype))
+
+    def state_dict(self) -> dict:
+        return {"recent": list(self._recent)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._recent = [int(s) for s in state.get("recent", [])]
