@@ -554,7 +554,10 @@ async def row_async(n: int, repeat: int) -> dict[str, dict]:
         name=NAME, owner=sim.owner, token=sim.token, model="m", spec=b"spec",
         max_staleness=8, replica="resource-m"))
     book = sim.co.async_book
+    deadline = time.monotonic() + 30  # the book picks its holder within a loop turn
     while book.models.get("m") is None or book.models["m"].target is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError("bench_scale: the model got no holder within 30 s")
         await asyncio.sleep(0)
     led = book.models["m"]
     holder = led.target
